@@ -1,0 +1,5 @@
+"""`python -m dcpctl`."""
+
+from dcpctl.cli.main import main
+
+main()

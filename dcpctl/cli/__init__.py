@@ -1,0 +1,1 @@
+"""Click commands: parse the arguments, call an operation, render its report."""

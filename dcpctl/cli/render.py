@@ -1,0 +1,40 @@
+"""Turning reports into text for people: sizes, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import click
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(size_bytes: int | None) -> str:
+    """`1.5 GiB` style sizes; `-` for unknown."""
+    if size_bytes is None:
+        return "-"
+    value = float(size_bytes)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                 right_aligned: Sequence[int] = ()) -> str:
+    """A plain text table with columns padded to their widest cell."""
+    cells = [[str(cell) for cell in row] for row in [headers, *rows]]
+    widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
+    lines = []
+    for row in cells:
+        padded = [cell.rjust(width) if column in right_aligned else cell.ljust(width)
+                  for column, (cell, width) in enumerate(zip(row, widths))]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def echo_json(payload: Any) -> None:
+    """Print a JSON document on stdout."""
+    click.echo(json.dumps(payload, indent=2, sort_keys=False, default=str))

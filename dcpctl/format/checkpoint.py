@@ -1,0 +1,216 @@
+"""The typed view of a DCP checkpoint directory: its metadata joined with its data files."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from dcpctl.errors import (
+    CheckpointNotFoundError,
+    DataError,
+    IncompleteCheckpointError,
+    UnsafePathError,
+    UnsupportedLayoutError,
+)
+from dcpctl.format.dtypes import DType
+from dcpctl.format.metadata import METADATA_FILE_NAME, read_metadata
+from dcpctl.format.records import CheckpointMetadata, ItemKey, StorageInfo, TensorMetadata
+
+HF_INDEX_FILE_NAME = "model.safetensors.index.json"
+TORCH_SAVE = "torch_save"
+SAFETENSORS = "safetensors"
+_ZIP_MAGIC = b"PK\x03\x04"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+@dataclass
+class StoredChunk:
+    """One chunk of a tensor and where its bytes are stored (None if the metadata lacks it)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    key: ItemKey
+    storage: StorageInfo | None
+
+
+@dataclass
+class TensorEntry:
+    """A tensor of the checkpoint: fqn, dtype, full shape and stored chunks."""
+
+    fqn: str
+    dtype: DType
+    shape: tuple[int, ...]
+    chunks: list[StoredChunk]
+
+    @property
+    def nbytes(self) -> int:
+        """Logical size of the full tensor in bytes."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.dtype.itemsize
+
+
+@dataclass
+class ObjectEntry:
+    """A non-tensor entry (a pickled Python object) and where it is stored."""
+
+    fqn: str
+    key: ItemKey
+    storage: StorageInfo | None
+
+
+@dataclass
+class DataFile:
+    """A data file the metadata refers to: its size and how its items are serialized."""
+
+    name: str
+    size_bytes: int | None
+    serialization: str = TORCH_SAVE
+    item_count: int = 0
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint directory read through its metadata; no tensor data is loaded."""
+
+    path: Path
+    metadata: CheckpointMetadata
+    tensors: list[TensorEntry] = field(default_factory=list)
+    objects: list[ObjectEntry] = field(default_factory=list)
+    files: dict[str, DataFile] = field(default_factory=dict)
+
+    def data_path(self, relative_path: str) -> Path:
+        """The path of a data file named in the metadata, refused if it escapes the directory."""
+        return resolve_inside(self.path, relative_path)
+
+
+def resolve_inside(directory: Path, relative_path: str) -> Path:
+    """`directory/relative_path`, refused if it is absolute, climbs out, or links outside."""
+    pure = PurePosixPath(relative_path)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in relative_path or not pure.parts:
+        raise UnsafePathError(
+            f"{directory}: metadata names data file {relative_path!r}, which is not a plain "
+            "path inside the checkpoint directory"
+        )
+    candidate = directory / pure
+    real_directory = os.path.realpath(directory)
+    real_candidate = os.path.realpath(candidate)
+    if os.path.commonpath([real_directory, real_candidate]) != real_directory:
+        raise UnsafePathError(
+            f"{candidate}: data file resolves to {real_candidate}, outside the checkpoint "
+            "directory (a symlink out?)"
+        )
+    return candidate
+
+
+def open_checkpoint(path: str | os.PathLike, check_files: bool = True) -> Checkpoint:
+    """Read a checkpoint's metadata and data file sizes; with check_files, refuse missing or
+    truncated files."""
+    directory = Path(path)
+    _check_is_checkpoint_directory(directory)
+    metadata = read_metadata(directory)
+    checkpoint = Checkpoint(directory, metadata)
+    _collect_entries(checkpoint)
+    _collect_files(checkpoint)
+    if check_files:
+        problems = find_file_problems(checkpoint)
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise DataError(problems[0] + more)
+    return checkpoint
+
+
+def _check_is_checkpoint_directory(directory: Path) -> None:
+    if not directory.exists():
+        raise CheckpointNotFoundError(f"{directory}: no such file or directory")
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"{directory}: not a directory; a DCP checkpoint is a "
+                                      "directory holding .metadata and .distcp files")
+    if (directory / METADATA_FILE_NAME).exists():
+        return
+    if (directory / HF_INDEX_FILE_NAME).exists():
+        raise UnsupportedLayoutError(
+            f"{directory}: holds {HF_INDEX_FILE_NAME} but no {METADATA_FILE_NAME}: this is a "
+            "Hugging Face safetensors checkpoint (HuggingFaceStorageWriter), not DCP metadata"
+        )
+    if (directory / f"{METADATA_FILE_NAME}.tmp").exists() or any(directory.glob("*.distcp")):
+        raise IncompleteCheckpointError(
+            f"{directory}: incomplete checkpoint: data files but no {METADATA_FILE_NAME} "
+            "(a save still running, or one that died before finishing)"
+        )
+    raise IncompleteCheckpointError(f"{directory}: not a DCP checkpoint: no {METADATA_FILE_NAME}")
+
+
+def _collect_entries(checkpoint: Checkpoint) -> None:
+    storage_data = checkpoint.metadata.storage_data or {}
+    for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorMetadata):
+            chunks = []
+            for chunk in entry.chunks:
+                key = ItemKey(fqn, chunk.offsets)
+                chunks.append(StoredChunk(chunk.offsets, chunk.sizes, key, storage_data.get(key)))
+            checkpoint.tensors.append(TensorEntry(fqn, entry.properties.dtype, entry.size, chunks))
+        else:
+            key = ItemKey(fqn, None)
+            checkpoint.objects.append(ObjectEntry(fqn, key, storage_data.get(key)))
+
+
+def _collect_files(checkpoint: Checkpoint) -> None:
+    storage_data = checkpoint.metadata.storage_data or {}
+    for info in storage_data.values():
+        data_file = checkpoint.files.get(info.relative_path)
+        if data_file is None:
+            path = checkpoint.data_path(info.relative_path)
+            try:
+                size_bytes = path.stat().st_size
+            except FileNotFoundError:
+                size_bytes = None
+            data_file = checkpoint.files[info.relative_path] = DataFile(info.relative_path,
+                                                                        size_bytes)
+        data_file.item_count += 1
+    tensor_keys = {chunk.key for tensor in checkpoint.tensors for chunk in tensor.chunks}
+    first_tensor_item: dict[str, StorageInfo] = {}
+    for key, info in storage_data.items():
+        if key in tensor_keys:
+            first_tensor_item.setdefault(info.relative_path, info)
+    for name, info in first_tensor_item.items():
+        checkpoint.files[name].serialization = _detect_serialization(checkpoint, info)
+
+
+def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
+    """torch.save items start with a zip (or zstd) header; SAFETENSORS files with a header length
+    followed by JSON."""
+    if checkpoint.files[info.relative_path].size_bytes is None:
+        return TORCH_SAVE
+    with open(checkpoint.data_path(info.relative_path), "rb") as stream:
+        stream.seek(info.offset)
+        head = stream.read(9)
+    if head[:4] in (_ZIP_MAGIC, _ZSTD_MAGIC):
+        return TORCH_SAVE
+    if len(head) == 9 and head[8:9] == b"{":
+        return SAFETENSORS
+    return TORCH_SAVE
+
+
+def find_file_problems(checkpoint: Checkpoint) -> list[str]:
+    """Missing data files and item byte ranges that run past the end of their file."""
+    problems = []
+    storage_data = checkpoint.metadata.storage_data or {}
+    end_by_file: dict[str, tuple[int, str]] = {}
+    for key, info in storage_data.items():
+        end = info.offset + info.length
+        if end > end_by_file.get(info.relative_path, (-1, ""))[0]:
+            end_by_file[info.relative_path] = (end, key.fqn)
+    for name, data_file in sorted(checkpoint.files.items()):
+        path = checkpoint.path / name
+        if data_file.size_bytes is None:
+            problems.append(f"{path}: missing data file, named by {data_file.item_count} items "
+                            "in the metadata")
+            continue
+        end, fqn = end_by_file[name]
+        if end > data_file.size_bytes:
+            problems.append(f"{path}: truncated: {data_file.size_bytes} bytes, but item {fqn!r} "
+                            f"ends at byte {end}")
+    return problems

@@ -1,0 +1,66 @@
+"""Tensor dtypes as dcpctl knows them, by torch's name, without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dcpctl.errors import UnsupportedLayoutError
+
+
+@dataclass(frozen=True)
+class DType:
+    """A torch dtype: its name in torch (`bfloat16`), bytes per element, safetensors code."""
+
+    name: str
+    itemsize: int
+    safetensors_code: str | None
+    is_floating_point: bool = False
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+_KNOWN_DTYPES = [
+    DType("float64", 8, "F64", True),
+    DType("float32", 4, "F32", True),
+    DType("float16", 2, "F16", True),
+    DType("bfloat16", 2, "BF16", True),
+    DType("float8_e4m3fn", 1, "F8_E4M3", True),
+    DType("float8_e4m3fnuz", 1, "F8_E4M3FNUZ", True),
+    DType("float8_e5m2", 1, "F8_E5M2", True),
+    DType("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", True),
+    DType("float8_e8m0fnu", 1, None, True),
+    DType("float4_e2m1fn_x2", 1, None, True),
+    DType("complex128", 16, None),
+    DType("complex64", 8, "C64"),
+    DType("complex32", 4, None),
+    DType("int64", 8, "I64"),
+    DType("int32", 4, "I32"),
+    DType("int16", 2, "I16"),
+    DType("int8", 1, "I8"),
+    DType("uint64", 8, "U64"),
+    DType("uint32", 4, "U32"),
+    DType("uint16", 2, "U16"),
+    DType("uint8", 1, "U8"),
+    DType("bool", 1, "BOOL"),
+]
+
+DTYPES_BY_NAME: dict[str, DType] = {dtype.name: dtype for dtype in _KNOWN_DTYPES}
+# torch also exposes dtypes under alias names (torch.half, torch.long); pickles use the canonical one.
+DTYPE_ALIASES = {
+    "half": "float16", "float": "float32", "double": "float64", "long": "int64",
+    "int": "int32", "short": "int16", "cfloat": "complex64", "cdouble": "complex128",
+    "chalf": "complex32",
+}
+DTYPES_BY_SAFETENSORS_CODE: dict[str, DType] = {
+    dtype.safetensors_code: dtype for dtype in _KNOWN_DTYPES if dtype.safetensors_code
+}
+
+
+def dtype_by_name(name: str) -> DType:
+    """The DType called `name` in torch (`bfloat16`, `torch.bfloat16` or an alias such as `half`)."""
+    name = name.removeprefix("torch.")
+    dtype = DTYPES_BY_NAME.get(DTYPE_ALIASES.get(name, name))
+    if dtype is None:
+        raise UnsupportedLayoutError(f"unsupported dtype torch.{name}")
+    return dtype

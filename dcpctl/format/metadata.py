@@ -1,0 +1,229 @@
+"""Safe reading and faithful writing of a DCP `.metadata` file.
+
+Reading never imports torch and never runs code from the file: the pickle is loaded with an
+allowlist that maps each class DCP metadata uses onto a plain record of ours. Writing converts
+the records back into torch's own classes, so stock `torch.distributed.checkpoint` reads them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from dcpctl.errors import MetadataError, UnsafeMetadataError
+from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
+from dcpctl.format.records import (
+    BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey, StorageInfo, StorageMeta,
+    TensorMetadata, TensorProperties,
+)
+
+METADATA_FILE_NAME = ".metadata"
+_TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_TORCH_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+_TORCH_LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
+_MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
+
+
+def _make_dtype(name: str) -> DType:
+    return DTYPES_BY_NAME[DTYPE_ALIASES.get(name, name)]
+
+
+def _layout_by_qualified_name(qualified_name: Any) -> str:
+    """Stands in for torch.serialization._get_layout, which torch pickles layouts through."""
+    name = qualified_name.removeprefix("torch.") if isinstance(qualified_name, str) else None
+    if name not in _TORCH_LAYOUTS:
+        raise UnsafeMetadataError(f"names an unknown tensor layout {qualified_name!r}")
+    return name
+
+
+_ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
+    (_TORCH_METADATA_MODULE, "Metadata"): CheckpointMetadata,
+    (_TORCH_METADATA_MODULE, "TensorStorageMetadata"): TensorMetadata,
+    (_TORCH_METADATA_MODULE, "BytesStorageMetadata"): BytesMetadata,
+    (_TORCH_METADATA_MODULE, "ChunkStorageMetadata"): ChunkMetadata,
+    (_TORCH_METADATA_MODULE, "TensorProperties"): TensorProperties,
+    (_TORCH_METADATA_MODULE, "MetadataIndex"): ItemKey,
+    (_TORCH_METADATA_MODULE, "StorageMeta"): StorageMeta,
+    (_TORCH_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): int,
+    (_TORCH_FILESYSTEM_MODULE, "_StorageInfo"): StorageInfo,
+    ("torch", "Size"): tuple,
+    ("torch.serialization", "_get_layout"): _layout_by_qualified_name,
+    ("collections", "OrderedDict"): dict,
+    # Pure paths only: building one touches no file system.
+    **{(module, name): PurePosixPath
+       for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")},
+    **{(module, name): PureWindowsPath
+       for module in ("pathlib", "pathlib._local") for name in ("WindowsPath", "PureWindowsPath")},
+    **{("torch", name): _make_dtype(name) for name in [*DTYPES_BY_NAME, *DTYPE_ALIASES]},
+    **{("torch", name): name for name in _TORCH_LAYOUTS},
+}
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """Resolves only the globals DCP metadata uses, each to a plain record of ours."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED_CLASSES[(module, name)]
+        except KeyError:
+            raise UnsafeMetadataError(
+                f"refers to {module}.{name}, which is not a DCP metadata class; "
+                "refusing to unpickle it"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeMetadataError("uses pickle persistent ids, which DCP metadata never does")
+
+
+def parse_metadata(data: bytes, source: str = METADATA_FILE_NAME) -> CheckpointMetadata:
+    """Unpickle `.metadata` bytes with the allowlist and check that they are DCP metadata."""
+    if not data:
+        raise MetadataError(f"{source}: file is empty")
+    try:
+        loaded = _AllowlistUnpickler(io.BytesIO(data)).load()
+    except UnsafeMetadataError as error:
+        raise UnsafeMetadataError(f"{source}: {error}") from None
+    except Exception as error:  # a damaged pickle fails in many ways; all mean the same
+        raise MetadataError(
+            f"{source}: not a readable DCP metadata pickle ({type(error).__name__}: {error})"
+        ) from None
+    check_metadata_structure(loaded, source)
+    return loaded
+
+
+def check_metadata_structure(loaded: Any, source: str) -> None:
+    """Raise MetadataError unless `loaded` has the shape of DCP metadata; normalizes in place."""
+
+    def fail(rule: str) -> MetadataError:
+        return MetadataError(f"{source}: {rule}")
+
+    if not isinstance(loaded, CheckpointMetadata):
+        raise fail(f"holds a {type(loaded).__name__}, not DCP Metadata")
+    if not isinstance(loaded.state_dict_metadata, dict):
+        raise fail("state_dict_metadata is not a dict")
+    for fqn, entry in loaded.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise fail(f"state_dict_metadata key {fqn!r} is not a string")
+        if isinstance(entry, TensorMetadata):
+            _check_tensor_entry(fqn, entry, fail)
+        elif not isinstance(entry, BytesMetadata):
+            raise fail(f"entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
+    storage_data = loaded.storage_data
+    if storage_data is None:
+        loaded.storage_data = storage_data = {}
+    if not isinstance(storage_data, dict):
+        raise fail("storage_data is not a dict")
+    for key, info in storage_data.items():
+        _check_storage_entry(key, info, loaded.state_dict_metadata, fail)
+
+
+def _is_index_tuple(value: Any, length: int) -> bool:
+    return (isinstance(value, tuple) and len(value) == length
+            and all(type(number) is int and number >= 0 for number in value))
+
+
+def _check_tensor_entry(fqn: str, entry: TensorMetadata, fail) -> None:
+    if not isinstance(entry.properties, TensorProperties) or not isinstance(
+            entry.properties.dtype, DType):
+        raise fail(f"tensor {fqn!r} has no dtype")
+    rank = len(entry.size) if isinstance(entry.size, tuple) else -1
+    if not _is_index_tuple(entry.size, rank):
+        raise fail(f"tensor {fqn!r} has size {entry.size!r}, not a tuple of sizes")
+    if not isinstance(entry.chunks, list):
+        raise fail(f"tensor {fqn!r} has no chunk list")
+    for chunk in entry.chunks:
+        if not (isinstance(chunk, ChunkMetadata) and _is_index_tuple(chunk.offsets, rank)
+                and _is_index_tuple(chunk.sizes, rank)):
+            raise fail(f"tensor {fqn!r} has a chunk that is not {rank}-d offsets and sizes")
+        for offset, size, full in zip(chunk.offsets, chunk.sizes, entry.size):
+            if offset + size > full:
+                raise fail(f"tensor {fqn!r}: chunk at {list(chunk.offsets)} of size "
+                           f"{list(chunk.sizes)} lies outside the tensor's size {list(entry.size)}")
+
+
+def _check_storage_entry(key: Any, info: Any, entries: dict, fail) -> None:
+    if not isinstance(key, ItemKey) or not isinstance(key.fqn, str):
+        raise fail(f"storage_data key {key!r} is not a MetadataIndex")
+    if key.fqn not in entries:
+        raise fail(f"storage_data names {key.fqn!r}, which state_dict_metadata lacks")
+    if not isinstance(info, StorageInfo):
+        raise fail(f"storage_data for {key.fqn!r} is a {type(info).__name__}, not _StorageInfo")
+    if not isinstance(info.relative_path, str) or not info.relative_path:
+        raise fail(f"storage_data for {key.fqn!r} has no file name")
+    if type(info.offset) is not int or type(info.length) is not int or min(
+            info.offset, info.length) < 0:
+        raise fail(f"storage_data for {key.fqn!r} has byte range "
+                   f"offset={info.offset!r} length={info.length!r}, not two non-negative integers")
+    descriptors = info.transform_descriptors
+    if descriptors is not None:
+        if not isinstance(descriptors, (list, tuple)) or not all(
+                isinstance(name, str) for name in descriptors):
+            raise fail(f"storage_data for {key.fqn!r} has transforms {descriptors!r}, "
+                       "not a list of names")
+        info.transform_descriptors = tuple(descriptors) or None
+
+
+def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
+    """Read and check `checkpoint_dir/.metadata` without importing torch."""
+    path = Path(checkpoint_dir) / METADATA_FILE_NAME
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise MetadataError(f"{path}: cannot read ({error.strerror})") from None
+    return parse_metadata(data, str(path))
+
+
+def to_torch_metadata(metadata: CheckpointMetadata) -> Any:
+    """The same metadata as torch's own classes, ready for `pickle.dump`."""
+    import torch
+    from torch.distributed.checkpoint import metadata as torch_md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def tensor_entry(entry: TensorMetadata) -> torch_md.TensorStorageMetadata:
+        props = entry.properties
+        properties = torch_md.TensorProperties(
+            dtype=getattr(torch, props.dtype.name),
+            layout=getattr(torch, props.layout),
+            requires_grad=props.requires_grad,
+            memory_format=getattr(torch, _MEMORY_FORMATS[props.memory_format_code]),
+            pin_memory=props.pin_memory,
+        )
+        chunks = [torch_md.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                  for c in entry.chunks]
+        return torch_md.TensorStorageMetadata(properties, torch.Size(entry.size), chunks)
+
+    def storage_meta(meta: StorageMeta | None) -> torch_md.StorageMeta | None:
+        if meta is None:
+            return None
+        checkpoint_id = meta.checkpoint_id
+        if isinstance(checkpoint_id, (PurePosixPath, PureWindowsPath)):
+            checkpoint_id = Path(checkpoint_id)
+        return torch_md.StorageMeta(checkpoint_id, meta.save_id, meta.load_id, list(meta.modules))
+
+    state_dict_metadata = {
+        fqn: tensor_entry(entry) if isinstance(entry, TensorMetadata)
+        else torch_md.BytesStorageMetadata()
+        for fqn, entry in metadata.state_dict_metadata.items()
+    }
+    storage_data = {
+        torch_md.MetadataIndex(key.fqn, key.offset, key.index): _StorageInfo(
+            info.relative_path, info.offset, info.length,
+            list(info.transform_descriptors) if info.transform_descriptors else None,
+        )
+        for key, info in (metadata.storage_data or {}).items()
+    }
+    return torch_md.Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data=metadata.planner_data,
+        storage_data=storage_data,
+        storage_meta=storage_meta(metadata.storage_meta),
+        version=metadata.version,
+    )
+
+
+def serialize_metadata(metadata: CheckpointMetadata) -> bytes:
+    """The `.metadata` bytes torch would write for this metadata."""
+    return pickle.dumps(to_torch_metadata(metadata))
