@@ -52,7 +52,7 @@ def render_summary(report: InspectReport) -> str:
             parts.append(f"{key} {format_bytes(size)}{stored_part}")
         return ", ".join(parts) or "-"
 
-    file_bytes = sum(f.bytes or 0 for f in report.files)
+    file_bytes = sum(f.size_bytes or 0 for f in report.files)
     lines = [
         ("checkpoint", report.path),
         ("dcp version", report.version or "unknown"),
@@ -75,17 +75,18 @@ def render_summary(report: InspectReport) -> str:
 
 def render_tensors(report: InspectReport) -> str:
     """One row per tensor, then one per object."""
-    rows = [(t.fqn, t.dtype, "x".join(map(str, t.shape)) or "scalar", len(t.chunks),
+    rows = [(t.fqn, t.dtype.name, "x".join(map(str, t.shape)) or "scalar", len(t.chunks),
              format_bytes(t.nbytes), format_bytes(t.stored_bytes)) for t in report.tensors]
-    rows += [(o.fqn, "object", "-", 1, "-", format_bytes(o.stored_bytes)) for o in report.objects]
+    rows += [(o.fqn, "object", "-", 1, "-", format_bytes(o.storage.length if o.storage else 0))
+             for o in report.objects]
     return format_table(("FQN", "DTYPE", "SHAPE", "CHUNKS", "LOGICAL", "STORED"), rows,
                         right_aligned=(3, 4, 5))
 
 
 def render_files(report: InspectReport) -> str:
     """One row per data file."""
-    rows = [(f.name, format_bytes(f.bytes), f.serialization, f.items,
-             ", ".join(f"{codec} {count}" for codec, count in f.codecs.items()))
+    rows = [(f.name, format_bytes(f.size_bytes), f.serialization, f.item_count,
+             ", ".join(f"{codec} {count}" for codec, count in report.codecs_by_file[f.name].items()))
             for f in report.files]
     return format_table(("FILE", "SIZE", "SERIALIZATION", "ITEMS", "COMPRESSION"), rows,
                         right_aligned=(1, 3))

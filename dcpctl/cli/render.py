@@ -36,5 +36,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
 
 
 def echo_json(payload: Any) -> None:
-    """Print a JSON document on stdout."""
-    click.echo(json.dumps(payload, indent=2, sort_keys=False, default=str))
+    """Print a JSON document on stdout, compact (pipe it to `jq` to read it)."""
+    stdout = click.get_text_stream("stdout")
+    json.dump(payload, stdout, separators=(",", ":"), default=str)
+    stdout.write("\n")

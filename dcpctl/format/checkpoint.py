@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -14,8 +15,8 @@ from dcpctl.errors import (
     UnsupportedLayoutError,
 )
 from dcpctl.format.dtypes import DType
-from dcpctl.format.metadata import METADATA_FILE_NAME, read_metadata
-from dcpctl.format.records import CheckpointMetadata, ItemKey, StorageInfo, TensorMetadata
+from dcpctl.format.metadata import METADATA_FILE_NAME, paused_garbage_collection, read_metadata
+from dcpctl.format.records import CheckpointMetadata, ChunkMetadata, StorageInfo, TensorMetadata
 
 HF_INDEX_FILE_NAME = "model.safetensors.index.json"
 TORCH_SAVE = "torch_save"
@@ -25,31 +26,18 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 @dataclass
-class StoredChunk:
-    """One chunk of a tensor and where its bytes are stored (None if the metadata lacks it)."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    key: ItemKey
-    storage: StorageInfo | None
-
-
-@dataclass
 class TensorEntry:
-    """A tensor of the checkpoint: fqn, dtype, full shape and stored chunks."""
+    """A tensor of the checkpoint: fqn, dtype, full shape and its chunks, each joined with the
+    storage of its bytes (`chunk.storage`, None where the metadata lacks it)."""
 
     fqn: str
     dtype: DType
     shape: tuple[int, ...]
-    chunks: list[StoredChunk]
-
-    @property
-    def nbytes(self) -> int:
-        """Logical size of the full tensor in bytes."""
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
+    chunks: list[ChunkMetadata]
+    nbytes: int = 0
+    """Logical size of the full tensor in bytes."""
+    stored_bytes: int = 0
+    """Bytes its chunks occupy in the data files."""
 
 
 @dataclass
@@ -57,18 +45,20 @@ class ObjectEntry:
     """A non-tensor entry (a pickled Python object) and where it is stored."""
 
     fqn: str
-    key: ItemKey
     storage: StorageInfo | None
 
 
 @dataclass
 class DataFile:
-    """A data file the metadata refers to: its size and how its items are serialized."""
+    """A data file the metadata refers to: its size, how its items are serialized, how many
+    items it holds and where the last of them ends (the item that ends there: last_fqn)."""
 
     name: str
     size_bytes: int | None
     serialization: str = TORCH_SAVE
     item_count: int = 0
+    end_bytes: int = 0
+    last_fqn: str = ""
 
 
 @dataclass
@@ -112,8 +102,9 @@ def open_checkpoint(path: str | os.PathLike, check_files: bool = True) -> Checkp
     _check_is_checkpoint_directory(directory)
     metadata = read_metadata(directory)
     checkpoint = Checkpoint(directory, metadata)
-    _collect_entries(checkpoint)
-    _collect_files(checkpoint)
+    with paused_garbage_collection():
+        _collect_entries(checkpoint)
+        _collect_files(checkpoint)
     if check_files:
         problems = find_file_problems(checkpoint)
         if problems:
@@ -144,22 +135,26 @@ def _check_is_checkpoint_directory(directory: Path) -> None:
 
 
 def _collect_entries(checkpoint: Checkpoint) -> None:
-    storage_data = checkpoint.metadata.storage_data or {}
+    storage_by_key = {(key.fqn, key.offset): info
+                      for key, info in (checkpoint.metadata.storage_data or {}).items()}
     for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
         if isinstance(entry, TensorMetadata):
-            chunks = []
+            stored_bytes = 0
             for chunk in entry.chunks:
-                key = ItemKey(fqn, chunk.offsets)
-                chunks.append(StoredChunk(chunk.offsets, chunk.sizes, key, storage_data.get(key)))
-            checkpoint.tensors.append(TensorEntry(fqn, entry.properties.dtype, entry.size, chunks))
+                chunk.storage = storage = storage_by_key.get((fqn, chunk.offsets))
+                if storage is not None:
+                    stored_bytes += storage.length
+            dtype = entry.properties.dtype
+            nbytes = math.prod(entry.size) * dtype.itemsize
+            checkpoint.tensors.append(
+                TensorEntry(fqn, dtype, entry.size, entry.chunks, nbytes, stored_bytes))
         else:
-            key = ItemKey(fqn, None)
-            checkpoint.objects.append(ObjectEntry(fqn, key, storage_data.get(key)))
+            checkpoint.objects.append(ObjectEntry(fqn, storage_by_key.get((fqn, None))))
 
 
 def _collect_files(checkpoint: Checkpoint) -> None:
-    storage_data = checkpoint.metadata.storage_data or {}
-    for info in storage_data.values():
+    first_tensor_item: dict[str, StorageInfo] = {}
+    for key, info in (checkpoint.metadata.storage_data or {}).items():
         data_file = checkpoint.files.get(info.relative_path)
         if data_file is None:
             path = checkpoint.data_path(info.relative_path)
@@ -170,11 +165,11 @@ def _collect_files(checkpoint: Checkpoint) -> None:
             data_file = checkpoint.files[info.relative_path] = DataFile(info.relative_path,
                                                                         size_bytes)
         data_file.item_count += 1
-    tensor_keys = {chunk.key for tensor in checkpoint.tensors for chunk in tensor.chunks}
-    first_tensor_item: dict[str, StorageInfo] = {}
-    for key, info in storage_data.items():
-        if key in tensor_keys:
-            first_tensor_item.setdefault(info.relative_path, info)
+        end = info.offset + info.length
+        if end > data_file.end_bytes:
+            data_file.end_bytes, data_file.last_fqn = end, key.fqn
+        if key.offset is not None and info.relative_path not in first_tensor_item:
+            first_tensor_item[info.relative_path] = info
     for name, info in first_tensor_item.items():
         checkpoint.files[name].serialization = _detect_serialization(checkpoint, info)
 
@@ -197,20 +192,12 @@ def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
 def find_file_problems(checkpoint: Checkpoint) -> list[str]:
     """Missing data files and item byte ranges that run past the end of their file."""
     problems = []
-    storage_data = checkpoint.metadata.storage_data or {}
-    end_by_file: dict[str, tuple[int, str]] = {}
-    for key, info in storage_data.items():
-        end = info.offset + info.length
-        if end > end_by_file.get(info.relative_path, (-1, ""))[0]:
-            end_by_file[info.relative_path] = (end, key.fqn)
     for name, data_file in sorted(checkpoint.files.items()):
         path = checkpoint.path / name
         if data_file.size_bytes is None:
             problems.append(f"{path}: missing data file, named by {data_file.item_count} items "
                             "in the metadata")
-            continue
-        end, fqn = end_by_file[name]
-        if end > data_file.size_bytes:
-            problems.append(f"{path}: truncated: {data_file.size_bytes} bytes, but item {fqn!r} "
-                            f"ends at byte {end}")
+        elif data_file.end_bytes > data_file.size_bytes:
+            problems.append(f"{path}: truncated: {data_file.size_bytes} bytes, but item "
+                            f"{data_file.last_fqn!r} ends at byte {data_file.end_bytes}")
     return problems

@@ -13,7 +13,7 @@ from typing import Iterator
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint
 from dcpctl.format.codecs import IDENTITY, Codec, codec_for_descriptors
-from dcpctl.format.records import ItemKey, StorageInfo
+from dcpctl.format.records import StorageInfo
 
 DEFAULT_PIECE_BYTES = 4 << 20
 _MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
@@ -30,23 +30,24 @@ class ItemLocation:
     codec: Codec
 
 
-def locate_item(checkpoint: Checkpoint, key: ItemKey, storage: StorageInfo) -> ItemLocation:
+def locate_item(checkpoint: Checkpoint, fqn: str, storage: StorageInfo,
+                is_tensor: bool) -> ItemLocation:
     """The byte range and codec of one item. In SAFETENSORS-serialized files, tensor items
     live inside one safetensors blob per file and are found through its header."""
     path = checkpoint.data_path(storage.relative_path)
     data_file = checkpoint.files[storage.relative_path]
-    if data_file.serialization == SAFETENSORS and key.offset is not None:
+    if data_file.serialization == SAFETENSORS and is_tensor:
         if storage.transform_descriptors:
             raise UnsupportedLayoutError(
-                f"{path}: item {key.fqn!r} combines SAFETENSORS serialization with transforms "
+                f"{path}: item {fqn!r} combines SAFETENSORS serialization with transforms "
                 f"{list(storage.transform_descriptors)}, which torch cannot read back either")
-        start, length = _safetensors_tensor_range(path, storage.offset, key.fqn)
-        return ItemLocation(key.fqn, path, start, length, IDENTITY)
+        start, length = _safetensors_tensor_range(path, storage.offset, fqn)
+        return ItemLocation(fqn, path, start, length, IDENTITY)
     try:
         codec = codec_for_descriptors(storage.transform_descriptors)
     except UnsupportedLayoutError as error:
-        raise UnsupportedLayoutError(f"{path}: item {key.fqn!r}: {error}") from None
-    return ItemLocation(key.fqn, path, storage.offset, storage.length, codec)
+        raise UnsupportedLayoutError(f"{path}: item {fqn!r}: {error}") from None
+    return ItemLocation(fqn, path, storage.offset, storage.length, codec)
 
 
 def iter_stored_pieces(location: ItemLocation,

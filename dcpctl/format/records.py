@@ -25,10 +25,14 @@ class TensorProperties:
 
 @dataclass
 class ChunkMetadata:
-    """One stored chunk of a tensor: where it starts in the full tensor and how big it is."""
+    """One stored chunk of a tensor: where it starts in the full tensor and how big it is.
+
+    `storage` is not part of the pickle: opening a checkpoint joins it from storage_data.
+    """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    storage: StorageInfo | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

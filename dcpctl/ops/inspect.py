@@ -6,56 +6,12 @@ import fnmatch
 import os
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from dcpctl.format.checkpoint import Checkpoint, open_checkpoint
+from dcpctl.format.checkpoint import Checkpoint, DataFile, ObjectEntry, TensorEntry, \
+    open_checkpoint
 from dcpctl.format.codecs import describe_codec
-from dcpctl.format.records import StorageInfo
-
-
-@dataclass
-class ChunkReport:
-    """One stored chunk: where it sits in the tensor and in which file bytes."""
-
-    offsets: list[int]
-    sizes: list[int]
-    file: str | None
-    offset: int | None
-    length: int | None
-    transforms: list[str]
-
-
-@dataclass
-class TensorReport:
-    """One tensor: its fqn, dtype, shape, chunks, logical and stored sizes."""
-
-    fqn: str
-    dtype: str
-    shape: list[int]
-    chunks: list[ChunkReport]
-    nbytes: int
-    stored_bytes: int
-
-
-@dataclass
-class ObjectReport:
-    """One non-tensor entry and its stored size."""
-
-    fqn: str
-    file: str | None
-    stored_bytes: int
-    transforms: list[str]
-
-
-@dataclass
-class FileReport:
-    """One data file: size, serialization, how many items and which codecs it holds."""
-
-    name: str
-    bytes: int | None
-    serialization: str
-    items: int
-    codecs: dict[str, int]
+from dcpctl.format.metadata import paused_garbage_collection
 
 
 @dataclass
@@ -65,33 +21,66 @@ class InspectReport:
     path: str
     version: str | None
     filter: str | None
-    tensors: list[TensorReport]
-    objects: list[ObjectReport]
-    files: list[FileReport]
+    tensors: list[TensorEntry]
+    objects: list[ObjectEntry]
+    files: list[DataFile]
     nbytes: int = 0
     stored_bytes: int = 0
     nbytes_by_dtype: dict[str, int] = field(default_factory=dict)
     nbytes_by_top_level_key: dict[str, int] = field(default_factory=dict)
     stored_bytes_by_top_level_key: dict[str, int] = field(default_factory=dict)
     compression: dict[str, int] = field(default_factory=dict)
+    codecs_by_file: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
-        report = asdict(self)
-        report["tensor_count"] = len(self.tensors)
-        report["object_count"] = len(self.objects)
-        report["file_bytes"] = sum(f.bytes or 0 for f in self.files)
-        return report
+        with paused_garbage_collection():
+            return {
+                "path": self.path,
+                "version": self.version,
+                "filter": self.filter,
+                "tensor_count": len(self.tensors),
+                "object_count": len(self.objects),
+                "nbytes": self.nbytes,
+                "stored_bytes": self.stored_bytes,
+                "file_bytes": sum(f.size_bytes or 0 for f in self.files),
+                "nbytes_by_dtype": self.nbytes_by_dtype,
+                "nbytes_by_top_level_key": self.nbytes_by_top_level_key,
+                "stored_bytes_by_top_level_key": self.stored_bytes_by_top_level_key,
+                "compression": self.compression,
+                "tensors": [_tensor_json(tensor) for tensor in self.tensors],
+                "objects": [_object_json(entry) for entry in self.objects],
+                "files": [{"name": f.name, "bytes": f.size_bytes, "serialization": f.serialization,
+                           "items": f.item_count, "codecs": self.codecs_by_file[f.name]}
+                          for f in self.files],
+            }
 
 
-def _stored_length(storage: StorageInfo | None) -> int:
-    return storage.length if storage is not None else 0
+def _tensor_json(tensor: TensorEntry) -> dict:
+    chunks = []
+    for chunk in tensor.chunks:
+        storage = chunk.storage
+        chunks.append({
+            "offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
+            "file": storage.relative_path if storage else None,
+            "offset": storage.offset if storage else None,
+            "length": storage.length if storage else None,
+            "transforms": list(storage.transform_descriptors or ()) if storage else [],
+        })
+    return {"fqn": tensor.fqn, "dtype": tensor.dtype.name, "shape": list(tensor.shape),
+            "chunks": chunks, "nbytes": tensor.nbytes, "stored_bytes": tensor.stored_bytes}
+
+
+def _object_json(entry: ObjectEntry) -> dict:
+    storage = entry.storage
+    return {"fqn": entry.fqn, "file": storage.relative_path if storage else None,
+            "stored_bytes": storage.length if storage else 0,
+            "transforms": list(storage.transform_descriptors or ()) if storage else []}
 
 
 def inspect_checkpoint(path: str | os.PathLike, fqn_glob: str | None = None) -> InspectReport:
     """Summarize a checkpoint; `fqn_glob` keeps only tensors and objects whose fqn matches."""
-    checkpoint = open_checkpoint(path)
-    return build_inspect_report(checkpoint, fqn_glob)
+    return build_inspect_report(open_checkpoint(path), fqn_glob)
 
 
 def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) -> InspectReport:
@@ -101,62 +90,50 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
 
     report = InspectReport(
         path=str(checkpoint.path), version=checkpoint.metadata.version, filter=fqn_glob,
-        tensors=[], objects=[], files=_file_reports(checkpoint),
+        tensors=[t for t in checkpoint.tensors if selected(t.fqn)],
+        objects=[o for o in checkpoint.objects if selected(o.fqn)],
+        files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
     )
+    transforms_used: Counter[tuple[str, ...] | None] = Counter(
+        chunk.storage.transform_descriptors for tensor in report.tensors
+        for chunk in tensor.chunks if chunk.storage is not None)
+    transforms_used.update(entry.storage.transform_descriptors
+                           for entry in report.objects if entry.storage is not None)
+    nbytes_by_dtype: Counter[str] = Counter()
+    nbytes_by_key: Counter[str] = Counter()
+    stored_bytes_by_key: Counter[str] = Counter()
+    for tensor in report.tensors:
+        top_level_key = tensor.fqn.split(".", 1)[0]
+        nbytes_by_key[top_level_key] += tensor.nbytes
+        stored_bytes_by_key[top_level_key] += tensor.stored_bytes
+        nbytes_by_dtype[tensor.dtype.name] += tensor.nbytes
+    for entry in report.objects:
+        top_level_key = entry.fqn.split(".", 1)[0]
+        nbytes_by_key[top_level_key] += 0
+        stored_bytes_by_key[top_level_key] += entry.storage.length if entry.storage else 0
+    report.nbytes_by_dtype = dict(nbytes_by_dtype)
+    report.nbytes_by_top_level_key = dict(nbytes_by_key)
+    report.stored_bytes_by_top_level_key = dict(stored_bytes_by_key)
+    report.nbytes = sum(nbytes_by_key.values())
+    report.stored_bytes = sum(stored_bytes_by_key.values())
     compression: Counter[str] = Counter()
-    for tensor in checkpoint.tensors:
-        if not selected(tensor.fqn):
-            continue
-        chunks = []
-        for chunk in tensor.chunks:
-            storage = chunk.storage
-            transforms = list(storage.transform_descriptors or ()) if storage else []
-            compression[describe_codec(transforms)] += 1
-            chunks.append(ChunkReport(
-                list(chunk.offsets), list(chunk.sizes),
-                storage.relative_path if storage else None,
-                storage.offset if storage else None,
-                storage.length if storage else None, transforms))
-        stored = sum(_stored_length(chunk.storage) for chunk in tensor.chunks)
-        report.tensors.append(TensorReport(tensor.fqn, tensor.dtype.name, list(tensor.shape),
-                                           chunks, tensor.nbytes, stored))
-        _add_to_totals(report, tensor.fqn, tensor.nbytes, stored)
-        report.nbytes_by_dtype[tensor.dtype.name] = (
-            report.nbytes_by_dtype.get(tensor.dtype.name, 0) + tensor.nbytes)
-    for entry in checkpoint.objects:
-        if not selected(entry.fqn):
-            continue
-        storage = entry.storage
-        transforms = list(storage.transform_descriptors or ()) if storage else []
-        compression[describe_codec(transforms)] += 1
-        report.objects.append(ObjectReport(entry.fqn, storage.relative_path if storage else None,
-                                           _stored_length(storage), transforms))
-        _add_to_totals(report, entry.fqn, 0, _stored_length(storage))
+    for transforms, count in transforms_used.items():
+        compression[describe_codec(transforms)] += count
     report.compression = dict(compression.most_common())
+    report.codecs_by_file = _codecs_by_file(checkpoint)
     return report
 
 
-def _add_to_totals(report: InspectReport, fqn: str, nbytes: int, stored_bytes: int) -> None:
-    top_level_key = fqn.split(".", 1)[0]
-    report.nbytes += nbytes
-    report.stored_bytes += stored_bytes
-    report.nbytes_by_top_level_key[top_level_key] = (
-        report.nbytes_by_top_level_key.get(top_level_key, 0) + nbytes)
-    report.stored_bytes_by_top_level_key[top_level_key] = (
-        report.stored_bytes_by_top_level_key.get(top_level_key, 0) + stored_bytes)
+def _codecs_by_file(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
+    used: Counter[tuple[str, tuple[str, ...] | None]] = Counter(
+        (info.relative_path, info.transform_descriptors)
+        for info in (checkpoint.metadata.storage_data or {}).values())
+    by_file: dict[str, Counter[str]] = {name: Counter() for name in checkpoint.files}
+    for (name, transforms), count in used.items():
+        by_file[name][describe_codec(transforms)] += count
+    return {name: dict(counter.most_common()) for name, counter in by_file.items()}
 
 
-def _file_reports(checkpoint: Checkpoint) -> list[FileReport]:
-    codecs_by_file: dict[str, Counter[str]] = {name: Counter() for name in checkpoint.files}
-    for info in (checkpoint.metadata.storage_data or {}).values():
-        codecs_by_file[info.relative_path][describe_codec(info.transform_descriptors)] += 1
-    return [
-        FileReport(name, data_file.size_bytes, data_file.serialization, data_file.item_count,
-                   dict(codecs_by_file[name].most_common()))
-        for name, data_file in sorted(checkpoint.files.items(), key=lambda kv: _file_order(kv[0]))
-    ]
-
-
-def _file_order(name: str) -> tuple:
+def _natural_order(name: str) -> tuple:
     """`__10_0.distcp` after `__2_0.distcp`: compare the numbers in a name as numbers."""
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))

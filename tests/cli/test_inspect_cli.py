@@ -1,0 +1,86 @@
+"""`dcpctl inspect` as a user runs it: output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from conftest import FIXTURE_NAMES, fixture_path
+
+from dcpctl.cli.main import cli
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(cli, [str(arg) for arg in args])
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_table_names_every_tensor(name):
+    result = run_cli("inspect", fixture_path(name))
+    assert result.exit_code == 0, result.output
+    report = json.loads(run_cli("inspect", fixture_path(name), "--json").output)
+    for tensor in report["tensors"]:
+        assert tensor["fqn"] in result.output
+    assert f"tensors      {len(report['tensors'])}" in result.output
+
+
+def test_by_file_lists_each_file():
+    result = run_cli("inspect", fixture_path("zstd_fsdp2_2ranks"), "--by-file")
+    assert result.exit_code == 0
+    for name in ("__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"):
+        assert name in result.output
+    assert "zstd" in result.output
+
+
+def test_filter_in_json():
+    result = run_cli("inspect", fixture_path("mesh2d_4ranks"), "--json", "--filter", "g*")
+    assert [t["fqn"] for t in json.loads(result.output)["tensors"]] == ["grid"]
+
+
+def _assert_one_line_error(result, *fragments):
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, copy_fixture):
+    _assert_one_line_error(run_cli("inspect", tmp_path / "absent"), "absent", "no such file")
+    (tmp_path / "empty").mkdir()
+    _assert_one_line_error(run_cli("inspect", tmp_path / "empty"), "empty", ".metadata")
+    hostile = copy_fixture("mesh2d_4ranks")
+    (hostile / ".metadata").write_bytes(pickle.dumps(print))
+    _assert_one_line_error(run_cli("inspect", hostile), ".metadata", "builtins.print")
+    truncated = copy_fixture("objects_2ranks")
+    (truncated / "__1_2.distcp").write_bytes(b"")
+    _assert_one_line_error(run_cli("inspect", truncated), "__1_2.distcp", "truncated")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = CliRunner().invoke(cli, ["--debug", "inspect", str(tmp_path / "absent")])
+    assert result.exit_code != 0
+    assert result.exception is not None and "no such file" in str(result.exception)
+
+
+def test_usage_error_exits_2():
+    result = run_cli("inspect")
+    assert result.exit_code == 2
+    assert run_cli("no-such-command").exit_code == 2
+
+
+def test_python_dash_m_and_console_script():
+    for command in ([sys.executable, "-m", "dcpctl"], ["dcpctl"]):
+        result = subprocess.run([*command, "inspect", str(fixture_path("mesh2d_4ranks")), "--json"],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["tensor_count"] == 3
+        error = subprocess.run([*command, "inspect", "/nonexistent/ckpt"], capture_output=True,
+                               text=True)
+        assert error.returncode == 1
+        assert error.stderr.startswith("Error: /nonexistent/ckpt") and not error.stdout

@@ -1,0 +1,61 @@
+"""Shared test helpers: the shipped fixtures, copies of them, and torch's own view of them."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIXTURES_DIR = REPO_ROOT / "fixtures"
+sys.path.insert(0, str(FIXTURES_DIR))
+
+MANIFEST = json.loads((FIXTURES_DIR / "manifest.json").read_text())
+FIXTURE_NAMES = sorted(MANIFEST)
+# torch's FileSystemReader cannot load SAFETENSORS-serialized checkpoints; tests that compare
+# with stock `dcp.load` skip that one.
+TORCH_LOADABLE_FIXTURES = [name for name in FIXTURE_NAMES
+                           if MANIFEST[name]["writer"].get("serialization") != "safetensors"]
+
+
+def fixture_path(name: str) -> Path:
+    """The shipped fixture checkpoint called name (read-only: copy it before changing it)."""
+    return FIXTURES_DIR / name
+
+
+def torch_metadata(checkpoint: Path):
+    """`.metadata` unpickled by torch's own classes (trusted: our fixtures only)."""
+    import torch.distributed.checkpoint  # noqa: F401  registers torch's classes
+
+    with open(checkpoint / ".metadata", "rb") as stream:
+        return pickle.load(stream)
+
+
+def load_with_torch(checkpoint: Path) -> dict:
+    """The whole checkpoint as stock torch DCP loads it in one process, keyed by fqn."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(checkpoint),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    flat, _ = flatten_state_dict(state)
+    return flat
+
+
+@pytest.fixture
+def copy_fixture(tmp_path):
+    """Copy a shipped fixture into tmp_path, to damage or rewrite it."""
+
+    def make_copy(name: str) -> Path:
+        target = tmp_path / name
+        shutil.copytree(fixture_path(name), target)
+        return target
+
+    return make_copy

@@ -1,0 +1,133 @@
+"""Safe reading and faithful writing of `.metadata`."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import FIXTURE_NAMES, fixture_path, torch_metadata
+
+from dcpctl.errors import MetadataError, UnsafeMetadataError
+from dcpctl.format.dtypes import DTYPES_BY_NAME, DTYPES_BY_SAFETENSORS_CODE, dtype_by_name
+from dcpctl.format.metadata import parse_metadata, read_metadata, serialize_metadata
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_rewritten_metadata_is_byte_identical_to_torchs(name):
+    original = (fixture_path(name) / ".metadata").read_bytes()
+    assert serialize_metadata(read_metadata(fixture_path(name))) == original
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_rewritten_metadata_unpickles_equal_with_torch(name):
+    rewritten = pickle.loads(serialize_metadata(read_metadata(fixture_path(name))))
+    assert rewritten == torch_metadata(fixture_path(name))
+
+
+def test_reading_metadata_does_not_import_torch():
+    code = ("import sys; from dcpctl.ops.inspect import inspect_checkpoint; "
+            f"inspect_checkpoint({str(fixture_path('fsdp2_adamw_3ranks'))!r}); "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
+
+
+class _CreatesFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({"state_dict_metadata": _CreatesFile(marker)})
+    with pytest.raises(UnsafeMetadataError, match="posix.system|os.system"):
+        parse_metadata(payload, "hostile/.metadata")
+    assert not marker.exists()
+    pickle.loads(payload)  # the same payload does run under plain pickle
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("module,name", [
+    ("builtins", "eval"), ("torch", "load"), ("torch.serialization", "load"),
+    ("subprocess", "Popen"), ("torch", "nn"),
+])
+def test_any_global_outside_the_allowlist_is_refused(module, name):
+    payload = f"c{module}\n{name}\n(tR.".encode()
+    with pytest.raises(UnsafeMetadataError, match=f"{module}.{name}"):
+        parse_metadata(payload, "x/.metadata")
+
+
+def test_unknown_layout_name_is_refused():
+    payload = b"ctorch.serialization\n_get_layout\n(Vos.system\ntR."
+    with pytest.raises(UnsafeMetadataError, match="layout"):
+        parse_metadata(payload, "x/.metadata")
+
+
+@pytest.mark.parametrize("data,message", [
+    (b"", "empty"),
+    (b"this is not a pickle at all", "not a readable DCP metadata pickle"),
+    (pickle.dumps({"a": 1}), "holds a dict, not DCP Metadata"),
+    (pickle.dumps([1, 2, 3]), "holds a list"),
+])
+def test_garbage_metadata_is_a_metadata_error(data, message):
+    with pytest.raises(MetadataError, match=message):
+        parse_metadata(data, "x/.metadata")
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_truncated_metadata_is_a_metadata_error(name):
+    data = (fixture_path(name) / ".metadata").read_bytes()
+    for cut in (1, len(data) // 2, len(data) - 1):
+        with pytest.raises(MetadataError):
+            parse_metadata(data[:cut], "x/.metadata")
+
+
+def _edited_metadata(edit) -> bytes:
+    metadata = torch_metadata(fixture_path("fsdp2_adamw_3ranks"))
+    edit(metadata)
+    return pickle.dumps(metadata)
+
+
+def test_chunk_outside_its_tensor_is_refused():
+    def grow_chunk(metadata):
+        chunk = metadata.state_dict_metadata["model.embed.weight"].chunks[0]
+        chunk.sizes = torch.Size([11, 6])
+
+    with pytest.raises(MetadataError, match="model.embed.weight.*outside"):
+        parse_metadata(_edited_metadata(grow_chunk), "x/.metadata")
+
+
+def test_storage_for_an_unknown_fqn_is_refused():
+    def orphan(metadata):
+        del metadata.state_dict_metadata["model.embed.weight"]
+
+    with pytest.raises(MetadataError, match="model.embed.weight.*lacks"):
+        parse_metadata(_edited_metadata(orphan), "x/.metadata")
+
+
+def test_negative_byte_range_is_refused():
+    def negative(metadata):
+        next(iter(metadata.storage_data.values())).offset = -5
+
+    with pytest.raises(MetadataError, match="non-negative"):
+        parse_metadata(_edited_metadata(negative), "x/.metadata")
+
+
+def test_dtype_table_agrees_with_torch():
+    for name, dtype in DTYPES_BY_NAME.items():
+        torch_dtype = getattr(torch, name)
+        assert dtype.itemsize == torch_dtype.itemsize, name
+        assert dtype.is_floating_point == torch_dtype.is_floating_point, name
+    from safetensors.torch import _TYPES
+
+    for code, torch_dtype in _TYPES.items():
+        assert DTYPES_BY_SAFETENSORS_CODE[code].name == str(torch_dtype).removeprefix("torch.")
+    assert dtype_by_name("torch.half").name == "float16"

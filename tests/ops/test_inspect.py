@@ -1,0 +1,86 @@
+"""`inspect` agrees with torch's own view of each fixture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import FIXTURE_NAMES, MANIFEST, fixture_path, torch_metadata
+
+from dcpctl.ops.inspect import inspect_checkpoint
+
+
+def _report(name, fqn_glob=None):
+    # Through JSON, as a script would see it.
+    return json.loads(json.dumps(inspect_checkpoint(fixture_path(name), fqn_glob).to_json()))
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_inspect_json_matches_torchs_metadata(name):
+    report = _report(name)
+    metadata = torch_metadata(fixture_path(name))
+    assert report["version"] == metadata.version
+    tensor_entries = {fqn: entry for fqn, entry in metadata.state_dict_metadata.items()
+                      if hasattr(entry, "chunks")}
+    assert [t["fqn"] for t in report["tensors"]] == list(tensor_entries)
+    assert {o["fqn"] for o in report["objects"]} == set(metadata.state_dict_metadata) - set(
+        tensor_entries)
+    storage = {(key.fqn, tuple(key.offset) if key.offset is not None else None): info
+               for key, info in metadata.storage_data.items()}
+    for tensor in report["tensors"]:
+        entry = tensor_entries[tensor["fqn"]]
+        assert tensor["dtype"] == str(entry.properties.dtype).removeprefix("torch.")
+        assert tensor["shape"] == list(entry.size)
+        assert tensor["nbytes"] == entry.size.numel() * entry.properties.dtype.itemsize
+        assert len(tensor["chunks"]) == len(entry.chunks)
+        for chunk, torch_chunk in zip(tensor["chunks"], entry.chunks):
+            assert chunk["offsets"] == list(torch_chunk.offsets)
+            assert chunk["sizes"] == list(torch_chunk.sizes)
+            info = storage[(tensor["fqn"], tuple(torch_chunk.offsets))]
+            assert (chunk["file"], chunk["offset"], chunk["length"]) == (
+                info.relative_path, info.offset, info.length)
+            assert chunk["transforms"] == list(info.transform_descriptors or [])
+        assert tensor["stored_bytes"] == sum(c["length"] for c in tensor["chunks"])
+    for entry in report["objects"]:
+        assert entry["stored_bytes"] == storage[(entry["fqn"], None)].length
+    assert report["stored_bytes"] == sum(info.length for info in metadata.storage_data.values())
+    files = {f["name"]: f["bytes"] for f in report["files"]}
+    assert files == {info.relative_path: (fixture_path(name) / info.relative_path).stat().st_size
+                     for info in metadata.storage_data.values()}
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_inspect_totals_match_the_manifest(name):
+    report = _report(name)
+    described = MANIFEST[name]["tensors"]
+    assert report["tensor_count"] == len(described)
+    assert {t["fqn"]: t["shape"] for t in report["tensors"]} == {
+        fqn: d["shape"] for fqn, d in described.items()}
+    by_dtype = {}
+    for tensor in report["tensors"]:
+        by_dtype[tensor["dtype"]] = by_dtype.get(tensor["dtype"], 0) + tensor["nbytes"]
+    assert report["nbytes_by_dtype"] == by_dtype
+    assert sum(report["nbytes_by_top_level_key"].values()) == report["nbytes"]
+
+
+def test_compression_is_reported():
+    for name, codec in [("zstd_fsdp2_2ranks", "zstd"), ("fsdp2_adamw_3ranks", "none")]:
+        item_count = len(torch_metadata(fixture_path(name)).storage_data)
+        assert _report(name)["compression"] == {codec: item_count}
+    files = _report("zstd_fsdp2_2ranks")["files"]
+    assert [f["name"] for f in files] == ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp",
+                                          "__1_1.distcp"]
+
+
+def test_filter_keeps_matching_fqns_only():
+    report = _report("fsdp2_adamw_3ranks", "model.*.weight")
+    assert [t["fqn"] for t in report["tensors"]] == [
+        "model.embed.weight", "model.norm.weight", "model.proj.weight", "model.head.weight"]
+    assert report["objects"] == []
+    assert report["nbytes"] == sum(t["nbytes"] for t in report["tensors"])
+
+
+def test_empty_shards_are_listed():
+    report = _report("fsdp2_adamw_3ranks")
+    head = next(t for t in report["tensors"] if t["fqn"] == "model.head.weight")
+    assert [c["sizes"] for c in head["chunks"]] == [[1, 5], [1, 5], [0, 5]]
