@@ -1,0 +1,66 @@
+"""SHA256SUMS files in the coreutils format, so `sha256sum -c SHA256SUMS` checks a checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from dcpctl.errors import DataError
+
+SHA256SUMS_FILE_NAME = "SHA256SUMS"
+_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+HASH_PIECE_BYTES = 4 << 20
+
+
+def sha256_of_file(path: Path, piece_bytes: int = HASH_PIECE_BYTES) -> str:
+    """The hex SHA-256 of a file, read in pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as stream:
+        while piece := stream.read(piece_bytes):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def format_sha256sums(digests: dict[str, str]) -> str:
+    """`<hex>  <name>` lines sorted by name, as `sha256sum` prints them."""
+    for name in digests:
+        if "\n" in name or "\\" in name or "/" in name:
+            raise DataError(f"{name!r}: a checksummed file name must be a plain name")
+    return "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
+
+
+def parse_sha256sums(text: str, source: str = SHA256SUMS_FILE_NAME) -> dict[str, str]:
+    """File name to hex digest; raises DataError naming the line that is not a checksum line."""
+    digests = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            raise DataError(f"{source}:{number}: not a `sha256sum` line: {line[:80]!r}")
+        digests[match.group(2)] = match.group(1)
+    return digests
+
+
+def read_sha256sums(directory: Path) -> dict[str, str] | None:
+    """The digests recorded in directory/SHA256SUMS, or None when there is no such file."""
+    path = Path(directory) / SHA256SUMS_FILE_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return parse_sha256sums(text, str(path))
+
+
+def write_sha256sums(directory: Path, digests: dict[str, str]) -> Path:
+    """Write directory/SHA256SUMS atomically (temporary sibling, fsync, rename)."""
+    path = Path(directory) / SHA256SUMS_FILE_NAME
+    temporary = path.with_name(f".{SHA256SUMS_FILE_NAME}.tmp")
+    with open(temporary, "w") as stream:
+        stream.write(format_sha256sums(digests))
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+    return path
