@@ -1,12 +1,12 @@
 """Build the real-weights DCP checkpoint the benchmarks run on, saved by torch's DCP from 4 ranks.
 
-One "unit" is about 244 MB: the Whisper tiny.en weights cast to bfloat16 (`model.bf16.*`) and in
-float32 (`model.fp32.*`), and the GE2E speaker encoder in float32 with its real Adam state
-(`model.encoder.*`, `optim.encoder.*`). Units are numbered replicas, so 4 units make about 1 GB
-and 16 about 4 GB. Each rank reads only its own rows of every tensor (`Shard(0)`, torch.chunk
+One "unit" is about 93 MB: the Whisper tiny.en weights cast to bfloat16 (`model.unitN.whisper.*`,
+the accepted stand-in for a bf16 model) and the GE2E speaker encoder in float32 with the real
+Adam state of its training run (`model.unitN.encoder.*`, `optim.unitN.encoder.*`). Units are
+numbered replicas, so 11 units make about 1 GB and 43 about 4 GB. Each rank reads only its own rows of every tensor (`Shard(0)`, torch.chunk
 semantics) and the job saves `DTensor`s with `dcp.save`, as an FSDP2 training job would.
 
-Usage: python bench/real_checkpoint.py [--units 4] [--ranks 4] [--out bench/out/real-1gb]
+Usage: python bench/real_checkpoint.py [--units 11] [--ranks 4] [--out DIR]
 Other benchmarks call `real_checkpoint(units, ranks)`, which builds once and reuses the result
 under bench/out/ (or $DCPCTL_BENCH_OUT).
 """
@@ -36,9 +36,8 @@ def _sources() -> list[tuple[str, Path, str, object]]:
     sources = []
     with safe_open(WHISPER, "pt") as whisper:
         for name in whisper.keys():
-            fqn = name.replace("/", ".")
-            sources.append((f"model.bf16.{fqn}", WHISPER, name, torch.bfloat16))
-            sources.append((f"model.fp32.{fqn}", WHISPER, name, torch.float32))
+            sources.append((f"model.whisper.{name.replace('/', '.')}", WHISPER, name,
+                            torch.bfloat16))
     with safe_open(ENCODER, "pt") as encoder:
         for name in encoder.keys():
             group, _, rest = name.partition(".")
@@ -52,7 +51,7 @@ def _rows_of_rank(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + per_rank, rows)
 
 
-def _save_rank(rank: int, world_size: int, out_dir: str, units: int) -> None:
+def _save_rank(rank: int, world_size: int, out_dir: str, units: int, zstd: bool) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
@@ -85,29 +84,37 @@ def _save_rank(rank: int, world_size: int, out_dir: str, units: int) -> None:
             state[key] = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False,
                                             shape=full_shape, stride=stride)
     state["step"] = 1564500
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(out_dir, thread_count=1))
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(
+        out_dir, thread_count=1, _extensions=[ZStandard()] if zstd else None))
 
 
-def build_real_checkpoint(out_dir: Path, units: int, ranks: int) -> Path:
-    """Save the real-weights checkpoint of `units` units from `ranks` gloo processes."""
+def build_real_checkpoint(out_dir: Path, units: int, ranks: int, zstd: bool = False) -> Path:
+    """Save the real-weights checkpoint of `units` units from `ranks` gloo processes; with zstd,
+    as torch's own save with the ZStandard extension writes it."""
     from make_fixtures import run_gloo_job
 
     shutil.rmtree(out_dir, ignore_errors=True)
-    run_gloo_job(ranks, _save_rank, str(out_dir), units)
+    run_gloo_job(ranks, _save_rank, str(out_dir), units, zstd)
     return out_dir
 
 
-def real_checkpoint(units: int = 4, ranks: int = 4) -> Path:
+ONE_GB_UNITS = 11
+FOUR_GB_UNITS = 43
+
+
+def real_checkpoint(units: int = ONE_GB_UNITS, ranks: int = 4, zstd: bool = False) -> Path:
     """The cached real-weights checkpoint (built on first use under bench/out/)."""
-    out_dir = OUT_ROOT / f"real-{units}u-{ranks}r"
+    out_dir = OUT_ROOT / f"real-{units}u-{ranks}r{'-zstd' if zstd else ''}"
     if not (out_dir / ".metadata").exists():
-        build_real_checkpoint(out_dir, units, ranks)
+        build_real_checkpoint(out_dir, units, ranks, zstd)
     return out_dir
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--units", type=int, default=4)
+    parser.add_argument("--units", type=int, default=ONE_GB_UNITS)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -57,9 +57,11 @@ def cli(context: click.Context, debug: bool) -> None:
 
 def register_commands() -> None:
     """Attach every subcommand to the group."""
+    from dcpctl.cli.compress import compress_command, decompress_command
     from dcpctl.cli.inspect import inspect_command
 
-    cli.add_command(inspect_command)
+    for command in (inspect_command, compress_command, decompress_command):
+        cli.add_command(command)
 
 
 register_commands()

@@ -15,7 +15,8 @@ from dcpctl.errors import (
     UnsupportedLayoutError,
 )
 from dcpctl.format.dtypes import DType
-from dcpctl.format.metadata import METADATA_FILE_NAME, paused_garbage_collection, read_metadata
+from dcpctl.format.garbage_collection import paused_garbage_collection
+from dcpctl.format.metadata import METADATA_FILE_NAME, read_metadata
 from dcpctl.format.records import CheckpointMetadata, ChunkMetadata, StorageInfo, TensorMetadata
 
 HF_INDEX_FILE_NAME = "model.safetensors.index.json"
@@ -70,10 +71,14 @@ class Checkpoint:
     tensors: list[TensorEntry] = field(default_factory=list)
     objects: list[ObjectEntry] = field(default_factory=list)
     files: dict[str, DataFile] = field(default_factory=dict)
+    _checked_paths: dict[str, Path] = field(default_factory=dict, repr=False)
 
     def data_path(self, relative_path: str) -> Path:
         """The path of a data file named in the metadata, refused if it escapes the directory."""
-        return resolve_inside(self.path, relative_path)
+        path = self._checked_paths.get(relative_path)
+        if path is None:
+            path = self._checked_paths[relative_path] = resolve_inside(self.path, relative_path)
+        return path
 
 
 def resolve_inside(directory: Path, relative_path: str) -> Path:

@@ -1,14 +1,13 @@
 """Safe reading and faithful writing of a DCP `.metadata` file.
 
-Reading never imports torch and never runs code from the file: the pickle is loaded with an
-allowlist that maps each class DCP metadata uses onto a plain record of ours. Writing converts
-the records back into torch's own classes, so stock `torch.distributed.checkpoint` reads them.
+Neither reading nor writing imports torch. Reading never runs code from the file: the pickle is
+loaded with an allowlist that maps each class DCP metadata uses onto a plain record of ours.
+Writing pickles the records under torch's class names (format/torch_pickle.py), so stock
+`torch.distributed.checkpoint` reads them as its own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import io
 import operator
 import os
@@ -18,10 +17,12 @@ from typing import Any
 
 from dcpctl.errors import MetadataError, UnsafeMetadataError
 from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
+from dcpctl.format.garbage_collection import paused_garbage_collection
 from dcpctl.format.records import (
     BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey, StorageInfo, StorageMeta,
     TensorMetadata, TensorProperties,
 )
+from dcpctl.format.torch_pickle import pickle_as_torch
 
 METADATA_FILE_NAME = ".metadata"
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -42,6 +43,18 @@ def _layout_by_qualified_name(qualified_name: Any) -> str:
     return name
 
 
+_RECORD_CLASSES = frozenset({CheckpointMetadata, TensorMetadata, BytesMetadata, ChunkMetadata,
+                             TensorProperties, ItemKey, StorageMeta, StorageInfo})
+
+
+def _reconstruct_record(cls: Any, base: Any, state: Any) -> Any:
+    """Stands in for copyreg._reconstructor, restricted to `object.__new__` of our records."""
+    if cls not in _RECORD_CLASSES or base is not object or state is not None:
+        raise UnsafeMetadataError("uses copyreg._reconstructor on something other than a DCP "
+                                  "metadata class")
+    return cls.__new__(cls)
+
+
 _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     (_TORCH_METADATA_MODULE, "Metadata"): CheckpointMetadata,
     (_TORCH_METADATA_MODULE, "TensorStorageMetadata"): TensorMetadata,
@@ -55,6 +68,8 @@ _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     ("torch", "Size"): tuple,
     ("torch.serialization", "_get_layout"): _layout_by_qualified_name,
     ("collections", "OrderedDict"): dict,
+    ("copyreg", "_reconstructor"): _reconstruct_record,
+    ("builtins", "object"): object,
     # Pure paths only: building one touches no file system.
     **{(module, name): PurePosixPath
        for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")},
@@ -79,19 +94,6 @@ class _AllowlistUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeMetadataError("uses pickle persistent ids, which DCP metadata never does")
-
-
-@contextlib.contextmanager
-def paused_garbage_collection():
-    """Building millions of small objects triggers the cycle collector over and over, tripling
-    the time; nothing built here forms cycles, so hold it off until done."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def parse_metadata(data: bytes, source: str = METADATA_FILE_NAME) -> CheckpointMetadata:
@@ -202,54 +204,6 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
     return parse_metadata(data, str(path))
 
 
-def to_torch_metadata(metadata: CheckpointMetadata) -> Any:
-    """The same metadata as torch's own classes, ready for `pickle.dump`."""
-    import torch
-    from torch.distributed.checkpoint import metadata as torch_md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    def tensor_entry(entry: TensorMetadata) -> torch_md.TensorStorageMetadata:
-        props = entry.properties
-        properties = torch_md.TensorProperties(
-            dtype=getattr(torch, props.dtype.name),
-            layout=getattr(torch, props.layout),
-            requires_grad=props.requires_grad,
-            memory_format=getattr(torch, _MEMORY_FORMATS[props.memory_format_code]),
-            pin_memory=props.pin_memory,
-        )
-        chunks = [torch_md.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
-                  for c in entry.chunks]
-        return torch_md.TensorStorageMetadata(properties, torch.Size(entry.size), chunks)
-
-    def storage_meta(meta: StorageMeta | None) -> torch_md.StorageMeta | None:
-        if meta is None:
-            return None
-        checkpoint_id = meta.checkpoint_id
-        if isinstance(checkpoint_id, (PurePosixPath, PureWindowsPath)):
-            checkpoint_id = Path(checkpoint_id)
-        return torch_md.StorageMeta(checkpoint_id, meta.save_id, meta.load_id, list(meta.modules))
-
-    state_dict_metadata = {
-        fqn: tensor_entry(entry) if isinstance(entry, TensorMetadata)
-        else torch_md.BytesStorageMetadata()
-        for fqn, entry in metadata.state_dict_metadata.items()
-    }
-    storage_data = {
-        torch_md.MetadataIndex(key.fqn, key.offset, key.index): _StorageInfo(
-            info.relative_path, info.offset, info.length,
-            list(info.transform_descriptors) if info.transform_descriptors else None,
-        )
-        for key, info in (metadata.storage_data or {}).items()
-    }
-    return torch_md.Metadata(
-        state_dict_metadata=state_dict_metadata,
-        planner_data=metadata.planner_data,
-        storage_data=storage_data,
-        storage_meta=storage_meta(metadata.storage_meta),
-        version=metadata.version,
-    )
-
-
 def serialize_metadata(metadata: CheckpointMetadata) -> bytes:
-    """The `.metadata` bytes torch would write for this metadata."""
-    return pickle.dumps(to_torch_metadata(metadata))
+    """`.metadata` bytes that torch's DCP reads as this metadata (torch is not imported)."""
+    return pickle_as_torch(metadata)

@@ -17,9 +17,9 @@ from dcpctl.format.metadata import parse_metadata, read_metadata, serialize_meta
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_rewritten_metadata_is_byte_identical_to_torchs(name):
-    original = (fixture_path(name) / ".metadata").read_bytes()
-    assert serialize_metadata(read_metadata(fixture_path(name))) == original
+def test_rewritten_metadata_reads_back_equal(name):
+    metadata = read_metadata(fixture_path(name))
+    assert parse_metadata(serialize_metadata(metadata)) == metadata
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -28,9 +28,11 @@ def test_rewritten_metadata_unpickles_equal_with_torch(name):
     assert rewritten == torch_metadata(fixture_path(name))
 
 
-def test_reading_metadata_does_not_import_torch():
+def test_reading_and_writing_metadata_do_not_import_torch():
     code = ("import sys; from dcpctl.ops.inspect import inspect_checkpoint; "
+            "from dcpctl.format.metadata import read_metadata, serialize_metadata; "
             f"inspect_checkpoint({str(fixture_path('fsdp2_adamw_3ranks'))!r}); "
+            f"serialize_metadata(read_metadata({str(fixture_path('mesh2d_4ranks'))!r})); "
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
@@ -57,11 +59,17 @@ def test_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
 
 @pytest.mark.parametrize("module,name", [
     ("builtins", "eval"), ("torch", "load"), ("torch.serialization", "load"),
-    ("subprocess", "Popen"), ("torch", "nn"),
+    ("subprocess", "Popen"), ("torch", "nn"), ("copyreg", "__newobj__"), ("builtins", "type"),
 ])
 def test_any_global_outside_the_allowlist_is_refused(module, name):
     payload = f"c{module}\n{name}\n(tR.".encode()
     with pytest.raises(UnsafeMetadataError, match=f"{module}.{name}"):
+        parse_metadata(payload, "x/.metadata")
+
+
+def test_reconstructor_only_builds_metadata_records():
+    payload = b"ccopyreg\n_reconstructor\n(cbuiltins\nobject\ncbuiltins\nobject\nNtR."
+    with pytest.raises(UnsafeMetadataError, match="_reconstructor"):
         parse_metadata(payload, "x/.metadata")
 
 

@@ -1,0 +1,73 @@
+"""Shared benchmark plumbing: run a command in a fresh process and read its time and peak RSS."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Measurement:
+    """Wall seconds and peak resident memory of one command."""
+
+    label: str
+    seconds: float
+    peak_rss_bytes: int
+
+
+def measure(label: str, command: list[str], env: dict | None = None) -> Measurement:
+    """Run command under /usr/bin/time -v; raise with its stderr if it fails."""
+    result = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True,
+                            env={**os.environ, **(env or {})}, cwd=REPO_ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{label} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    wall = re.search(r"Elapsed \(wall clock\) time.*: (?:(\d+):)?(\d+):([\d.]+)", result.stderr)
+    hours, minutes, seconds = wall.groups()
+    elapsed = int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds)
+    rss_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)[1])
+    return Measurement(label, elapsed, rss_kib * 1024)
+
+
+def python_command(code: str) -> list[str]:
+    """A command running code in a fresh interpreter."""
+    return [sys.executable, "-c", code]
+
+
+def dcpctl_command(*args: str) -> list[str]:
+    """A command running dcpctl from this source tree."""
+    return [sys.executable, "-m", "dcpctl", *args]
+
+
+def directory_bytes(path: Path) -> int:
+    """Total size of the regular files in a directory."""
+    return sum(entry.stat().st_size for entry in Path(path).iterdir() if entry.is_file())
+
+
+def drop_directory(path: Path) -> None:
+    """Remove a benchmark output directory if present."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def warm_page_cache(path: Path) -> None:
+    """Read every file once so each contender starts with the data in memory."""
+    for entry in Path(path).iterdir():
+        if entry.is_file():
+            with open(entry, "rb") as stream:
+                while stream.read(16 << 20):
+                    pass
+
+
+def print_table(rows: list[tuple], headers: tuple) -> None:
+    """A plain aligned table on stdout."""
+    cells = [tuple(str(cell) for cell in row) for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(cell.rjust(width) if i else cell.ljust(width)
+                        for i, (cell, width) in enumerate(zip(row, widths))))

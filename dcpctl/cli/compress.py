@@ -1,0 +1,108 @@
+"""`dcpctl compress` and `dcpctl decompress`: re-encode every item, in place or into -o OUT."""
+
+from __future__ import annotations
+
+import click
+
+from dcpctl.cli.progress import byte_progress
+from dcpctl.cli.render import echo_json, format_bytes
+from dcpctl.format.codecs import DEFAULT_ZSTD_LEVEL, IDENTITY, zstd_codec
+from dcpctl.ops.transcode import TranscodeReport, transcode_checkpoint
+
+_checkpoint_argument = click.argument("checkpoint", type=click.Path(exists=False))
+_output_option = click.option(
+    "-o", "--output", type=click.Path(), default=None,
+    help="Write the result to this directory instead of rewriting CHECKPOINT in place. It must "
+         "not exist or be empty, unless --overwrite.")
+_threads_option = click.option(
+    "--threads", type=click.IntRange(min=1), default=None,
+    help="Worker threads (default: the cores this process may use).")
+_dry_run_option = click.option("--dry-run", is_flag=True,
+                               help="Report what would change and write nothing.")
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+_overwrite_option = click.option("--overwrite", is_flag=True,
+                                 help="Replace a non-empty --output directory.")
+
+
+@click.command("compress")
+@_checkpoint_argument
+@_output_option
+@click.option("--level", type=click.IntRange(1, 22), default=None,
+              help=f"zstd level, 1-22 (default {DEFAULT_ZSTD_LEVEL}). Given explicitly, items "
+                   "already compressed are re-compressed at this level; otherwise they are "
+                   "copied as they are.")
+@_threads_option
+@_dry_run_option
+@_overwrite_option
+@_json_option
+def compress_command(checkpoint: str, output: str | None, level: int | None,
+                     threads: int | None, dry_run: bool, overwrite: bool, as_json: bool) -> None:
+    """Compress every item of CHECKPOINT with zstd, as torch's own `stream.zstd/1` transform.
+
+    The result loads with plain `torch.distributed.checkpoint.load` and the default
+    FileSystemReader (torch needs the `zstandard` package, which dcpctl installs). Without
+    -o the checkpoint is rewritten in place, atomically: new files are written beside the
+    old ones, `.metadata` switches to them with a rename, the old files go last; a run
+    killed at any moment leaves a checkpoint that loads. SHA256SUMS is written for the
+    result.
+
+    \b
+    Examples:
+      dcpctl compress ckpt/                  # in place, zstd level 3
+      dcpctl compress ckpt/ -o ckpt-zstd/    # into a new directory
+      dcpctl compress ckpt/ --level 9        # recompress, also items already in zstd
+      dcpctl compress ckpt/ --dry-run --json
+    """
+    codec = zstd_codec(level or DEFAULT_ZSTD_LEVEL)
+    with byte_progress("compress") as progress:
+        report = transcode_checkpoint(checkpoint, codec, output, recode_same_codec=level is not None,
+                                      threads=threads, dry_run=dry_run, overwrite=overwrite,
+                                      on_progress=progress)
+    render_transcode_report(report, as_json)
+
+
+@click.command("decompress")
+@_checkpoint_argument
+@_output_option
+@_threads_option
+@_dry_run_option
+@_overwrite_option
+@_json_option
+def decompress_command(checkpoint: str, output: str | None, threads: int | None,
+                       dry_run: bool, overwrite: bool, as_json: bool) -> None:
+    """Store every item of CHECKPOINT uncompressed, byte for byte as torch saved it.
+
+    The reverse of `compress`: each item is decoded and written plain, so the result loads
+    with any torch, even without zstandard. In place unless -o is given, atomically, with
+    SHA256SUMS written for the result.
+
+    \b
+    Examples:
+      dcpctl decompress ckpt/
+      dcpctl decompress ckpt/ -o plain/ --threads 8
+    """
+    with byte_progress("decompress") as progress:
+        report = transcode_checkpoint(checkpoint, IDENTITY, output, threads=threads,
+                                      dry_run=dry_run, overwrite=overwrite, on_progress=progress)
+    render_transcode_report(report, as_json)
+
+
+def render_transcode_report(report: TranscodeReport, as_json: bool) -> None:
+    """Print what a compress or decompress did."""
+    if as_json:
+        echo_json(report.to_json())
+        return
+    where = "in place" if report.in_place else f"into {report.output}"
+    verb = "would rewrite" if report.dry_run else "rewrote"
+    click.echo(f"{report.source}: {verb} {report.items} items {where} as {report.codec}"
+               + (f" level {report.level}" if report.level else "")
+               + f" ({report.items_transcoded} re-encoded, {report.items_copied} copied)")
+    if report.dry_run:
+        click.echo(f"stored now: {format_bytes(report.stored_bytes_before)}")
+        return
+    rate = report.stored_bytes_before / report.seconds if report.seconds else 0
+    click.echo(f"stored: {format_bytes(report.stored_bytes_before)} -> "
+               f"{format_bytes(report.stored_bytes_after)} (ratio {report.ratio:.3f}) in "
+               f"{report.seconds:.1f} s, {format_bytes(int(rate))}/s on {report.threads} threads")
+    for name in report.removed_stale_files:
+        click.echo(f"removed {name}, left by an earlier interrupted run")

@@ -1,0 +1,223 @@
+"""Publishing a rewritten checkpoint atomically: data first, `.metadata` last, SHA256SUMS after.
+
+Two destinations:
+- a new directory: everything is written into a hidden temporary sibling, which is renamed to
+  the destination at the end; a killed run leaves the sibling, never a half checkpoint at the
+  destination;
+- in place: new data files are written beside the old ones under temporary names, `.metadata`
+  is switched to them with one atomic rename, and only then are the new files given their
+  final names (hard link, then an atomic replace of the old name) before a second metadata
+  switch. At every moment `.metadata` names files that exist and hold what it says, so a
+  killed run leaves a checkpoint that loads, old or new, never a mix.
+Data files are hashed while written, so SHA256SUMS costs no second read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from dcpctl.errors import OutputError
+from dcpctl.failpoints import failpoint
+from dcpctl.format.checksums import SHA256SUMS_FILE_NAME, write_sha256sums
+from dcpctl.format.metadata import METADATA_FILE_NAME, serialize_metadata
+from dcpctl.format.records import CheckpointMetadata, StorageInfo
+
+_TEMPORARY_NAME = re.compile(r"^.+\.dcpctl-[0-9a-f]{12}\.tmp(\.link)?$")
+
+
+class DataFileWriter:
+    """One data file being written: its size so far and the SHA-256 of what was written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size_bytes = 0
+        self._digest = hashlib.sha256()
+        self._stream = open(path, "xb")
+
+    def write(self, piece: bytes) -> None:
+        """Append a piece of bytes."""
+        self._stream.write(piece)
+        self._digest.update(piece)
+        self.size_bytes += len(piece)
+
+    def close(self) -> str:
+        """Flush to disk; returns the hex SHA-256 of the file."""
+        self._stream.flush()
+        os.fsync(self._stream.fileno())
+        self._stream.close()
+        return self._digest.hexdigest()
+
+    def discard(self) -> None:
+        """Close without syncing (after a failure)."""
+        self._stream.close()
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _write_file_atomically(path: Path, data: bytes) -> str:
+    temporary = path.with_name(f"{path.name}.dcpctl-{secrets.token_hex(6)}.tmp")
+    with open(temporary, "xb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+class CheckpointOutput:
+    """Where a rewritten checkpoint goes; see the module docstring for the two ways."""
+
+    def __init__(self, destination: Path, in_place: bool, overwrite: bool = False) -> None:
+        self.destination = destination
+        self.in_place = in_place
+        self._token = secrets.token_hex(6)
+        self._digests: dict[str, str] = {}
+        self._open_writers: list[DataFileWriter] = []
+        self._written: list[Path] = []
+        self._metadata_switched = False
+        if in_place:
+            self.directory = destination
+        else:
+            _check_destination(destination, overwrite)
+            self.directory = destination.parent / f".{destination.name}.dcpctl-{self._token}"
+            self.directory.mkdir(parents=True)
+
+    def data_file_name(self, final_name: str) -> str:
+        """The name a data file has in the published metadata's first version."""
+        return f"{final_name}.dcpctl-{self._token}.tmp" if self.in_place else final_name
+
+    def create_data_file(self, final_name: str) -> DataFileWriter:
+        """Start writing the data file that will be called final_name."""
+        writer = DataFileWriter(self.directory / self.data_file_name(final_name))
+        self._open_writers.append(writer)
+        self._written.append(writer.path)
+        return writer
+
+    def finish_data_file(self, writer: DataFileWriter, final_name: str) -> None:
+        """Sync and close a data file, remembering its checksum."""
+        self._digests[final_name] = writer.close()
+        self._open_writers.remove(writer)
+
+    def publish(self, metadata: CheckpointMetadata) -> None:
+        """Write `.metadata` (whose storage_data names final file names) and SHA256SUMS."""
+        if self.in_place:
+            self._publish_in_place(metadata)
+        else:
+            self._publish_new_directory(metadata)
+
+    def abort(self) -> None:
+        """Remove everything this output wrote; the source stays as it was. Once `.metadata`
+        names the new files, they are the checkpoint and stay."""
+        for writer in self._open_writers:
+            writer.discard()
+        if self._metadata_switched:
+            return
+        if self.in_place:
+            for path in self._written:
+                path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _publish_new_directory(self, metadata: CheckpointMetadata) -> None:
+        self._digests[METADATA_FILE_NAME] = _write_file_atomically(
+            self.directory / METADATA_FILE_NAME, serialize_metadata(metadata))
+        write_sha256sums(self.directory, self._digests)
+        _fsync_directory(self.directory)
+        failpoint("before-rename-new-directory")
+        if self.destination.exists():
+            aside = self.destination.parent / f".{self.destination.name}.dcpctl-old-{self._token}"
+            os.replace(self.destination, aside)
+            os.replace(self.directory, self.destination)
+            shutil.rmtree(aside)
+        else:
+            os.replace(self.directory, self.destination)
+        _fsync_directory(self.destination.parent)
+
+    def _publish_in_place(self, metadata: CheckpointMetadata) -> None:
+        directory = self.directory
+        (directory / SHA256SUMS_FILE_NAME).unlink(missing_ok=True)  # it describes the old files
+        temporary_names = {name: self.data_file_name(name) for name in self._digests}
+        old_names = {p.name for p in directory.iterdir() if p.name.endswith(".distcp")}
+        _write_file_atomically(directory / METADATA_FILE_NAME,
+                               serialize_metadata(_renamed(metadata, temporary_names)))
+        self._metadata_switched = True
+        _fsync_directory(directory)
+        failpoint("after-first-metadata-switch")
+        if _give_final_names(directory, temporary_names):
+            metadata_digest = _write_file_atomically(directory / METADATA_FILE_NAME,
+                                                     serialize_metadata(metadata))
+            _fsync_directory(directory)
+            failpoint("after-second-metadata-switch")
+            for temporary in temporary_names.values():
+                (directory / temporary).unlink()
+            digests = dict(self._digests)
+        else:  # no hard links here: the new files keep their temporary names
+            metadata_digest = hashlib.sha256(
+                (directory / METADATA_FILE_NAME).read_bytes()).hexdigest()
+            digests = {temporary_names[name]: digest for name, digest in self._digests.items()}
+        for stale in old_names - set(digests):
+            (directory / stale).unlink(missing_ok=True)
+        digests[METADATA_FILE_NAME] = metadata_digest
+        write_sha256sums(directory, digests)
+        _fsync_directory(directory)
+
+
+def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:
+    """Hard-link each new file under its final name, replacing the old file atomically; False
+    when the file system has no hard links (nothing is changed then)."""
+    for final_name, temporary in temporary_names.items():
+        link = directory / f"{temporary}.link"
+        try:
+            os.link(directory / temporary, link)
+        except OSError:
+            if final_name == next(iter(temporary_names)):
+                return False
+            raise
+        os.replace(link, directory / final_name)
+        failpoint("after-first-final-name")
+    _fsync_directory(directory)
+    return True
+
+
+def _renamed(metadata: CheckpointMetadata, names: dict[str, str]) -> CheckpointMetadata:
+    storage_data = {key: dataclasses.replace(info, relative_path=names[info.relative_path])
+                    for key, info in (metadata.storage_data or {}).items()}
+    return dataclasses.replace(metadata, storage_data=storage_data)
+
+
+def _check_destination(destination: Path, overwrite: bool) -> None:
+    if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
+        raise OutputError(f"{destination}: exists and is not a directory")
+    if destination.exists() and any(destination.iterdir()) and not overwrite:
+        raise OutputError(f"{destination}: exists and is not empty (pass --overwrite to "
+                          "replace it)")
+
+
+def remove_stale_temporaries(directory: Path, referenced: set[str]) -> list[str]:
+    """Delete files an earlier killed in-place rewrite left behind, unless the metadata uses
+    them; returns their names."""
+    removed = []
+    for path in directory.iterdir():
+        if _TEMPORARY_NAME.match(path.name) and path.name not in referenced:
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def storage_with(info: StorageInfo, relative_path: str, offset: int, length: int,
+                 descriptors: tuple[str, ...] | None) -> StorageInfo:
+    """A copy of info pointing at a new byte range with new transforms."""
+    return dataclasses.replace(info, relative_path=relative_path, offset=offset, length=length,
+                               transform_descriptors=descriptors or None)

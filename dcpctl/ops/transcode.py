@@ -1,0 +1,194 @@
+"""Re-encode every item of a checkpoint with another codec: compress and decompress are this.
+
+The plan is a pure function of the checkpoint and the target codec: which items, from which
+byte ranges, into which output file and in what order, and whether each is copied as stored or
+decoded and encoded again. Running it streams every item through the shared pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, open_checkpoint
+from dcpctl.format.codecs import Codec
+from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
+    iter_stored_pieces, locate_item
+from dcpctl.format.records import ItemKey, StorageInfo
+from dcpctl.format.writer import CheckpointOutput, remove_stale_temporaries, storage_with
+from dcpctl.pipeline import Pipeline, default_thread_count
+
+# Called with (bytes just done, total bytes) as work advances.
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ItemTask:
+    """One item to carry into the output: copied as stored, or decoded and encoded again."""
+
+    key: ItemKey
+    location: ItemLocation
+    output_file: str
+    transcode: bool
+
+
+@dataclass
+class TranscodePlan:
+    """Every item of a checkpoint, grouped by output file in source byte order."""
+
+    codec: Codec
+    tasks: list[ItemTask]
+
+    @functools.cached_property
+    def stored_bytes(self) -> int:
+        """Bytes the items take in the source."""
+        return sum(task.location.length for task in self.tasks)
+
+
+@dataclass
+class TranscodeReport:
+    """What a compress or decompress did (or, with dry_run, would do)."""
+
+    source: str
+    output: str
+    in_place: bool
+    codec: str
+    level: int | None
+    dry_run: bool
+    threads: int
+    items: int
+    items_transcoded: int
+    items_copied: int
+    stored_bytes_before: int
+    stored_bytes_after: int | None
+    seconds: float
+    removed_stale_files: list[str]
+
+    @property
+    def ratio(self) -> float | None:
+        """Stored bytes after over before."""
+        if self.stored_bytes_after is None or not self.stored_bytes_before:
+            return None
+        return self.stored_bytes_after / self.stored_bytes_before
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict."""
+        return {**dataclasses.asdict(self), "ratio": self.ratio,
+                "bytes_per_second": (self.stored_bytes_before / self.seconds
+                                     if self.seconds and not self.dry_run else None)}
+
+
+def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool) -> TranscodePlan:
+    """Plan carrying every item into `codec`; items already in it are copied unless
+    recode_same_codec (for instance to change the zstd level)."""
+    for data_file in checkpoint.files.values():
+        if data_file.serialization == SAFETENSORS:
+            raise UnsupportedLayoutError(
+                f"{checkpoint.path / data_file.name}: SAFETENSORS-serialized data file; compress "
+                "and decompress rewrite checkpoints saved with the default TORCH_SAVE layout")
+    tensor_fqns = {tensor.fqn for tensor in checkpoint.tensors}
+    storage_data = checkpoint.metadata.storage_data or {}
+    ordered = sorted(storage_data.items(),
+                     key=lambda item: (item[1].relative_path, item[1].offset))
+    tasks = []
+    for key, info in ordered:
+        location = locate_item(checkpoint, key.fqn, info, key.fqn in tensor_fqns)
+        same_codec = location.codec.descriptors == codec.descriptors
+        tasks.append(ItemTask(key, location, info.relative_path,
+                              transcode=not same_codec or (recode_same_codec and
+                                                           bool(codec.descriptors))))
+    return TranscodePlan(codec, tasks)
+
+
+def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemTask], Iterator[bytes]]:
+    def produce(task: ItemTask) -> Iterator[bytes]:
+        if not task.transcode:
+            yield from iter_stored_pieces(task.location, piece_bytes)
+            return
+        known_size = task.location.length if not task.location.codec.descriptors else None
+        encoder = codec.new_encoder(known_size)
+        for piece in iter_item_pieces(task.location, piece_bytes):
+            encoded = encoder.encode(piece)
+            if encoded:
+                yield encoded
+        yield encoder.finish()
+
+    return produce
+
+
+def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: CheckpointOutput,
+                      threads: int, on_progress: ProgressCallback | None = None,
+                      piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
+    """Write every planned item into output and publish it; returns the stored bytes after."""
+    new_storage: dict[ItemKey, StorageInfo] = {}
+    current = {"name": None, "writer": None}
+
+    def consume(task: ItemTask, pieces: Iterator[bytes]) -> None:
+        if current["name"] != task.output_file:
+            if current["writer"] is not None:
+                output.finish_data_file(current["writer"], current["name"])
+            current["name"] = task.output_file
+            current["writer"] = output.create_data_file(task.output_file)
+        writer = current["writer"]
+        start = writer.size_bytes
+        for piece in pieces:
+            writer.write(piece)
+        descriptors = plan.codec.descriptors if task.transcode else \
+            task.location.codec.descriptors
+        source = checkpoint.metadata.storage_data[task.key]
+        new_storage[task.key] = storage_with(source, task.output_file, start,
+                                             writer.size_bytes - start, descriptors)
+        if on_progress is not None:
+            on_progress(task.location.length, plan.stored_bytes)
+
+    pipeline = Pipeline(_produce(plan.codec, piece_bytes), threads=threads,
+                        bytes_in_flight=4 * threads * piece_bytes)
+    pipeline.run(plan.tasks, consume)
+    if current["writer"] is not None:
+        output.finish_data_file(current["writer"], current["name"])
+    output.publish(dataclasses.replace(checkpoint.metadata, storage_data=new_storage))
+    return sum(info.length for info in new_storage.values())
+
+
+def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str | None = None,
+                         recode_same_codec: bool = False, threads: int | None = None,
+                         dry_run: bool = False, overwrite: bool = False,
+                         on_progress: ProgressCallback | None = None) -> TranscodeReport:
+    """Rewrite the checkpoint at path with every item in `codec`, into output_path or in place."""
+    started = time.perf_counter()
+    threads = threads or default_thread_count()
+    checkpoint = open_checkpoint(path)
+    plan = plan_transcode(checkpoint, codec, recode_same_codec)
+    in_place = output_path is None or _same_directory(Path(path), Path(output_path))
+    report = TranscodeReport(
+        source=str(path), output=str(path if in_place else output_path), in_place=in_place,
+        codec=codec.name, level=codec.level, dry_run=dry_run, threads=threads,
+        items=len(plan.tasks), items_transcoded=sum(t.transcode for t in plan.tasks),
+        items_copied=sum(not t.transcode for t in plan.tasks),
+        stored_bytes_before=plan.stored_bytes, stored_bytes_after=None, seconds=0.0,
+        removed_stale_files=[])
+    if dry_run:
+        return report
+    if in_place:
+        referenced = {info.relative_path for info in checkpoint.metadata.storage_data.values()}
+        report.removed_stale_files = remove_stale_temporaries(checkpoint.path, referenced)
+    output = CheckpointOutput(Path(report.output), in_place=in_place, overwrite=overwrite)
+    try:
+        report.stored_bytes_after = execute_transcode(plan, checkpoint, output, threads,
+                                                      on_progress)
+    except BaseException:
+        output.abort()
+        raise
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _same_directory(first: Path, second: Path) -> bool:
+    return second.exists() and os.path.samefile(first, second)
+

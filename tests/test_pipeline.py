@@ -1,0 +1,124 @@
+"""The bounded ordered pipeline: order, memory bound, errors, cancellation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dcpctl.pipeline import Pipeline
+
+
+def _collect(pipeline, tasks):
+    out = []
+    pipeline.run(tasks, lambda task, pieces: out.append((task, b"".join(pieces))))
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4, 8])
+def test_output_comes_in_task_order_whatever_the_threads(threads):
+    def produce(task):
+        time.sleep((task * 7 % 5) / 1000)  # finish out of order
+        for part in range(task % 4):
+            yield bytes([task]) * (part + 1)
+
+    tasks = list(range(40))
+    result = _collect(Pipeline(produce, threads=threads), tasks)
+    assert [task for task, _ in result] == tasks
+    assert [data for _, data in result] == [
+        b"".join(bytes([t]) * (p + 1) for p in range(t % 4)) for t in tasks]
+
+
+def test_bytes_waiting_stay_bounded():
+    lock = threading.Lock()
+    produced = {"bytes": 0, "consumed": 0, "peak": 0}
+    piece = b"x" * 1000
+
+    def produce(task):
+        for _ in range(50):
+            with lock:
+                produced["bytes"] += len(piece)
+                waiting = produced["bytes"] - produced["consumed"]
+                produced["peak"] = max(produced["peak"], waiting)
+            yield piece
+
+    def consume(task, pieces):
+        for data in pieces:
+            time.sleep(0.0002)
+            with lock:
+                produced["consumed"] += len(data)
+
+    Pipeline(produce, threads=4, bytes_in_flight=8000).run(list(range(20)), consume)
+    assert produced["consumed"] == 20 * 50 * 1000
+    # the shared 8000-byte budget, one piece past it for the task being consumed, a piece in
+    # each worker's hand and one in the consumer's
+    assert produced["peak"] <= 8000 + 1000 + 4 * 1000 + 1000
+
+
+def test_many_small_finished_tasks_share_the_budget():
+    lock = threading.Lock()
+    counts = {"produced": 0, "consumed": 0, "peak": 0}
+
+    def produce(task):
+        with lock:
+            counts["produced"] += 100
+            counts["peak"] = max(counts["peak"], counts["produced"] - counts["consumed"])
+        yield b"s" * 100
+
+    def consume(task, pieces):
+        for data in pieces:
+            time.sleep(0.0005 if task == 0 else 0)
+            with lock:
+                counts["consumed"] += len(data)
+
+    Pipeline(produce, threads=3, bytes_in_flight=1000).run(list(range(300)), consume)
+    assert counts["peak"] <= 1000 + 100 + 3 * 100 + 100
+
+
+def test_a_piece_larger_than_the_buffer_still_passes():
+    big = b"y" * 10_000
+    result = _collect(Pipeline(lambda task: [big, big], threads=2, bytes_in_flight=100), [1, 2])
+    assert [data for _, data in result] == [big * 2, big * 2]
+
+
+def test_worker_error_is_raised_and_stops_the_rest():
+    started = []
+
+    def produce(task):
+        started.append(task)
+        if task == 3:
+            raise ValueError("bad item 3")
+        time.sleep(0.001)
+        yield b"ok"
+
+    with pytest.raises(ValueError, match="bad item 3"):
+        _collect(Pipeline(produce, threads=2), list(range(1000)))
+    assert len(started) < 1000
+
+
+def test_consumer_error_is_raised_and_workers_stop():
+    closed = []
+
+    def produce(task):
+        try:
+            for _ in range(1000):
+                yield b"z" * 100
+        finally:
+            closed.append(task)
+
+    def consume(task, pieces):
+        next(pieces)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        Pipeline(produce, threads=3, bytes_in_flight=1000).run(list(range(10)), consume)
+    assert closed  # generators of started tasks were closed
+    assert threading.active_count() < 5
+
+
+def test_no_tasks_and_unread_pieces():
+    assert _collect(Pipeline(lambda task: [b"a"], threads=3), []) == []
+    seen = []
+    Pipeline(lambda task: [b"a", b"b", b"c"], threads=2).run([1, 2, 3], lambda t, p: seen.append(t))
+    assert seen == [1, 2, 3]
