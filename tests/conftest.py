@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -95,3 +96,17 @@ def tree_listing(path: Path) -> dict[str, tuple[int, int]]:
             listing[os.path.relpath(entry, path)] = (status.st_size, status.st_mtime_ns)
     return listing
 
+
+def fail_rmtree_part_way(monkeypatch, failing_name):
+    """Make shutil.rmtree fail with EACCES part-way through the checkpoint named failing_name,
+    after removing one of its files, as a file the user may not remove would. Injected
+    because the tests run as root, where chmod cannot produce EACCES."""
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if str(path).endswith(failing_name):
+            (path / "__0_0.distcp").unlink()
+            raise PermissionError(errno.EACCES, "Permission denied", str(path / "__1_0.distcp"))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
