@@ -57,8 +57,11 @@ def cli(context: click.Context, debug: bool) -> None:
 def register_commands() -> None:
     """Attach every subcommand to the group."""
     from dcpctl.cli.inspect import inspect_command
+    from dcpctl.cli.ls import ls_command
+    from dcpctl.cli.prune import prune_command
 
-    cli.add_command(inspect_command)
+    for command in (inspect_command, ls_command, prune_command):
+        cli.add_command(command)
 
 
 register_commands()
