@@ -1,6 +1,12 @@
 """The one exception hierarchy of dcpctl: every failure a user can cause or meet is one of these."""
 
 
+def describe_os_error(error: OSError) -> str:
+    """`path: reason` for an OSError, the way dcpctl reports one."""
+    where = f"{error.filename}: " if error.filename else ""
+    return f"{where}{error.strerror or error}"
+
+
 class DcpctlError(Exception):
     """A failure to report as one line, `Error: <message>`, with exit status 1."""
 
@@ -37,3 +43,11 @@ class DataError(DcpctlError):
 
 class OutputError(DcpctlError):
     """The output location cannot be used: it exists and is not empty, or is not writable."""
+
+
+class LockHeldError(DcpctlError):
+    """Another dcpctl process holds the lock on this directory; nothing was changed."""
+
+
+class PartialFailureError(DcpctlError):
+    """An operation did part of its work; its report says what was done and what was not."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pickle
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,51 @@ def copy_fixture(tmp_path):
         return target
 
     return make_copy
+
+
+def back_date(path: Path, age_seconds: float) -> None:
+    """Set the mtime of path and of everything under it to age_seconds ago."""
+    when = time.time() - age_seconds
+    for root, directory_names, file_names in os.walk(path):
+        for name in directory_names + file_names:
+            os.utime(os.path.join(root, name), (when, when), follow_symlinks=False)
+    os.utime(path, (when, when))
+
+
+def add_checkpoint(run_dir: Path, name: str, complete: bool = True, age_seconds: float = 3600,
+                   fixture: str = "mesh2d_4ranks") -> Path:
+    """Copy a shipped fixture to run_dir/name (without `.metadata` unless complete), aged
+    age_seconds; mesh2d_4ranks is the smallest fixture."""
+    path = run_dir / name
+    shutil.copytree(fixture_path(fixture), path)
+    if not complete:
+        (path / ".metadata").unlink()
+    back_date(path, age_seconds)
+    return path
+
+
+def tree_listing(path: Path) -> dict[str, tuple[int, int]]:
+    """Every entry under path (symlinks not followed) with its size and mtime, to compare."""
+    status = os.lstat(path)
+    listing = {".": (status.st_size, status.st_mtime_ns)}
+    for root, directory_names, file_names in os.walk(path):
+        for name in directory_names + file_names:
+            entry = os.path.join(root, name)
+            status = os.lstat(entry)
+            listing[os.path.relpath(entry, path)] = (status.st_size, status.st_mtime_ns)
+    return listing
+
+
+def fail_rmtree_part_way(monkeypatch, failing_name):
+    """Make shutil.rmtree fail with EACCES part-way through the checkpoint named failing_name,
+    after removing one of its files, as a file the user may not remove would. Injected
+    because the tests run as root, where chmod cannot produce EACCES."""
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if str(path).endswith(failing_name):
+            (path / "__0_0.distcp").unlink()
+            raise PermissionError(errno.EACCES, "Permission denied", str(path / "__1_0.distcp"))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)

@@ -7,7 +7,7 @@ import sys
 import click
 
 from dcpctl import __version__
-from dcpctl.errors import DcpctlError
+from dcpctl.errors import DcpctlError, describe_os_error
 
 
 class DcpctlGroup(click.Group):
@@ -21,8 +21,7 @@ class DcpctlGroup(click.Group):
         except DcpctlError as error:
             self._fail(context, str(error), error.exit_code)
         except OSError as error:
-            where = f"{error.filename}: " if error.filename else ""
-            self._fail(context, f"{where}{error.strerror or error}", 1)
+            self._fail(context, describe_os_error(error), 1)
         except KeyboardInterrupt:
             self._fail(context, "interrupted", 130)
         except Exception as error:  # a bug: say so briefly, traceback with --debug
@@ -59,8 +58,11 @@ def register_commands() -> None:
     """Attach every subcommand to the group."""
     from dcpctl.cli.compress import compress_command, decompress_command
     from dcpctl.cli.inspect import inspect_command
+    from dcpctl.cli.ls import ls_command
+    from dcpctl.cli.prune import prune_command
 
-    for command in (inspect_command, compress_command, decompress_command):
+    for command in (inspect_command, compress_command, decompress_command, ls_command,
+                    prune_command):
         cli.add_command(command)
 
 

@@ -22,6 +22,14 @@ def format_bytes(size_bytes: int | None) -> str:
     raise AssertionError("unreachable")
 
 
+def format_age(seconds: float) -> str:
+    """`45s`, `90m`, `36h`, `9d`: whole units of the largest unit that fits twice, rounded down."""
+    for unit, unit_seconds in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= 2 * unit_seconds:
+            return f"{int(seconds // unit_seconds)}{unit}"
+    return f"{int(seconds)}s"
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                  right_aligned: Sequence[int] = ()) -> str:
     """A plain text table with columns padded to their widest cell."""

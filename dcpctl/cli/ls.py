@@ -1,0 +1,65 @@
+"""`dcpctl ls`: the checkpoints of a training run directory, as a table or JSON."""
+
+from __future__ import annotations
+
+import click
+
+from dcpctl.cli.render import echo_json, format_age, format_bytes, format_table
+from dcpctl.ops.ls import CheckpointEntry, IgnoredEntry, ListReport, list_run_directory
+
+CHECKPOINT_HEADERS = ("STEP", "CHECKPOINT", "STATE", "SIZE", "AGE")
+
+
+@click.command("ls")
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of a table.")
+def ls_command(run_dir: str, as_json: bool) -> None:
+    """List the checkpoint directories directly under RUN_DIR, sorted by step.
+
+    A checkpoint directory is named by an optional word, an optional `-` or `_`, then the step
+    and nothing after it: step-1000, step_2000, checkpoint-3000, global_step4000, 5000.
+    Names that only look like steps (old-step-3-bak, step-3.tmp) are not checkpoints. It is
+    complete when it holds `.metadata` (torch writes it last) and incomplete when it holds
+    only data files, `.metadata.tmp`, or nothing yet: a save in progress or one that died.
+
+    One row per checkpoint: step, name, complete or incomplete, size, compression (read
+    from `.metadata`), age (time since anything inside it last changed) and whether it
+    holds SHA256SUMS. Entries named like a checkpoint that are symlinks, files or not DCP
+    directories are listed after the table as ignored; symlinks are never followed.
+
+    \b
+    Examples:
+      dcpctl ls runs/exp1/
+      dcpctl ls runs/exp1/ --json | jq -r '.checkpoints[] | select(.complete) | .path'
+    """
+    report = list_run_directory(run_dir)
+    if as_json:
+        echo_json(report.to_json())
+        return
+    click.echo(render_listing(report))
+
+
+def checkpoint_cells(entry: CheckpointEntry) -> list[str]:
+    """The cells of CHECKPOINT_HEADERS for one checkpoint, shared by ls and prune tables."""
+    return [str(entry.step), entry.name, "complete" if entry.complete else "incomplete",
+            format_bytes(entry.size_bytes), format_age(entry.age_seconds)]
+
+
+def render_ignored(ignored: list[IgnoredEntry]) -> list[str]:
+    """One line per entry named like a checkpoint that was left alone."""
+    return [f"ignored {entry.name}: {entry.reason}" for entry in ignored]
+
+
+def render_listing(report: ListReport) -> str:
+    """The ls table, then damaged checkpoints' problems and the ignored look-alikes."""
+    if not report.checkpoints:
+        lines = [f"{report.scan.path}: no checkpoint directories"]
+    else:
+        rows = [[*checkpoint_cells(listed.entry),
+                 "?" if listed.problem else ", ".join(listed.compression or ()) or "-",
+                 "yes" if listed.entry.has_sha256sums else "no"]
+                for listed in report.checkpoints]
+        lines = [format_table((*CHECKPOINT_HEADERS, "COMPRESSION", "SHA256SUMS"), rows,
+                              right_aligned=(0, 3, 4))]
+        lines += [f"problem: {listed.problem}" for listed in report.checkpoints if listed.problem]
+    return "\n".join(lines + render_ignored(report.scan.ignored))

@@ -1,0 +1,57 @@
+"""`dcpctl ls` as a user runs it: table, JSON shape, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+from conftest import add_checkpoint, back_date
+
+from dcpctl.cli.main import cli
+
+DAY = 86400
+
+
+def run_cli(*args):
+    return CliRunner().invoke(cli, [str(arg) for arg in args])
+
+
+def test_table_has_one_row_per_checkpoint_sorted_by_step(tmp_path):
+    add_checkpoint(tmp_path, "step_2000", fixture="zstd_fsdp2_2ranks", age_seconds=3 * DAY)
+    add_checkpoint(tmp_path, "step-1000", age_seconds=3 * DAY)
+    add_checkpoint(tmp_path, "step-3000", complete=False, age_seconds=7200)
+    (tmp_path / "step-1000" / "SHA256SUMS").write_text("")
+    back_date(tmp_path / "step-1000", 3 * DAY)
+    (tmp_path / "step-4000").symlink_to(tmp_path / "step-1000")
+    result = run_cli("ls", tmp_path)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["STEP", "CHECKPOINT", "STATE", "SIZE", "AGE", "COMPRESSION",
+                                "SHA256SUMS"]
+    assert lines[1].split()[:3] + lines[1].split()[5:] == [
+        "1000", "step-1000", "complete", "3d", "none", "yes"]
+    assert lines[2].split()[:3] + lines[2].split()[5:] == [
+        "2000", "step_2000", "complete", "3d", "zstd", "no"]
+    assert lines[3].split()[:3] + lines[3].split()[5:] == [
+        "3000", "step-3000", "incomplete", "2h", "-", "no"]
+    assert lines[4] == "ignored step-4000: a symlink: never followed, never deleted"
+
+
+def test_json_shape(tmp_path):
+    add_checkpoint(tmp_path, "global_step10")
+    payload = json.loads(run_cli("ls", tmp_path, "--json").output)
+    assert set(payload) == {"run_dir", "checkpoints", "ignored"}
+    (entry,) = payload["checkpoints"]
+    assert set(entry) == {"name", "path", "step", "complete", "size_bytes", "modified_at",
+                          "age_seconds", "sha256sums", "compression", "problem"}
+    assert (entry["step"], entry["complete"], entry["problem"]) == (10, True, None)
+    assert 3500 < entry["age_seconds"] < 3700 and entry["size_bytes"] > 0
+
+
+def test_empty_run_directory_and_errors(tmp_path):
+    result = run_cli("ls", tmp_path)
+    assert result.exit_code == 0 and "no checkpoint directories" in result.output
+    missing = run_cli("ls", tmp_path / "absent")
+    assert missing.exit_code == 1
+    assert missing.output.startswith(f"Error: {tmp_path / 'absent'}: no such directory")
+    assert run_cli("ls").exit_code == 2

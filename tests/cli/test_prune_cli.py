@@ -1,0 +1,118 @@
+"""`dcpctl prune` as a cron job runs it: table, JSON shape, exit codes 0, 1 and 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from conftest import add_checkpoint, fail_rmtree_part_way, tree_listing
+
+from dcpctl.cli.main import cli
+from dcpctl.cli.prune import parse_duration
+from dcpctl.ops.prune import hold_prune_lock
+
+DAY = 86400
+
+
+def run_cli(*args):
+    return CliRunner().invoke(cli, [str(arg) for arg in args])
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """Four complete checkpoints 30 days old and an incomplete one 3 days old."""
+    for step in (100, 200, 300, 400):
+        add_checkpoint(tmp_path, f"step-{step}", age_seconds=30 * DAY)
+    add_checkpoint(tmp_path, "step-450", complete=False, age_seconds=3 * DAY)
+    return tmp_path
+
+
+def test_table_says_what_was_kept_deleted_and_why(run_dir):
+    result = run_cli("prune", run_dir, "--keep-last", "2", "--incomplete-older-than", "1d")
+    assert result.exit_code == 0, result.output
+    rows = [line.split(None, 7) for line in result.output.splitlines()]  # SIZE is 2 words
+    assert [(row[1], row[6]) for row in rows[1:6]] == [
+        ("step-100", "deleted"), ("step-200", "deleted"), ("step-300", "kept"),
+        ("step-400", "kept"), ("step-450", "deleted")]
+    assert rows[1][7] == "no rule keeps it"
+    assert rows[4][7] == "newest complete; one of the last 2 complete"
+    assert result.output.splitlines()[-1].startswith("deleted 3 of 3 checkpoints, freed ")
+
+
+def test_json_shape(run_dir):
+    result = run_cli("prune", run_dir, "--keep-last", "3", "--keep", "step-1*", "--json")
+    assert result.exit_code == 0
+    payload = json.loads(result.stdout)
+    assert set(payload) == {"run_dir", "dry_run", "rules", "checkpoints", "ignored",
+                            "delete_bytes", "freed_bytes", "failed"}
+    assert payload["rules"] == {"keep_last": 3, "keep_every_steps": None,
+                                "keep_globs": ["step-1*"], "older_than_seconds": None,
+                                "incomplete_older_than_seconds": None}
+    assert {"delete", "reasons", "status", "error", "step", "size_bytes"} <= set(
+        payload["checkpoints"][0])
+    assert payload["freed_bytes"] == 0 and payload["failed"] == 0  # every one kept
+
+
+def test_dry_run_prints_the_same_plan_and_changes_nothing(run_dir):
+    arguments = ["prune", run_dir, "--keep-last", "1", "--keep-every", "200",
+                 "--incomplete-older-than", "2d"]
+    before = tree_listing(run_dir)
+    dry = run_cli(*arguments, "--dry-run")
+    assert dry.exit_code == 0 and tree_listing(run_dir) == before
+    assert dry.output.splitlines()[-1].startswith("dry run: would delete 3 checkpoints")
+    real = run_cli(*arguments)
+    assert real.exit_code == 0 and (run_dir / "step-200").exists()
+
+    def plan(output):
+        return [" ".join(line.split()) for line in output.splitlines()[:-1]]
+
+    assert [line.replace("would delete", "deleted") for line in plan(dry.output)] == plan(
+        real.output)
+
+
+def test_partial_failure_reports_both_and_exits_1(run_dir, monkeypatch):
+    fail_rmtree_part_way(monkeypatch, "step-200")
+    result = run_cli("prune", run_dir, "--keep-last", "1", "--json")
+    assert result.exit_code == 1
+    statuses = {c["name"]: c["status"] for c in json.loads(result.stdout)["checkpoints"]}
+    assert statuses == {"step-100": "deleted", "step-200": "failed", "step-300": "deleted",
+                        "step-400": "kept", "step-450": "kept"}
+    assert result.stderr == (f"Error: {run_dir}: 1 of 3 checkpoint deletions failed; first: "
+                             f"{run_dir}/step-200/__1_0.distcp: Permission denied\n")
+
+
+def test_second_prune_exits_1_with_a_clear_message(run_dir):
+    with hold_prune_lock(run_dir):
+        result = subprocess.run([sys.executable, "-m", "dcpctl", "prune", str(run_dir),
+                                 "--keep-last", "1"], capture_output=True, text=True)
+    assert result.returncode == 1 and not result.stdout
+    assert result.stderr == (f"Error: {run_dir}/.dcpctl-prune.lock: another dcpctl prune "
+                             f"(pid {os.getpid()}) is pruning this run directory; nothing was "
+                             "changed, try again later\n")
+    assert (run_dir / "step-100").exists()
+
+
+@pytest.mark.parametrize("arguments", [
+    [], ["--keep-last", "0"], ["--keep-last", "2", "--keep-every", "0"],
+    ["--keep-last", "2", "--older-than", "7"], ["--keep-last", "2", "--older-than", "0d"],
+    ["--keep-last", "2", "--incomplete-older-than", "1 day"],
+])
+def test_usage_errors_exit_2_and_delete_nothing(run_dir, arguments):
+    before = tree_listing(run_dir)
+    assert run_cli("prune", run_dir, *arguments).exit_code == 2
+    assert tree_listing(run_dir) == before
+
+
+def test_missing_run_directory_exits_1(tmp_path):
+    result = run_cli("prune", tmp_path / "absent", "--keep-last", "1")
+    assert result.exit_code == 1 and "no such directory" in result.stderr
+
+
+@pytest.mark.parametrize("text, seconds", [("45s", 45), ("30m", 1800), ("12h", 43200),
+                                           ("7d", 604800), ("2w", 1209600)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
