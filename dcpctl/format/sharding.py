@@ -1,0 +1,32 @@
+"""Where a real N-rank FSDP2 save puts each tensor's rows: `Shard(0)` with torch.chunk semantics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankChunk:
+    """The chunk of a tensor that one rank holds: its rank, offsets and sizes."""
+
+    rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk]:
+    """The chunks an FSDP2 (`fully_shard`, 1-D mesh) save of world_size ranks writes for a
+    tensor of this shape: ceil(rows / world_size) rows per rank, later ranks smaller or empty
+    (an empty chunk starts at the end of dim 0). A 0-d tensor is not sharded: rank 0 holds it."""
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, not {world_size}")
+    if not shape:
+        return [RankChunk(0, (), ())]
+    rows, rest = shape[0], tuple(shape[1:])
+    rows_per_rank = -(-rows // world_size) if rows else 0
+    chunks = []
+    for rank in range(world_size):
+        start = min(rank * rows_per_rank, rows)
+        stop = min(start + rows_per_rank, rows)
+        chunks.append(RankChunk(rank, (start,) + (0,) * len(rest), (stop - start,) + rest))
+    return chunks
