@@ -16,17 +16,21 @@ class RankChunk:
 
 def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk]:
     """The chunks an FSDP2 (`fully_shard`, 1-D mesh) save of world_size ranks writes for a
-    tensor of this shape: ceil(rows / world_size) rows per rank, later ranks smaller or empty
-    (an empty chunk starts at the end of dim 0). A 0-d tensor is not sharded: rank 0 holds it."""
+    tensor of this shape: ceil(rows / world_size) rows per rank, later ranks smaller or empty.
+    An empty chunk starts at the end of dim 0; ranks whose chunks are equal (several empty ones)
+    share one entry, as DCP deduplicates them, given here to the lowest of those ranks (torch
+    gives it to the rank with the least data planned so far). A 0-d tensor is not sharded:
+    rank 0 holds it."""
     if world_size < 1:
         raise ValueError(f"world size must be at least 1, not {world_size}")
     if not shape:
         return [RankChunk(0, (), ())]
     rows, rest = shape[0], tuple(shape[1:])
     rows_per_rank = -(-rows // world_size) if rows else 0
-    chunks = []
+    chunks: dict[tuple, RankChunk] = {}
     for rank in range(world_size):
         start = min(rank * rows_per_rank, rows)
         stop = min(start + rows_per_rank, rows)
-        chunks.append(RankChunk(rank, (start,) + (0,) * len(rest), (stop - start,) + rest))
-    return chunks
+        offsets, sizes = (start,) + (0,) * len(rest), (stop - start,) + rest
+        chunks.setdefault((offsets, sizes), RankChunk(rank, offsets, sizes))
+    return list(chunks.values())
