@@ -1,0 +1,125 @@
+"""Split little-endian floats into byte planes with the exponent in a plane of its own, and back.
+
+A plane is one byte of every element, most significant byte first. For bfloat16, float32 and
+float64, bit 7 of the first two planes is exchanged, so that the first plane holds eight
+exponent bits and the sign moves into the second plane with the mantissa. Whole arrays are
+processed with numpy, never element by element in Python, in per-thread scratch memory that is
+reused from block to block: fresh multi-megabyte allocations would cost a page fault every 4 KiB.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy
+
+from dcpctl.errors import DataError
+
+_BIT_7 = numpy.uint8(0x80)
+_SHIFTED_SLOT, _EXCHANGED_SLOT = 8, 9  # scratch slots 0..7 hold planes
+_scratch = threading.local()
+
+
+@dataclass(frozen=True)
+class FloatLayout:
+    """How the elements of one float format are split: code in the stream, bytes per element,
+    and whether the sign bit trades places with the top bit of the second plane."""
+
+    code: int
+    name: str
+    itemsize: int
+    moves_sign: bool
+
+    @property
+    def word_type(self) -> numpy.dtype:
+        """The unsigned little-endian integer as wide as one element."""
+        return numpy.dtype(f"<u{self.itemsize}")
+
+
+BFLOAT16 = FloatLayout(1, "bfloat16", 2, True)
+FLOAT16 = FloatLayout(2, "float16", 2, False)
+FLOAT32 = FloatLayout(3, "float32", 4, True)
+FLOAT64 = FloatLayout(4, "float64", 8, True)
+
+LAYOUTS_BY_CODE = {layout.code: layout for layout in (BFLOAT16, FLOAT16, FLOAT32, FLOAT64)}
+# Complex numbers are pairs of floats of the same format.
+_LAYOUTS_BY_DTYPE_NAME = {
+    "bfloat16": BFLOAT16, "float16": FLOAT16, "complex32": FLOAT16,
+    "float32": FLOAT32, "complex64": FLOAT32, "float64": FLOAT64, "complex128": FLOAT64,
+}
+
+
+def layout_for_dtype(dtype_name: str) -> FloatLayout | None:
+    """The layout that splits tensors of this torch dtype, or None for non-float dtypes."""
+    return _LAYOUTS_BY_DTYPE_NAME.get(dtype_name)
+
+
+def scratch_plane(index: int, size_bytes: int) -> numpy.ndarray:
+    """This thread's reusable uint8 array for plane `index`, valid until the next split or
+    scratch_plane call with the same index on this thread."""
+    return _scratch_bytes(index, size_bytes)
+
+
+def split_planes(layout: FloatLayout, data) -> list[numpy.ndarray]:
+    """The planes of `data` (a whole number of elements), most significant first, in scratch
+    memory: use them before the next split on this thread."""
+    words = numpy.frombuffer(data, dtype=layout.word_type)
+    count = len(words)
+    shifted = _scratch_bytes(_SHIFTED_SLOT, count * layout.itemsize).view(layout.word_type)
+    planes = []
+    for index in range(layout.itemsize):
+        bits = 8 * (layout.itemsize - 1 - index)
+        source = numpy.right_shift(words, bits, out=shifted) if bits else words
+        plane = _scratch_bytes(index, count)
+        numpy.copyto(plane, source, casting="unsafe")  # keeps the low byte
+        planes.append(plane)
+    if layout.moves_sign:
+        exchanged = _exchange_mask(planes[0], planes[1])
+        planes[0] ^= exchanged
+        planes[1] ^= exchanged
+    return planes
+
+
+def join_planes(layout: FloatLayout, planes: list, out) -> None:
+    """Write into `out` (a writable buffer of one byte per element per plane) the little-endian
+    elements whose planes these are: the inverse of split_planes. Planes given as writable
+    arrays may be changed."""
+    if len(planes) != layout.itemsize:
+        raise DataError(f"{layout.name} block has {len(planes)} planes, not {layout.itemsize}")
+    arrays = [numpy.frombuffer(plane, dtype=numpy.uint8) if not isinstance(plane, numpy.ndarray)
+              else plane for plane in planes]
+    if layout.moves_sign:
+        # Exchanging bit 7 on the one-byte planes is cheaper than on the joined words.
+        exchanged = _exchange_mask(arrays[0], arrays[1])
+        arrays[0] = _xor_in_place_if_writable(arrays[0], exchanged)
+        arrays[1] = numpy.bitwise_xor(exchanged, arrays[1], out=exchanged)
+    words = numpy.frombuffer(out, dtype=layout.word_type)
+    numpy.copyto(words, arrays[0])
+    for plane in arrays[1:]:
+        words <<= numpy.uint8(8)
+        words |= plane
+
+
+def _xor_in_place_if_writable(plane: numpy.ndarray, mask: numpy.ndarray) -> numpy.ndarray:
+    if plane.flags.writeable:
+        plane ^= mask
+        return plane
+    return plane ^ mask
+
+
+def _exchange_mask(first: numpy.ndarray, second: numpy.ndarray) -> numpy.ndarray:
+    """Bit 7 where the two planes differ in it: xor-ing both with it exchanges their bit 7."""
+    exchanged = numpy.bitwise_xor(first, second, out=_scratch_bytes(_EXCHANGED_SLOT, len(first)))
+    exchanged &= _BIT_7
+    return exchanged
+
+
+def _scratch_bytes(slot: int, size_bytes: int) -> numpy.ndarray:
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buffer = buffers.get(slot)
+    if buffer is None or len(buffer) < size_bytes:
+        buffer = buffers[slot] = numpy.empty(size_bytes, dtype=numpy.uint8)
+    return buffer[:size_bytes]

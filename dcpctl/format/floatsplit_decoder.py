@@ -1,0 +1,200 @@
+"""Decode the floatsplit stream (docs/floatsplit.md) piece by piece, from its bytes alone.
+
+Each `decode` call first finds the blocks its input completes, then decodes them into one
+output buffer: float planes are joined straight into it, zstd-coded planes are decompressed into
+scratch memory, raw planes are read where they lie. Anything that does not add up raises
+DataError naming the byte offset in the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import zstandard
+
+from dcpctl.errors import DataError
+from dcpctl.format.float_planes import LAYOUTS_BY_CODE, FloatLayout, join_planes, scratch_plane
+from dcpctl.format.floatsplit import BYTES_BLOCK, END_BLOCK, END_HEADER, FLOATS_BLOCK, \
+    FLOATS_HEADER, MAGIC, MAX_STREAM_BYTES, RAW_CODING, STREAM_HEADER, ZSTD_CODING
+
+
+@dataclass
+class _Stream:
+    coding: int
+    decoded_bytes: int
+    stored: memoryview
+    position: int
+
+
+@dataclass
+class _Block:
+    decoded_bytes: int
+    layout: FloatLayout | None = None  # None for a block of plain bytes
+    streams: list[_Stream] = field(default_factory=list)
+
+
+class FloatSplitDecoder:
+    """Decodes one item given piece by piece; `finish` raises if the item was cut short."""
+
+    def __init__(self) -> None:
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._buffer = bytearray()
+        self._buffer_start = 0  # stream offset of the buffer's first byte, for messages
+        self._started = False
+        self._ended = False
+        self._decoded_bytes = 0
+
+    def decode(self, piece: bytes) -> bytes:
+        if self._ended:
+            if piece:
+                raise DataError("bytes follow the end of the floatsplit stream")
+            return b""
+        self._buffer += piece
+        with memoryview(self._buffer) as view:
+            position = self._check_magic(view)
+            blocks = []
+            while not self._ended:
+                block, block_end = self._scan_block(view, position)
+                if block is None:
+                    break
+                blocks.append(block)
+                position = block_end
+            decoded = self._decode_blocks(blocks)
+            del blocks  # releases the views into the buffer before it shrinks
+        del self._buffer[:position]
+        self._buffer_start += position
+        if self._ended and self._buffer:
+            raise DataError("bytes follow the end of the floatsplit stream")
+        return decoded
+
+    def finish(self) -> None:
+        if not self._ended:
+            raise DataError(f"floatsplit stream is cut short at byte "
+                            f"{self._buffer_start + len(self._buffer)}")
+
+    def _check_magic(self, view: memoryview) -> int:
+        if self._started or len(view) < len(MAGIC):
+            return 0
+        if view[:len(MAGIC)] != MAGIC:
+            raise DataError(f"not a floatsplit stream: it starts with "
+                            f"{bytes(view[:len(MAGIC)])!r}, not {MAGIC!r}")
+        self._started = True
+        return len(MAGIC)
+
+    def _scan_block(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
+        """The block at position and where it ends; (None, position) while incomplete."""
+        if not self._started or position >= len(view):
+            return None, position
+        kind = view[position]
+        if kind == END_BLOCK:
+            return self._scan_end(view, position)
+        if kind == BYTES_BLOCK:
+            stream, end = self._scan_stream(view, position + 1)
+            block = _Block(stream.decoded_bytes, streams=[stream]) if stream else None
+        elif kind == FLOATS_BLOCK:
+            block, end = self._scan_floats(view, position)
+        else:
+            raise self._damage(position, f"unknown block kind {kind}")
+        if block is None:
+            return None, position
+        self._decoded_bytes += block.decoded_bytes
+        return block, end
+
+    def _scan_end(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
+        if position + END_HEADER.size > len(view):
+            return None, position
+        _, total_bytes = END_HEADER.unpack_from(view, position)
+        if total_bytes != self._decoded_bytes:
+            raise self._damage(position, f"the end block counts {total_bytes} decoded bytes, "
+                                         f"the blocks before it {self._decoded_bytes}")
+        self._ended = True
+        return _Block(0), position + END_HEADER.size
+
+    def _scan_floats(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
+        if position + FLOATS_HEADER.size > len(view):
+            return None, position
+        _, code, elements = FLOATS_HEADER.unpack_from(view, position)
+        layout = LAYOUTS_BY_CODE.get(code)
+        if layout is None:
+            raise self._damage(position, f"unknown float layout {code}")
+        block = _Block(elements * layout.itemsize, layout)
+        end = position + FLOATS_HEADER.size
+        for _ in range(layout.itemsize):
+            stream, end = self._scan_stream(view, end)
+            if stream is None:
+                return None, position
+            if stream.decoded_bytes != elements:
+                raise self._damage(stream.position, f"a {layout.name} plane holds "
+                                   f"{stream.decoded_bytes} bytes for {elements} elements")
+            block.streams.append(stream)
+        return block, end
+
+    def _scan_stream(self, view: memoryview, position: int) -> tuple[_Stream | None, int]:
+        if position + STREAM_HEADER.size > len(view):
+            return None, position
+        coding, decoded_bytes, stored_bytes = STREAM_HEADER.unpack_from(view, position)
+        if coding not in (RAW_CODING, ZSTD_CODING):
+            raise self._damage(position, f"unknown stream coding {coding}")
+        if decoded_bytes > MAX_STREAM_BYTES or stored_bytes > MAX_STREAM_BYTES:
+            raise self._damage(position, f"a stream claims {max(decoded_bytes, stored_bytes)} "
+                                         f"bytes, more than {MAX_STREAM_BYTES}")
+        if coding == RAW_CODING and stored_bytes != decoded_bytes:
+            raise self._damage(position, f"a raw stream stores {stored_bytes} bytes for "
+                                         f"{decoded_bytes}")
+        start = position + STREAM_HEADER.size
+        if start + stored_bytes > len(view):
+            return None, position
+        return (_Stream(coding, decoded_bytes, view[start:start + stored_bytes], position),
+                start + stored_bytes)
+
+    def _decode_blocks(self, blocks: list[_Block]) -> bytes:
+        if not blocks:
+            return b""
+        decoded = bytearray(sum(block.decoded_bytes for block in blocks))
+        with memoryview(decoded) as target:
+            offset = 0
+            for block in blocks:
+                segment = target[offset:offset + block.decoded_bytes]
+                if block.layout is None:
+                    for stream in block.streams:
+                        self._decode_stream(stream, segment)
+                else:
+                    planes = [self._plane(stream, index) for index, stream in
+                              enumerate(block.streams)]
+                    join_planes(block.layout, planes, segment)
+                segment.release()
+                offset += block.decoded_bytes
+        return decoded
+
+    def _plane(self, stream: _Stream, index: int):
+        if stream.coding == RAW_CODING:
+            return stream.stored
+        plane = scratch_plane(index, stream.decoded_bytes)
+        self._decode_stream(stream, plane)
+        return plane
+
+    def _decode_stream(self, stream: _Stream, target) -> None:
+        """Decode a stream into target, which is exactly as long as it decodes to."""
+        if stream.coding == RAW_CODING:
+            target[:] = stream.stored
+            return
+        filled = 0
+        try:
+            reader = self._decompressor.stream_reader(stream.stored)
+            with memoryview(target) as window:
+                while filled < len(window):
+                    count = reader.readinto(window[filled:])
+                    if not count:
+                        break
+                    filled += count
+            surplus = reader.read(1)
+        except zstandard.ZstdError as error:
+            raise self._damage(stream.position, f"zstd frame does not decode ({error})") from None
+        if filled != stream.decoded_bytes or surplus:
+            raise self._damage(stream.position, f"a stream decodes to "
+                                                f"{'more than ' if surplus else ''}{filled} "
+                                                f"bytes, its header says {stream.decoded_bytes}")
+
+    def _damage(self, position: int, what: str) -> DataError:
+        return DataError(f"floatsplit stream damaged at byte {self._buffer_start + position}: "
+                         f"{what}")
