@@ -1,16 +1,21 @@
-"""Stream codecs keyed by DCP transform descriptor: identity (no descriptor) and torch's zstd."""
+"""Stream codecs keyed by DCP transform descriptor: identity (no descriptor), torch's zstd and
+dcpctl's own floatsplit."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import zstandard
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME, FloatSplitEncoder, \
+    PayloadHint  # noqa: F401  PayloadHint is part of the codec API
+from dcpctl.format.floatsplit_decoder import FloatSplitDecoder
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 DEFAULT_ZSTD_LEVEL = 3
+ZSTD, FLOATSPLIT = "zstd", "floatsplit"
 
 
 class Encoder(Protocol):
@@ -37,16 +42,22 @@ class Codec:
     descriptors: tuple[str, ...]
     level: int | None = None
 
-    def new_encoder(self, size_bytes: int | None = None) -> Encoder:
-        """An encoder for one item of `size_bytes` decoded bytes (None if unknown)."""
+    def new_encoder(self, size_bytes: int | None = None,
+                    payload: PayloadHint | None = None) -> Encoder:
+        """An encoder for one item of `size_bytes` decoded bytes (None if unknown); codecs that
+        split tensor payloads use the payload hint, the others ignore it."""
         if not self.descriptors:
             return _IdentityCoder()
+        if self.name == FLOATSPLIT:
+            return FloatSplitEncoder(self.level or DEFAULT_ZSTD_LEVEL, payload)
         return _ZstdEncoder(self.level or DEFAULT_ZSTD_LEVEL, size_bytes)
 
     def new_decoder(self) -> Decoder:
         """A decoder for one item."""
         if not self.descriptors:
             return _IdentityCoder()
+        if self.name == FLOATSPLIT:
+            return FloatSplitDecoder()
         return _ZstdDecoder()
 
 
@@ -55,9 +66,30 @@ IDENTITY = Codec("none", ())
 
 def zstd_codec(level: int = DEFAULT_ZSTD_LEVEL) -> Codec:
     """torch's own `stream.zstd/1` transform at a given compression level."""
+    return Codec(ZSTD, (ZSTD_DESCRIPTOR,), _checked_level(level))
+
+
+def floatsplit_codec(level: int = DEFAULT_ZSTD_LEVEL) -> Codec:
+    """dcpctl's `dcpctl.floatsplit/1` transform; level is that of its plain zstd parts."""
+    return Codec(FLOATSPLIT, (FLOATSPLIT_DESCRIPTOR,), _checked_level(level))
+
+
+_CODEC_MAKERS = {ZSTD: zstd_codec, FLOATSPLIT: floatsplit_codec}
+CODEC_NAMES = tuple(_CODEC_MAKERS)
+
+
+def codec_by_name(name: str, level: int = DEFAULT_ZSTD_LEVEL) -> Codec:
+    """The codec a user names: `zstd` or `floatsplit`."""
+    if name not in _CODEC_MAKERS:
+        raise UnsupportedLayoutError(f"unknown codec {name!r}; dcpctl writes "
+                                     f"{', '.join(CODEC_NAMES)}")
+    return _CODEC_MAKERS[name](level)
+
+
+def _checked_level(level: int) -> int:
     if not 1 <= level <= 22:
         raise UnsupportedLayoutError(f"zstd level {level} is outside 1..22")
-    return Codec("zstd", (ZSTD_DESCRIPTOR,), level)
+    return level
 
 
 def codec_for_descriptors(descriptors: Sequence[str] | None) -> Codec:
@@ -66,16 +98,29 @@ def codec_for_descriptors(descriptors: Sequence[str] | None) -> Codec:
         return IDENTITY
     if len(descriptors) == 1:
         name, _, version = descriptors[0].partition("/")
-        if name == "stream.zstd" and version.partition(".")[0] == "1":
-            return zstd_codec()
+        if version.partition(".")[0] == "1":
+            if name == "stream.zstd":
+                return zstd_codec()
+            if name == FLOATSPLIT_NAME:
+                return floatsplit_codec()
     raise UnsupportedLayoutError(
-        f"unknown transform {list(descriptors)}; dcpctl reads items with no transform "
-        f"or with {ZSTD_DESCRIPTOR!r}"
+        f"unknown transform {list(descriptors)}; dcpctl reads items with no transform, "
+        f"with {ZSTD_DESCRIPTOR!r} or with {FLOATSPLIT_DESCRIPTOR!r}"
     )
 
 
+def iter_decoded(decoder: Decoder, pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The decoded bytes of an item's stored pieces; raises DataError if they end too soon."""
+    for piece in pieces:
+        decoded = decoder.decode(piece)
+        if decoded:
+            yield decoded
+    decoder.finish()
+
+
 def describe_codec(descriptors: Sequence[str] | None) -> str:
-    """A short human name for an item's transforms: `none`, `zstd` or the raw descriptors."""
+    """A short human name for an item's transforms: `none`, `zstd`, `floatsplit` or the raw
+    descriptors."""
     try:
         return codec_for_descriptors(descriptors).name
     except UnsupportedLayoutError:

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint
-from dcpctl.format.codecs import IDENTITY, Codec, codec_for_descriptors
+from dcpctl.format.codecs import IDENTITY, Codec, codec_for_descriptors, iter_decoded
 from dcpctl.format.records import StorageInfo
 
 DEFAULT_PIECE_BYTES = 4 << 20
@@ -74,13 +74,9 @@ def iter_item_pieces(location: ItemLocation,
                      piece_bytes: int = DEFAULT_PIECE_BYTES) -> Iterator[bytes]:
     """The item's decoded bytes, in pieces; raises DataError naming the item if they do not
     decode."""
-    decoder = location.codec.new_decoder()
     try:
-        for piece in iter_stored_pieces(location, piece_bytes):
-            decoded = decoder.decode(piece)
-            if decoded:
-                yield decoded
-        decoder.finish()
+        yield from iter_decoded(location.codec.new_decoder(),
+                                iter_stored_pieces(location, piece_bytes))
     except DataError as error:
         if str(location.path) in str(error):
             raise
@@ -93,25 +89,36 @@ def read_item(location: ItemLocation) -> bytes:
     return b"".join(iter_item_pieces(location))
 
 
-class ItemStream(io.RawIOBase):
-    """A readable file object over an item's decoded bytes."""
+class PieceStream(io.RawIOBase):
+    """A readable file object over an iterator of byte pieces."""
 
-    def __init__(self, location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
-        self._pieces = iter_item_pieces(location, piece_bytes)
-        self._buffer = b""
+    def __init__(self, pieces: Iterator[bytes]) -> None:
+        self._pieces = pieces
+        self._piece = memoryview(b"")
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, target) -> int:
-        while not self._buffer:
-            self._buffer = next(self._pieces, b"")
-            if not self._buffer:
+        while not self._piece:
+            piece = next(self._pieces, None)
+            if piece is None:
                 return 0
-        count = min(len(target), len(self._buffer))
-        target[:count] = self._buffer[:count]
-        self._buffer = self._buffer[count:]
+            self._piece = memoryview(piece).cast("B")
+        count = min(len(target), len(self._piece))
+        target[:count] = self._piece[:count]
+        self._piece = self._piece[count:]
         return count
+
+    def readall(self) -> bytes:
+        return b"".join([bytes(self._piece), *self._pieces])
+
+
+class ItemStream(PieceStream):
+    """A readable file object over an item's decoded bytes."""
+
+    def __init__(self, location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
+        super().__init__(iter_item_pieces(location, piece_bytes))
 
 
 def open_item_stream(location: ItemLocation) -> io.BufferedReader:
