@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Callable, Iterator
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, open_checkpoint
-from dcpctl.format.codecs import Codec
+from dcpctl.format.codecs import Codec, PayloadHint
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
     iter_stored_pieces, locate_item
 from dcpctl.format.records import ItemKey, StorageInfo
@@ -36,6 +37,8 @@ class ItemTask:
     location: ItemLocation
     output_file: str
     transcode: bool
+    payload: PayloadHint | None = None
+    """For tensor items: the dtype and size of the tensor's bytes, for codecs that split them."""
 
 
 @dataclass
@@ -93,6 +96,7 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
                 f"{checkpoint.path / data_file.name}: SAFETENSORS-serialized data file; compress "
                 "and decompress rewrite checkpoints saved with the default TORCH_SAVE layout")
     tensor_fqns = {tensor.fqn for tensor in checkpoint.tensors}
+    payloads = _payload_hints(checkpoint)
     storage_data = checkpoint.metadata.storage_data or {}
     ordered = sorted(storage_data.items(),
                      key=lambda item: (item[1].relative_path, item[1].offset))
@@ -102,8 +106,16 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
         same_codec = location.codec.descriptors == codec.descriptors
         tasks.append(ItemTask(key, location, info.relative_path,
                               transcode=not same_codec or (recode_same_codec and
-                                                           bool(codec.descriptors))))
+                                                           bool(codec.descriptors)),
+                              payload=payloads.get((key.fqn, key.offset))))
     return TranscodePlan(codec, tasks)
+
+
+def _payload_hints(checkpoint: Checkpoint) -> dict[tuple, PayloadHint]:
+    """The dtype and byte count of every tensor chunk, keyed like storage items."""
+    return {(tensor.fqn, tuple(chunk.offsets)):
+            PayloadHint(tensor.dtype.name, math.prod(chunk.sizes) * tensor.dtype.itemsize)
+            for tensor in checkpoint.tensors for chunk in tensor.chunks}
 
 
 def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemTask], Iterator[bytes]]:
@@ -112,7 +124,7 @@ def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemTask], Iterator[by
             yield from iter_stored_pieces(task.location, piece_bytes)
             return
         known_size = task.location.length if not task.location.codec.descriptors else None
-        encoder = codec.new_encoder(known_size)
+        encoder = codec.new_encoder(known_size, task.payload)
         for piece in iter_item_pieces(task.location, piece_bytes):
             encoded = encoder.encode(piece)
             if encoded:
