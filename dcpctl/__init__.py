@@ -1,3 +1,13 @@
 """dcpctl: inspect, compress, reshard, verify and convert PyTorch Distributed Checkpoints offline."""
 
+from __future__ import annotations
+
 __version__ = "0.1.0"
+
+
+def storage_reader(path):
+    """A torch `StorageReader` for the checkpoint at path that decodes every codec dcpctl writes:
+    `dcp.load(state_dict, storage_reader=dcpctl.storage_reader(path))`."""
+    from dcpctl.format.torch_extension import storage_reader as new_storage_reader
+
+    return new_storage_reader(path)
