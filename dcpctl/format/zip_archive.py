@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from dcpctl.errors import DataError
 
@@ -36,8 +36,7 @@ _MAX_COMMENT_BYTES = 0xFFFF
 _FIRST_TAIL_BYTES = 1024
 
 
-@dataclass(frozen=True)
-class _CentralEntry:
+class _CentralEntry(NamedTuple):
     """A record as the central directory describes it."""
 
     name: str
@@ -144,9 +143,9 @@ def _apply_zip64_extra(extra: bytes, uncompressed_bytes: int, size_bytes: int,
                        header_offset: int, name: str) -> tuple[int, int]:
     """Sizes and offsets too large for 32 bits are 0xFFFFFFFF, the real values in the zip64
     extra field, in the order: uncompressed size, compressed size, local header offset."""
-    wanted = [value == 0xFFFFFFFF for value in (uncompressed_bytes, size_bytes, header_offset)]
-    if not any(wanted):
+    if 0xFFFFFFFF not in (uncompressed_bytes, size_bytes, header_offset):
         return size_bytes, header_offset
+    wanted = [value == 0xFFFFFFFF for value in (uncompressed_bytes, size_bytes, header_offset)]
     values = [uncompressed_bytes, size_bytes, header_offset]
     position = 0
     while position + 4 <= len(extra):
