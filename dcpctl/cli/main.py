@@ -61,10 +61,11 @@ def register_commands() -> None:
     from dcpctl.cli.inspect import inspect_command
     from dcpctl.cli.ls import ls_command
     from dcpctl.cli.prune import prune_command
+    from dcpctl.cli.reshard import reshard_command
     from dcpctl.cli.verify import verify_command
 
-    for command in (inspect_command, compress_command, decompress_command, ls_command,
-                    prune_command, checksum_command, verify_command):
+    for command in (inspect_command, compress_command, decompress_command, reshard_command,
+                    checksum_command, verify_command, ls_command, prune_command):
         cli.add_command(command)
 
 

@@ -288,8 +288,10 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
 def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: str,
                        codec: Codec | None = None, threads: int | None = None,
                        overwrite: bool = False,
-                       on_progress: Callable[[int, int], None] | None = None) -> ReshardReport:
-    """Write the checkpoint at path laid out for world_size ranks into output_path."""
+                       on_progress: Callable[[int, int], None] | None = None,
+                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> ReshardReport:
+    """Write the checkpoint at path laid out for world_size ranks into output_path; output
+    chunks are assembled in blocks of about piece_bytes."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
     checkpoint = open_checkpoint(path)
@@ -302,7 +304,8 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     try:
         with tempfile.TemporaryDirectory(dir=output.directory.parent,
                                          prefix=f".{destination.name}.dcpctl-spool-") as spool:
-            stored = execute_reshard(plan, checkpoint, output, Path(spool), threads, on_progress)
+            stored = execute_reshard(plan, checkpoint, output, Path(spool), threads, on_progress,
+                                     piece_bytes)
     except BaseException:
         output.abort()
         raise

@@ -4,11 +4,10 @@ leave the source untouched."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 
 import pytest
-from conftest import TORCH_LOADABLE_FIXTURES, fixture_path, load_with_torch
+from conftest import TORCH_LOADABLE_FIXTURES, directory_state, fixture_path, load_with_torch
 from make_fixtures import tensor_sha256
 from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 
@@ -25,12 +24,6 @@ RANKS_TO_LOAD_ON = {
     "zstd_fsdp2_2ranks": [2, 3],
     "objects_2ranks": [2, 1],
 }
-
-
-def directory_state(path) -> dict[str, str]:
-    """Name -> SHA-256 of every file in a directory."""
-    return {entry.name: hashlib.sha256(entry.read_bytes()).hexdigest()
-            for entry in sorted(path.iterdir())}
 
 
 @pytest.mark.parametrize("name,world_size", [(name, ws) for name, sizes in
