@@ -16,6 +16,9 @@ from dcpctl.format.floatsplit_decoder import FloatSplitDecoder
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 DEFAULT_ZSTD_LEVEL = 3
 ZSTD, FLOATSPLIT = "zstd", "floatsplit"
+_ZSTD_READ_BYTES = 1 << 20
+# Small, so that one read decodes few floatsplit blocks (each at most 4 MiB as dcpctl writes them).
+_FLOATSPLIT_READ_BYTES = 64 << 10
 
 
 class Encoder(Protocol):
@@ -24,6 +27,12 @@ class Encoder(Protocol):
     def encode(self, piece: bytes) -> bytes: ...
 
     def finish(self) -> bytes: ...
+
+
+class Readable(Protocol):
+    """A stream read with `read(size)`, which returns b"" at the end."""
+
+    def read(self, size: int) -> bytes: ...
 
 
 class Decoder(Protocol):
@@ -59,6 +68,16 @@ class Codec:
         if self.name == FLOATSPLIT:
             return FloatSplitDecoder()
         return _ZstdDecoder()
+
+    def open_reader(self, stored: Readable) -> Readable:
+        """The decoded bytes of an item, read from a stream of its stored bytes. Each read
+        returns at most the bytes asked for, so memory stays bounded however well the item
+        compressed (4 MiB of zstd can hold gigabytes of zeros)."""
+        if not self.descriptors:
+            return stored
+        if self.name == FLOATSPLIT:
+            return _DecodingReader(stored, FloatSplitDecoder(), _FLOATSPLIT_READ_BYTES)
+        return _ZstdReader(stored)
 
 
 IDENTITY = Codec("none", ())
@@ -169,3 +188,40 @@ class _ZstdDecoder:
             raise DataError("zstd frame is cut short")
         if self._stream.unused_data:
             raise DataError("bytes follow the end of the zstd frame")
+
+
+class _ZstdReader:
+    def __init__(self, stored: Readable) -> None:
+        self._stream = zstandard.ZstdDecompressor().stream_reader(
+            stored, read_size=_ZSTD_READ_BYTES, read_across_frames=False, closefd=False)
+
+    def read(self, size: int) -> bytes:
+        try:
+            return self._stream.read(size)
+        except zstandard.ZstdError as error:
+            raise DataError(f"zstd frame does not decode ({error})") from None
+
+
+class _DecodingReader:
+    """An item's decoded bytes, read by feeding its stored bytes to a piece-wise decoder."""
+
+    def __init__(self, stored: Readable, decoder: Decoder, read_bytes: int) -> None:
+        self._stored = stored
+        self._decoder = decoder
+        self._read_bytes = read_bytes
+        self._decoded = memoryview(b"")
+        self._ended = False
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            return b"".join(iter(lambda: self.read(1 << 30), b""))
+        while not self._decoded and not self._ended:
+            piece = self._stored.read(self._read_bytes)
+            if piece:
+                self._decoded = memoryview(self._decoder.decode(piece)).cast("B")
+            else:
+                self._decoder.finish()
+                self._ended = True
+        chunk = self._decoded[:size]
+        self._decoded = self._decoded[len(chunk):]
+        return bytes(chunk)

@@ -1,0 +1,41 @@
+"""Write SHA256SUMS for a checkpoint: the SHA-256 of `.metadata` and of every data file."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dcpctl.format.checkpoint import open_checkpoint
+from dcpctl.format.checksums import sha256_of_files, write_sha256sums
+from dcpctl.format.metadata import METADATA_FILE_NAME
+from dcpctl.ops.progress import NoProgress, Progress, thread_count
+
+
+@dataclass
+class ChecksumReport:
+    """Where SHA256SUMS was written, and the digest of each file it covers."""
+
+    path: str
+    sums_path: str
+    digests: dict[str, str]
+    hashed_bytes: int
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict."""
+        return {"path": self.path, "sums_path": self.sums_path, "hashed_bytes": self.hashed_bytes,
+                "files": self.digests}
+
+
+def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
+                        progress: Progress | None = None) -> ChecksumReport:
+    """Hash `.metadata` and every data file the metadata names, in parallel, and write
+    CKPT/SHA256SUMS. Refuses a checkpoint with missing or truncated data files."""
+    checkpoint = open_checkpoint(path, check_files=True)
+    names = [METADATA_FILE_NAME, *checkpoint.files]
+    sizes = {name: (checkpoint.path / name).stat().st_size for name in names}
+    progress = progress or NoProgress()
+    progress.start(sum(sizes.values()))
+    digests = sha256_of_files(checkpoint.path, names, thread_count(threads), progress.advance)
+    sums_path = write_sha256sums(checkpoint.path, digests)
+    return ChecksumReport(str(checkpoint.path), str(sums_path), dict(sorted(digests.items())),
+                          sum(sizes.values()))
