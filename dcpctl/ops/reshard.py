@@ -23,7 +23,7 @@ import numpy
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, TensorEntry, open_checkpoint
-from dcpctl.format.codecs import Codec, codec_for_descriptors
+from dcpctl.format.codecs import Codec, PayloadHint, codec_for_descriptors
 from dcpctl.format.dtypes import DType
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
     iter_stored_pieces, locate_item
@@ -202,8 +202,8 @@ def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader)
 
 def _produce(plan: ReshardPlan, reader: PayloadReader,
              piece_bytes: int) -> Callable[[ChunkTask | ObjectTask], Iterator[bytes]]:
-    def encoded(pieces: Iterator[bytes], size_bytes: int | None) -> Iterator[bytes]:
-        encoder = plan.codec.new_encoder(size_bytes)
+    def encoded(pieces: Iterator[bytes], payload: PayloadHint | None) -> Iterator[bytes]:
+        encoder = plan.codec.new_encoder(None, payload)
         for piece in pieces:
             out = encoder.encode(piece)
             if out:
@@ -220,7 +220,8 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
         try:
             rows = (_assemble_rows(task, begin, end, reader)
                     for begin, end in _row_blocks(task, piece_bytes))
-            yield from encoded(iter_torch_save_archive(task.dtype, task.sizes, rows), None)
+            yield from encoded(iter_torch_save_archive(task.dtype, task.sizes, rows),
+                               PayloadHint(task.dtype.name, task.nbytes))
         finally:
             for source in task.sources:
                 reader.release(source.location)
