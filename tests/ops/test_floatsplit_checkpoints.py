@@ -1,0 +1,142 @@
+"""Checkpoints compressed with floatsplit: torch loads them through dcpctl.storage_reader on any
+number of ranks, stock torch refuses them, and they turn back into plain or zstd items."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TORCH_LOADABLE_FIXTURES, fixture_path, load_with_torch
+from make_fixtures import STATE_BUILDERS, describe_state, run_gloo_job
+from rank_loading import assert_matches_manifest
+
+import dcpctl
+from dcpctl.format.checkpoint import open_checkpoint
+from dcpctl.format.codecs import IDENTITY, codec_for_descriptors, floatsplit_codec, zstd_codec
+from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR
+from dcpctl.format.items import locate_item, read_item
+from dcpctl.ops.inspect import inspect_checkpoint
+from dcpctl.ops.reshard import reshard_checkpoint
+from dcpctl.ops.transcode import transcode_checkpoint
+from dcpctl.ops.verify import verify_checkpoint
+
+
+def _load_scrambled_state(rank: int, world_size: int, checkpoint: str, state_kind: str,
+                          out_file: str) -> None:
+    """Build the fixture's state on this rank, overwrite every tensor, then load into it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    import dcpctl as dcpctl_in_rank
+
+    state = STATE_BUILDERS[state_kind](world_size)
+    flat, _ = flatten_state_dict(state)
+    with torch.no_grad():
+        for value in flat.values():
+            if isinstance(value, torch.Tensor) and value.numel():
+                value.fill_(7)
+    dcp.load(state, storage_reader=dcpctl_in_rank.storage_reader(checkpoint))
+    description = describe_state(state)  # collective: full_tensor() on every rank
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(description))
+
+
+def _compressed(name: str, tmp_path: Path) -> Path:
+    out = tmp_path / f"{name}-floatsplit"
+    transcode_checkpoint(fixture_path(name), floatsplit_codec(), str(out), threads=2)
+    return out
+
+
+@pytest.mark.parametrize("name,world_size", [("fsdp2_adamw_3ranks", 2), ("mesh2d_4ranks", 4),
+                                             ("objects_2ranks", 3)])
+def test_loads_through_storage_reader_on_other_world_sizes(name, world_size, tmp_path):
+    from conftest import MANIFEST
+
+    checkpoint = _compressed(name, tmp_path)
+    out_file = tmp_path / "description.json"
+    run_gloo_job(world_size, _load_scrambled_state, str(checkpoint), MANIFEST[name]["state"],
+                 str(out_file))
+    assert_matches_manifest(json.loads(out_file.read_text()), name)
+
+
+@pytest.mark.parametrize("name", TORCH_LOADABLE_FIXTURES)
+def test_every_item_is_floatsplit_and_loads_equal_in_one_process(name, tmp_path):
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    checkpoint = _compressed(name, tmp_path)
+    storage = open_checkpoint(checkpoint).metadata.storage_data
+    assert {tuple(info.transform_descriptors) for info in storage.values()} == {
+        (FLOATSPLIT_DESCRIPTOR,)}
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcpctl.storage_reader(checkpoint),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    loaded, _ = flatten_state_dict(state)
+    expected = load_with_torch(fixture_path(name))
+    assert loaded.keys() == expected.keys()
+    for fqn, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == loaded[fqn].dtype
+            assert value.reshape(-1).view(torch.uint8).equal(
+                loaded[fqn].reshape(-1).view(torch.uint8)), fqn
+        else:
+            assert loaded[fqn] == value
+
+
+def test_stock_torch_fails_with_unknown_extension(tmp_path):
+    checkpoint = _compressed("objects_2ranks", tmp_path)
+    with pytest.raises(BaseException, match="Unknown extension"):
+        load_with_torch(checkpoint)
+    report = inspect_checkpoint(checkpoint)
+    assert report.to_json()["compression"] == {"floatsplit": len(
+        open_checkpoint(checkpoint).metadata.storage_data)}
+
+
+@pytest.mark.parametrize("name", TORCH_LOADABLE_FIXTURES)
+def test_decompress_gives_back_the_original_items(name, tmp_path):
+    original = open_checkpoint(fixture_path(name))
+    transcode_checkpoint(str(_compressed(name, tmp_path)), IDENTITY, str(tmp_path / "plain"))
+    restored = open_checkpoint(tmp_path / "plain")
+    tensor_fqns = {tensor.fqn for tensor in original.tensors}
+    for key, info in original.metadata.storage_data.items():
+        mine = restored.metadata.storage_data[key]
+        assert mine.transform_descriptors is None
+        restored_bytes = (tmp_path / "plain" / mine.relative_path).read_bytes()
+        decoded_original = read_item(locate_item(original, key.fqn, info, key.fqn in tensor_fqns))
+        assert restored_bytes[mine.offset:mine.offset + mine.length] == decoded_original
+
+
+def test_compress_to_zstd_makes_it_loadable_by_stock_torch(tmp_path):
+    name = "fsdp2_adamw_3ranks"
+    zstd_out = tmp_path / "zstd"
+    transcode_checkpoint(str(_compressed(name, tmp_path)), zstd_codec(), str(zstd_out))
+    loaded = load_with_torch(zstd_out)
+    for fqn, value in load_with_torch(fixture_path(name)).items():
+        assert torch.equal(loaded[fqn], value) if isinstance(value, torch.Tensor) else \
+            loaded[fqn] == value
+
+
+def test_floatsplit_is_smaller_than_zstd_on_float_weights(tmp_path):
+    """A quick synthetic check; bench/bench_floatsplit.py measures the real weights."""
+    import torch.distributed.checkpoint as dcp
+
+    generator = torch.Generator().manual_seed(0)
+    state = {"w": (torch.randn(300_000, generator=generator) * 0.02).to(torch.bfloat16)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
+    floatsplit = transcode_checkpoint(str(tmp_path / "plain"), floatsplit_codec(),
+                                      str(tmp_path / "fs"))
+    zstd = transcode_checkpoint(str(tmp_path / "plain"), zstd_codec(), str(tmp_path / "z"))
+    assert floatsplit.stored_bytes_after < 0.9 * zstd.stored_bytes_after
+
+
+def test_verify_and_reshard_read_floatsplit(tmp_path):
+    checkpoint = _compressed("fsdp2_adamw_3ranks", tmp_path)
+    assert verify_checkpoint(checkpoint).problems == []
+    out = tmp_path / "resharded"
+    reshard_checkpoint(checkpoint, 2, str(out))
+    assert {codec_for_descriptors(info.transform_descriptors).name for info in
+            open_checkpoint(out).metadata.storage_data.values()} == {"floatsplit"}
+    assert verify_checkpoint(out).problems == []
