@@ -7,8 +7,9 @@ codes the same items: plain zstd level 3 (dcpctl's zstd codec), ZipNN
 rewrites its input in place) and floatsplit, both directions in 4 MiB pieces as the pipeline
 gives them. Sizes are stored bytes over item bytes. The bound is the order-0 entropy of each
 tensor's exponent plus its sign and mantissa bits raw, plus each item's framing coded with
-zstd-3. Throughput is item bytes per CPU second of the process (all its threads; each codes on one) (the best of
---rounds rounds, contenders interleaved), so other load on the machine matters less.
+zstd-3. Throughput is item bytes per CPU second of the process (all its threads; each contender
+codes on one), each item's best of --rounds rounds, contenders taking turns item by item, so
+other load on the machine matters less.
 
 With --checkpoint, it also compresses the real-weights DCP checkpoint (bench/real_checkpoint.py;
 DCPCTL_BENCH_OUT=DIR reuses a cached one) with `dcpctl compress --codec zstd` and
@@ -121,28 +122,35 @@ def zipnn_coder():
 
 
 def run_contenders(items, rounds: int) -> dict[str, tuple[int, float, float]]:
-    """Stored bytes and best CPU seconds to encode and decode, per contender; checks round trips."""
+    """Stored bytes and CPU seconds to encode and decode, per contender; checks round trips.
+    Contenders take turns item by item, and each item's time is its best of `rounds`, so a
+    burst of load on the machine hits them alike."""
     contenders = {"zstd-3": dcpctl_coder(zstd_codec(3)), "zipnn": zipnn_coder(),
                   "floatsplit": dcpctl_coder(floatsplit_codec())}
-    results = {name: (0, float("inf"), float("inf")) for name in contenders}
-    for _ in range(rounds):
-        for name, (encode, decode) in contenders.items():
-            inputs = [bytearray(item) if name == "zipnn" else item for item, _, _ in items]
-            started = time.process_time()
-            encoded = [encode(item, hint) for item, (_, hint, _) in zip(inputs, items)]
-            encode_seconds = time.process_time() - started
-            started = time.process_time()
-            decoded = [decode(one) for one in encoded]
-            decode_seconds = time.process_time() - started
-            for pieces, (item, _, _) in zip(decoded, items):
-                if b"".join(pieces) != item:
-                    raise AssertionError(f"{name} does not round-trip an item")
-            size = sum(len(one[1]) if name == "zipnn" else sum(map(len, one))
-                       for one in encoded)
-            _, best_encode, best_decode = results[name]
-            results[name] = (size, min(best_encode, encode_seconds),
-                             min(best_decode, decode_seconds))
-    return results
+    sizes = dict.fromkeys(contenders, 0)
+    best = {(name, index, step): float("inf") for name in contenders
+            for index in range(len(items)) for step in ("encode", "decode")}
+    for round_index in range(rounds):
+        for index, (item, hint, _) in enumerate(items):
+            for name, (encode, decode) in contenders.items():
+                given = bytearray(item) if name == "zipnn" else item
+                started = time.process_time()
+                encoded = encode(given, hint)
+                encoded_at = time.process_time()
+                decoded = decode(encoded)
+                decoded_at = time.process_time()
+                best[name, index, "encode"] = min(best[name, index, "encode"],
+                                                  encoded_at - started)
+                best[name, index, "decode"] = min(best[name, index, "decode"],
+                                                  decoded_at - encoded_at)
+                if b"".join(decoded) != item:
+                    raise AssertionError(f"{name} does not round-trip item {index}")
+                if round_index == 0:
+                    sizes[name] += len(encoded[1]) if name == "zipnn" else sum(map(len, encoded))
+    return {name: (sizes[name],
+                   sum(best[name, index, "encode"] for index in range(len(items))),
+                   sum(best[name, index, "decode"] for index in range(len(items))))
+            for name in contenders}
 
 
 def compare_items(rounds: int) -> None:

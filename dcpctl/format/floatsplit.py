@@ -29,6 +29,7 @@ _MIN_BLOCK_BYTES = 1 << 20
 # A stream is stored coded only if that saves this fraction of it: decoding a nearly random
 # mantissa plane costs as much time as decoding the exponent plane, for a fraction of a percent.
 MIN_CODING_GAIN = 0.03
+_PROBE_BYTES = 64 << 10
 _HEAD_SEARCH_BYTES = 64 << 10
 STREAM_HEADER = struct.Struct("<BII")  # coding, decoded length, stored length
 FLOATS_HEADER = struct.Struct("<BBI")  # block kind, layout code, element count
@@ -141,13 +142,17 @@ class FloatSplitEncoder:
         layout = self._layout
         parts.append(FLOATS_HEADER.pack(FLOATS_BLOCK, layout.code, len(data) // layout.itemsize))
         for plane in split_planes(layout, data):
-            self._add_stream(plane, self._plane_compressor, parts)
+            self._add_stream(plane, self._plane_compressor, parts, probe=True)
 
     @staticmethod
-    def _add_stream(data, compressor: zstandard.ZstdCompressor, parts: list) -> None:
+    def _add_stream(data, compressor: zstandard.ZstdCompressor, parts: list,
+                    probe: bool = False) -> None:
         size = len(data)
-        compressed = compressor.compress(data)
-        if len(compressed) <= size * (1 - MIN_CODING_GAIN):
+        # Nearly random mantissa planes are told by their first bytes, not coded in full.
+        hopeless = probe and size >= 4 * _PROBE_BYTES and len(
+            compressor.compress(data[:_PROBE_BYTES])) > _PROBE_BYTES * (1 - MIN_CODING_GAIN / 2)
+        compressed = b"" if hopeless else compressor.compress(data)
+        if not hopeless and len(compressed) <= size * (1 - MIN_CODING_GAIN):
             parts += [STREAM_HEADER.pack(ZSTD_CODING, size, len(compressed)), compressed]
         else:
             parts += [STREAM_HEADER.pack(RAW_CODING, size, size), bytes(data)]

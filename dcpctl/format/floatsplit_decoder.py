@@ -17,6 +17,8 @@ from dcpctl.format.float_planes import LAYOUTS_BY_CODE, FloatLayout, join_planes
 from dcpctl.format.floatsplit import BYTES_BLOCK, END_BLOCK, END_HEADER, FLOATS_BLOCK, \
     FLOATS_HEADER, MAGIC, MAX_STREAM_BYTES, RAW_CODING, STREAM_HEADER, ZSTD_CODING
 
+_SMALL_STREAM_BYTES = 64 << 10
+
 
 @dataclass
 class _Stream:
@@ -176,24 +178,35 @@ class FloatSplitDecoder:
     def _decode_stream(self, stream: _Stream, target) -> None:
         """Decode a stream into target, which is exactly as long as it decodes to."""
         if stream.coding == RAW_CODING:
-            target[:] = stream.stored
+            memoryview(target).cast("B")[:] = stream.stored
             return
-        filled = 0
         try:
-            reader = self._decompressor.stream_reader(stream.stored)
-            with memoryview(target) as window:
-                while filled < len(window):
-                    count = reader.readinto(window[filled:])
-                    if not count:
-                        break
-                    filled += count
-            surplus = reader.read(1)
+            if stream.decoded_bytes <= _SMALL_STREAM_BYTES:  # not worth a reader
+                decoded = self._decompressor.decompress(stream.stored,
+                                                        max_output_size=stream.decoded_bytes)
+                filled, surplus = len(decoded), b""
+                if filled == stream.decoded_bytes:
+                    memoryview(target).cast("B")[:] = decoded
+            else:
+                filled, surplus = self._decompress_into(stream.stored, target)
         except zstandard.ZstdError as error:
             raise self._damage(stream.position, f"zstd frame does not decode ({error})") from None
         if filled != stream.decoded_bytes or surplus:
             raise self._damage(stream.position, f"a stream decodes to "
                                                 f"{'more than ' if surplus else ''}{filled} "
                                                 f"bytes, its header says {stream.decoded_bytes}")
+
+    def _decompress_into(self, stored: memoryview, target) -> tuple[int, bytes]:
+        """Decompress a zstd frame into target; the bytes filled and any beyond it."""
+        reader = self._decompressor.stream_reader(stored)
+        filled = 0
+        with memoryview(target) as window:
+            while filled < len(window):
+                count = reader.readinto(window[filled:])
+                if not count:
+                    break
+                filled += count
+        return filled, reader.read(1)
 
     def _damage(self, position: int, what: str) -> DataError:
         return DataError(f"floatsplit stream damaged at byte {self._buffer_start + position}: "
