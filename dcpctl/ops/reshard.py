@@ -32,7 +32,11 @@ from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo, TensorMet
 from dcpctl.format.sharding import shard_dim0_chunks
 from dcpctl.format.torch_save_writer import iter_torch_save_archive
 from dcpctl.format.writer import CheckpointOutput
-from dcpctl.pipeline import Pipeline, default_thread_count
+from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
+
+# Pieces smaller than this are joined before they reach the writer: a chunk's archive comes as
+# a dozen small records around its payload, and per-piece costs add up over many chunks.
+_COALESCE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,15 @@ def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader)
         payload = reader.source_of(source.location, source.raw_tensor, itemsize)
         return reader.read(payload, 0, itemsize)
     inner = task.sizes[1:]
+    whole_rows = [s for s in task.sources if s.sizes[1:] == inner
+                  and s.offsets[0] <= begin and end <= s.offsets[0] + s.sizes[0]]
+    if whole_rows:  # one input chunk holds these rows whole: a single contiguous read
+        source = whole_rows[0]
+        row_bytes = math.prod(inner) * itemsize
+        payload = reader.source_of(source.location, source.raw_tensor,
+                                   source.sizes[0] * row_bytes)
+        return reader.read(payload, (begin - source.offsets[0]) * row_bytes,
+                           (end - begin) * row_bytes)
     block = numpy.empty((end - begin, *inner, itemsize), dtype=numpy.uint8)
     for source in task.sources:
         first = max(begin, source.offsets[0])
@@ -197,7 +210,7 @@ def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader)
                                                                  source.sizes[1:]))
         block[region] = numpy.frombuffer(data, dtype=numpy.uint8).reshape(
             (last - first, *source.sizes[1:], itemsize))
-    return block.tobytes()
+    return memoryview(block).cast("B")
 
 
 def _produce(plan: ReshardPlan, reader: PayloadReader,
@@ -220,7 +233,8 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
         try:
             rows = (_assemble_rows(task, begin, end, reader)
                     for begin, end in _row_blocks(task, piece_bytes))
-            yield from encoded(iter_torch_save_archive(task.dtype, task.sizes, rows), None)
+            archive = iter_torch_save_archive(task.dtype, task.sizes, rows)
+            yield from coalesce(encoded(archive, None), _COALESCE_BYTES)
         finally:
             for source in task.sources:
                 reader.release(source.location)
