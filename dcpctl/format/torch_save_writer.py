@@ -17,19 +17,12 @@ import zlib
 from typing import Iterable, Iterator
 
 from dcpctl.errors import UnsupportedLayoutError
-from dcpctl.format.dtypes import DType
+from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
 
 ARCHIVE_PREFIX = "archive/"
 _ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
-_STORAGE_TYPES = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
-    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
-    "bool": "BoolStorage", "complex128": "ComplexDoubleStorage",
-    "complex64": "ComplexFloatStorage",
-}
 
 
 def _global(module: str, name: str) -> bytes:
@@ -58,7 +51,7 @@ def _int_tuple(values: tuple[int, ...]) -> bytes:
 
 def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
     """The `data.pkl` torch writes for a contiguous tensor of this dtype and shape."""
-    storage_type = _STORAGE_TYPES.get(dtype.name)
+    storage_type = LEGACY_STORAGE_TYPES.get(dtype.name)
     if storage_type is None:
         raise UnsupportedLayoutError(f"cannot write torch.save archives of dtype {dtype!r}")
     numel = 1
