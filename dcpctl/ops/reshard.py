@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import resource
 import tempfile
 import time
 from collections import Counter
@@ -31,7 +32,7 @@ from dcpctl.format.payload import PayloadReader
 from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo, TensorMetadata
 from dcpctl.format.sharding import shard_dim0_chunks
 from dcpctl.format.torch_save_writer import iter_torch_save_archive
-from dcpctl.format.writer import CheckpointOutput
+from dcpctl.format.writer import CheckpointOutput, DataFileWriter
 from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
 
 # Pieces smaller than this are joined before they reach the writer: a chunk's archive comes as
@@ -267,7 +268,7 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
     users = Counter(source.location for task in plan.tasks if isinstance(task, ChunkTask)
                     for source in task.sources)
     reader = PayloadReader(spool_directory, users)
-    writers: dict[str, object] = {}
+    writers: dict[str, DataFileWriter] = {}
     storage_by_task: dict[int, StorageInfo] = {}
     index_of = {id(task): index for index, task in enumerate(plan.tasks)}
     total = sum(t.nbytes if isinstance(t, ChunkTask) else t.location.length for t in plan.tasks)
@@ -299,6 +300,15 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
     return sum(info.length for info in storage_by_task.values())
 
 
+def _allow_open_files(count: int) -> None:
+    """Every rank file stays open while tensors are written in order; lift the soft limit on
+    open files towards the hard one if that many would not fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < count:
+        wanted = count if hard == resource.RLIM_INFINITY else min(count, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: str,
                        codec: Codec | None = None, threads: int | None = None,
                        overwrite: bool = False,
@@ -310,6 +320,7 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     threads = threads or default_thread_count()
     checkpoint = open_checkpoint(path)
     plan = plan_reshard(checkpoint, world_size, codec)
+    _allow_open_files(world_size + len(checkpoint.files) + 64)
     destination = Path(output_path)
     if destination.exists() and os.path.samefile(destination, checkpoint.path):
         raise UnsupportedLayoutError(f"{destination}: reshard writes a new checkpoint; the "
