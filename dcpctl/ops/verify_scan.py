@@ -266,9 +266,9 @@ def check_safetensors_item(item: StoredItem, file_name: str, path: Path) -> list
     if dtype_code != item.tensor.dtype.safetensors_code or shape != expected_sizes:
         return [Problem("tensor-mismatch", f"header gives {dtype_code} {list(shape)}; the "
                         f"metadata says {item.tensor.dtype.name} {list(expected_sizes)}", **where)]
-    if end - begin != item.chunk_nbytes or data_start + end > path.stat().st_size:
+    file_bytes = path.stat().st_size
+    if end - begin != item.chunk_nbytes or data_start + end > file_bytes:
         return [Problem("stored-length", f"header places the tensor at bytes "
                         f"{data_start + begin}..{data_start + end} for a chunk of "
-                        f"{item.chunk_nbytes} bytes in a file of {path.stat().st_size}",
-                        **where)]
+                        f"{item.chunk_nbytes} bytes in a file of {file_bytes}", **where)]
     return []

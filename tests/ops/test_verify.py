@@ -277,3 +277,39 @@ def test_progress_reports_every_byte_read(copy_fixture):
     assert sum(done for done, _ in calls) == report.bytes_read == sum(
         path.stat().st_size for path in report_files(checkpoint))
     assert {total for _, total in calls} == {report.bytes_read}
+
+
+def _first_key(metadata, fqn):
+    return next(key for key in metadata.storage_data if key.fqn == fqn)
+
+
+def _unknown_transform(metadata):
+    metadata.storage_data[_first_key(metadata, "grid")].transform_descriptors = ["stream.lz4/1"]
+
+
+def _overlapping_items(metadata):
+    metadata.storage_data[_first_key(metadata, "table")].offset -= 100
+
+
+def _storage_under_another_key(metadata):
+    key = _first_key(metadata, "bias")
+    metadata.storage_data[MetadataIndex("bias", torch.Size([1]), key.index)] = \
+        metadata.storage_data.pop(key)
+
+
+def _short_length(metadata):
+    metadata.storage_data[_first_key(metadata, "grid")].length = 40
+
+
+@pytest.mark.parametrize("edit, expected_rules", [
+    (_unknown_transform, {"unsupported-transform"}),
+    (_overlapping_items, {"item-overlap", "archive"}),
+    (_storage_under_another_key, {"no-storage", "orphan-storage"}),
+    (_short_length, {"stored-length", "archive"}),
+])
+def test_metadata_edits_each_break_a_named_rule(edit, expected_rules, copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    edit_metadata(checkpoint, edit)
+    report = verify_checkpoint(checkpoint)
+    assert rules(report) == expected_rules, report.problems
+    assert all(problem.fqns for problem in report.problems)
