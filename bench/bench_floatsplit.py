@@ -34,7 +34,7 @@ from harness import REPO_ROOT, dcpctl_command, directory_bytes, drop_directory, 
 from real_checkpoint import ENCODER, ONE_GB_UNITS, WHISPER, real_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT))
-from dcpctl.format.codecs import floatsplit_codec, zstd_codec  # noqa: E402
+from dcpctl.format.codecs import floatsplit_codec, iter_decoded, zstd_codec  # noqa: E402
 from dcpctl.format.floatsplit import PayloadHint, find_payload_start  # noqa: E402
 
 PIECE_BYTES = 4 << 20
@@ -92,10 +92,7 @@ def dcpctl_coder(codec):
         return pieces + [encoder.finish()]
 
     def decode(pieces: list[bytes]) -> list[bytes]:
-        decoder = codec.new_decoder()
-        decoded = [decoder.decode(piece) for piece in pieces]
-        decoder.finish()
-        return decoded
+        return list(iter_decoded(codec.new_decoder(), pieces))
 
     return encode, decode
 

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.render import ProgressBar, echo_json, format_bytes
+from dcpctl.cli.options import threads_option
+from dcpctl.cli.progress import byte_progress
+from dcpctl.cli.render import echo_json, format_bytes
 from dcpctl.ops.checksum import checksum_checkpoint
-
-THREADS_OPTION = click.option(
-    "--threads", type=click.IntRange(min=1), default=None, metavar="N",
-    help="Threads reading and hashing at once (default: one per core).")
 
 
 @click.command("checksum")
 @click.argument("checkpoint", type=click.Path(file_okay=True, dir_okay=True))
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON document.")
-@THREADS_OPTION
+@threads_option
 def checksum_command(checkpoint: str, as_json: bool, threads: int | None) -> None:
     """Write CHECKPOINT/SHA256SUMS covering `.metadata` and every data file.
 
@@ -28,7 +26,7 @@ def checksum_command(checkpoint: str, as_json: bool, threads: int | None) -> Non
       dcpctl checksum ckpt/
       cd ckpt/ && sha256sum -c SHA256SUMS
     """
-    with ProgressBar("hashing") as progress:
+    with byte_progress("checksum") as progress:
         report = checksum_checkpoint(checkpoint, threads, progress)
     if as_json:
         echo_json(report.to_json())

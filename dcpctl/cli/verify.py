@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.checksum import THREADS_OPTION
-from dcpctl.cli.render import ProgressBar, echo_json, format_bytes
+from dcpctl.cli.options import threads_option
+from dcpctl.cli.progress import byte_progress
+from dcpctl.cli.render import echo_json, format_bytes
 from dcpctl.ops.verify import VerifyReport, verify_checkpoint
 from dcpctl.ops.verify_structure import Problem
 
@@ -17,7 +18,7 @@ _FQNS_SHOWN = 3
 @click.option("--quick", is_flag=True,
               help="Check structure and SHA256SUMS only; do not decode the items.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON document.")
-@THREADS_OPTION
+@threads_option
 @click.pass_context
 def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json: bool,
                    threads: int | None) -> None:
@@ -40,9 +41,9 @@ def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json
       dcpctl verify ckpt/ --quick          # with SHA256SUMS: checksums and structure
       dcpctl verify ckpt/ --json | jq '.problems[] | .fqns[]'
     """
-    with ProgressBar("verifying") as progress:
+    with byte_progress("verify") as progress:
         report = verify_checkpoint(checkpoint, deep=not quick, threads=threads,
-                                   progress=progress)
+                                   on_progress=progress)
     if as_json:
         echo_json(report.to_json())
     else:

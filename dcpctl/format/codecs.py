@@ -12,6 +12,7 @@ from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME, FloatSplitEncoder, \
     PayloadHint  # noqa: F401  PayloadHint is part of the codec API
 from dcpctl.format.floatsplit_decoder import FloatSplitDecoder
+from dcpctl.format.zstd_blocks import ZstdBlockSplitter
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 DEFAULT_ZSTD_LEVEL = 3
@@ -36,9 +37,10 @@ class Readable(Protocol):
 
 
 class Decoder(Protocol):
-    """Decodes one item given piece by piece; `finish` raises if the item was cut short."""
+    """Decodes one item given piece by piece, each stored piece into decoded pieces of bounded
+    size; `finish` raises if the item was cut short."""
 
-    def decode(self, piece: bytes) -> bytes: ...
+    def decode(self, piece: bytes) -> Iterator[bytes]: ...
 
     def finish(self) -> None: ...
 
@@ -131,9 +133,7 @@ def codec_for_descriptors(descriptors: Sequence[str] | None) -> Codec:
 def iter_decoded(decoder: Decoder, pieces: Iterable[bytes]) -> Iterator[bytes]:
     """The decoded bytes of an item's stored pieces; raises DataError if they end too soon."""
     for piece in pieces:
-        decoded = decoder.decode(piece)
-        if decoded:
-            yield decoded
+        yield from decoder.decode(piece)
     decoder.finish()
 
 
@@ -150,8 +150,8 @@ class _IdentityCoder:
     def encode(self, piece: bytes) -> bytes:
         return piece
 
-    def decode(self, piece: bytes) -> bytes:
-        return piece
+    def decode(self, piece: bytes) -> Iterator[bytes]:
+        yield piece
 
     def finish(self) -> bytes:
         return b""
@@ -170,24 +170,26 @@ class _ZstdEncoder:
 
 
 class _ZstdDecoder:
+    """Feeds the decompressor one block at a time, so no decoded piece passes 128 KiB however
+    well the item compressed (a gigabyte of zeros is a few kilobytes of zstd)."""
+
     def __init__(self) -> None:
         self._stream = zstandard.ZstdDecompressor().decompressobj()
+        self._blocks = ZstdBlockSplitter()
 
-    def decode(self, piece: bytes) -> bytes:
-        if self._stream.eof:
-            if piece:
-                raise DataError("bytes follow the end of the zstd frame")
-            return b""
-        try:
-            return self._stream.decompress(piece)
-        except zstandard.ZstdError as error:
-            raise DataError(f"zstd frame does not decode ({error})") from None
+    def decode(self, piece: bytes) -> Iterator[bytes]:
+        for segment in self._blocks.feed(piece):
+            try:
+                decoded = self._stream.decompress(segment)
+            except zstandard.ZstdError as error:
+                raise DataError(f"zstd frame does not decode ({error})") from None
+            if decoded:
+                yield decoded
 
     def finish(self) -> None:
+        self._blocks.finish()
         if not self._stream.eof:
             raise DataError("zstd frame is cut short")
-        if self._stream.unused_data:
-            raise DataError("bytes follow the end of the zstd frame")
 
 
 class _ZstdReader:
@@ -206,22 +208,17 @@ class _DecodingReader:
     """An item's decoded bytes, read by feeding its stored bytes to a piece-wise decoder."""
 
     def __init__(self, stored: Readable, decoder: Decoder, read_bytes: int) -> None:
-        self._stored = stored
-        self._decoder = decoder
-        self._read_bytes = read_bytes
-        self._decoded = memoryview(b"")
-        self._ended = False
+        self._pieces = iter_decoded(decoder, iter(lambda: stored.read(read_bytes), b""))
+        self._piece = memoryview(b"")
 
     def read(self, size: int = -1) -> bytes:
         if size < 0:
             return b"".join(iter(lambda: self.read(1 << 30), b""))
-        while not self._decoded and not self._ended:
-            piece = self._stored.read(self._read_bytes)
-            if piece:
-                self._decoded = memoryview(self._decoder.decode(piece)).cast("B")
-            else:
-                self._decoder.finish()
-                self._ended = True
-        chunk = self._decoded[:size]
-        self._decoded = self._decoded[len(chunk):]
+        while not self._piece:
+            piece = next(self._pieces, None)
+            if piece is None:
+                return b""
+            self._piece = memoryview(piece).cast("B")
+        chunk = self._piece[:size]
+        self._piece = self._piece[len(chunk):]
         return bytes(chunk)

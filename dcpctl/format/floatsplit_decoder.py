@@ -1,14 +1,15 @@
 """Decode the floatsplit stream (docs/floatsplit.md) piece by piece, from its bytes alone.
 
-Each `decode` call first finds the blocks its input completes, then decodes them into one
-output buffer: float planes are joined straight into it, zstd-coded planes are decompressed into
-scratch memory, raw planes are read where they lie. Anything that does not add up raises
+Each `decode` call first finds the blocks its input completes, then decodes each into a buffer
+of its own, handed out as one piece: float planes are joined straight into it, zstd-coded planes
+are decompressed into scratch memory, raw planes are read where they lie. Anything that does not add up raises
 DataError naming the byte offset in the stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import zstandard
 
@@ -40,39 +41,40 @@ class FloatSplitDecoder:
 
     def __init__(self) -> None:
         self._decompressor = zstandard.ZstdDecompressor()
-        self._buffer = bytearray()
-        self._buffer_start = 0  # stream offset of the buffer's first byte, for messages
+        self._pending = b""  # the start of a block the next piece completes
+        self._view_start = 0  # stream offset of the bytes being scanned, for messages
         self._started = False
         self._ended = False
         self._decoded_bytes = 0
 
-    def decode(self, piece: bytes) -> bytes:
+    def decode(self, piece: bytes) -> Iterator[bytes]:
+        """The decoded bytes of every block that `piece` completes, one piece per block."""
         if self._ended:
             if piece:
                 raise DataError("bytes follow the end of the floatsplit stream")
-            return b""
-        self._buffer += piece
-        with memoryview(self._buffer) as view:
-            position = self._check_magic(view)
-            blocks = []
-            while not self._ended:
-                block, block_end = self._scan_block(view, position)
-                if block is None:
-                    break
-                blocks.append(block)
-                position = block_end
-            decoded = self._decode_blocks(blocks)
-            del blocks  # releases the views into the buffer before it shrinks
-        del self._buffer[:position]
-        self._buffer_start += position
-        if self._ended and self._buffer:
+            return
+        data = self._pending + piece if self._pending else piece
+        view = memoryview(data)
+        position = self._check_magic(view)
+        blocks = []
+        while not self._ended:
+            block, block_end = self._scan_block(view, position)
+            if block is None:
+                break
+            blocks.append(block)
+            position = block_end
+        self._pending = bytes(view[position:])
+        self._view_start += position
+        if self._ended and self._pending:
             raise DataError("bytes follow the end of the floatsplit stream")
-        return decoded
+        for block in blocks:
+            if block.decoded_bytes:
+                yield self._decode_block(block)
 
     def finish(self) -> None:
         if not self._ended:
             raise DataError(f"floatsplit stream is cut short at byte "
-                            f"{self._buffer_start + len(self._buffer)}")
+                            f"{self._view_start + len(self._pending)}")
 
     def _check_magic(self, view: memoryview) -> int:
         if self._started or len(view) < len(MAGIC):
@@ -126,8 +128,8 @@ class FloatSplitDecoder:
             if stream is None:
                 return None, position
             if stream.decoded_bytes != elements:
-                raise self._damage(stream.position, f"a {layout.name} plane holds "
-                                   f"{stream.decoded_bytes} bytes for {elements} elements")
+                raise self._damage_at(stream.position, f"a {layout.name} plane holds "
+                                      f"{stream.decoded_bytes} bytes for {elements} elements")
             block.streams.append(stream)
         return block, end
 
@@ -146,26 +148,16 @@ class FloatSplitDecoder:
         start = position + STREAM_HEADER.size
         if start + stored_bytes > len(view):
             return None, position
-        return (_Stream(coding, decoded_bytes, view[start:start + stored_bytes], position),
-                start + stored_bytes)
+        return (_Stream(coding, decoded_bytes, view[start:start + stored_bytes],
+                        self._view_start + position), start + stored_bytes)
 
-    def _decode_blocks(self, blocks: list[_Block]) -> bytes:
-        if not blocks:
-            return b""
-        decoded = bytearray(sum(block.decoded_bytes for block in blocks))
-        with memoryview(decoded) as target:
-            offset = 0
-            for block in blocks:
-                segment = target[offset:offset + block.decoded_bytes]
-                if block.layout is None:
-                    for stream in block.streams:
-                        self._decode_stream(stream, segment)
-                else:
-                    planes = [self._plane(stream, index) for index, stream in
-                              enumerate(block.streams)]
-                    join_planes(block.layout, planes, segment)
-                segment.release()
-                offset += block.decoded_bytes
+    def _decode_block(self, block: _Block) -> bytearray:
+        decoded = bytearray(block.decoded_bytes)
+        if block.layout is None:
+            self._decode_stream(block.streams[0], decoded)
+        else:
+            planes = [self._plane(stream, index) for index, stream in enumerate(block.streams)]
+            join_planes(block.layout, planes, decoded)
         return decoded
 
     def _plane(self, stream: _Stream, index: int):
@@ -190,9 +182,10 @@ class FloatSplitDecoder:
             else:
                 filled, surplus = self._decompress_into(stream.stored, target)
         except zstandard.ZstdError as error:
-            raise self._damage(stream.position, f"zstd frame does not decode ({error})") from None
+            raise self._damage_at(stream.position,
+                                  f"zstd frame does not decode ({error})") from None
         if filled != stream.decoded_bytes or surplus:
-            raise self._damage(stream.position, f"a stream decodes to "
+            raise self._damage_at(stream.position, f"a stream decodes to "
                                                 f"{'more than ' if surplus else ''}{filled} "
                                                 f"bytes, its header says {stream.decoded_bytes}")
 
@@ -209,5 +202,9 @@ class FloatSplitDecoder:
         return filled, reader.read(1)
 
     def _damage(self, position: int, what: str) -> DataError:
-        return DataError(f"floatsplit stream damaged at byte {self._buffer_start + position}: "
-                         f"{what}")
+        """An error at `position` of the bytes being scanned."""
+        return self._damage_at(self._view_start + position, what)
+
+    @staticmethod
+    def _damage_at(stream_offset: int, what: str) -> DataError:
+        return DataError(f"floatsplit stream damaged at byte {stream_offset}: {what}")

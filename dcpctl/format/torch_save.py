@@ -17,21 +17,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dcpctl.errors import DataError
-from dcpctl.format.dtypes import DTYPES_BY_NAME, DType
+from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
 from dcpctl.format.zip_archive import STORED, ReadRange, ZipRecord, read_zip_records
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
 _MAX_PICKLE_BYTES = 1 << 20
 _LAYOUT_WINDOW_BYTES = 4096
 
-# torch pickles a TypedStorage under a legacy class name that implies its dtype.
-_LEGACY_STORAGE_DTYPES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
-    "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64",
-}
+_DTYPES_BY_LEGACY_STORAGE = {storage: DTYPES_BY_NAME[name]
+                              for name, storage in LEGACY_STORAGE_TYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -208,8 +202,8 @@ class _TensorUnpickler(pickle.Unpickler):
             return dict
         if module in ("torch", "torch.storage") and name == "UntypedStorage":
             return _StorageType(None)
-        if module == "torch" and name in _LEGACY_STORAGE_DTYPES:
-            return _StorageType(DTYPES_BY_NAME[_LEGACY_STORAGE_DTYPES[name]])
+        if module == "torch" and name in _DTYPES_BY_LEGACY_STORAGE:
+            return _StorageType(_DTYPES_BY_LEGACY_STORAGE[name])
         if module == "torch" and name in DTYPES_BY_NAME:
             return DTYPES_BY_NAME[name]
         raise DataError(f"data.pkl refers to {module}.{name}, which the pickle of a plain dense "

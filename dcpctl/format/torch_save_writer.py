@@ -11,24 +11,18 @@ computed on the way; a zip64 end record is always written, and zip64 sizes where
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from typing import Iterable, Iterator
 
 from dcpctl.errors import UnsupportedLayoutError
-from dcpctl.format.dtypes import DType
+from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
 
 ARCHIVE_PREFIX = "archive/"
 _ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
-_STORAGE_TYPES = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
-    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
-    "bool": "BoolStorage", "complex128": "ComplexDoubleStorage",
-    "complex64": "ComplexFloatStorage",
-}
 
 
 def _global(module: str, name: str) -> bytes:
@@ -57,7 +51,7 @@ def _int_tuple(values: tuple[int, ...]) -> bytes:
 
 def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
     """The `data.pkl` torch writes for a contiguous tensor of this dtype and shape."""
-    storage_type = _STORAGE_TYPES.get(dtype.name)
+    storage_type = LEGACY_STORAGE_TYPES.get(dtype.name)
     if storage_type is None:
         raise UnsupportedLayoutError(f"cannot write torch.save archives of dtype {dtype!r}")
     numel = 1
@@ -78,6 +72,13 @@ class _ZipStreamWriter:
     def __init__(self) -> None:
         self.position = 0
         self._entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, offset
+
+    def copy(self) -> "_ZipStreamWriter":
+        """An independent writer in the same state."""
+        twin = _ZipStreamWriter()
+        twin.position = self.position
+        twin._entries = list(self._entries)
+        return twin
 
     def local_header(self, name: str) -> bytes:
         encoded = name.encode()
@@ -127,16 +128,28 @@ class _ZipStreamWriter:
         return directory + tail
 
 
+@functools.lru_cache(maxsize=256)
+def _archive_prefix(dtype: DType, shape: tuple[int, ...]) -> tuple[bytes, _ZipStreamWriter]:
+    """Everything before the payload, which depends on dtype and shape alone (checkpoints
+    repeat shapes layer after layer), and the zip state after it."""
+    zip_writer = _ZipStreamWriter()
+    prefix = b"".join([
+        zip_writer.record(ARCHIVE_PREFIX + "data.pkl", tensor_pickle(dtype, shape)),
+        zip_writer.record(ARCHIVE_PREFIX + ".format_version", b"1"),
+        zip_writer.record(ARCHIVE_PREFIX + ".storage_alignment", b"64"),
+        zip_writer.record(ARCHIVE_PREFIX + "byteorder", b"little"),
+        zip_writer.local_header(ARCHIVE_PREFIX + "data/0"),
+    ])
+    return prefix, zip_writer
+
+
 def iter_torch_save_archive(dtype: DType, shape: tuple[int, ...],
                             payload_pieces: Iterable[bytes]) -> Iterator[bytes]:
     """The bytes of `torch.save(tensor)` for a contiguous tensor whose row-major bytes come in
     payload_pieces, in pieces."""
-    zip_writer = _ZipStreamWriter()
-    yield zip_writer.record(ARCHIVE_PREFIX + "data.pkl", tensor_pickle(dtype, shape))
-    yield zip_writer.record(ARCHIVE_PREFIX + ".format_version", b"1")
-    yield zip_writer.record(ARCHIVE_PREFIX + ".storage_alignment", b"64")
-    yield zip_writer.record(ARCHIVE_PREFIX + "byteorder", b"little")
-    yield zip_writer.local_header(ARCHIVE_PREFIX + "data/0")
+    prefix, cached_writer = _archive_prefix(dtype, shape)
+    zip_writer = cached_writer.copy()
+    yield prefix
     crc, size = 0, 0
     for piece in payload_pieces:
         crc = zlib.crc32(piece, crc)

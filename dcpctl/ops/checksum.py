@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 from dcpctl.format.checkpoint import open_checkpoint
 from dcpctl.format.checksums import sha256_of_files, write_sha256sums
 from dcpctl.format.metadata import METADATA_FILE_NAME
-from dcpctl.ops.progress import NoProgress, Progress, thread_count
+from dcpctl.pipeline import default_thread_count
 
 
 @dataclass
@@ -27,15 +28,15 @@ class ChecksumReport:
 
 
 def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
-                        progress: Progress | None = None) -> ChecksumReport:
+                        on_progress: Callable[[int, int], None] | None = None) -> ChecksumReport:
     """Hash `.metadata` and every data file the metadata names, in parallel, and write
-    CKPT/SHA256SUMS. Refuses a checkpoint with missing or truncated data files."""
+    CKPT/SHA256SUMS. Refuses a checkpoint with missing or truncated data files.
+    on_progress(done_bytes, total_bytes) follows the hashing."""
     checkpoint = open_checkpoint(path, check_files=True)
     names = [METADATA_FILE_NAME, *checkpoint.files]
-    sizes = {name: (checkpoint.path / name).stat().st_size for name in names}
-    progress = progress or NoProgress()
-    progress.start(sum(sizes.values()))
-    digests = sha256_of_files(checkpoint.path, names, thread_count(threads), progress.advance)
+    total_bytes = sum((checkpoint.path / name).stat().st_size for name in names)
+    advance = None if on_progress is None else lambda done: on_progress(done, total_bytes)
+    digests = sha256_of_files(checkpoint.path, names, threads or default_thread_count(), advance)
     sums_path = write_sha256sums(checkpoint.path, digests)
     return ChecksumReport(str(checkpoint.path), str(sums_path), dict(sorted(digests.items())),
-                          sum(sizes.values()))
+                          total_bytes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import resource
 import tempfile
 import time
 from collections import Counter
@@ -31,8 +32,12 @@ from dcpctl.format.payload import PayloadReader
 from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo, TensorMetadata
 from dcpctl.format.sharding import shard_dim0_chunks
 from dcpctl.format.torch_save_writer import iter_torch_save_archive
-from dcpctl.format.writer import CheckpointOutput
-from dcpctl.pipeline import Pipeline, default_thread_count
+from dcpctl.format.writer import CheckpointOutput, DataFileWriter
+from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
+
+# Pieces smaller than this are joined before they reach the writer: a chunk's archive comes as
+# a dozen small records around its payload, and per-piece costs add up over many chunks.
+_COALESCE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,15 @@ def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader)
         payload = reader.source_of(source.location, source.raw_tensor, itemsize)
         return reader.read(payload, 0, itemsize)
     inner = task.sizes[1:]
+    whole_rows = [s for s in task.sources if s.sizes[1:] == inner
+                  and s.offsets[0] <= begin and end <= s.offsets[0] + s.sizes[0]]
+    if whole_rows:  # one input chunk holds these rows whole: a single contiguous read
+        source = whole_rows[0]
+        row_bytes = math.prod(inner) * itemsize
+        payload = reader.source_of(source.location, source.raw_tensor,
+                                   source.sizes[0] * row_bytes)
+        return reader.read(payload, (begin - source.offsets[0]) * row_bytes,
+                           (end - begin) * row_bytes)
     block = numpy.empty((end - begin, *inner, itemsize), dtype=numpy.uint8)
     for source in task.sources:
         first = max(begin, source.offsets[0])
@@ -197,7 +211,7 @@ def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader)
                                                                  source.sizes[1:]))
         block[region] = numpy.frombuffer(data, dtype=numpy.uint8).reshape(
             (last - first, *source.sizes[1:], itemsize))
-    return block.tobytes()
+    return memoryview(block).cast("B")
 
 
 def _produce(plan: ReshardPlan, reader: PayloadReader,
@@ -220,8 +234,9 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
         try:
             rows = (_assemble_rows(task, begin, end, reader)
                     for begin, end in _row_blocks(task, piece_bytes))
-            yield from encoded(iter_torch_save_archive(task.dtype, task.sizes, rows),
-                               PayloadHint(task.dtype.name, task.nbytes))
+            archive = iter_torch_save_archive(task.dtype, task.sizes, rows)
+            yield from coalesce(encoded(archive, PayloadHint(task.dtype.name, task.nbytes)),
+                                _COALESCE_BYTES)
         finally:
             for source in task.sources:
                 reader.release(source.location)
@@ -254,7 +269,7 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
     users = Counter(source.location for task in plan.tasks if isinstance(task, ChunkTask)
                     for source in task.sources)
     reader = PayloadReader(spool_directory, users)
-    writers: dict[str, object] = {}
+    writers: dict[str, DataFileWriter] = {}
     storage_by_task: dict[int, StorageInfo] = {}
     index_of = {id(task): index for index, task in enumerate(plan.tasks)}
     total = sum(t.nbytes if isinstance(t, ChunkTask) else t.location.length for t in plan.tasks)
@@ -286,6 +301,15 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
     return sum(info.length for info in storage_by_task.values())
 
 
+def _allow_open_files(count: int) -> None:
+    """Every rank file stays open while tensors are written in order; lift the soft limit on
+    open files towards the hard one if that many would not fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < count:
+        wanted = count if hard == resource.RLIM_INFINITY else min(count, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: str,
                        codec: Codec | None = None, threads: int | None = None,
                        overwrite: bool = False,
@@ -297,6 +321,7 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     threads = threads or default_thread_count()
     checkpoint = open_checkpoint(path)
     plan = plan_reshard(checkpoint, world_size, codec)
+    _allow_open_files(world_size + len(checkpoint.files) + 64)
     destination = Path(output_path)
     if destination.exists() and os.path.samefile(destination, checkpoint.path):
         raise UnsupportedLayoutError(f"{destination}: reshard writes a new checkpoint; the "

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
 from dcpctl.format.checkpoint import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.checksums import SHA256SUMS_FILE_NAME, read_sha256sums
 from dcpctl.format.metadata import METADATA_FILE_NAME
-from dcpctl.ops.progress import NoProgress, Progress, thread_count
+from dcpctl.pipeline import default_thread_count
 from dcpctl.ops.verify_scan import plan_scan, run_scan
 from dcpctl.ops.verify_structure import Problem, StoredItem, check_structure, \
     is_safetensors_tensor, list_stored_items
@@ -49,8 +50,9 @@ class VerifyReport:
 
 
 def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int | None = None,
-                      progress: Progress | None = None) -> VerifyReport:
-    """Check a checkpoint directory and report every problem found (see VerifyReport)."""
+                      on_progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Check a checkpoint directory and report every problem found (see VerifyReport);
+    on_progress(done_bytes, total_bytes) follows the reading."""
     directory = Path(path)
     report = VerifyReport(str(directory), deep)
     try:
@@ -76,7 +78,7 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int |
     report.problems += _listing_problems(directory, checkpoint, sums, report.problems)
     archive_items, safetensors_items = _items_to_read(checkpoint, items, deep)
     units = plan_scan(directory, archive_items, safetensors_items, sums or {})
-    report.problems += run_scan(units, thread_count(threads), progress or NoProgress())
+    report.problems += run_scan(units, threads or default_thread_count(), on_progress)
     report.items_checked = len(archive_items) + len(safetensors_items)
     report.bytes_read = sum(unit.read_bytes for unit in units)
     report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))

@@ -17,13 +17,13 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from dcpctl.errors import DataError, UnsafePathError, UnsupportedLayoutError
 from dcpctl.format.archive_check import ArchiveCheck, ArchiveStreamCheck, spooled_read_range
 from dcpctl.format.checkpoint import resolve_inside
 from dcpctl.format.codecs import Codec, codec_for_descriptors
 from dcpctl.format.items import read_safetensors_header
-from dcpctl.ops.progress import Progress
 from dcpctl.ops.verify_structure import Problem, StoredItem
 
 PIECE_BYTES = 4 << 20
@@ -81,19 +81,26 @@ def _split_into_units(name: str, path: Path, items: list[StoredItem]) -> list[Sc
     return units
 
 
-def run_scan(units: list[ScanUnit], threads: int, progress: Progress) -> list[Problem]:
-    """Run the units on `threads` threads; the problems they found."""
-    progress.start(sum(unit.read_bytes for unit in units))
+def run_scan(units: list[ScanUnit], threads: int,
+             on_progress: Callable[[int, int], None] | None = None) -> list[Problem]:
+    """Run the units on `threads` threads; the problems they found. on_progress(done_bytes,
+    total_bytes) follows the reading."""
+    total_bytes = sum(unit.read_bytes for unit in units)
+
+    def advance(done_bytes: int) -> None:
+        if on_progress is not None:
+            on_progress(done_bytes, total_bytes)
+
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        found = list(pool.map(lambda unit: _scan_unit(unit, progress), units))
+        found = list(pool.map(lambda unit: _scan_unit(unit, advance), units))
     return [problem for problems in found for problem in problems]
 
 
-def _scan_unit(unit: ScanUnit, progress: Progress) -> list[Problem]:
+def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
     problems = []
     try:
         with open(unit.path, "rb", buffering=0) as stream:
-            cursor = _FileCursor(stream.fileno(), unit.expected_sha256 is not None, progress)
+            cursor = _FileCursor(stream.fileno(), unit.expected_sha256 is not None, advance)
             for item in unit.archive_items:
                 problems += check_archive_item(item, unit.name, cursor)
             for item in unit.safetensors_items:
@@ -115,11 +122,11 @@ class _FileCursor:
     """Reads one file for a unit. When hashing, item ranges are read front to back and the
     bytes between and after them too, so each byte is read and hashed once."""
 
-    def __init__(self, descriptor: int, hashing: bool, progress: Progress) -> None:
+    def __init__(self, descriptor: int, hashing: bool, advance: Callable[[int], None]) -> None:
         self.descriptor = descriptor
         self.digest = hashlib.sha256() if hashing else None
         self.position = 0
-        self.progress = progress
+        self.advance = advance
 
     def open_range(self, start: int, length: int) -> _RangeReader:
         """A reader of bytes [start, start + length); hashed in passing when it can be."""
@@ -145,7 +152,7 @@ class _FileCursor:
         """Count (and hash) bytes read in order at the current position."""
         self.digest.update(piece)
         self.position += len(piece)
-        self.progress.advance(len(piece))
+        self.advance(len(piece))
 
 
 class _RangeReader:
@@ -168,7 +175,7 @@ class _RangeReader:
         if self._sequential:
             self._cursor.take(piece)
         elif self._cursor.digest is None:
-            self._cursor.progress.advance(len(piece))
+            self._cursor.advance(len(piece))
         return piece
 
 
@@ -259,9 +266,9 @@ def check_safetensors_item(item: StoredItem, file_name: str, path: Path) -> list
     if dtype_code != item.tensor.dtype.safetensors_code or shape != expected_sizes:
         return [Problem("tensor-mismatch", f"header gives {dtype_code} {list(shape)}; the "
                         f"metadata says {item.tensor.dtype.name} {list(expected_sizes)}", **where)]
-    if end - begin != item.chunk_nbytes or data_start + end > path.stat().st_size:
+    file_bytes = path.stat().st_size
+    if end - begin != item.chunk_nbytes or data_start + end > file_bytes:
         return [Problem("stored-length", f"header places the tensor at bytes "
                         f"{data_start + begin}..{data_start + end} for a chunk of "
-                        f"{item.chunk_nbytes} bytes in a file of {path.stat().st_size}",
-                        **where)]
+                        f"{item.chunk_nbytes} bytes in a file of {file_bytes}", **where)]
     return []

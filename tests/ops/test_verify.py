@@ -247,3 +247,69 @@ def test_find_overlapping_boxes_scales_to_many_chunks():
         assert find_overlapping_boxes(boxes) is None
     assert find_overlapping_boxes(rows + [((10, 2), (1, 1))]) is not None
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("name", ["fsdp2_adamw_3ranks", "objects_2ranks", "zstd_fsdp2_2ranks"])
+def test_compress_and_decompress_outputs_verify_with_their_sha256sums(name, tmp_path):
+    """The SHA256SUMS that compress/decompress write as they write check out, and a bit
+    flipped afterwards is caught by both the checksum and the CRC."""
+    from dcpctl.format.codecs import IDENTITY, zstd_codec
+    from dcpctl.ops.transcode import transcode_checkpoint
+
+    for codec in (zstd_codec(), IDENTITY):
+        output = tmp_path / codec.name
+        transcode_checkpoint(fixture_path(name), codec, str(output))
+        report = verify_checkpoint(output)
+        assert report.status == "ok", report.problems
+        assert report.checksummed_files == len(report_files(output))
+    file_name, offset = tensor_data_offset(output, "model.embed.weight" if "fsdp2" in name
+                                           else "weights.dense")
+    flip_bit(output / file_name, offset)
+    assert rules(verify_checkpoint(output)) == {"checksum-mismatch", "crc-mismatch"}
+
+
+def test_progress_reports_every_byte_read(copy_fixture):
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    checksum_checkpoint(checkpoint)
+    calls = []
+    report = verify_checkpoint(checkpoint, threads=2,
+                               on_progress=lambda done, total: calls.append((done, total)))
+    assert sum(done for done, _ in calls) == report.bytes_read == sum(
+        path.stat().st_size for path in report_files(checkpoint))
+    assert {total for _, total in calls} == {report.bytes_read}
+
+
+def _first_key(metadata, fqn):
+    return next(key for key in metadata.storage_data if key.fqn == fqn)
+
+
+def _unknown_transform(metadata):
+    metadata.storage_data[_first_key(metadata, "grid")].transform_descriptors = ["stream.lz4/1"]
+
+
+def _overlapping_items(metadata):
+    metadata.storage_data[_first_key(metadata, "table")].offset -= 100
+
+
+def _storage_under_another_key(metadata):
+    key = _first_key(metadata, "bias")
+    metadata.storage_data[MetadataIndex("bias", torch.Size([1]), key.index)] = \
+        metadata.storage_data.pop(key)
+
+
+def _short_length(metadata):
+    metadata.storage_data[_first_key(metadata, "grid")].length = 40
+
+
+@pytest.mark.parametrize("edit, expected_rules", [
+    (_unknown_transform, {"unsupported-transform"}),
+    (_overlapping_items, {"item-overlap", "archive"}),
+    (_storage_under_another_key, {"no-storage", "orphan-storage"}),
+    (_short_length, {"stored-length", "archive"}),
+])
+def test_metadata_edits_each_break_a_named_rule(edit, expected_rules, copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    edit_metadata(checkpoint, edit)
+    report = verify_checkpoint(checkpoint)
+    assert rules(report) == expected_rules, report.problems
+    assert all(problem.fqns for problem in report.problems)
