@@ -12,6 +12,7 @@ docs/floatsplit.md; decoding (floatsplit_decoder) needs nothing but the stream.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 
 import zstandard
@@ -30,6 +31,7 @@ _MIN_BLOCK_BYTES = 1 << 20
 # mantissa plane costs as much time as decoding the exponent plane, for a fraction of a percent.
 MIN_CODING_GAIN = 0.03
 _PROBE_BYTES = 64 << 10
+_MIN_SPLIT_BYTES = 16 << 10
 _HEAD_SEARCH_BYTES = 64 << 10
 STREAM_HEADER = struct.Struct("<BII")  # coding, decoded length, stored length
 FLOATS_HEADER = struct.Struct("<BBI")  # block kind, layout code, element count
@@ -41,6 +43,22 @@ _ZIP_LOCAL_HEADER_BYTES = 30
 _PLANE_PARAMETERS = zstandard.ZstdCompressionParameters(
     window_log=17, hash_log=8, chain_log=6, search_log=1, min_match=7, target_length=0,
     strategy=zstandard.STRATEGY_FAST)
+
+
+_compressors = threading.local()
+
+
+def _compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """This thread's compressor for plain bytes at `level`, or for planes (None). Reused, as
+    making one costs more than coding a small stream; fetched at each use, as an encoder may
+    move between threads."""
+    cache = getattr(_compressors, "cache", None)
+    if cache is None:
+        cache = _compressors.cache = {}
+    if level not in cache:
+        cache[level] = (zstandard.ZstdCompressor(level=level) if level is not None else
+                        zstandard.ZstdCompressor(compression_params=_PLANE_PARAMETERS))
+    return cache[level]
 
 
 @dataclass(frozen=True)
@@ -73,9 +91,10 @@ class FloatSplitEncoder:
     """Encodes one item given piece by piece; with a hint, its tensor bytes go into planes."""
 
     def __init__(self, level: int, payload: PayloadHint | None) -> None:
-        self._bytes_compressor = zstandard.ZstdCompressor(level=level)
-        self._plane_compressor = zstandard.ZstdCompressor(compression_params=_PLANE_PARAMETERS)
-        self._layout = layout_for_dtype(payload.dtype_name) if payload else None
+        self._level = level
+        # Splitting a tiny tensor costs more time than it saves bytes: one zstd frame codes it.
+        splits = payload is not None and payload.payload_bytes >= _MIN_SPLIT_BYTES
+        self._layout = layout_for_dtype(payload.dtype_name) if splits else None
         self._payload_left = payload.payload_bytes if self._layout else 0
         self._in_head = self._payload_left > 0
         self._pending = b""
@@ -136,13 +155,13 @@ class FloatSplitEncoder:
 
     def _add_bytes_block(self, data: memoryview, parts: list) -> None:
         parts.append(bytes((BYTES_BLOCK,)))
-        self._add_stream(data, self._bytes_compressor, parts)
+        self._add_stream(data, _compressor(self._level), parts)
 
     def _add_floats_block(self, data: memoryview, parts: list) -> None:
         layout = self._layout
         parts.append(FLOATS_HEADER.pack(FLOATS_BLOCK, layout.code, len(data) // layout.itemsize))
         for plane in split_planes(layout, data):
-            self._add_stream(plane, self._plane_compressor, parts, probe=True)
+            self._add_stream(plane, _compressor(None), parts, probe=True)
 
     @staticmethod
     def _add_stream(data, compressor: zstandard.ZstdCompressor, parts: list,

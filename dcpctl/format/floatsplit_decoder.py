@@ -8,6 +8,7 @@ DataError naming the byte offset in the stream.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -19,6 +20,15 @@ from dcpctl.format.floatsplit import BYTES_BLOCK, END_BLOCK, END_HEADER, FLOATS_
     FLOATS_HEADER, MAGIC, MAX_STREAM_BYTES, RAW_CODING, STREAM_HEADER, ZSTD_CODING
 
 _SMALL_STREAM_BYTES = 64 << 10
+_decompressors = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor, reused from stream to stream."""
+    decompressor = getattr(_decompressors, "decompressor", None)
+    if decompressor is None:
+        decompressor = _decompressors.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
 
 
 @dataclass
@@ -40,7 +50,6 @@ class FloatSplitDecoder:
     """Decodes one item given piece by piece; `finish` raises if the item was cut short."""
 
     def __init__(self) -> None:
-        self._decompressor = zstandard.ZstdDecompressor()
         self._pending = b""  # the start of a block the next piece completes
         self._view_start = 0  # stream offset of the bytes being scanned, for messages
         self._started = False
@@ -174,7 +183,7 @@ class FloatSplitDecoder:
             return
         try:
             if stream.decoded_bytes <= _SMALL_STREAM_BYTES:  # not worth a reader
-                decoded = self._decompressor.decompress(stream.stored,
+                decoded = _decompressor().decompress(stream.stored,
                                                         max_output_size=stream.decoded_bytes)
                 filled, surplus = len(decoded), b""
                 if filled == stream.decoded_bytes:
@@ -191,7 +200,7 @@ class FloatSplitDecoder:
 
     def _decompress_into(self, stored: memoryview, target) -> tuple[int, bytes]:
         """Decompress a zstd frame into target; the bytes filled and any beyond it."""
-        reader = self._decompressor.stream_reader(stored)
+        reader = _decompressor().stream_reader(stored)
         filled = 0
         with memoryview(target) as window:
             while filled < len(window):
