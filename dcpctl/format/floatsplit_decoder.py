@@ -2,8 +2,8 @@
 
 Each `decode` call first finds the blocks its input completes, then decodes each into a buffer
 of its own, handed out as one piece: float planes are joined straight into it, zstd-coded planes
-are decompressed into scratch memory, raw planes are read where they lie. Anything that does not add up raises
-DataError naming the byte offset in the stream.
+are decompressed into scratch memory, raw planes are read where they lie. Anything that does
+not add up raises DataError naming the byte offset in the stream.
 """
 
 from __future__ import annotations
