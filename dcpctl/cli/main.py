@@ -57,12 +57,13 @@ def cli(context: click.Context, debug: bool) -> None:
 def register_commands() -> None:
     """Attach every subcommand to the group."""
     from dcpctl.cli.compress import compress_command, decompress_command
+    from dcpctl.cli.convert import convert_command
     from dcpctl.cli.inspect import inspect_command
     from dcpctl.cli.ls import ls_command
     from dcpctl.cli.prune import prune_command
 
-    for command in (inspect_command, compress_command, decompress_command, ls_command,
-                    prune_command):
+    for command in (inspect_command, compress_command, decompress_command, convert_command,
+                    ls_command, prune_command):
         cli.add_command(command)
 
 
