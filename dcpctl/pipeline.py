@@ -24,6 +24,23 @@ DEFAULT_BYTES_IN_FLIGHT = 64 << 20
 _END = object()
 
 
+def coalesce(pieces: Iterable[bytes], min_bytes: int) -> Iterator[bytes]:
+    """The same bytes in fewer, larger pieces: small pieces are joined until min_bytes."""
+    pending: list = []
+    pending_bytes = 0
+    for piece in pieces:
+        if not pending and len(piece) >= min_bytes:
+            yield piece
+            continue
+        pending.append(piece)
+        pending_bytes += len(piece)
+        if pending_bytes >= min_bytes:
+            yield b"".join(pending)
+            pending, pending_bytes = [], 0
+    if pending:
+        yield b"".join(pending)
+
+
 def default_thread_count() -> int:
     """The number of cores this process may run on."""
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -50,6 +51,12 @@ def load_with_torch(checkpoint: Path) -> dict:
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     flat, _ = flatten_state_dict(state)
     return flat
+
+
+def directory_state(path: Path) -> dict[str, str]:
+    """Name -> SHA-256 of every file in a directory, to show it did or did not change."""
+    return {entry.name: hashlib.sha256(entry.read_bytes()).hexdigest()
+            for entry in sorted(path.iterdir()) if entry.is_file()}
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dcpctl.pipeline import Pipeline
+from dcpctl.pipeline import Pipeline, coalesce
 
 
 def _collect(pipeline, tasks):
@@ -122,3 +122,12 @@ def test_no_tasks_and_unread_pieces():
     seen = []
     Pipeline(lambda task: [b"a", b"b", b"c"], threads=2).run([1, 2, 3], lambda t, p: seen.append(t))
     assert seen == [1, 2, 3]
+
+
+def test_coalesce_joins_small_pieces_and_passes_big_ones():
+    pieces = [b"a", b"bb", b"c" * 10, b"d", b"e" * 3]
+    joined = list(coalesce(pieces, 4))
+    assert b"".join(joined) == b"".join(pieces)
+    assert joined == [b"abb" + b"c" * 10, b"d" + b"eee"]
+    assert list(coalesce([b"x" * 8, b"y"], 4)) == [b"x" * 8, b"y"]
+    assert list(coalesce([], 4)) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from dcpctl.cli.options import threads_option
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import echo_json, format_bytes
 from dcpctl.format.codecs import DEFAULT_ZSTD_LEVEL, IDENTITY, zstd_codec
@@ -14,9 +15,6 @@ _output_option = click.option(
     "-o", "--output", type=click.Path(), default=None,
     help="Write the result to this directory instead of rewriting CHECKPOINT in place. It must "
          "not exist or be empty, unless --overwrite.")
-_threads_option = click.option(
-    "--threads", type=click.IntRange(min=1), default=None,
-    help="Worker threads (default: the cores this process may use).")
 _dry_run_option = click.option("--dry-run", is_flag=True,
                                help="Report what would change and write nothing.")
 _json_option = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -31,7 +29,7 @@ _overwrite_option = click.option("--overwrite", is_flag=True,
               help=f"zstd level, 1-22 (default {DEFAULT_ZSTD_LEVEL}). Given explicitly, items "
                    "already compressed are re-compressed at this level; otherwise they are "
                    "copied as they are.")
-@_threads_option
+@threads_option
 @_dry_run_option
 @_overwrite_option
 @_json_option
@@ -64,7 +62,7 @@ def compress_command(checkpoint: str, output: str | None, level: int | None,
 @click.command("decompress")
 @_checkpoint_argument
 @_output_option
-@_threads_option
+@threads_option
 @_dry_run_option
 @_overwrite_option
 @_json_option

@@ -56,14 +56,18 @@ def cli(context: click.Context, debug: bool) -> None:
 
 def register_commands() -> None:
     """Attach every subcommand to the group."""
+    from dcpctl.cli.checksum import checksum_command
     from dcpctl.cli.compress import compress_command, decompress_command
     from dcpctl.cli.convert import convert_command
     from dcpctl.cli.inspect import inspect_command
     from dcpctl.cli.ls import ls_command
     from dcpctl.cli.prune import prune_command
+    from dcpctl.cli.reshard import reshard_command
+    from dcpctl.cli.verify import verify_command
 
-    for command in (inspect_command, compress_command, decompress_command, convert_command,
-                    ls_command, prune_command):
+    for command in (inspect_command, compress_command, decompress_command, reshard_command,
+                    convert_command, checksum_command, verify_command, ls_command,
+                    prune_command):
         cli.add_command(command)
 
 

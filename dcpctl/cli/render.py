@@ -48,3 +48,4 @@ def echo_json(payload: Any) -> None:
     stdout = click.get_text_stream("stdout")
     json.dump(payload, stdout, separators=(",", ":"), default=str)
     stdout.write("\n")
+

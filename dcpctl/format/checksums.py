@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
 
@@ -14,13 +16,28 @@ _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 HASH_PIECE_BYTES = 4 << 20
 
 
-def sha256_of_file(path: Path, piece_bytes: int = HASH_PIECE_BYTES) -> str:
-    """The hex SHA-256 of a file, read in pieces."""
+def sha256_of_file(path: Path, piece_bytes: int = HASH_PIECE_BYTES,
+                   on_progress: Callable[[int], None] | None = None) -> str:
+    """The hex SHA-256 of a file, read in pieces; on_progress gets the size of each piece."""
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as stream:
         while piece := stream.read(piece_bytes):
             digest.update(piece)
+            if on_progress is not None:
+                on_progress(len(piece))
     return digest.hexdigest()
+
+
+def sha256_of_files(directory: Path, names: Iterable[str], threads: int,
+                    on_progress: Callable[[int], None] | None = None) -> dict[str, str]:
+    """The hex SHA-256 of each named file of directory, hashed by `threads` threads at once
+    (hashlib lets go of the GIL), the largest files first."""
+    directory = Path(directory)
+    by_size = sorted(names, key=lambda name: -(directory / name).stat().st_size)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = {name: pool.submit(sha256_of_file, directory / name, on_progress=on_progress)
+                   for name in by_size}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def format_sha256sums(digests: dict[str, str]) -> str:
@@ -51,6 +68,8 @@ def read_sha256sums(directory: Path) -> dict[str, str] | None:
         text = path.read_text()
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not a text file of `sha256sum` lines") from None
     return parse_sha256sums(text, str(path))
 
 

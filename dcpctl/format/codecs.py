@@ -11,6 +11,7 @@ from dcpctl.errors import DataError, UnsupportedLayoutError
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 DEFAULT_ZSTD_LEVEL = 3
+_ZSTD_READ_BYTES = 1 << 20
 
 
 class Encoder(Protocol):
@@ -19,6 +20,12 @@ class Encoder(Protocol):
     def encode(self, piece: bytes) -> bytes: ...
 
     def finish(self) -> bytes: ...
+
+
+class Readable(Protocol):
+    """A stream read with `read(size)`, which returns b"" at the end."""
+
+    def read(self, size: int) -> bytes: ...
 
 
 class Decoder(Protocol):
@@ -48,6 +55,14 @@ class Codec:
         if not self.descriptors:
             return _IdentityCoder()
         return _ZstdDecoder()
+
+    def open_reader(self, stored: Readable) -> Readable:
+        """The decoded bytes of an item, read from a stream of its stored bytes. Each read
+        returns at most the bytes asked for, so memory stays bounded however well the item
+        compressed (4 MiB of zstd can hold gigabytes of zeros)."""
+        if not self.descriptors:
+            return stored
+        return _ZstdReader(stored)
 
 
 IDENTITY = Codec("none", ())
@@ -124,3 +139,15 @@ class _ZstdDecoder:
             raise DataError("zstd frame is cut short")
         if self._stream.unused_data:
             raise DataError("bytes follow the end of the zstd frame")
+
+
+class _ZstdReader:
+    def __init__(self, stored: Readable) -> None:
+        self._stream = zstandard.ZstdDecompressor().stream_reader(
+            stored, read_size=_ZSTD_READ_BYTES, read_across_frames=False, closefd=False)
+
+    def read(self, size: int) -> bytes:
+        try:
+            return self._stream.read(size)
+        except zstandard.ZstdError as error:
+            raise DataError(f"zstd frame does not decode ({error})") from None

@@ -57,6 +57,16 @@ DTYPES_BY_SAFETENSORS_CODE: dict[str, DType] = {
 }
 
 
+# The legacy storage class torch.save names in a tensor's pickle, which implies its dtype.
+LEGACY_STORAGE_TYPES: dict[str, str] = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
+    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+    "bool": "BoolStorage", "complex128": "ComplexDoubleStorage",
+    "complex64": "ComplexFloatStorage",
+}
+
+
 def dtype_by_name(name: str) -> DType:
     """The DType called `name` in torch (`bfloat16`, `torch.bfloat16` or an alias such as `half`)."""
     name = name.removeprefix("torch.")

@@ -27,7 +27,7 @@ from dcpctl.format.metadata import METADATA_FILE_NAME, serialize_metadata
 from dcpctl.format.records import CheckpointMetadata, StorageInfo
 from dcpctl.staging import StagedOutput, fsync_directory
 
-_TEMPORARY_NAME = re.compile(r"^.+\.dcpctl-[0-9a-f]{12}\.tmp(\.link)?$")
+_TEMPORARY_NAME = re.compile(r"^(?P<final>.+)\.dcpctl-[0-9a-f]{12}\.tmp(\.link)?$")
 
 
 class DataFileWriter:
@@ -132,7 +132,6 @@ class CheckpointOutput:
         directory = self.directory
         (directory / SHA256SUMS_FILE_NAME).unlink(missing_ok=True)  # it describes the old files
         temporary_names = {name: self.data_file_name(name) for name in self._digests}
-        old_names = {p.name for p in directory.iterdir() if p.name.endswith(".distcp")}
         _write_file_atomically(directory / METADATA_FILE_NAME,
                                serialize_metadata(_renamed(metadata, temporary_names)))
         self._metadata_switched = True
@@ -150,8 +149,10 @@ class CheckpointOutput:
             metadata_digest = hashlib.sha256(
                 (directory / METADATA_FILE_NAME).read_bytes()).hexdigest()
             digests = {temporary_names[name]: digest for name, digest in self._digests.items()}
-        for stale in old_names - set(digests):
-            (directory / stale).unlink(missing_ok=True)
+        for path in directory.iterdir():
+            is_old_data = path.name.endswith(".distcp") or _TEMPORARY_NAME.match(path.name)
+            if is_old_data and path.name not in digests:
+                path.unlink()
         digests[METADATA_FILE_NAME] = metadata_digest
         write_sha256sums(directory, digests)
         fsync_directory(directory)
@@ -178,6 +179,13 @@ def _renamed(metadata: CheckpointMetadata, names: dict[str, str]) -> CheckpointM
     storage_data = {key: dataclasses.replace(info, relative_path=names[info.relative_path])
                     for key, info in (metadata.storage_data or {}).items()}
     return dataclasses.replace(metadata, storage_data=storage_data)
+
+
+def final_name_of(name: str) -> str:
+    """The name a data file will have once published: a temporary name left by an interrupted
+    in-place rewrite maps back to the name it was standing in for."""
+    match = _TEMPORARY_NAME.match(name)
+    return match.group("final") if match else name
 
 
 def remove_stale_temporaries(directory: Path, referenced: set[str]) -> list[str]:

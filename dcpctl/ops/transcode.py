@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.failpoints import failpoint
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs import Codec
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
     iter_stored_pieces, locate_item
 from dcpctl.format.records import ItemKey, StorageInfo
-from dcpctl.format.writer import CheckpointOutput, remove_stale_temporaries, storage_with
+from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
+    storage_with
 from dcpctl.pipeline import Pipeline, default_thread_count
 
 # Called with (bytes just done, total bytes) as work advances.
@@ -100,7 +102,7 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
     for key, info in ordered:
         location = locate_item(checkpoint, key.fqn, info, key.fqn in tensor_fqns)
         same_codec = location.codec.descriptors == codec.descriptors
-        tasks.append(ItemTask(key, location, info.relative_path,
+        tasks.append(ItemTask(key, location, final_name_of(info.relative_path),
                               transcode=not same_codec or (recode_same_codec and
                                                            bool(codec.descriptors))))
     return TranscodePlan(codec, tasks)
@@ -133,6 +135,7 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
         if current["name"] != task.output_file:
             if current["writer"] is not None:
                 output.finish_data_file(current["writer"], current["name"])
+                failpoint("after-first-data-file")
             current["name"] = task.output_file
             current["writer"] = output.create_data_file(task.output_file)
         writer = current["writer"]

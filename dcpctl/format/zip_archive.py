@@ -1,0 +1,179 @@
+"""Zip archives as torch.save writes them, read from their end: each record and where its data lies.
+
+torch.save sets flag bit 3 in every local header and leaves the sizes and CRC-32 there zero
+(they follow the data in a data descriptor), so records cannot be walked from the front. The
+end of central directory record, in its zip64 form when present (torch always writes one),
+locates the central directory; each of its entries gives a record's name, size, CRC-32 and
+local header offset, and the local header gives where the data starts. Offsets are relative to
+the start of the archive, so an archive stored inside a larger file reads through a
+`read_range(start, length)` over its own byte range.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from dcpctl.errors import DataError
+
+ReadRange = Callable[[int, int], bytes]
+"""read_range(start, length) -> exactly `length` bytes of the archive from `start`."""
+
+STORED = 0
+_END_SIGNATURE = b"PK\x05\x06"
+_ZIP64_LOCATOR_SIGNATURE = b"PK\x06\x07"
+_ZIP64_END_SIGNATURE = b"PK\x06\x06"
+_CENTRAL_SIGNATURE = b"PK\x01\x02"
+LOCAL_SIGNATURE = b"PK\x03\x04"
+_END = struct.Struct("<4s4H2IH")
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_END = struct.Struct("<4sQ2H2I4Q")
+_CENTRAL = struct.Struct("<4s6H3I5H2I")
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+_ZIP64_EXTRA_ID = 0x0001
+_MAX_COMMENT_BYTES = 0xFFFF
+_FIRST_TAIL_BYTES = 1024
+
+
+class _CentralEntry(NamedTuple):
+    """A record as the central directory describes it."""
+
+    name: str
+    header_offset: int
+    size_bytes: int
+    crc32: int
+    compression_method: int
+
+
+@dataclass(frozen=True)
+class ZipRecord:
+    """One record of an archive: its data lies at [data_offset, data_offset + size_bytes)."""
+
+    name: str
+    data_offset: int
+    size_bytes: int
+    crc32: int
+    compression_method: int
+    header_offset: int
+
+    @property
+    def data_end(self) -> int:
+        """Offset one past the record's last data byte."""
+        return self.data_offset + self.size_bytes
+
+
+def read_zip_records(read_range: ReadRange, archive_length: int) -> list[ZipRecord]:
+    """Every record of the archive, in central directory order, with its data offset."""
+    directory_offset, entries = _read_central_directory(read_range, archive_length)
+    return [_locate_record(read_range, entry, directory_offset) for entry in entries]
+
+
+def _read_central_directory(read_range: ReadRange,
+                            archive_length: int) -> tuple[int, list[_CentralEntry]]:
+    """Where the central directory starts and its entries, found through the (zip64) end of
+    central directory record."""
+    end_offset, end = _find_end_record(read_range, archive_length)
+    _, disk, _, _, count, size_bytes, offset, _ = _END.unpack(end)
+    if disk not in (0, 0xFFFF):
+        raise DataError("zip archive spans several disks")
+    if end_offset >= _ZIP64_LOCATOR.size:
+        locator = read_range(end_offset - _ZIP64_LOCATOR.size, _ZIP64_LOCATOR.size)
+        if locator.startswith(_ZIP64_LOCATOR_SIGNATURE):
+            count, size_bytes, offset = _read_zip64_end(read_range, locator, end_offset)
+    if offset + size_bytes > end_offset:
+        raise DataError(f"zip central directory at bytes {offset}..{offset + size_bytes} runs "
+                        f"past the end record at byte {end_offset}")
+    return offset, _parse_central_entries(read_range(offset, size_bytes), count, offset)
+
+
+def _find_end_record(read_range: ReadRange, archive_length: int) -> tuple[int, bytes]:
+    """The end of central directory record: last in the archive, after an optional comment."""
+    longest_tail = min(archive_length, _END.size + _MAX_COMMENT_BYTES)
+    for tail_length in sorted({min(_FIRST_TAIL_BYTES, longest_tail), longest_tail}):
+        tail_start = archive_length - tail_length
+        tail = read_range(tail_start, tail_length)
+        position = tail.rfind(_END_SIGNATURE, 0, tail_length - _END.size + 4)
+        while position >= 0:
+            (comment_length,) = struct.unpack_from("<H", tail, position + _END.size - 2)
+            if position + _END.size + comment_length == tail_length:
+                return tail_start + position, tail[position:position + _END.size]
+            position = tail.rfind(_END_SIGNATURE, 0, position)
+    raise DataError(f"no zip end of central directory record in the last {longest_tail} bytes "
+                    "(not a torch.save archive, or cut short)")
+
+
+def _read_zip64_end(read_range: ReadRange, locator: bytes, end_offset: int) -> tuple[int, int, int]:
+    _, _, zip64_end_offset, _ = _ZIP64_LOCATOR.unpack(locator)
+    if zip64_end_offset + _ZIP64_END.size > end_offset - _ZIP64_LOCATOR.size:
+        raise DataError(f"zip64 end record offset {zip64_end_offset} lies past its locator")
+    fields = _ZIP64_END.unpack(read_range(zip64_end_offset, _ZIP64_END.size))
+    if fields[0] != _ZIP64_END_SIGNATURE:
+        raise DataError(f"no zip64 end of central directory record at byte {zip64_end_offset}")
+    return fields[7], fields[8], fields[9]
+
+
+def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> list[_CentralEntry]:
+    entries = []
+    position = 0
+    for _ in range(count):
+        where = directory_offset + position
+        if position + _CENTRAL.size > len(data):
+            raise DataError(f"zip central directory is cut short at byte {where}")
+        fields = _CENTRAL.unpack_from(data, position)
+        signature, method, header_offset = fields[0], fields[4], fields[16]
+        crc32, size_bytes, uncompressed_bytes, name_length, extra_length, comment_length = \
+            fields[7:13]
+        if signature != _CENTRAL_SIGNATURE:
+            raise DataError(f"no zip central directory entry at byte {where}")
+        name_start = position + _CENTRAL.size
+        extra_start = name_start + name_length
+        position = extra_start + extra_length + comment_length
+        if position > len(data):
+            raise DataError(f"zip central directory entry at byte {where} is cut short")
+        name = data[name_start:extra_start].decode("utf-8", errors="replace")
+        extra = data[extra_start:extra_start + extra_length]
+        size_bytes, header_offset = _apply_zip64_extra(extra, uncompressed_bytes, size_bytes,
+                                                       header_offset, name)
+        entries.append(_CentralEntry(name, header_offset, size_bytes, crc32, method))
+    return entries
+
+
+def _apply_zip64_extra(extra: bytes, uncompressed_bytes: int, size_bytes: int,
+                       header_offset: int, name: str) -> tuple[int, int]:
+    """Sizes and offsets too large for 32 bits are 0xFFFFFFFF, the real values in the zip64
+    extra field, in the order: uncompressed size, compressed size, local header offset."""
+    if 0xFFFFFFFF not in (uncompressed_bytes, size_bytes, header_offset):
+        return size_bytes, header_offset
+    wanted = [value == 0xFFFFFFFF for value in (uncompressed_bytes, size_bytes, header_offset)]
+    values = [uncompressed_bytes, size_bytes, header_offset]
+    position = 0
+    while position + 4 <= len(extra):
+        field_id, field_length = struct.unpack_from("<HH", extra, position)
+        body = extra[position + 4:position + 4 + field_length]
+        position += 4 + field_length
+        if field_id != _ZIP64_EXTRA_ID:
+            continue
+        numbers = iter(struct.unpack_from(f"<{len(body) // 8}Q", body))
+        for index, needed in enumerate(wanted):
+            if needed:
+                values[index] = next(numbers, None)
+        if None not in values:
+            return values[1], values[2]
+    raise DataError(f"zip record {name!r} lacks the zip64 extra field its sizes call for")
+
+
+def _locate_record(read_range: ReadRange, entry: _CentralEntry, data_limit: int) -> ZipRecord:
+    """The record of a central directory entry, its data start read from its local header."""
+    header = read_range(entry.header_offset, _LOCAL_HEADER.size)
+    signature, _, _, _, _, _, _, _, _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    if signature != LOCAL_SIGNATURE:
+        raise DataError(f"no zip local header for record {entry.name!r} at byte "
+                        f"{entry.header_offset}")
+    data_offset = entry.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+    record = ZipRecord(entry.name, data_offset, entry.size_bytes, entry.crc32,
+                       entry.compression_method, entry.header_offset)
+    if record.data_end > data_limit:
+        raise DataError(f"zip record {entry.name!r} at bytes {data_offset}..{record.data_end} "
+                        f"runs past byte {data_limit}, where the central directory starts")
+    return record

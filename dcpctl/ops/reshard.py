@@ -1,0 +1,344 @@
+"""Lay a checkpoint out for a new world size, as a real N-rank FSDP2 save would write it.
+
+The plan, a pure function of the checkpoint and N, gives every output chunk (`Shard(0)` with
+torch.chunk semantics, format/sharding.py), the input chunks that overlap it and the rank
+file it goes to. Running it assembles each output chunk in blocks of rows, reading only the
+overlapping byte ranges of the input payloads, and streams it out as a torch.save archive
+through the shared ordered pipeline; no chunk is ever whole in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import resource
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy
+
+from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, TensorEntry, open_checkpoint
+from dcpctl.format.codecs import Codec, codec_for_descriptors
+from dcpctl.format.dtypes import DType
+from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
+    iter_stored_pieces, locate_item
+from dcpctl.format.payload import PayloadReader
+from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo, TensorMetadata
+from dcpctl.format.sharding import shard_dim0_chunks
+from dcpctl.format.torch_save_writer import iter_torch_save_archive
+from dcpctl.format.writer import CheckpointOutput, DataFileWriter
+from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
+
+# Pieces smaller than this are joined before they reach the writer: a chunk's archive comes as
+# a dozen small records around its payload, and per-piece costs add up over many chunks.
+_COALESCE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class SourceChunk:
+    """An input chunk that overlaps an output chunk."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    location: ItemLocation
+    raw_tensor: bool
+
+
+@dataclass(frozen=True)
+class ChunkTask:
+    """One output chunk of a tensor: where it lies, from which input chunks, into which file."""
+
+    fqn: str
+    dtype: DType
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    sources: tuple[SourceChunk, ...]
+    output_file: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the chunk's elements."""
+        return math.prod(self.sizes) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ObjectTask:
+    """A non-tensor item, carried over as stored into rank 0's file."""
+
+    fqn: str
+    location: ItemLocation
+    output_file: str
+
+
+@dataclass
+class ReshardPlan:
+    """Every output item in write order, and the codec they are written with."""
+
+    world_size: int
+    codec: Codec
+    tasks: list[ChunkTask | ObjectTask]
+
+
+@dataclass
+class ReshardReport:
+    """What a reshard wrote."""
+
+    source: str
+    output: str
+    world_size: int
+    codec: str
+    tensors: int
+    chunks_written: int
+    objects: int
+    files: int
+    logical_bytes: int
+    stored_bytes_after: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+def rank_file_name(rank: int) -> str:
+    """The data file of a rank, as torch's FileSystemWriter names it."""
+    return f"__{rank}_0.distcp"
+
+
+def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None
+                 ) -> ReshardPlan:
+    """Plan the output of a world_size-rank save of the checkpoint's state."""
+    if world_size < 1:
+        raise UnsupportedLayoutError(f"--ranks must be at least 1, not {world_size}")
+    codec = codec or _input_codec(checkpoint)
+    tasks: list[ChunkTask | ObjectTask] = []
+    for tensor in checkpoint.tensors:
+        for target in shard_dim0_chunks(tensor.shape, world_size):
+            tasks.append(ChunkTask(tensor.fqn, tensor.dtype, target.offsets, target.sizes,
+                                   _overlapping_sources(checkpoint, tensor, target.offsets,
+                                                        target.sizes),
+                                   rank_file_name(target.rank)))
+    for entry in checkpoint.objects:
+        if entry.storage is None:
+            raise UnsupportedLayoutError(f"{checkpoint.path}: object {entry.fqn!r} has no stored item")
+        tasks.append(ObjectTask(entry.fqn, locate_item(checkpoint, entry.fqn, entry.storage, False),
+                                rank_file_name(0)))
+    return ReshardPlan(world_size, codec, tasks)
+
+
+def _input_codec(checkpoint: Checkpoint) -> Codec:
+    used = Counter(info.transform_descriptors
+                   for info in (checkpoint.metadata.storage_data or {}).values())
+    if len(used) > 1:
+        raise UnsupportedLayoutError(f"{checkpoint.path}: items use several codecs "
+                                     f"({', '.join(map(str, used))}); pass --codec")
+    return codec_for_descriptors(next(iter(used), None))
+
+
+def _overlapping_sources(checkpoint: Checkpoint, tensor: TensorEntry, offsets: tuple[int, ...],
+                         sizes: tuple[int, ...]) -> tuple[SourceChunk, ...]:
+    if not offsets:  # 0-d: the one chunk there is
+        chunk = tensor.chunks[0]
+        return (_source(checkpoint, tensor, chunk),)
+    begin, end = offsets[0], offsets[0] + sizes[0]
+    sources = []
+    for chunk in tensor.chunks:
+        if chunk.sizes[0] and math.prod(chunk.sizes) and (
+                chunk.offsets[0] < end and begin < chunk.offsets[0] + chunk.sizes[0]):
+            sources.append(_source(checkpoint, tensor, chunk))
+    return tuple(sources)
+
+
+def _source(checkpoint: Checkpoint, tensor: TensorEntry, chunk: ChunkMetadata) -> SourceChunk:
+    if chunk.storage is None:
+        raise UnsupportedLayoutError(f"{checkpoint.path}: chunk {list(chunk.offsets)} of "
+                                     f"{tensor.fqn!r} has no stored item")
+    raw = checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS
+    return SourceChunk(chunk.offsets, chunk.sizes,
+                       locate_item(checkpoint, tensor.fqn, chunk.storage, True), raw)
+
+
+def _row_blocks(task: ChunkTask, piece_bytes: int) -> Iterator[tuple[int, int]]:
+    """Absolute [first, last) row ranges of at most piece_bytes each (a whole row at least)."""
+    if not task.offsets:
+        yield 0, 1
+        return
+    row_bytes = task.nbytes // task.sizes[0] if task.sizes[0] else 0
+    if not row_bytes:
+        return
+    step = max(1, piece_bytes // row_bytes)
+    first, stop = task.offsets[0], task.offsets[0] + task.sizes[0]
+    for begin in range(first, stop, step):
+        yield begin, min(begin + step, stop)
+
+
+def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> bytes:
+    """Rows [begin, end) of the output chunk, from the overlapping input rows."""
+    itemsize = task.dtype.itemsize
+    if not task.offsets:
+        source = task.sources[0]
+        payload = reader.source_of(source.location, source.raw_tensor, itemsize)
+        return reader.read(payload, 0, itemsize)
+    inner = task.sizes[1:]
+    whole_rows = [s for s in task.sources if s.sizes[1:] == inner
+                  and s.offsets[0] <= begin and end <= s.offsets[0] + s.sizes[0]]
+    if whole_rows:  # one input chunk holds these rows whole: a single contiguous read
+        source = whole_rows[0]
+        row_bytes = math.prod(inner) * itemsize
+        payload = reader.source_of(source.location, source.raw_tensor,
+                                   source.sizes[0] * row_bytes)
+        return reader.read(payload, (begin - source.offsets[0]) * row_bytes,
+                           (end - begin) * row_bytes)
+    block = numpy.empty((end - begin, *inner, itemsize), dtype=numpy.uint8)
+    for source in task.sources:
+        first = max(begin, source.offsets[0])
+        last = min(end, source.offsets[0] + source.sizes[0])
+        if first >= last:
+            continue
+        row_bytes = math.prod(source.sizes[1:]) * itemsize
+        payload = reader.source_of(source.location, source.raw_tensor,
+                                   source.sizes[0] * row_bytes)
+        data = reader.read(payload, (first - source.offsets[0]) * row_bytes,
+                           (last - first) * row_bytes)
+        region = (slice(first - begin, last - begin),) + tuple(
+            slice(offset, offset + size) for offset, size in zip(source.offsets[1:],
+                                                                 source.sizes[1:]))
+        block[region] = numpy.frombuffer(data, dtype=numpy.uint8).reshape(
+            (last - first, *source.sizes[1:], itemsize))
+    return memoryview(block).cast("B")
+
+
+def _produce(plan: ReshardPlan, reader: PayloadReader,
+             piece_bytes: int) -> Callable[[ChunkTask | ObjectTask], Iterator[bytes]]:
+    def encoded(pieces: Iterator[bytes], size_bytes: int | None) -> Iterator[bytes]:
+        encoder = plan.codec.new_encoder(size_bytes)
+        for piece in pieces:
+            out = encoder.encode(piece)
+            if out:
+                yield out
+        yield encoder.finish()
+
+    def produce(task: ChunkTask | ObjectTask) -> Iterator[bytes]:
+        if isinstance(task, ObjectTask):
+            if task.location.codec.descriptors == plan.codec.descriptors:
+                yield from iter_stored_pieces(task.location, piece_bytes)
+            else:
+                yield from encoded(iter_item_pieces(task.location, piece_bytes), None)
+            return
+        try:
+            rows = (_assemble_rows(task, begin, end, reader)
+                    for begin, end in _row_blocks(task, piece_bytes))
+            archive = iter_torch_save_archive(task.dtype, task.sizes, rows)
+            yield from coalesce(encoded(archive, None), _COALESCE_BYTES)
+        finally:
+            for source in task.sources:
+                reader.release(source.location)
+
+    return produce
+
+
+def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
+                  storage_by_task: dict[int, StorageInfo]):
+    entries = dict(checkpoint.metadata.state_dict_metadata)
+    chunks_by_fqn: dict[str, list[ChunkMetadata]] = {}
+    storage_data: dict[ItemKey, StorageInfo] = {}
+    for index, task in enumerate(plan.tasks):
+        if isinstance(task, ChunkTask):
+            chunks_by_fqn.setdefault(task.fqn, []).append(ChunkMetadata(task.offsets, task.sizes))
+            storage_data[ItemKey(task.fqn, task.offsets, 0)] = storage_by_task[index]
+        else:
+            storage_data[ItemKey(task.fqn)] = storage_by_task[index]
+    for fqn, chunks in chunks_by_fqn.items():
+        entries[fqn] = dataclasses.replace(entries[fqn], chunks=chunks)
+    return dataclasses.replace(checkpoint.metadata, state_dict_metadata=entries,
+                               storage_data=storage_data)
+
+
+def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: CheckpointOutput,
+                    spool_directory: Path, threads: int,
+                    on_progress: Callable[[int, int], None] | None = None,
+                    piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
+    """Write every planned item into output and publish it; returns the stored bytes after."""
+    users = Counter(source.location for task in plan.tasks if isinstance(task, ChunkTask)
+                    for source in task.sources)
+    reader = PayloadReader(spool_directory, users)
+    writers: dict[str, DataFileWriter] = {}
+    storage_by_task: dict[int, StorageInfo] = {}
+    index_of = {id(task): index for index, task in enumerate(plan.tasks)}
+    total = sum(t.nbytes if isinstance(t, ChunkTask) else t.location.length for t in plan.tasks)
+
+    def consume(task: ChunkTask | ObjectTask, pieces: Iterator[bytes]) -> None:
+        writer = writers.get(task.output_file)
+        if writer is None:
+            writer = writers[task.output_file] = output.create_data_file(task.output_file)
+        start = writer.size_bytes
+        for piece in pieces:
+            writer.write(piece)
+        keeps_stored = isinstance(task, ObjectTask) and (
+            task.location.codec.descriptors == plan.codec.descriptors)
+        storage_by_task[index_of[id(task)]] = StorageInfo(
+            task.output_file, start, writer.size_bytes - start,
+            (task.location.codec.descriptors if keeps_stored else plan.codec.descriptors) or None)
+        if on_progress is not None:
+            on_progress(task.nbytes if isinstance(task, ChunkTask) else task.location.length,
+                        total)
+
+    try:
+        Pipeline(_produce(plan, reader, piece_bytes), threads=threads,
+                 bytes_in_flight=4 * threads * piece_bytes).run(plan.tasks, consume)
+    finally:
+        reader.close()
+    for name, writer in writers.items():
+        output.finish_data_file(writer, name)
+    output.publish(_new_metadata(checkpoint, plan, storage_by_task))
+    return sum(info.length for info in storage_by_task.values())
+
+
+def _allow_open_files(count: int) -> None:
+    """Every rank file stays open while tensors are written in order; lift the soft limit on
+    open files towards the hard one if that many would not fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < count:
+        wanted = count if hard == resource.RLIM_INFINITY else min(count, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: str,
+                       codec: Codec | None = None, threads: int | None = None,
+                       overwrite: bool = False,
+                       on_progress: Callable[[int, int], None] | None = None,
+                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> ReshardReport:
+    """Write the checkpoint at path laid out for world_size ranks into output_path; output
+    chunks are assembled in blocks of about piece_bytes."""
+    started = time.perf_counter()
+    threads = threads or default_thread_count()
+    checkpoint = open_checkpoint(path)
+    plan = plan_reshard(checkpoint, world_size, codec)
+    _allow_open_files(world_size + len(checkpoint.files) + 64)
+    destination = Path(output_path)
+    if destination.exists() and os.path.samefile(destination, checkpoint.path):
+        raise UnsupportedLayoutError(f"{destination}: reshard writes a new checkpoint; the "
+                                     "output must be another directory")
+    output = CheckpointOutput(destination, in_place=False, overwrite=overwrite)
+    try:
+        with tempfile.TemporaryDirectory(dir=output.directory.parent,
+                                         prefix=f".{destination.name}.dcpctl-spool-") as spool:
+            stored = execute_reshard(plan, checkpoint, output, Path(spool), threads, on_progress,
+                                     piece_bytes)
+    except BaseException:
+        output.abort()
+        raise
+    chunk_tasks = [task for task in plan.tasks if isinstance(task, ChunkTask)]
+    return ReshardReport(
+        source=str(path), output=str(destination), world_size=world_size, codec=plan.codec.name,
+        tensors=len(checkpoint.tensors), chunks_written=len(chunk_tasks),
+        objects=len(plan.tasks) - len(chunk_tasks),
+        files=len({task.output_file for task in plan.tasks}),
+        logical_bytes=sum(task.nbytes for task in chunk_tasks), stored_bytes_after=stored,
+        seconds=time.perf_counter() - started)

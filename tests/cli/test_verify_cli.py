@@ -1,0 +1,104 @@
+"""`dcpctl checksum` and `dcpctl verify` as a user runs them: output, JSON, exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+from conftest import FIXTURE_NAMES, fixture_path
+
+from dcpctl.cli.main import cli
+
+
+def run_cli(*args):
+    return CliRunner().invoke(cli, [str(arg) for arg in args])
+
+
+@pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils sha256sum")
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_sha256sum_checks_what_checksum_writes(name, copy_fixture):
+    checkpoint = copy_fixture(name)
+    result = run_cli("checksum", checkpoint, "--threads", 2)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {checkpoint / 'SHA256SUMS'}" in result.output
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=checkpoint,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    listed = sorted(line.split("  ")[1] for line in (checkpoint / "SHA256SUMS").read_text()
+                    .splitlines())
+    assert listed == sorted(path.name for path in checkpoint.iterdir()
+                            if path.name != "SHA256SUMS")
+
+
+def test_checksum_json_and_refusal(copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    report = json.loads(run_cli("checksum", checkpoint, "--json").output)
+    assert set(report) == {"path", "sums_path", "hashed_bytes", "files"}
+    assert sorted(report["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                       "__2_0.distcp", "__3_0.distcp"]
+    (checkpoint / "__2_0.distcp").write_bytes(b"")
+    result = run_cli("checksum", checkpoint)
+    assert result.exit_code == 1 and result.output.startswith("Error: ")
+    assert "__2_0.distcp" in result.output and "truncated" in result.output
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_clean_checkpoint_exits_0(name):
+    for extra in ([], ["--quick"]):
+        result = run_cli("verify", fixture_path(name), *extra)
+        assert result.exit_code == 0, result.output
+        assert "status      ok" in result.output
+
+
+def test_damage_exits_1_and_names_file_and_fqns(copy_fixture):
+    checkpoint = copy_fixture("objects_2ranks")
+    (checkpoint / "__1_2.distcp").write_bytes(b"PK")
+    result = run_cli("verify", checkpoint)
+    assert result.exit_code == 1
+    assert "status      damaged: 1 problem" in result.output
+    assert "truncated  __1_2.distcp  bytes 2..1641  weights.dense" in result.output
+
+
+def test_json_shape(copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    run_cli("checksum", checkpoint)
+    (checkpoint / "stray.bin").write_bytes(b"x")
+    result = run_cli("verify", checkpoint, "--json", "--threads", 1)
+    assert result.exit_code == 1
+    report = json.loads(result.output)
+    assert set(report) == {"path", "status", "deep", "checksummed_files", "items_checked",
+                           "bytes_read", "problems"}
+    assert (report["status"], report["deep"], report["checksummed_files"]) == ("damaged", True, 5)
+    assert report["items_checked"] == 8
+    assert report["problems"] == [{"rule": "unknown-file", "file": "stray.bin", "start": None,
+                                   "end": None, "fqns": [],
+                                   "message": "file is not named by the metadata"}]
+
+
+def test_incomplete_checkpoint_exits_1(copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    (checkpoint / ".metadata").unlink()
+    result = run_cli("verify", checkpoint, "--json")
+    assert result.exit_code == 1
+    assert json.loads(result.output)["status"] == "incomplete"
+    assert "status      incomplete" in run_cli("verify", checkpoint).output
+
+
+def test_bad_paths_are_one_line_errors(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for command in ("verify", "checksum"):
+        for path, fragment in [(tmp_path / "absent", "no such file"),
+                               (tmp_path / "file", "not a directory")]:
+            result = run_cli(command, path)
+            lines = result.output.strip().splitlines()
+            assert result.exit_code == 1 and len(lines) == 1, result.output
+            assert lines[0].startswith(f"Error: {path}") and fragment in lines[0]
+
+
+def test_usage_errors_exit_2():
+    assert run_cli("verify").exit_code == 2
+    assert run_cli("verify", fixture_path("mesh2d_4ranks"), "--threads", 0).exit_code == 2
+    assert run_cli("checksum", fixture_path("mesh2d_4ranks"), "--bogus").exit_code == 2

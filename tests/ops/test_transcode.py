@@ -1,0 +1,184 @@
+"""compress / decompress: results stock torch loads, byte-exact round trips, failures that
+leave the source untouched."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from conftest import TORCH_LOADABLE_FIXTURES, directory_state, fixture_path, load_with_torch
+from make_fixtures import tensor_sha256
+from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
+
+from dcpctl.errors import DataError, OutputError, UnsupportedLayoutError
+from dcpctl.format.checkpoint import open_checkpoint
+from dcpctl.format.codecs import IDENTITY, zstd_codec
+from dcpctl.format.items import locate_item, read_item
+from dcpctl.format.writer import DataFileWriter
+from dcpctl.ops.transcode import transcode_checkpoint
+
+RANKS_TO_LOAD_ON = {
+    "fsdp2_adamw_3ranks": [3, 2],
+    "mesh2d_4ranks": [4, 2],
+    "zstd_fsdp2_2ranks": [2, 3],
+    "objects_2ranks": [2, 1],
+}
+
+
+@pytest.mark.parametrize("name,world_size", [(name, ws) for name, sizes in
+                                             RANKS_TO_LOAD_ON.items() for ws in sizes])
+def test_compressed_checkpoint_loads_in_stock_torch_on_any_world_size(name, world_size, tmp_path):
+    out = tmp_path / "compressed"
+    report = transcode_checkpoint(fixture_path(name), zstd_codec(), str(out), threads=2)
+    assert report.items_transcoded + report.items_copied == report.items
+    assert set(open_checkpoint(out).files) == set(open_checkpoint(fixture_path(name)).files)
+    description = describe_after_loading_on_ranks(out, name, world_size)
+    assert_matches_manifest(description, name)
+
+
+@pytest.mark.parametrize("name", TORCH_LOADABLE_FIXTURES)
+def test_compress_then_decompress_gives_back_the_original_items(name, tmp_path):
+    original = open_checkpoint(fixture_path(name))
+    transcode_checkpoint(fixture_path(name), zstd_codec(), str(tmp_path / "z"))
+    transcode_checkpoint(str(tmp_path / "z"), IDENTITY, str(tmp_path / "plain"))
+    restored = open_checkpoint(tmp_path / "plain")
+    tensor_fqns = {tensor.fqn for tensor in original.tensors}
+    for key, info in original.metadata.storage_data.items():
+        mine = restored.metadata.storage_data[key]
+        assert mine.transform_descriptors is None
+        restored_bytes = (tmp_path / "plain" / mine.relative_path).read_bytes()
+        decoded_original = read_item(locate_item(original, key.fqn, info, key.fqn in tensor_fqns))
+        assert restored_bytes[mine.offset:mine.offset + mine.length] == decoded_original
+
+
+def test_decompressing_torchs_own_zstd_matches_its_values(tmp_path):
+    name = "zstd_fsdp2_2ranks"
+    transcode_checkpoint(fixture_path(name), IDENTITY, str(tmp_path / "plain"))
+    checkpoint = open_checkpoint(tmp_path / "plain")
+    assert all(info.transform_descriptors is None
+               for info in checkpoint.metadata.storage_data.values())
+    loaded = load_with_torch(tmp_path / "plain")
+    reference = load_with_torch(fixture_path(name))
+    for fqn, value in reference.items():
+        if hasattr(value, "shape"):
+            assert tensor_sha256(loaded[fqn]) == tensor_sha256(value)
+
+
+def test_thread_count_does_not_change_a_byte(tmp_path):
+    source = fixture_path("fsdp2_adamw_3ranks")
+    transcode_checkpoint(source, zstd_codec(5), str(tmp_path / "one"), threads=1)
+    transcode_checkpoint(source, zstd_codec(5), str(tmp_path / "four"), threads=4)
+    assert directory_state(tmp_path / "one") == directory_state(tmp_path / "four")
+
+
+def test_items_already_in_zstd_are_copied_unless_a_level_is_asked(tmp_path):
+    source = fixture_path("zstd_fsdp2_2ranks")
+    copied = transcode_checkpoint(source, zstd_codec(), str(tmp_path / "copy"))
+    assert copied.items_copied == copied.items and copied.items_transcoded == 0
+    assert directory_state(tmp_path / "copy")["__0_0.distcp"] == directory_state(source)[
+        "__0_0.distcp"]
+    recoded = transcode_checkpoint(source, zstd_codec(19), str(tmp_path / "recode"),
+                                   recode_same_codec=True)
+    assert recoded.items_transcoded == recoded.items
+    assert recoded.stored_bytes_after <= copied.stored_bytes_after
+    assert load_with_torch(tmp_path / "recode").keys() == load_with_torch(source).keys()
+
+
+def test_in_place_rewrite_keeps_file_names_and_loads(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    names_before = sorted(p.name for p in checkpoint.iterdir())
+    report = transcode_checkpoint(checkpoint, zstd_codec())
+    assert report.in_place
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted(names_before + ["SHA256SUMS"])
+    reference = load_with_torch(fixture_path("fsdp2_adamw_3ranks"))
+    loaded = load_with_torch(checkpoint)
+    assert {k: tensor_sha256(v) for k, v in loaded.items() if hasattr(v, "shape")} == {
+        k: tensor_sha256(v) for k, v in reference.items() if hasattr(v, "shape")}
+
+
+def test_dry_run_changes_nothing(copy_fixture):
+    checkpoint = copy_fixture("objects_2ranks")
+    before = directory_state(checkpoint)
+    report = transcode_checkpoint(checkpoint, zstd_codec(), dry_run=True)
+    assert report.dry_run and report.stored_bytes_after is None
+    assert report.items == len(open_checkpoint(checkpoint).metadata.storage_data)
+    assert directory_state(checkpoint) == before
+
+
+def test_safetensors_layout_is_refused(tmp_path):
+    with pytest.raises(UnsupportedLayoutError, match="SAFETENSORS"):
+        transcode_checkpoint(fixture_path("safetensors_fsdp2_2ranks"), zstd_codec(),
+                             str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def _corrupt_first_zstd_item(checkpoint):
+    opened = open_checkpoint(checkpoint)
+    tensor = opened.tensors[-1]
+    storage = tensor.chunks[0].storage
+    path = checkpoint / storage.relative_path
+    data = bytearray(path.read_bytes())
+    for position in range(storage.offset + 20, storage.offset + storage.length - 4):
+        data[position] ^= 0x5A
+    path.write_bytes(bytes(data))
+    return tensor.fqn, storage.relative_path
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_corrupt_item_fails_naming_it_and_leaves_the_source_untouched(copy_fixture, tmp_path,
+                                                                     in_place):
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    fqn, file_name = _corrupt_first_zstd_item(checkpoint)
+    before = directory_state(checkpoint)
+    output = None if in_place else str(tmp_path / "out")
+    with pytest.raises(DataError, match=f"{file_name}.*{fqn}"):
+        transcode_checkpoint(checkpoint, IDENTITY, output, threads=2)
+    assert directory_state(checkpoint) == before
+    assert not any(p.name.startswith(".out") or p.name == "out" for p in tmp_path.iterdir())
+
+
+def test_disk_full_mid_run_cleans_up(copy_fixture, tmp_path, monkeypatch):
+    # A real ENOSPC needs a full file system; fail the data writer the way one would.
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    before = directory_state(checkpoint)
+    real_write = DataFileWriter.write
+
+    def write_until_full(self, piece):
+        if self.size_bytes > 5_000:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        real_write(self, piece)
+
+    monkeypatch.setattr(DataFileWriter, "write", write_until_full)
+    for output in (None, str(tmp_path / "out")):
+        with pytest.raises(OSError, match="No space left"):
+            transcode_checkpoint(checkpoint, zstd_codec(), output)
+        assert directory_state(checkpoint) == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["fsdp2_adamw_3ranks"]
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(OutputError, match="not empty"):
+        transcode_checkpoint(fixture_path("mesh2d_4ranks"), zstd_codec(), str(out))
+    assert (out / "keep.txt").read_text() == "precious"
+    transcode_checkpoint(fixture_path("mesh2d_4ranks"), zstd_codec(), str(out), overwrite=True)
+    assert not (out / "keep.txt").exists()
+    assert load_with_torch(out).keys() == load_with_torch(fixture_path("mesh2d_4ranks")).keys()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    transcode_checkpoint(fixture_path("mesh2d_4ranks"), zstd_codec(), str(empty))
+    assert (empty / ".metadata").exists()
+
+
+@pytest.mark.parametrize("name", TORCH_LOADABLE_FIXTURES)
+def test_sha256sums_match_the_written_files(name, tmp_path):
+    out = tmp_path / "out"
+    transcode_checkpoint(fixture_path(name), zstd_codec(), str(out))
+    lines = (out / "SHA256SUMS").read_text().splitlines()
+    recorded = {line.split("  ", 1)[1]: line.split("  ", 1)[0] for line in lines}
+    actual = directory_state(out)
+    del actual["SHA256SUMS"]
+    assert recorded == actual
