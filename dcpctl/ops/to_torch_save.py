@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import time
 import zlib
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.checkpoint import Checkpoint, ObjectEntry, open_checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.items import locate_item, read_item
-from dcpctl.format.zip_records import ZipRecord, read_zip_records, write_record_crc
+from dcpctl.format.zip_archive import ZipRecord, crc32_field_offsets, read_zip_records
 from dcpctl.ops.conversion import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                    cast_dtype, run_in_order, sync_and_close)
 from dcpctl.ops.key_selection import KeySelection, select_and_rename
@@ -46,9 +47,10 @@ class TorchSavePlan:
 
 @dataclass(frozen=True)
 class _Fill:
-    """A storage record of the archive and where its bytes come from."""
+    """A storage record of the archive, where its CRC-32 goes, and where its bytes come from."""
 
     record: ZipRecord
+    crc32_offsets: tuple[int, ...]
     source: OutputTensor
 
 
@@ -71,7 +73,7 @@ def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, path: Path, th
     """Write the planned entries into one torch.save file at path."""
     sources = _save_without_data(plan, checkpoint, path)
     fills = _match_records(path, sources)
-    total_bytes = sum(fill.record.size for fill in fills)
+    total_bytes = sum(fill.record.size_bytes for fill in fills)
     with open(path, "r+b") as stream:
         def write(fill: _Fill, pieces: Iterator) -> None:
             stream.seek(fill.record.data_offset)
@@ -82,11 +84,12 @@ def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, path: Path, th
                 written += len(piece)
                 if on_progress is not None:
                     on_progress(len(piece), total_bytes)
-            if written != fill.record.size:
+            if written != fill.record.size_bytes:
                 raise DataError(f"{checkpoint.path}: {fill.record.name} got {written} bytes, "
-                                f"not {fill.record.size}")
-            if written:  # an empty record's CRC is 0 already
-                write_record_crc(stream, fill.record, crc)
+                                f"not {fill.record.size_bytes}")
+            for offset in fill.crc32_offsets:
+                stream.seek(offset)
+                stream.write(struct.pack("<I", crc))
 
         run_in_order(lambda fill: iter_tensor_bytes(checkpoint, fill.source.entry,
                                                     fill.source.dtype),
@@ -144,12 +147,19 @@ def _save_without_data(plan: TorchSavePlan, checkpoint: Checkpoint,
 
 def _match_records(path: Path, sources: list[tuple[tuple, OutputTensor]]) -> list[_Fill]:
     """Pair every storage record of the archive with the bytes it needs, in file order."""
-    records = {record.data_offset: record for record in read_zip_records(path)}
-    skeleton = load_skeleton(path)
-    fills = {}
-    for key_path, tensor in sources:
-        offset = storage_file_offset(get_nested(skeleton, key_path))
-        fills[offset] = _Fill(records[offset], tensor)
+    with open(path, "rb") as stream:
+        def read_range(start: int, length: int) -> bytes:
+            stream.seek(start)
+            return stream.read(length)
+
+        records = {record.data_offset: record
+                   for record in read_zip_records(read_range, path.stat().st_size)}
+        skeleton = load_skeleton(path)
+        fills = {}
+        for key_path, tensor in sources:
+            record = records[storage_file_offset(get_nested(skeleton, key_path))]
+            fills[record.data_offset] = _Fill(record, crc32_field_offsets(read_range, record),
+                                              tensor)
     return [fills[offset] for offset in sorted(fills)]
 
 
