@@ -7,6 +7,7 @@ import re
 import click
 from click.core import ParameterSource
 
+from dcpctl.cli.options import threads_option
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import echo_json, format_bytes, format_table
 from dcpctl.format.dtypes import dtype_by_name
@@ -96,8 +97,7 @@ class RenameRule(click.ParamType):
               help="dcp: lay the checkpoint out for this many ranks, as an FSDP2 save of that "
                    "world size would (dim 0 split like torch.chunk), one file per rank.")
 @click.option("--prefix", default="", help="dcp: nest every key under this one, e.g. `model.`.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Worker threads (default: the cores this process may use).")
+@threads_option
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import (FIXTURE_NAMES, MANIFEST, REPO_ROOT, TORCH_LOADABLE_FIXTURES, fixture_path,
                       load_with_torch, torch_metadata)
-from make_fixtures import run_gloo_job, tensor_sha256
+from make_fixtures import tensor_sha256
+from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -186,29 +187,11 @@ def test_views_and_odd_dtypes_in_torch_save_files(tmp_path):
     assert loaded["model.nested.list.1"] == 3
 
 
-def _load_as_dtensors(rank, world_size, checkpoint, expected):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    state = {fqn: distribute_tensor(torch.zeros(shape, dtype=getattr(torch, dtype)), mesh,
-                                    [Shard(0)])
-             for fqn, (dtype, shape, _) in expected.items()}
-    dcp.load(state, checkpoint_id=checkpoint)
-    for fqn, (_, _, sha256) in expected.items():
-        assert tensor_sha256(state[fqn].full_tensor()) == sha256, (rank, fqn)
-
-
-def test_dcp_output_loads_into_dtensors_on_its_ranks(tmp_path):
-    torch.manual_seed(3)
-    state = {"embed": torch.randn(5, 3), "bias": torch.randn(1), "half": torch.randn(3).half(),
-             "table": torch.arange(6).reshape(3, 2)}  # bias leaves rank 1 an empty shard
-    save_file(state, tmp_path / "model.safetensors")
-    convert_to_dcp(tmp_path / "model.safetensors", tmp_path / "dcp", ranks=2, prefix="model.")
-    expected = {f"model.{name}": (str(value.dtype).removeprefix("torch."), list(value.shape),
-                                  tensor_sha256(value)) for name, value in state.items()}
-    run_gloo_job(2, _load_as_dtensors, str(tmp_path / "dcp"), expected)
+def test_dcp_output_loads_on_its_ranks_into_the_fsdp2_state(tmp_path):
+    name = "fsdp2_adamw_3ranks"
+    convert_to_torch_save(fixture_path(name), tmp_path / "state.pt", EVERYTHING)
+    convert_to_dcp(tmp_path / "state.pt", tmp_path / "dcp", ranks=3)
+    assert_matches_manifest(describe_after_loading_on_ranks(tmp_path / "dcp", name, 3), name)
 
 
 @pytest.mark.skipif(not WHISPER.exists(), reason="the real weights are not here")
