@@ -4,7 +4,7 @@ Builds the `.metadata` torch would write for 100,000 tensors sharded over 4 rank
 stored chunks) with sparse data files, then times side by side, each in a fresh process:
   torch:  `FileSystemReader(path).read_metadata()` (today's way to look inside: import torch
           and unpickle with torch's classes)
-  dcpctl: `dcpctl inspect --json` (safe unpickle, full report, JSON out)
+  dcpctl: `dcpctl inspect --json` (safe unpickle, full report, JSON out) and the table
 and, in this process, dcpctl's read + report alone.
 
 Usage: python bench/bench_inspect.py [--tensors N] [--ranks R] [--workdir DIR]
@@ -79,6 +79,7 @@ def main() -> None:
         torch_seconds = time_command([sys.executable, "-c", torch_code])
         dcpctl_seconds = time_command([sys.executable, "-m", "dcpctl", "inspect", "--json",
                                        str(checkpoint)])
+        table_seconds = time_command([sys.executable, "-m", "dcpctl", "inspect", str(checkpoint)])
         from dcpctl.ops.inspect import inspect_checkpoint
 
         start = time.perf_counter()
@@ -88,6 +89,7 @@ def main() -> None:
         print(f"{'what':<44}{'seconds':>9}")
         print(f"{'torch: import + read_metadata (process)':<44}{torch_seconds:>9.2f}")
         print(f"{'dcpctl inspect --json (process)':<44}{dcpctl_seconds:>9.2f}")
+        print(f"{'dcpctl inspect, table (process)':<44}{table_seconds:>9.2f}")
         print(f"{'dcpctl read + report (in process)':<44}{in_process:>9.2f}")
         print(f"dcpctl inspect --json / torch read_metadata: {dcpctl_seconds / torch_seconds:.2f}x")
 

@@ -45,7 +45,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
 
 def echo_json(payload: Any) -> None:
     """Print a JSON document on stdout, compact (pipe it to `jq` to read it)."""
-    stdout = click.get_text_stream("stdout")
-    json.dump(payload, stdout, separators=(",", ":"), default=str)
-    stdout.write("\n")
+    # json.dumps encodes in C; json.dump to a stream takes the pure-Python path, 5x slower.
+    click.get_text_stream("stdout").write(
+        json.dumps(payload, separators=(",", ":"), default=str) + "\n")
 

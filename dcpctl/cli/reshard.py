@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from dcpctl.cli.options import threads_option
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import echo_json, format_bytes
 from dcpctl.format.codecs import IDENTITY, zstd_codec
@@ -21,8 +22,7 @@ _CODECS = {"zstd": zstd_codec, "none": lambda: IDENTITY}
                    "--overwrite.")
 @click.option("--codec", type=click.Choice(sorted(_CODECS)), default=None,
               help="Codec of the output items (default: the input's, so zstd stays zstd).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Worker threads (default: the cores this process may use).")
+@threads_option
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def reshard_command(checkpoint: str, world_size: int, output: str, codec: str | None,

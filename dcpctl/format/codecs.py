@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import zstandard
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.format.zstd_blocks import ZstdBlockSplitter
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 DEFAULT_ZSTD_LEVEL = 3
@@ -29,9 +30,10 @@ class Readable(Protocol):
 
 
 class Decoder(Protocol):
-    """Decodes one item given piece by piece; `finish` raises if the item was cut short."""
+    """Decodes one item given piece by piece, each stored piece into decoded pieces of bounded
+    size; `finish` raises if the item was cut short."""
 
-    def decode(self, piece: bytes) -> bytes: ...
+    def decode(self, piece: bytes) -> Iterator[bytes]: ...
 
     def finish(self) -> None: ...
 
@@ -101,8 +103,8 @@ class _IdentityCoder:
     def encode(self, piece: bytes) -> bytes:
         return piece
 
-    def decode(self, piece: bytes) -> bytes:
-        return piece
+    def decode(self, piece: bytes) -> Iterator[bytes]:
+        yield piece
 
     def finish(self) -> bytes:
         return b""
@@ -121,24 +123,26 @@ class _ZstdEncoder:
 
 
 class _ZstdDecoder:
+    """Feeds the decompressor one block at a time, so no decoded piece passes 128 KiB however
+    well the item compressed (a gigabyte of zeros is a few kilobytes of zstd)."""
+
     def __init__(self) -> None:
         self._stream = zstandard.ZstdDecompressor().decompressobj()
+        self._blocks = ZstdBlockSplitter()
 
-    def decode(self, piece: bytes) -> bytes:
-        if self._stream.eof:
-            if piece:
-                raise DataError("bytes follow the end of the zstd frame")
-            return b""
-        try:
-            return self._stream.decompress(piece)
-        except zstandard.ZstdError as error:
-            raise DataError(f"zstd frame does not decode ({error})") from None
+    def decode(self, piece: bytes) -> Iterator[bytes]:
+        for segment in self._blocks.feed(piece):
+            try:
+                decoded = self._stream.decompress(segment)
+            except zstandard.ZstdError as error:
+                raise DataError(f"zstd frame does not decode ({error})") from None
+            if decoded:
+                yield decoded
 
     def finish(self) -> None:
+        self._blocks.finish()
         if not self._stream.eof:
             raise DataError("zstd frame is cut short")
-        if self._stream.unused_data:
-            raise DataError("bytes follow the end of the zstd frame")
 
 
 class _ZstdReader:

@@ -77,9 +77,7 @@ def iter_item_pieces(location: ItemLocation,
     decoder = location.codec.new_decoder()
     try:
         for piece in iter_stored_pieces(location, piece_bytes):
-            decoded = decoder.decode(piece)
-            if decoded:
-                yield decoded
+            yield from decoder.decode(piece)
         decoder.finish()
     except DataError as error:
         if str(location.path) in str(error):

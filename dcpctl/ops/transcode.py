@@ -24,7 +24,7 @@ from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pie
 from dcpctl.format.records import ItemKey, StorageInfo
 from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
     storage_with
-from dcpctl.pipeline import Pipeline, default_thread_count
+from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
 
 # Called with (bytes just done, total bytes) as work advances.
 ProgressCallback = Callable[[int, int], None]
@@ -109,10 +109,7 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
 
 
 def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemTask], Iterator[bytes]]:
-    def produce(task: ItemTask) -> Iterator[bytes]:
-        if not task.transcode:
-            yield from iter_stored_pieces(task.location, piece_bytes)
-            return
+    def transcoded(task: ItemTask) -> Iterator[bytes]:
         known_size = task.location.length if not task.location.codec.descriptors else None
         encoder = codec.new_encoder(known_size)
         for piece in iter_item_pieces(task.location, piece_bytes):
@@ -120,6 +117,12 @@ def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemTask], Iterator[by
             if encoded:
                 yield encoded
         yield encoder.finish()
+
+    def produce(task: ItemTask) -> Iterator[bytes]:
+        if not task.transcode:
+            return iter_stored_pieces(task.location, piece_bytes)
+        # decoders hand out pieces of at most one zstd block; the writer wants fewer, larger
+        return coalesce(transcoded(task), piece_bytes)
 
     return produce
 

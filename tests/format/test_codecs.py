@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
+import zstandard
 
 from dcpctl.errors import DataError
 from dcpctl.format.codecs import IDENTITY, zstd_codec
@@ -38,3 +40,43 @@ def test_corrupt_frame_is_a_data_error():
     with pytest.raises(DataError, match="zstd frame does not decode"):
         while reader.read(1 << 16):
             pass
+
+
+def _decode_in_pieces(data: bytes, piece_bytes: int) -> list[bytes]:
+    decoder = zstd_codec().new_decoder()
+    out = [decoded for start in range(0, len(data), piece_bytes)
+           for decoded in decoder.decode(data[start:start + piece_bytes])]
+    decoder.finish()
+    return out
+
+
+@pytest.mark.parametrize("compressor", [
+    zstandard.ZstdCompressor(level=3),
+    zstandard.ZstdCompressor(level=1, write_checksum=True),
+    zstandard.ZstdCompressor(level=19, write_content_size=False),
+])
+@pytest.mark.parametrize("piece_bytes", [1, 5, 4096, 1 << 22])
+def test_decoder_gives_back_every_byte_whatever_the_piece_size(compressor, piece_bytes):
+    original = os.urandom(300_000) + bytes(range(256)) * 2_000 + bytes(500_000)
+    pieces = _decode_in_pieces(compressor.compress(original), piece_bytes)
+    assert b"".join(pieces) == original
+
+
+def test_decoded_pieces_stay_small_however_well_the_item_compressed():
+    zeros = zstandard.ZstdCompressor(level=3).compress(bytes(64 << 20))
+    assert len(zeros) < 100_000
+    pieces = _decode_in_pieces(zeros, 4 << 20)
+    assert sum(map(len, pieces)) == 64 << 20
+    assert max(map(len, pieces)) <= 128 << 10
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda data: data[:-1], "cut short"),
+    (lambda data: data[:len(data) // 2], "cut short"),
+    (lambda data: data + b"\x00", "bytes follow"),
+    (lambda data: b"\x00" + data[1:], "do not start a zstd frame"),
+])
+def test_damaged_frames_are_data_errors(damage, message):
+    data = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(os.urandom(200_000))
+    with pytest.raises(DataError, match=message):
+        _decode_in_pieces(damage(data), 65536)
