@@ -12,6 +12,7 @@ from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import echo_json, format_bytes, format_table
 from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.format.safetensors import DEFAULT_MAX_SHARD_BYTES
+from dcpctl.ops.conversion import ConvertReport
 from dcpctl.ops.key_selection import MODEL_PREFIX, KeySelection, Rename
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
@@ -149,7 +150,7 @@ def _refuse_foreign_options(context: click.Context, target: str) -> None:
             raise click.UsageError(f"{option} does not apply to --to {target}", context)
 
 
-def _run(source: str, target: str, output: str, options: dict, progress):
+def _run(source: str, target: str, output: str, options: dict, progress) -> ConvertReport:
     common = {"threads": options["threads"], "overwrite": options["overwrite"],
               "on_progress": progress}
     if target == "dcp":
@@ -168,7 +169,7 @@ def _run(source: str, target: str, output: str, options: dict, progress):
                                   options["max_shard_size"], **common)
 
 
-def render_convert_report(report) -> str:
+def render_convert_report(report: ConvertReport) -> str:
     """What a convert did, for people."""
     objects = f" and {report.objects} objects" if report.objects else ""
     layout = f" for {report.ranks} ranks" if report.ranks else ""

@@ -86,18 +86,6 @@ def run_in_order(produce: Callable, tasks: list, write: Callable[[object, Iterat
         tasks, write)
 
 
-def write_pieces(stream, pieces: Iterable, on_progress: ProgressCallback | None,
-                 total_bytes: int) -> int:
-    """Write pieces to stream, reporting progress; returns the bytes written."""
-    written = 0
-    for piece in pieces:
-        stream.write(piece)
-        written += len(piece)
-        if on_progress is not None:
-            on_progress(len(piece), total_bytes)
-    return written
-
-
 def sync_and_close(stream) -> None:
     """Flush a written file to disk and close it."""
     stream.flush()

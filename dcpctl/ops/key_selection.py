@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 from dcpctl.errors import SelectionError
@@ -42,7 +42,7 @@ class KeySelection:
     include: tuple[str, ...] | None = None
     exclude: tuple[str, ...] = ()
     strip_prefix: str = ""
-    renames: tuple[Rename, ...] = field(default_factory=tuple)
+    renames: tuple[Rename, ...] = ()
 
 
 def default_include(fqns: Iterable[str]) -> tuple[str, ...]:

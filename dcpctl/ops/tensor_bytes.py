@@ -16,7 +16,7 @@ import torch
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, TensorEntry
 from dcpctl.format.dtypes import DType
-from dcpctl.format.items import ItemLocation, iter_item_pieces, locate_item
+from dcpctl.format.items import locate_item, read_item
 from dcpctl.format.records import ChunkMetadata
 
 
@@ -31,10 +31,11 @@ def read_chunk(checkpoint: Checkpoint, tensor: TensorEntry, chunk: ChunkMetadata
         raise DataError(f"{checkpoint.path}: tensor {tensor.fqn!r} has a chunk at "
                         f"{list(chunk.offsets)} with no storage entry in the metadata")
     location = locate_item(checkpoint, tensor.fqn, chunk.storage, is_tensor=True)
-    payload = _read_whole(location)
+    payload = read_item(location)
     dtype = torch_dtype(tensor.dtype)
     if checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS:
-        values = torch.frombuffer(payload, dtype=dtype) if payload else torch.empty(0, dtype=dtype)
+        values = torch.frombuffer(bytearray(payload), dtype=dtype) if payload else \
+            torch.empty(0, dtype=dtype)
         return values.reshape(chunk.sizes)
     where = f"{location.path}: item {tensor.fqn!r} at {list(chunk.offsets)}"
     try:
@@ -47,19 +48,7 @@ def read_chunk(checkpoint: Checkpoint, tensor: TensorEntry, chunk: ChunkMetadata
     return values
 
 
-def _read_whole(location: ItemLocation) -> bytearray:
-    """The decoded item in one buffer, filled in place when its size is known (no codec)."""
-    if location.codec.descriptors:
-        return bytearray().join(iter_item_pieces(location))
-    buffer = bytearray(location.length)
-    view, position = memoryview(buffer), 0
-    for piece in iter_item_pieces(location):
-        view[position:position + len(piece)] = piece
-        position += len(piece)
-    return buffer
-
-
-def tensor_bytes(values: torch.Tensor) -> memoryview:
+def _bytes_of(values: torch.Tensor) -> memoryview:
     """A tensor's row-major bytes, without a copy when it is contiguous."""
     flat = values.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
@@ -78,14 +67,14 @@ def iter_tensor_bytes(checkpoint: Checkpoint, tensor: TensorEntry,
                         f"of its {math.prod(tensor.shape)} elements")
     if _are_row_blocks(tensor.shape, chunks):
         for chunk in sorted(chunks, key=lambda chunk: chunk.offsets[:1]):
-            yield tensor_bytes(read_chunk(checkpoint, tensor, chunk).to(target))
+            yield _bytes_of(read_chunk(checkpoint, tensor, chunk).to(target))
         return
     full = torch.empty(tensor.shape, dtype=target)
     for chunk in chunks:
         region = tuple(slice(offset, offset + size)
                        for offset, size in zip(chunk.offsets, chunk.sizes))
         full[region] = read_chunk(checkpoint, tensor, chunk)
-    yield tensor_bytes(full)
+    yield _bytes_of(full)
 
 
 def _are_row_blocks(shape: tuple[int, ...], chunks: list[ChunkMetadata]) -> bool:

@@ -19,7 +19,7 @@ from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTenso
                                        encode_header, encode_index, plan_shards,
                                        shard_file_name)
 from dcpctl.ops.conversion import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                   cast_dtype, run_in_order, sync_and_close, write_pieces)
+                                   cast_dtype, run_in_order, sync_and_close)
 from dcpctl.ops.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.tensor_bytes import iter_tensor_bytes
 from dcpctl.pipeline import default_thread_count
@@ -69,7 +69,12 @@ def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: 
             stream.write(header)
 
             def write(tensor: OutputTensor, pieces) -> None:
-                written = write_pieces(stream, pieces, on_progress, total_bytes)
+                written = 0
+                for piece in pieces:
+                    stream.write(piece)
+                    written += len(piece)
+                    if on_progress is not None:
+                        on_progress(len(piece), total_bytes)
                 if written != tensor.nbytes:
                     raise DataError(f"{checkpoint.path}: tensor {tensor.entry.fqn!r} gave "
                                     f"{written} bytes, not the {tensor.nbytes} its shape needs")

@@ -71,8 +71,8 @@ def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
 def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, path: Path, threads: int,
                      on_progress: ProgressCallback | None = None) -> None:
     """Write the planned entries into one torch.save file at path."""
-    sources = _save_without_data(plan, checkpoint, path)
-    fills = _match_records(path, sources)
+    _save_without_data(plan, checkpoint, path)
+    fills = _match_records(path, plan)
     total_bytes = sum(fill.record.size_bytes for fill in fills)
     with open(path, "r+b") as stream:
         def write(fill: _Fill, pieces: Iterator) -> None:
@@ -125,10 +125,9 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     return report
 
 
-def _save_without_data(plan: TorchSavePlan, checkpoint: Checkpoint,
-                       path: Path) -> list[tuple[tuple, OutputTensor]]:
-    """torch.save the nested state with placeholder tensors and no tensor bytes; returns each
-    placeholder's key path and the tensor it stands for."""
+def _save_without_data(plan: TorchSavePlan, checkpoint: Checkpoint, path: Path) -> None:
+    """torch.save the nested state with placeholder tensors that own no memory and no tensor
+    bytes written."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     values: dict[str, object] = {entry.fqn: _load_object(checkpoint, entry)
@@ -142,10 +141,9 @@ def _save_without_data(plan: TorchSavePlan, checkpoint: Checkpoint,
         set_nested(state, key_path, values[fqn])
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(state, path)
-    return [(plan.paths[tensor.entry.fqn], tensor) for tensor in plan.tensors]
 
 
-def _match_records(path: Path, sources: list[tuple[tuple, OutputTensor]]) -> list[_Fill]:
+def _match_records(path: Path, plan: TorchSavePlan) -> list[_Fill]:
     """Pair every storage record of the archive with the bytes it needs, in file order."""
     with open(path, "rb") as stream:
         def read_range(start: int, length: int) -> bytes:
@@ -156,8 +154,9 @@ def _match_records(path: Path, sources: list[tuple[tuple, OutputTensor]]) -> lis
                    for record in read_zip_records(read_range, path.stat().st_size)}
         skeleton = load_skeleton(path)
         fills = {}
-        for key_path, tensor in sources:
-            record = records[storage_file_offset(get_nested(skeleton, key_path))]
+        for tensor in plan.tensors:
+            placeholder = get_nested(skeleton, plan.paths[tensor.entry.fqn])
+            record = records[storage_file_offset(placeholder)]
             fills[record.data_offset] = _Fill(record, crc32_field_offsets(read_range, record),
                                               tensor)
     return [fills[offset] for offset in sorted(fills)]
