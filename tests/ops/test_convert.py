@@ -249,3 +249,15 @@ def test_overwrite_replaces_an_earlier_output(tmp_path):
     save_file({"old": torch.ones(1)}, tmp_path / "model.safetensors")
     convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path, EVERYTHING, overwrite=True)
     assert set(load_file(tmp_path / "model.safetensors")) == {"grid", "bias", "table"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_strided_view_saved_by_dcp_converts_as_its_values(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    dcp.save({"transposed": base.t(), "plain": base}, checkpoint_id=tmp_path / "dcp",
+             no_dist=True)
+    convert_to_safetensors(tmp_path / "dcp", tmp_path / "hf", EVERYTHING)
+    converted = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(converted["transposed"], base.t()) and torch.equal(converted["plain"], base)
