@@ -114,10 +114,10 @@ def convert_command(context: click.Context, source: str, target: str, output: st
       (a whole tensor for layouts not split by rows), never the checkpoint.
       Non-tensor entries are left out (safetensors holds tensors only).
     --to torch: SOURCE is a DCP checkpoint; OUTPUT is one torch.save file nested by the
-      original keys, as torch's dcp_to_torch_save writes it. It costs a second pass:
-      torch.save writes the archive without tensor bytes, then each tensor is filled
-      in at its place, so memory stays bounded; loading the file with plain torch.load
-      needs memory for all of it (torch.load(..., mmap=True) does not).
+      original keys, as torch's dcp_to_torch_save writes it, streamed in one pass in
+      bounded memory. What it costs: importing torch (objects are unpickled with
+      weights_only=True), and one file that plain torch.load reads whole into memory
+      (torch.load(..., mmap=True) does not).
     --to dcp: SOURCE is a .safetensors file, a directory with model.safetensors.index.json
       (or model.safetensors), or a torch.save file (loaded with weights_only=True only,
       memory-mapped). OUTPUT is a DCP checkpoint that torch.distributed.checkpoint.load

@@ -76,7 +76,7 @@ def _read_payload(location: ItemLocation, tensor: TensorEntry,
         import torch
 
         values = torch.load(io.BytesIO(archive or read_item(location)), weights_only=True)
-        return _bytes_of(values)
+        return bytes_of(values)
     if archive is not None:
         return bytearray(archive[layout.payload_offset:layout.payload_offset + saved.nbytes])
     return _read_file_range(location, layout.payload_offset, saved.nbytes)
@@ -92,7 +92,7 @@ def _read_file_range(location: ItemLocation, start: int, length: int) -> bytearr
     return buffer
 
 
-def _bytes_of(values: torch.Tensor) -> bytearray | memoryview:
+def bytes_of(values: torch.Tensor) -> bytearray | memoryview:
     """A tensor's row-major bytes, without a copy when it is contiguous."""
     import torch
 
@@ -104,7 +104,7 @@ def _cast(data: bytearray | memoryview, source: DType, target: DType) -> memoryv
     """Row-major bytes of source-dtype elements as target-dtype elements."""
     import torch
 
-    return _bytes_of(torch.frombuffer(data, dtype=torch_dtype(source)).to(torch_dtype(target)))
+    return bytes_of(torch.frombuffer(data, dtype=torch_dtype(source)).to(torch_dtype(target)))
 
 
 def iter_tensor_bytes(checkpoint: Checkpoint, tensor: TensorEntry,

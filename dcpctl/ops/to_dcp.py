@@ -1,10 +1,11 @@
 """Safetensors files or a torch.save file to a DCP checkpoint laid out for N ranks.
 
 Each tensor is split by rows as an N-rank FSDP2 save splits it (format/sharding.py) and each
-rank's chunks go into its own file `__{rank}_0.distcp`, every item a torch.save of the chunk
-as torch's FileSystemWriter writes it; non-tensor entries go to rank 0. Sources are read a
-chunk at a time from the byte ranges their headers name (for a torch.save file, found by loading
-it with every tensor on the meta device), never loaded whole.
+rank's chunks go into its own file `__{rank}_0.distcp`, every item the torch.save archive of the
+chunk that torch's FileSystemWriter would write (format/torch_save_writer.py); non-tensor
+entries go to rank 0. Sources are read a chunk at a time from the byte ranges their headers name
+(for a torch.save file, found by loading it with every tensor on the meta device), never loaded
+whole. A safetensors source needs no torch at all.
 """
 
 from __future__ import annotations
@@ -16,21 +17,22 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.dtypes import DType, dtype_by_name
+from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
 from dcpctl.format.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
                                    StorageInfo, StorageMeta, TensorMetadata, TensorProperties)
 from dcpctl.format.safetensors import SafetensorsTensor, read_safetensors_model
 from dcpctl.format.sharding import RankChunk, shard_dim0_chunks
+from dcpctl.format.torch_save_writer import iter_torch_save_archive
 from dcpctl.format.writer import CheckpointOutput
 from dcpctl.ops.conversion import ConvertReport, ProgressCallback, WrittenFile, run_in_order
 from dcpctl.ops.tensor_bytes import torch_dtype
-from dcpctl.ops.torch_save_files import load_skeleton, refuse_tensors_in_object, storage_file_offset
 from dcpctl.pipeline import default_thread_count
+
+if TYPE_CHECKING:
+    import torch
 
 DCP_VERSION = "1.0.0"
 
@@ -38,13 +40,12 @@ DCP_VERSION = "1.0.0"
 @dataclass(frozen=True)
 class SourceEntry:
     """A tensor or object to carry into the checkpoint, with its key path in the state dict.
-    A tensor gives a chunk's values (a tensor owning just them) through read_chunk; an object
-    is its value."""
+    A tensor gives a chunk's row-major bytes through read_chunk; an object is its value."""
 
     key_path: tuple
     dtype: DType | None = None
     shape: tuple[int, ...] = ()
-    read_chunk: Callable[[RankChunk], torch.Tensor] | None = None
+    read_chunk: Callable[[RankChunk], bytearray] | None = None
     value: Any = None
 
     @property
@@ -80,15 +81,16 @@ def read_source(source: Path, prefix: str) -> tuple[str, list[SourceEntry]]:
 
 
 def _safetensors_entry(path: Path, tensor: SafetensorsTensor, prefix_path: tuple) -> SourceEntry:
-    def read_chunk(chunk: RankChunk) -> torch.Tensor:
+    def read_chunk(chunk: RankChunk) -> bytearray:
         return _read_rows(path, tensor.start, tensor.dtype, tensor.shape, chunk)
 
     return SourceEntry(prefix_path + (tensor.name,), tensor.dtype, tensor.shape, read_chunk)
 
 
 def _read_rows(path: Path, start: int, dtype: DType, shape: tuple[int, ...],
-               chunk: RankChunk) -> torch.Tensor:
-    """A chunk of whole rows of a row-major tensor stored in a file from byte start."""
+               chunk: RankChunk) -> bytearray:
+    """The bytes of a chunk of whole rows of a row-major tensor stored in a file from byte
+    start."""
     first_element = chunk.offsets[0] * math.prod(shape[1:]) if chunk.offsets else 0
     length = math.prod(chunk.sizes) * dtype.itemsize
     buffer = bytearray(length)
@@ -96,15 +98,17 @@ def _read_rows(path: Path, start: int, dtype: DType, shape: tuple[int, ...],
         stream.seek(start + first_element * dtype.itemsize)
         if stream.readinto(buffer) != length:
             raise DataError(f"{path}: ends inside a tensor at byte {start}")
-    values = torch.frombuffer(buffer, dtype=torch_dtype(dtype)) if length else \
-        torch.empty(0, dtype=torch_dtype(dtype))
-    return values.reshape(chunk.sizes)
+    return buffer
 
 
 def _torch_save_entries(path: Path, prefix_path: tuple) -> list[SourceEntry]:
     """The entries of a torch.save file, flattened as dcp.save flattens a state dict; tensor
     bytes are read from the file a chunk at a time."""
+    import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from dcpctl.ops.torch_save_files import (load_skeleton, refuse_tensors_in_object,
+                                             storage_records)
 
     state = load_skeleton(path)
     if not isinstance(state, dict):
@@ -113,39 +117,47 @@ def _torch_save_entries(path: Path, prefix_path: tuple) -> list[SourceEntry]:
         flat, key_paths = flatten_state_dict(state)
     except ValueError as error:  # two keys flatten to one fqn
         raise DataError(f"{path}: {error}") from None
+    records = storage_records(path)
     entries = []
     for fqn, value in flat.items():
         key_path = prefix_path + tuple(key_paths[fqn])
         if isinstance(value, torch.Tensor):
-            entries.append(_torch_tensor_entry(path, key_path, value))
+            entries.append(_torch_tensor_entry(path, key_path, value, records))
         else:
             refuse_tensors_in_object(path, fqn, value)
             entries.append(SourceEntry(key_path, value=value))
     return entries
 
 
-def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor) -> SourceEntry:
+def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
+                        records: dict[int, int]) -> SourceEntry:
     """A tensor of a torch.save file, from its meta-device placeholder."""
+    import torch
+
+    from dcpctl.ops.tensor_bytes import bytes_of
+    from dcpctl.ops.torch_save_files import storage_file_offset
+
     if type(placeholder) is not torch.Tensor or placeholder.layout != torch.strided:
         raise UnsupportedLayoutError(f"{path}: {'.'.join(map(str, key_path))!r} is a "
                                      f"{type(placeholder).__name__} ({placeholder.layout}), "
                                      "not a plain tensor")
     dtype = dtype_by_name(str(placeholder.dtype))
     shape = tuple(placeholder.shape)
-    start = storage_file_offset(placeholder) + placeholder.storage_offset() * dtype.itemsize
+    start = (storage_file_offset(path, placeholder, records)
+             + placeholder.storage_offset() * dtype.itemsize)
     if placeholder.is_contiguous():
-        def read_chunk(chunk: RankChunk) -> torch.Tensor:
+        def read_chunk(chunk: RankChunk) -> bytearray:
             return _read_rows(path, start, dtype, shape, chunk)
     else:  # a view saved with its strides: read the span it covers, then take the rows
         span = 1 + sum((size - 1) * stride for size, stride
                        in zip(shape, placeholder.stride())) if placeholder.numel() else 0
         stride = placeholder.stride()
 
-        def read_chunk(chunk: RankChunk) -> torch.Tensor:
+        def read_chunk(chunk: RankChunk) -> bytearray:
             whole = _read_rows(path, start, dtype, (span,), RankChunk(0, (0,), (span,)))
-            rows = whole.as_strided(shape, stride)
+            rows = torch.frombuffer(whole, dtype=torch_dtype(dtype)).as_strided(shape, stride)
             rows = rows.narrow(0, chunk.offsets[0], chunk.sizes[0]) if chunk.sizes else rows
-            return rows.clone(memory_format=torch.contiguous_format)
+            return bytearray(bytes_of(rows))
     return SourceEntry(key_path, dtype, shape, read_chunk)
 
 
@@ -160,9 +172,20 @@ def plan_items(entries: list[SourceEntry], ranks: int) -> list[list[_Item]]:
     return items
 
 
-def _item_bytes(item: _Item) -> Iterator[memoryview]:
+def _item_bytes(item: _Item) -> Iterator[bytes]:
     """The item as torch's FileSystemWriter stores it: a torch.save of the chunk or object."""
-    value = item.entry.value if item.chunk is None else item.entry.read_chunk(item.chunk)
+    if item.chunk is not None and item.entry.dtype.name in LEGACY_STORAGE_TYPES:
+        yield from iter_torch_save_archive(item.entry.dtype, item.chunk.sizes,
+                                           [item.entry.read_chunk(item.chunk)])
+        return
+    import torch  # objects, and dtypes newer than the archive writer knows
+
+    value = item.entry.value
+    if item.chunk is not None:
+        data = item.entry.read_chunk(item.chunk)
+        dtype = torch_dtype(item.entry.dtype)
+        value = (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+                 ).reshape(item.chunk.sizes)
     buffer = io.BytesIO()
     torch.save(value, buffer)
     yield buffer.getbuffer()

@@ -1,22 +1,24 @@
-"""DCP to one torch.save file, as torch's `dcp_to_torch_save` writes it, in bounded memory.
+"""DCP to one torch.save file, as torch's `dcp_to_torch_save` writes it, in one streaming pass.
 
-torch.save has no streaming writer, so the file is written in two passes: torch.save writes the
-whole archive with every tensor's bytes left out (`torch.serialization.skip_data`, placeholder
-tensors that own no memory), then each tensor is assembled from its chunks straight into its
-place in the archive and its CRC-32 is filled in. The nesting follows the checkpoint's
-planner_data, the keys of the state dict that was saved, as `dcp_to_torch_save` nests it.
+The archive is written front to back the way torch.save lays it out: `data.pkl` (the nested
+state, each tensor pickled as torch pickles it, naming a storage record by key), the small
+format records, then each tensor's storage record, its bytes assembled from the checkpoint's
+chunks on the way and its CRC-32 computed as they pass, then the central directory. Memory
+holds a few chunks, never the state. The nesting follows the checkpoint's planner_data, the
+keys of the state dict that was saved, as `dcp_to_torch_save` nests it.
 """
 
 from __future__ import annotations
 
+import collections
 import io
+import math
 import os
-import struct
+import pickle
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -24,14 +26,16 @@ from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.checkpoint import Checkpoint, ObjectEntry, open_checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.items import locate_item, read_item
-from dcpctl.format.zip_archive import ZipRecord, crc32_field_offsets, read_zip_records
+from dcpctl.format.torch_save_writer import ARCHIVE_PREFIX, ZipStreamWriter
 from dcpctl.ops.conversion import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                    cast_dtype, run_in_order, sync_and_close)
 from dcpctl.ops.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.tensor_bytes import iter_tensor_bytes, torch_dtype
-from dcpctl.ops.torch_save_files import load_skeleton, refuse_tensors_in_object, storage_file_offset
+from dcpctl.ops.torch_save_files import refuse_tensors_in_object
 from dcpctl.pipeline import default_thread_count
 from dcpctl.staging import StagedOutput
+
+_PICKLE_PROTOCOL = 2  # torch.save's default
 
 
 @dataclass
@@ -45,13 +49,48 @@ class TorchSavePlan:
     objects_left_out: int
 
 
-@dataclass(frozen=True)
-class _Fill:
-    """A storage record of the archive, where its CRC-32 goes, and where its bytes come from."""
+class _StatePickler(pickle.Pickler):
+    """Pickles the state as torch.save does, each OutputTensor as a tensor whose storage is the
+    persistent id torch writes ('storage', type, key, 'cpu', size). Keys are numbered in the
+    order the pickle meets the tensors, and `stored` lists the tensors in that order, the order
+    torch writes their records in (torch.load(map_location="meta") relies on it)."""
 
-    record: ZipRecord
-    crc32_offsets: tuple[int, ...]
-    source: OutputTensor
+    def __init__(self, file) -> None:
+        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        self.stored: list[OutputTensor] = []
+
+    def reducer_override(self, value):
+        if not isinstance(value, OutputTensor):
+            return NotImplemented
+        dtype, shape = torch_dtype(value.dtype), value.entry.shape
+        stride = tuple(math.prod(shape[dimension + 1:]) for dimension in range(len(shape)))
+        arguments = (_StorageOf(value), 0, shape, stride, False, collections.OrderedDict())
+        if _legacy_storage_type(dtype) is not None:
+            return torch._utils._rebuild_tensor_v2, arguments
+        return torch._utils._rebuild_tensor_v3, arguments + (dtype,)
+
+    def persistent_id(self, value):
+        if not isinstance(value, _StorageOf):
+            return None
+        key = str(len(self.stored))
+        self.stored.append(value.tensor)
+        legacy_type = _legacy_storage_type(torch_dtype(value.tensor.dtype))
+        if legacy_type is not None:
+            return ("storage", legacy_type, key, "cpu", math.prod(value.tensor.entry.shape))
+        return ("storage", torch.storage.UntypedStorage, key, "cpu", value.tensor.nbytes)
+
+
+@dataclass(frozen=True)
+class _StorageOf:
+    """Stands for a tensor's storage in the pickle."""
+
+    tensor: OutputTensor
+
+
+def _legacy_storage_type(dtype: torch.dtype):
+    """The storage class torch.save names for this dtype, None for dtypes newer than them."""
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    return getattr(torch, name) if name else None
 
 
 def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
@@ -68,33 +107,52 @@ def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
                          len(checkpoint.objects) - len(objects))
 
 
-def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, path: Path, threads: int,
+def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, stream, threads: int,
                      on_progress: ProgressCallback | None = None) -> None:
-    """Write the planned entries into one torch.save file at path."""
-    _save_without_data(plan, checkpoint, path)
-    fills = _match_records(path, plan)
-    total_bytes = sum(fill.record.size_bytes for fill in fills)
-    with open(path, "r+b") as stream:
-        def write(fill: _Fill, pieces: Iterator) -> None:
-            stream.seek(fill.record.data_offset)
-            crc = written = 0
-            for piece in pieces:
-                stream.write(piece)
-                crc = zlib.crc32(piece, crc)
-                written += len(piece)
-                if on_progress is not None:
-                    on_progress(len(piece), total_bytes)
-            if written != fill.record.size_bytes:
-                raise DataError(f"{checkpoint.path}: {fill.record.name} got {written} bytes, "
-                                f"not {fill.record.size_bytes}")
-            for offset in fill.crc32_offsets:
-                stream.seek(offset)
-                stream.write(struct.pack("<I", crc))
+    """Write the planned entries to stream as one torch.save archive."""
+    stored, state_pickle = _pickle_state(plan, checkpoint)
+    archive = ZipStreamWriter()
+    for name, data in (("data.pkl", state_pickle), (".format_version", b"1"),
+                       (".storage_alignment", b"64"), ("byteorder", b"little")):
+        stream.write(archive.record(ARCHIVE_PREFIX + name, data))
+    total_bytes = sum(tensor.nbytes for tensor in stored)
 
-        run_in_order(lambda fill: iter_tensor_bytes(checkpoint, fill.source.entry,
-                                                    fill.source.dtype),
-                     fills, write, threads)
-        sync_and_close(stream)
+    def write(task: tuple[int, OutputTensor], pieces) -> None:
+        key, tensor = task
+        stream.write(archive.local_header(f"{ARCHIVE_PREFIX}data/{key}"))
+        crc = written = 0
+        for piece in pieces:
+            stream.write(piece)
+            crc = zlib.crc32(piece, crc)
+            written += len(piece)
+            if on_progress is not None:
+                on_progress(len(piece), total_bytes)
+        if written != tensor.nbytes:
+            raise DataError(f"{checkpoint.path}: tensor {tensor.entry.fqn!r} gave "
+                            f"{written} bytes, not the {tensor.nbytes} its shape needs")
+        archive.position += written
+        stream.write(archive.data_descriptor(crc, written))
+
+    run_in_order(lambda task: iter_tensor_bytes(checkpoint, task[1].entry, task[1].dtype),
+                 list(enumerate(stored)), write, threads)
+    stream.write(archive.record(ARCHIVE_PREFIX + "version", b"3\n"))
+    serialization_id = f"{zlib.crc32(state_pickle):040d}".encode()
+    stream.write(archive.record(ARCHIVE_PREFIX + ".data/serialization_id", serialization_id))
+    stream.write(archive.directory())
+
+
+def _pickle_state(plan: TorchSavePlan, checkpoint: Checkpoint) -> tuple[list[OutputTensor], bytes]:
+    """data.pkl for the nested state, and its tensors in storage key order."""
+    values: dict[str, object] = {entry.fqn: _load_object(checkpoint, entry)
+                                 for entry in plan.objects}
+    values.update((tensor.entry.fqn, tensor) for tensor in plan.tensors)
+    state: dict = {}
+    for fqn, key_path in plan.paths.items():
+        set_nested(state, key_path, values[fqn])
+    buffer = io.BytesIO()
+    pickler = _StatePickler(buffer)
+    pickler.dump(state)
+    return pickler.stored, buffer.getvalue()
 
 
 def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
@@ -108,8 +166,10 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     plan = plan_torch_save(checkpoint, selection, cast_to)
     staged = StagedOutput(Path(output), overwrite, is_directory=False)
     try:
-        write_torch_save(plan, checkpoint, staged.path, threads, on_progress)
-        size_bytes = staged.path.stat().st_size
+        with open(staged.path, "xb") as stream:
+            write_torch_save(plan, checkpoint, stream, threads, on_progress)
+            size_bytes = stream.tell()
+            sync_and_close(stream)
         staged.publish()
     except BaseException:
         staged.abort()
@@ -123,43 +183,6 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     report.count_tensors(tensor.nbytes for tensor in plan.tensors)
     report.seconds = time.perf_counter() - started
     return report
-
-
-def _save_without_data(plan: TorchSavePlan, checkpoint: Checkpoint, path: Path) -> None:
-    """torch.save the nested state with placeholder tensors that own no memory and no tensor
-    bytes written."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    values: dict[str, object] = {entry.fqn: _load_object(checkpoint, entry)
-                                 for entry in plan.objects}
-    with FakeTensorMode():
-        for tensor in plan.tensors:
-            values[tensor.entry.fqn] = torch.empty(tensor.entry.shape,
-                                                   dtype=torch_dtype(tensor.dtype))
-    state: dict = {}
-    for fqn, key_path in plan.paths.items():
-        set_nested(state, key_path, values[fqn])
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(state, path)
-
-
-def _match_records(path: Path, plan: TorchSavePlan) -> list[_Fill]:
-    """Pair every storage record of the archive with the bytes it needs, in file order."""
-    with open(path, "rb") as stream:
-        def read_range(start: int, length: int) -> bytes:
-            stream.seek(start)
-            return stream.read(length)
-
-        records = {record.data_offset: record
-                   for record in read_zip_records(read_range, path.stat().st_size)}
-        skeleton = load_skeleton(path)
-        fills = {}
-        for tensor in plan.tensors:
-            placeholder = get_nested(skeleton, plan.paths[tensor.entry.fqn])
-            record = records[storage_file_offset(placeholder)]
-            fills[record.data_offset] = _Fill(record, crc32_field_offsets(read_range, record),
-                                              tensor)
-    return [fills[offset] for offset in sorted(fills)]
 
 
 def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
@@ -194,10 +217,3 @@ def set_nested(root: dict, key_path: tuple, value) -> None:
     if isinstance(container, list):
         container.extend([None] * (last + 1 - len(container)))
     container[last] = value
-
-
-def get_nested(root, key_path: tuple):
-    """The value at key_path."""
-    for key in key_path:
-        root = root[key]
-    return root

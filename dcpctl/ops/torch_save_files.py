@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.format.zip_archive import read_zip_records
 
 
 def load_skeleton(path: Path) -> Any:
@@ -30,12 +31,27 @@ def load_skeleton(path: Path) -> Any:
             f"({str(error).splitlines()[0]})") from None
 
 
-def storage_file_offset(placeholder: torch.Tensor) -> int:
-    """Where in the file the storage of a tensor from load_skeleton starts."""
+def storage_records(path: Path) -> dict[int, int]:
+    """Data offset -> size of every storage record (`<prefix>/data/<key>`) of the archive."""
+    with open(path, "rb") as stream:
+        def read_range(start: int, length: int) -> bytes:
+            stream.seek(start)
+            return stream.read(length)
+
+        records = read_zip_records(read_range, path.stat().st_size)
+    return {record.data_offset: record.size_bytes for record in records
+            if record.name.partition("/")[2].startswith("data/")}
+
+
+def storage_file_offset(path: Path, placeholder: torch.Tensor, records: dict[int, int]) -> int:
+    """Where in the file the storage of a tensor from load_skeleton starts. torch works it out
+    from the conventions of its own writer; it is checked against the archive's records."""
     offset = getattr(placeholder.untyped_storage(), "_checkpoint_offset", None)
-    if offset is None:
-        raise UnsupportedLayoutError(f"torch {torch.__version__} does not report where a "
-                                     "torch.save file keeps a tensor's bytes")
+    needed = placeholder.untyped_storage().nbytes()
+    if offset is None or records.get(offset, -1) < needed:
+        raise UnsupportedLayoutError(f"{path}: cannot tell where a tensor's bytes lie (torch "
+                                     f"points at byte {offset}, where no storage record of "
+                                     f"{needed} bytes starts)")
     return offset
 
 

@@ -261,3 +261,24 @@ def test_a_strided_view_saved_by_dcp_converts_as_its_values(tmp_path):
     convert_to_safetensors(tmp_path / "dcp", tmp_path / "hf", EVERYTHING)
     converted = load_file(tmp_path / "hf" / "model.safetensors")
     assert torch.equal(converted["transposed"], base.t()) and torch.equal(converted["plain"], base)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_output_with_newer_dtypes_loads_mapped_and_converts_back(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"f8": torch.randn(4, 3).to(torch.float8_e4m3fn),
+             "u16": torch.tensor([1, 2, 60000], dtype=torch.uint16), "empty": torch.zeros(0, 2),
+             "scalar": torch.tensor(3.0), "config": {"sizes": [1, 2], "name": "x"}}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    convert_to_torch_save(tmp_path / "dcp", tmp_path / "state.pt", EVERYTHING)
+    for mmap in (False, True):
+        loaded = torch.load(tmp_path / "state.pt", weights_only=True, mmap=mmap)
+        assert loaded["config"] == state["config"]
+        for name in ("f8", "u16", "empty", "scalar"):
+            assert loaded[name].dtype == state[name].dtype
+            assert tensor_sha256(loaded[name]) == tensor_sha256(state[name]), name
+    convert_to_dcp(tmp_path / "state.pt", tmp_path / "again", ranks=2)
+    again = load_with_torch(tmp_path / "again")
+    assert tensor_sha256(again["f8"]) == tensor_sha256(state["f8"])
+    assert again["config.name"] == "x"
