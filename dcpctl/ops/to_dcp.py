@@ -107,17 +107,15 @@ def _torch_save_entries(path: Path, prefix_path: tuple) -> list[SourceEntry]:
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from dcpctl.ops.torch_save_files import (load_skeleton, refuse_tensors_in_object,
-                                             storage_records)
+    from dcpctl.ops.torch_save_files import open_torch_save, refuse_tensors_in_object
 
-    state = load_skeleton(path)
+    state, records = open_torch_save(path)
     if not isinstance(state, dict):
         raise UnsupportedLayoutError(f"{path}: holds a {type(state).__name__}, not a state dict")
     try:
         flat, key_paths = flatten_state_dict(state)
     except ValueError as error:  # two keys flatten to one fqn
         raise DataError(f"{path}: {error}") from None
-    records = storage_records(path)
     entries = []
     for fqn, value in flat.items():
         key_path = prefix_path + tuple(key_paths[fqn])

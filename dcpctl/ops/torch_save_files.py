@@ -3,44 +3,41 @@ bytes lie in the file, so that they can be read or written a piece at a time."""
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.zip_archive import read_zip_records
 
 
-def load_skeleton(path: Path) -> Any:
+def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
     """The file's contents with every tensor on the meta device (no tensor bytes are read),
-    unpickled with torch's weights_only loader, so no code from the file runs."""
-    if not zipfile.is_zipfile(path):
-        raise UnsupportedLayoutError(f"{path}: not a torch.save zip archive (files in the legacy "
-                                     "format of torch < 1.6 are not supported)")
-    with zipfile.ZipFile(path) as archive:
-        byteorder = [name for name in archive.namelist() if name.endswith("/byteorder")]
-        if byteorder and archive.read(byteorder[0]) != b"little":
-            raise UnsupportedLayoutError(f"{path}: saved on a big-endian machine")
-    try:
-        return torch.load(path, map_location="meta", weights_only=True)
-    except Exception as error:  # the weights_only loader refuses in many ways
-        raise UnsupportedLayoutError(
-            f"{path}: cannot be loaded with weights_only=True "
-            f"({str(error).splitlines()[0]})") from None
-
-
-def storage_records(path: Path) -> dict[int, int]:
-    """Data offset -> size of every storage record (`<prefix>/data/<key>`) of the archive."""
+    unpickled with torch's weights_only loader so that no code from the file runs, and the data
+    offset -> size of each of its storage records (`<prefix>/data/<key>`)."""
     with open(path, "rb") as stream:
         def read_range(start: int, length: int) -> bytes:
             stream.seek(start)
             return stream.read(length)
 
-        records = read_zip_records(read_range, path.stat().st_size)
-    return {record.data_offset: record.size_bytes for record in records
-            if record.name.partition("/")[2].startswith("data/")}
+        try:
+            records = read_zip_records(read_range, path.stat().st_size)
+        except DataError as error:
+            raise UnsupportedLayoutError(f"{path}: not a torch.save zip archive ({error}; the "
+                                         "legacy format of torch < 1.6 is not supported)") from None
+        byteorder = next((r for r in records if r.name.endswith("/byteorder")), None)
+        if byteorder and read_range(byteorder.data_offset, byteorder.size_bytes) != b"little":
+            raise UnsupportedLayoutError(f"{path}: saved on a big-endian machine")
+    try:
+        skeleton = torch.load(path, map_location="meta", weights_only=True)
+    except Exception as error:  # the weights_only loader refuses in many ways
+        raise UnsupportedLayoutError(
+            f"{path}: cannot be loaded with weights_only=True "
+            f"({str(error).splitlines()[0]})") from None
+    storages = {record.data_offset: record.size_bytes for record in records
+                if record.name.partition("/")[2].startswith("data/")}
+    return skeleton, storages
 
 
 def storage_file_offset(path: Path, placeholder: torch.Tensor, records: dict[int, int]) -> int:
