@@ -119,9 +119,9 @@ def convert_command(context: click.Context, source: str, target: str, output: st
       weights_only=True), and one file that plain torch.load reads whole into memory
       (torch.load(..., mmap=True) does not).
     --to dcp: SOURCE is a .safetensors file, a directory with model.safetensors.index.json
-      (or model.safetensors), or a torch.save file (loaded with weights_only=True only,
-      memory-mapped). OUTPUT is a DCP checkpoint that torch.distributed.checkpoint.load
-      reads, laid out for --ranks ranks.
+      (or model.safetensors), or a torch.save file (its structure loaded with
+      weights_only=True only, tensor bytes read a chunk at a time). OUTPUT is a DCP
+      checkpoint that torch.distributed.checkpoint.load reads, laid out for --ranks ranks.
 
     The output is written under a temporary name beside OUTPUT and renamed at the end:
     a failed or killed run leaves no partial output.
