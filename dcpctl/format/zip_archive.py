@@ -31,10 +31,6 @@ _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_END = struct.Struct("<4sQ2H2I4Q")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
-_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
-_HAS_DATA_DESCRIPTOR = 0x08
-_CRC32_FIELD_IN_HEADER = 14
-_CRC32_FIELD_IN_CENTRAL_ENTRY = 16
 _ZIP64_EXTRA_ID = 0x0001
 _MAX_COMMENT_BYTES = 0xFFFF
 _FIRST_TAIL_BYTES = 1024
@@ -48,7 +44,6 @@ class _CentralEntry(NamedTuple):
     size_bytes: int
     crc32: int
     compression_method: int
-    central_offset: int
 
 
 @dataclass(frozen=True)
@@ -61,8 +56,6 @@ class ZipRecord:
     crc32: int
     compression_method: int
     header_offset: int
-    central_offset: int
-    """Where the record's central directory entry starts."""
 
     @property
     def data_end(self) -> int:
@@ -142,7 +135,7 @@ def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> li
         extra = data[extra_start:extra_start + extra_length]
         size_bytes, header_offset = _apply_zip64_extra(extra, uncompressed_bytes, size_bytes,
                                                        header_offset, name)
-        entries.append(_CentralEntry(name, header_offset, size_bytes, crc32, method, where))
+        entries.append(_CentralEntry(name, header_offset, size_bytes, crc32, method))
     return entries
 
 
@@ -179,21 +172,8 @@ def _locate_record(read_range: ReadRange, entry: _CentralEntry, data_limit: int)
                         f"{entry.header_offset}")
     data_offset = entry.header_offset + _LOCAL_HEADER.size + name_length + extra_length
     record = ZipRecord(entry.name, data_offset, entry.size_bytes, entry.crc32,
-                       entry.compression_method, entry.header_offset, entry.central_offset)
+                       entry.compression_method, entry.header_offset)
     if record.data_end > data_limit:
         raise DataError(f"zip record {entry.name!r} at bytes {data_offset}..{record.data_end} "
                         f"runs past byte {data_limit}, where the central directory starts")
     return record
-
-
-def crc32_field_offsets(read_range: ReadRange, record: ZipRecord) -> tuple[int, int]:
-    """Where the record's CRC-32 is stored, to fill it in after writing its data: in its central
-    directory entry, and in its data descriptor (after the data, signature optional) or, when it
-    has none, in its local header."""
-    flags = _LOCAL_HEADER.unpack(read_range(record.header_offset, _LOCAL_HEADER.size))[2]
-    if not flags & _HAS_DATA_DESCRIPTOR:
-        local = record.header_offset + _CRC32_FIELD_IN_HEADER
-    else:
-        has_signature = read_range(record.data_end, 4) == _DESCRIPTOR_SIGNATURE
-        local = record.data_end + (4 if has_signature else 0)
-    return record.central_offset + _CRC32_FIELD_IN_CENTRAL_ENTRY, local

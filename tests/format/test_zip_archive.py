@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import io
-import struct
 import zipfile
 
 import pytest
-import torch
 from conftest import FIXTURE_NAMES, fixture_path
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint import open_checkpoint
-from dcpctl.format.zip_archive import ZipRecord, crc32_field_offsets, read_zip_records
+from dcpctl.format.zip_archive import ZipRecord, read_zip_records
 
 
 def fixture_archives():
@@ -119,12 +117,3 @@ def test_record_running_into_the_central_directory_is_refused():
     data[central + 20:central + 24] = (10_000).to_bytes(4, "little")  # compressed size
     with pytest.raises(DataError, match="runs past byte"):
         read_zip_records(reader_of(bytes(data)), len(data))
-
-
-def test_crc32_fields_are_found_in_the_directory_and_beside_the_data():
-    buffer = io.BytesIO()
-    torch.save({"empty": torch.zeros(0, 4), "full": torch.ones(3)}, buffer)
-    data = buffer.getvalue()
-    for record in read_zip_records(reader_of(data), len(data)):
-        for offset in crc32_field_offsets(reader_of(data), record):
-            assert data[offset:offset + 4] == struct.pack("<I", record.crc32), record.name
