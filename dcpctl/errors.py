@@ -51,3 +51,8 @@ class LockHeldError(DcpctlError):
 
 class PartialFailureError(DcpctlError):
     """An operation did part of its work; its report says what was done and what was not."""
+
+
+class SelectionError(DcpctlError):
+    """A conversion's include/exclude/rename options select nothing or give two entries one
+    name."""

@@ -58,6 +58,7 @@ def register_commands() -> None:
     """Attach every subcommand to the group."""
     from dcpctl.cli.checksum import checksum_command
     from dcpctl.cli.compress import compress_command, decompress_command
+    from dcpctl.cli.convert import convert_command
     from dcpctl.cli.inspect import inspect_command
     from dcpctl.cli.ls import ls_command
     from dcpctl.cli.prune import prune_command
@@ -65,7 +66,8 @@ def register_commands() -> None:
     from dcpctl.cli.verify import verify_command
 
     for command in (inspect_command, compress_command, decompress_command, reshard_command,
-                    checksum_command, verify_command, ls_command, prune_command):
+                    convert_command, checksum_command, verify_command, ls_command,
+                    prune_command):
         cli.add_command(command)
 
 

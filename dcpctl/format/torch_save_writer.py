@@ -66,21 +66,23 @@ def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
             + _global("collections", "OrderedDict") + b")Rt" + b"R.")
 
 
-class _ZipStreamWriter:
-    """Lays out stored zip records one after another, tracking offsets for the directory."""
+class ZipStreamWriter:
+    """Lays out stored zip records one after another, as torch.save does (64-byte aligned data,
+    data descriptors), tracking offsets for the directory."""
 
     def __init__(self) -> None:
         self.position = 0
         self._entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, offset
 
-    def copy(self) -> "_ZipStreamWriter":
+    def copy(self) -> "ZipStreamWriter":
         """An independent writer in the same state."""
-        twin = _ZipStreamWriter()
+        twin = ZipStreamWriter()
         twin.position = self.position
         twin._entries = list(self._entries)
         return twin
 
     def local_header(self, name: str) -> bytes:
+        """The header that starts record `name`; its data follows, 64-byte aligned."""
         encoded = name.encode()
         start = self.position + 30 + len(encoded) + 4
         padding = (-start) % _ALIGNMENT
@@ -92,6 +94,7 @@ class _ZipStreamWriter:
         return header
 
     def data_descriptor(self, crc: int, size: int) -> bytes:
+        """What ends the record begun last: its CRC-32 and size."""
         name, _, _, offset = self._entries[-1]
         self._entries[-1] = (name, crc, size, offset)
         if size >= _ZIP64_LIMIT:
@@ -102,11 +105,13 @@ class _ZipStreamWriter:
         return descriptor
 
     def record(self, name: str, data: bytes) -> bytes:
+        """A whole record holding data."""
         header = self.local_header(name)
         self.position += len(data)
         return header + data + self.data_descriptor(zlib.crc32(data), len(data))
 
     def directory(self) -> bytes:
+        """The central directory and end records that close the archive."""
         start = self.position
         parts = []
         for name, crc, size, offset in self._entries:
@@ -129,10 +134,10 @@ class _ZipStreamWriter:
 
 
 @functools.lru_cache(maxsize=256)
-def _archive_prefix(dtype: DType, shape: tuple[int, ...]) -> tuple[bytes, _ZipStreamWriter]:
+def _archive_prefix(dtype: DType, shape: tuple[int, ...]) -> tuple[bytes, ZipStreamWriter]:
     """Everything before the payload, which depends on dtype and shape alone (checkpoints
     repeat shapes layer after layer), and the zip state after it."""
-    zip_writer = _ZipStreamWriter()
+    zip_writer = ZipStreamWriter()
     prefix = b"".join([
         zip_writer.record(ARCHIVE_PREFIX + "data.pkl", tensor_pickle(dtype, shape)),
         zip_writer.record(ARCHIVE_PREFIX + ".format_version", b"1"),

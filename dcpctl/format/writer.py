@@ -19,14 +19,13 @@ import hashlib
 import os
 import re
 import secrets
-import shutil
 from pathlib import Path
 
-from dcpctl.errors import OutputError
 from dcpctl.failpoints import failpoint
 from dcpctl.format.checksums import SHA256SUMS_FILE_NAME, write_sha256sums
 from dcpctl.format.metadata import METADATA_FILE_NAME, serialize_metadata
 from dcpctl.format.records import CheckpointMetadata, StorageInfo
+from dcpctl.staging import StagedOutput, fsync_directory
 
 _TEMPORARY_NAME = re.compile(r"^(?P<final>.+)\.dcpctl-[0-9a-f]{12}\.tmp(\.link)?$")
 
@@ -58,14 +57,6 @@ class DataFileWriter:
         self._stream.close()
 
 
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _write_file_atomically(path: Path, data: bytes) -> str:
     temporary = path.with_name(f"{path.name}.dcpctl-{secrets.token_hex(6)}.tmp")
     with open(temporary, "xb") as stream:
@@ -82,17 +73,18 @@ class CheckpointOutput:
     def __init__(self, destination: Path, in_place: bool, overwrite: bool = False) -> None:
         self.destination = destination
         self.in_place = in_place
-        self._token = secrets.token_hex(6)
         self._digests: dict[str, str] = {}
         self._open_writers: list[DataFileWriter] = []
         self._written: list[Path] = []
         self._metadata_switched = False
         if in_place:
+            self._staged = None
+            self._token = secrets.token_hex(6)
             self.directory = destination
         else:
-            _check_destination(destination, overwrite)
-            self.directory = destination.parent / f".{destination.name}.dcpctl-{self._token}"
-            self.directory.mkdir(parents=True)
+            self._staged = StagedOutput(destination, overwrite)
+            self._token = self._staged.token
+            self.directory = self._staged.path
 
     def data_file_name(self, final_name: str) -> str:
         """The name a data file has in the published metadata's first version."""
@@ -128,22 +120,13 @@ class CheckpointOutput:
             for path in self._written:
                 path.unlink(missing_ok=True)
         else:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            self._staged.abort()
 
     def _publish_new_directory(self, metadata: CheckpointMetadata) -> None:
         self._digests[METADATA_FILE_NAME] = _write_file_atomically(
             self.directory / METADATA_FILE_NAME, serialize_metadata(metadata))
         write_sha256sums(self.directory, self._digests)
-        _fsync_directory(self.directory)
-        failpoint("before-rename-new-directory")
-        if self.destination.exists():
-            aside = self.destination.parent / f".{self.destination.name}.dcpctl-old-{self._token}"
-            os.replace(self.destination, aside)
-            os.replace(self.directory, self.destination)
-            shutil.rmtree(aside)
-        else:
-            os.replace(self.directory, self.destination)
-        _fsync_directory(self.destination.parent)
+        self._staged.publish()
 
     def _publish_in_place(self, metadata: CheckpointMetadata) -> None:
         directory = self.directory
@@ -152,12 +135,12 @@ class CheckpointOutput:
         _write_file_atomically(directory / METADATA_FILE_NAME,
                                serialize_metadata(_renamed(metadata, temporary_names)))
         self._metadata_switched = True
-        _fsync_directory(directory)
+        fsync_directory(directory)
         failpoint("after-first-metadata-switch")
         if _give_final_names(directory, temporary_names):
             metadata_digest = _write_file_atomically(directory / METADATA_FILE_NAME,
                                                      serialize_metadata(metadata))
-            _fsync_directory(directory)
+            fsync_directory(directory)
             failpoint("after-second-metadata-switch")
             for temporary in temporary_names.values():
                 (directory / temporary).unlink()
@@ -172,7 +155,7 @@ class CheckpointOutput:
                 path.unlink()
         digests[METADATA_FILE_NAME] = metadata_digest
         write_sha256sums(directory, digests)
-        _fsync_directory(directory)
+        fsync_directory(directory)
 
 
 def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:
@@ -188,7 +171,7 @@ def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:
             raise
         os.replace(link, directory / final_name)
         failpoint("after-first-final-name")
-    _fsync_directory(directory)
+    fsync_directory(directory)
     return True
 
 
@@ -196,14 +179,6 @@ def _renamed(metadata: CheckpointMetadata, names: dict[str, str]) -> CheckpointM
     storage_data = {key: dataclasses.replace(info, relative_path=names[info.relative_path])
                     for key, info in (metadata.storage_data or {}).items()}
     return dataclasses.replace(metadata, storage_data=storage_data)
-
-
-def _check_destination(destination: Path, overwrite: bool) -> None:
-    if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
-        raise OutputError(f"{destination}: exists and is not a directory")
-    if destination.exists() and any(destination.iterdir()) and not overwrite:
-        raise OutputError(f"{destination}: exists and is not empty (pass --overwrite to "
-                          "replace it)")
 
 
 def final_name_of(name: str) -> str:

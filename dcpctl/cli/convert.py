@@ -1,0 +1,193 @@
+"""`dcpctl convert`: DCP to safetensors or torch.save, and safetensors or torch.save to DCP."""
+
+from __future__ import annotations
+
+import re
+
+import click
+from click.core import ParameterSource
+
+from dcpctl.cli.options import threads_option
+from dcpctl.cli.progress import byte_progress
+from dcpctl.cli.render import echo_json, format_bytes, format_table
+from dcpctl.format.dtypes import dtype_by_name
+from dcpctl.format.safetensors import DEFAULT_MAX_SHARD_BYTES
+from dcpctl.ops.conversion import ConvertReport
+from dcpctl.ops.key_selection import MODEL_PREFIX, KeySelection, Rename
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_UNIT_BYTES = {"b": 1, **{f"{unit}b": 1000 ** power for power, unit in enumerate("kmgt", 1)},
+               **{f"{unit}ib": 1024 ** power for power, unit in enumerate("kmgt", 1)}}
+# The options each target takes; any other option given explicitly is a usage error.
+_TARGET_OPTIONS = {
+    "safetensors": {"max_shard_size", "dtype", "include", "exclude", "strip_prefix", "renames"},
+    "torch": {"dtype", "include", "exclude"},
+    "dcp": {"ranks", "prefix"},
+}
+
+
+def parse_byte_size(text: str) -> int:
+    """`5GB` (10^9), `2GiB` (2^30), `500MB`, `1.5GB`, or a plain number of bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size such as 500MB, 5GB or 2GiB")
+    number, unit = match.groups()
+    return int(float(number) * _UNIT_BYTES[(unit or "b").lower()])
+
+
+class ByteSize(click.ParamType):
+    """A size in bytes written as 5GB, 2GiB, 500MB..."""
+
+    name = "SIZE"
+
+    def convert(self, value, parameter, context):
+        if isinstance(value, int):
+            return value
+        try:
+            size = parse_byte_size(value)
+        except ValueError as error:
+            self.fail(str(error), parameter, context)
+        if size < 1:
+            self.fail(f"{value!r} is not a positive size", parameter, context)
+        return size
+
+
+class RenameRule(click.ParamType):
+    """REGEX=REPLACEMENT."""
+
+    name = "REGEX=REPLACEMENT"
+
+    def convert(self, value, parameter, context):
+        if isinstance(value, Rename):
+            return value
+        try:
+            return Rename.parse(value)
+        except ValueError as error:
+            self.fail(str(error), parameter, context)
+
+
+@click.command("convert")
+@click.argument("source", type=click.Path())
+@click.option("--to", "target", type=click.Choice(sorted(_TARGET_OPTIONS)), required=True,
+              help="The output format.")
+@click.option("-o", "--output", type=click.Path(), required=True,
+              help="Output directory (safetensors, dcp) or file (torch). It must not exist or "
+                   "be empty, unless --overwrite.")
+@click.option("--max-shard-size", type=ByteSize(), default=DEFAULT_MAX_SHARD_BYTES,
+              show_default="5GB",
+              help="safetensors: most tensor bytes per file (5GB is 5*10^9 bytes, 5GiB 5*2^30); "
+                   "a tensor larger than this gets a file of its own.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="safetensors, torch: cast floating-point tensors to this dtype (integer and "
+                   "bool tensors keep theirs).")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="safetensors, torch: take the entries whose checkpoint fqn matches GLOB "
+                   "(repeatable). Default for safetensors: `model.*` when the checkpoint has "
+                   "both `model.` and `optim` entries (the weights, not the optimizer state), "
+                   "else everything; for torch: everything.")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="safetensors, torch: leave out entries whose fqn matches GLOB (repeatable).")
+@click.option("--strip-prefix", default=MODEL_PREFIX, show_default=True,
+              help="safetensors: remove this prefix from names so that they match the module's "
+                   "own state_dict(); '' keeps names as they are.")
+@click.option("--rename", "renames", multiple=True, type=RenameRule(),
+              help="safetensors: rewrite names with a regex, after --strip-prefix, e.g. "
+                   "'^layers\\.(\\d+)\\.=model.layers.\\1.' (repeatable, applied in order; "
+                   "split at the last `=`).")
+@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
+              help="dcp: lay the checkpoint out for this many ranks, as an FSDP2 save of that "
+                   "world size would (dim 0 split like torch.chunk), one file per rank.")
+@click.option("--prefix", default="", help="dcp: nest every key under this one, e.g. `model.`.")
+@threads_option
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def convert_command(context: click.Context, source: str, target: str, output: str,
+                    as_json: bool, **options) -> None:
+    """Convert SOURCE between DCP and Hugging Face safetensors or torch.save.
+
+    \b
+    --to safetensors: SOURCE is a DCP checkpoint; OUTPUT gets model.safetensors, or
+      shards model-00001-of-0000N.safetensors and model.safetensors.index.json in the
+      layout transformers and huggingface_hub load. Full (unsharded) tensors, each
+      assembled from its chunks and written at its place: memory holds a few chunks
+      (a whole tensor for layouts not split by rows), never the checkpoint.
+      Non-tensor entries are left out (safetensors holds tensors only).
+    --to torch: SOURCE is a DCP checkpoint; OUTPUT is one torch.save file nested by the
+      original keys, as torch's dcp_to_torch_save writes it, streamed in one pass in
+      bounded memory. What it costs: importing torch (objects are unpickled with
+      weights_only=True), and one file that plain torch.load reads whole into memory
+      (torch.load(..., mmap=True) does not).
+    --to dcp: SOURCE is a .safetensors file, a directory with model.safetensors.index.json
+      (or model.safetensors), or a torch.save file (its structure loaded with
+      weights_only=True only, tensor bytes read a chunk at a time). OUTPUT is a DCP
+      checkpoint that torch.distributed.checkpoint.load reads, laid out for --ranks ranks.
+
+    The output is written under a temporary name beside OUTPUT and renamed at the end:
+    a failed or killed run leaves no partial output.
+
+    \b
+    Examples:
+      dcpctl convert ckpt/ --to safetensors -o hf/
+      dcpctl convert ckpt/ --to safetensors -o hf/ --dtype bfloat16 --max-shard-size 2GB
+      dcpctl convert ckpt/ --to safetensors -o hf/ --include 'model.*' --exclude '*.rope.*'
+      dcpctl convert ckpt/ --to torch -o model.pt
+      dcpctl convert hf/ --to dcp -o ckpt/ --ranks 8 --prefix model.
+    """
+    _refuse_foreign_options(context, target)
+    with byte_progress("convert") as progress:
+        report = _run(source, target, output, options, progress)
+    if as_json:
+        echo_json(report.to_json())
+    else:
+        click.echo(render_convert_report(report))
+
+
+def _refuse_foreign_options(context: click.Context, target: str) -> None:
+    for name in set().union(*_TARGET_OPTIONS.values()) - _TARGET_OPTIONS[target]:
+        if context.get_parameter_source(name) != ParameterSource.DEFAULT:
+            option = next(p.opts[0] for p in context.command.params if p.name == name)
+            raise click.UsageError(f"{option} does not apply to --to {target}", context)
+
+
+def _run(source: str, target: str, output: str, options: dict, progress) -> ConvertReport:
+    common = {"threads": options["threads"], "overwrite": options["overwrite"],
+              "on_progress": progress}
+    if target == "dcp":
+        from dcpctl.ops.to_dcp import convert_to_dcp
+        return convert_to_dcp(source, output, options["ranks"], options["prefix"], **common)
+    cast_to = dtype_by_name(options["dtype"]) if options["dtype"] else None
+    include = options["include"] or None
+    if target == "torch":
+        from dcpctl.ops.to_torch_save import convert_to_torch_save
+        selection = KeySelection(include or ("*",), options["exclude"])
+        return convert_to_torch_save(source, output, selection, cast_to, **common)
+    from dcpctl.ops.to_safetensors import convert_to_safetensors
+    selection = KeySelection(include, options["exclude"], options["strip_prefix"],
+                             tuple(options["renames"]))
+    return convert_to_safetensors(source, output, selection, cast_to,
+                                  options["max_shard_size"], **common)
+
+
+def render_convert_report(report: ConvertReport) -> str:
+    """What a convert did, for people."""
+    objects = f" and {report.objects} objects" if report.objects else ""
+    layout = f" for {report.ranks} ranks" if report.ranks else ""
+    lines = [f"{report.source}: wrote {report.tensors} tensors "
+             f"({format_bytes(report.tensor_bytes)}){objects} as {report.target_format}"
+             f"{layout} to {report.output} in {report.seconds:.1f} s"]
+    if report.cast_to:
+        lines.append(f"floating-point tensors cast to {report.cast_to}")
+    left_out = []
+    if report.tensors_left_out:
+        left_out.append(f"{report.tensors_left_out} tensors not selected")
+    if report.objects_left_out:
+        why = " (safetensors holds tensors only)" if report.target_format == "safetensors" \
+            else " not selected"
+        left_out.append(f"{report.objects_left_out} non-tensor entries{why}")
+    if left_out:
+        lines.append("left out: " + "; ".join(left_out))
+    rows = [(written.name, written.tensors, format_bytes(written.size_bytes))
+            for written in report.files]
+    lines += ["", format_table(("file", "tensors", "size"), rows, right_aligned=(1, 2))]
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""A new output file or directory, written under a hidden temporary sibling name and renamed
+into place at the end, so that a killed run never leaves a half output under the real name."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from dcpctl.errors import OutputError
+from dcpctl.failpoints import failpoint
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a directory's entries (renames, new files) durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class StagedOutput:
+    """Where an output is written (`path`) before `publish` renames it to `destination`; an
+    existing destination is refused unless overwrite (an empty directory is always taken)."""
+
+    def __init__(self, destination: Path, overwrite: bool, is_directory: bool = True) -> None:
+        check_destination(destination, overwrite, is_directory)
+        self.destination = destination
+        self.is_directory = is_directory
+        self.token = secrets.token_hex(6)
+        self.path = destination.parent / f".{destination.name}.dcpctl-{self.token}"
+        if is_directory:
+            self.path.mkdir(parents=True)
+        else:
+            destination.parent.mkdir(parents=True, exist_ok=True)
+
+    def publish(self) -> None:
+        """Rename the finished output into place, replacing what was there."""
+        if self.is_directory:
+            fsync_directory(self.path)
+        failpoint(f"before-rename-new-{'directory' if self.is_directory else 'file'}")
+        if self.is_directory and self.destination.exists():
+            aside = self.destination.parent / f".{self.destination.name}.dcpctl-old-{self.token}"
+            os.replace(self.destination, aside)
+            os.replace(self.path, self.destination)
+            shutil.rmtree(aside)
+        else:
+            os.replace(self.path, self.destination)
+        fsync_directory(self.destination.parent)
+
+    def abort(self) -> None:
+        """Remove the unfinished output; the destination stays as it was."""
+        if self.is_directory:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            self.path.unlink(missing_ok=True)
+
+
+def check_destination(destination: Path, overwrite: bool, is_directory: bool = True) -> None:
+    """Refuse a destination of the wrong kind, or one holding data, unless overwrite."""
+    if is_directory:
+        if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
+            raise OutputError(f"{destination}: exists and is not a directory")
+        holds_data = destination.exists() and any(destination.iterdir())
+    else:
+        if destination.is_dir() and not destination.is_symlink():
+            raise OutputError(f"{destination}: is a directory; give a file name")
+        holds_data = destination.exists() or destination.is_symlink()
+    if holds_data and not overwrite:
+        what = "exists and is not empty" if is_directory else "exists"
+        raise OutputError(f"{destination}: {what} (pass --overwrite to replace it)")

@@ -1,0 +1,100 @@
+"""Safetensors headers written before the data, shard plans, the index, and reading models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.format.dtypes import dtype_by_name
+from dcpctl.format.safetensors import (SafetensorsTensor, encode_header, encode_index,
+                                       plan_shards, read_safetensors_model, shard_file_name)
+
+
+def _write_by_hand(path, tensors: dict[str, torch.Tensor]) -> None:
+    entries = [SafetensorsTensor(name, dtype_by_name(str(value.dtype)), tuple(value.shape),
+                                 nbytes=value.numel() * value.element_size())
+               for name, value in tensors.items()]
+    with open(path, "wb") as stream:
+        stream.write(encode_header(entries))
+        for value in tensors.values():
+            stream.write(value.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def test_a_header_computed_before_the_data_gives_a_file_safetensors_reads(tmp_path):
+    tensors = {"b.weight": torch.randn(3, 5).to(torch.bfloat16), "a.bias": torch.randn(7),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+               "mask": torch.tensor([True, False]), "ids": torch.arange(6).reshape(2, 3)}
+    path = tmp_path / "model.safetensors"
+    _write_by_hand(path, tensors)
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    assert (8 + header_length) % 8 == 0
+    loaded = load_file(path)
+    assert set(loaded) == set(tensors)
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value)
+    with safe_open(path, "pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+
+
+def test_a_dtype_safetensors_cannot_store_is_named():
+    entry = SafetensorsTensor("z", dtype_by_name("complex128"), (2,), nbytes=32)
+    with pytest.raises(UnsupportedLayoutError, match="'z'.*complex128.*--dtype"):
+        encode_header([entry])
+
+
+@pytest.mark.parametrize("sizes,limit,expected", [
+    ([4, 4, 4], 8, [[0, 1], [2]]),
+    ([4, 4, 4], 12, [[0, 1, 2]]),
+    ([10, 1, 1], 4, [[0], [1, 2]]),
+    ([1, 10, 1], 4, [[0], [1], [2]]),
+    ([0, 0], 1, [[0, 1]]),
+    ([], 5, []),
+])
+def test_shards_fill_in_order_and_a_large_tensor_stands_alone(sizes, limit, expected):
+    assert plan_shards(sizes, limit) == expected
+
+
+def test_file_names_follow_transformers():
+    assert shard_file_name(1, 1) == "model.safetensors"
+    assert shard_file_name(2, 12) == "model-00002-of-00012.safetensors"
+
+
+def test_index_document():
+    document = json.loads(encode_index(30, {"b": "model-00002-of-00002.safetensors",
+                                            "a": "model-00001-of-00002.safetensors"}))
+    assert document == {"metadata": {"total_size": 30},
+                        "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                       "b": "model-00002-of-00002.safetensors"}}
+
+
+def test_reading_a_model_checks_the_index(tmp_path):
+    save_file({"a": torch.ones(2)}, tmp_path / "one.safetensors")
+    save_file({"b": torch.ones(3, dtype=torch.float16)}, tmp_path / "two.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(encode_index(14, {"a": "one.safetensors", "b": "two.safetensors"}))
+    found = {tensor.name: (path.name, tensor.shape, tensor.dtype.name)
+             for path, tensor in read_safetensors_model(tmp_path)}
+    assert found == {"a": ("one.safetensors", (2,), "float32"),
+                     "b": ("two.safetensors", (3,), "float16")}
+    index.write_bytes(encode_index(14, {"a": "two.safetensors", "b": "two.safetensors"}))
+    with pytest.raises(DataError, match="weight_map puts 'a' in two.safetensors"):
+        read_safetensors_model(tmp_path)
+    index.write_bytes(encode_index(14, {"a": "../one.safetensors"}))
+    with pytest.raises(DataError, match="not a file name inside"):
+        read_safetensors_model(tmp_path)
+    index.unlink()
+    with pytest.raises(DataError, match="neither"):
+        read_safetensors_model(tmp_path)
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(100)}, path)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(DataError, match="'a'"):
+        read_safetensors_model(path)
