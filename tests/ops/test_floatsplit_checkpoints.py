@@ -140,3 +140,19 @@ def test_verify_and_reshard_read_floatsplit(tmp_path):
     assert {codec_for_descriptors(info.transform_descriptors).name for info in
             open_checkpoint(out).metadata.storage_data.values()} == {"floatsplit"}
     assert verify_checkpoint(out).problems == []
+
+
+def test_convert_reads_floatsplit(tmp_path):
+    from make_fixtures import tensor_sha256
+    from safetensors.torch import load_file
+
+    from conftest import MANIFEST
+    from dcpctl.ops.key_selection import KeySelection
+    from dcpctl.ops.to_safetensors import convert_to_safetensors
+
+    name = "mesh2d_4ranks"
+    convert_to_safetensors(_compressed(name, tmp_path), tmp_path / "out",
+                           KeySelection(include=("*",)), threads=2)
+    converted = load_file(tmp_path / "out" / "model.safetensors")
+    assert {fqn: tensor_sha256(value) for fqn, value in converted.items()} == {
+        fqn: described["sha256"] for fqn, described in MANIFEST[name]["tensors"].items()}
