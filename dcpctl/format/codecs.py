@@ -10,7 +10,7 @@ import zstandard
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME, FloatSplitEncoder, \
-    PayloadHint  # noqa: F401  PayloadHint is part of the codec API
+    PayloadHint
 from dcpctl.format.floatsplit_decoder import FloatSplitDecoder
 from dcpctl.format.zstd_blocks import ZstdBlockSplitter
 

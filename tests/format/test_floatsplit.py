@@ -16,7 +16,7 @@ from dcpctl.errors import DataError
 from dcpctl.format.codecs import codec_for_descriptors, describe_codec, floatsplit_codec, \
     iter_decoded
 from dcpctl.format.float_planes import LAYOUTS_BY_CODE, join_planes, split_planes
-from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATS_BLOCK, MAGIC, PayloadHint, \
+from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATS_BLOCK, PayloadHint, \
     find_payload_start
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex32,
@@ -166,7 +166,6 @@ def _stream_of_a_tensor() -> bytes:
 ])
 def test_damaged_streams_are_refused(damage, message):
     stream = damage(_stream_of_a_tensor())
-    assert stream[:4] != MAGIC or len(stream) > 4
     with pytest.raises(DataError, match=message):
         decode(stream, 1 << 20)
 

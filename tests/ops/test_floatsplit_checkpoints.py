@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TORCH_LOADABLE_FIXTURES, fixture_path, load_with_torch
-from make_fixtures import STATE_BUILDERS, describe_state, run_gloo_job
+import torch.distributed.checkpoint as dcp
+from conftest import MANIFEST, TORCH_LOADABLE_FIXTURES, fixture_path, load_with_torch
+from make_fixtures import STATE_BUILDERS, describe_state, run_gloo_job, tensor_sha256
 from rank_loading import assert_matches_manifest
+from safetensors.torch import load_file
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import dcpctl
 from dcpctl.format.checkpoint import open_checkpoint
@@ -18,7 +23,9 @@ from dcpctl.format.codecs import IDENTITY, codec_for_descriptors, floatsplit_cod
 from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR
 from dcpctl.format.items import locate_item, read_item
 from dcpctl.ops.inspect import inspect_checkpoint
+from dcpctl.ops.key_selection import KeySelection
 from dcpctl.ops.reshard import reshard_checkpoint
+from dcpctl.ops.to_safetensors import convert_to_safetensors
 from dcpctl.ops.transcode import transcode_checkpoint
 from dcpctl.ops.verify import verify_checkpoint
 
@@ -26,18 +33,13 @@ from dcpctl.ops.verify import verify_checkpoint
 def _load_scrambled_state(rank: int, world_size: int, checkpoint: str, state_kind: str,
                           out_file: str) -> None:
     """Build the fixture's state on this rank, overwrite every tensor, then load into it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    import dcpctl as dcpctl_in_rank
-
     state = STATE_BUILDERS[state_kind](world_size)
     flat, _ = flatten_state_dict(state)
     with torch.no_grad():
         for value in flat.values():
             if isinstance(value, torch.Tensor) and value.numel():
                 value.fill_(7)
-    dcp.load(state, storage_reader=dcpctl_in_rank.storage_reader(checkpoint))
+    dcp.load(state, storage_reader=dcpctl.storage_reader(checkpoint))
     description = describe_state(state)  # collective: full_tensor() on every rank
     if rank == 0:
         Path(out_file).write_text(json.dumps(description))
@@ -52,8 +54,6 @@ def _compressed(name: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name,world_size", [("fsdp2_adamw_3ranks", 2), ("mesh2d_4ranks", 4),
                                              ("objects_2ranks", 3)])
 def test_loads_through_storage_reader_on_other_world_sizes(name, world_size, tmp_path):
-    from conftest import MANIFEST
-
     checkpoint = _compressed(name, tmp_path)
     out_file = tmp_path / "description.json"
     run_gloo_job(world_size, _load_scrambled_state, str(checkpoint), MANIFEST[name]["state"],
@@ -63,10 +63,6 @@ def test_loads_through_storage_reader_on_other_world_sizes(name, world_size, tmp
 
 @pytest.mark.parametrize("name", TORCH_LOADABLE_FIXTURES)
 def test_every_item_is_floatsplit_and_loads_equal_in_one_process(name, tmp_path):
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     checkpoint = _compressed(name, tmp_path)
     storage = open_checkpoint(checkpoint).metadata.storage_data
     assert {tuple(info.transform_descriptors) for info in storage.values()} == {
@@ -121,8 +117,6 @@ def test_compress_to_zstd_makes_it_loadable_by_stock_torch(tmp_path):
 
 def test_floatsplit_is_smaller_than_zstd_on_float_weights(tmp_path):
     """A quick synthetic check; bench/bench_floatsplit.py measures the real weights."""
-    import torch.distributed.checkpoint as dcp
-
     generator = torch.Generator().manual_seed(0)
     state = {"w": (torch.randn(300_000, generator=generator) * 0.02).to(torch.bfloat16)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
@@ -143,13 +137,6 @@ def test_verify_and_reshard_read_floatsplit(tmp_path):
 
 
 def test_convert_reads_floatsplit(tmp_path):
-    from make_fixtures import tensor_sha256
-    from safetensors.torch import load_file
-
-    from conftest import MANIFEST
-    from dcpctl.ops.key_selection import KeySelection
-    from dcpctl.ops.to_safetensors import convert_to_safetensors
-
     name = "mesh2d_4ranks"
     convert_to_safetensors(_compressed(name, tmp_path), tmp_path / "out",
                            KeySelection(include=("*",)), threads=2)
