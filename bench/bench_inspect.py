@@ -13,7 +13,6 @@ Usage: python bench/bench_inspect.py [--tensors N] [--ranks R] [--workdir DIR]
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import subprocess
 import sys

@@ -59,6 +59,22 @@ def directory_state(path: Path) -> dict[str, str]:
             for entry in sorted(path.iterdir()) if entry.is_file()}
 
 
+def assert_plain_items_equal_decoded(original_dir: Path, restored_dir: Path) -> None:
+    """Every item of restored_dir is stored plain and equals the decoded item of original_dir."""
+    from dcpctl.format.checkpoint import open_checkpoint
+    from dcpctl.format.items import locate_item, read_item
+
+    original = open_checkpoint(original_dir)
+    restored = open_checkpoint(restored_dir)
+    tensor_fqns = {tensor.fqn for tensor in original.tensors}
+    for key, info in original.metadata.storage_data.items():
+        mine = restored.metadata.storage_data[key]
+        assert mine.transform_descriptors is None
+        restored_bytes = (restored_dir / mine.relative_path).read_bytes()
+        decoded_original = read_item(locate_item(original, key.fqn, info, key.fqn in tensor_fqns))
+        assert restored_bytes[mine.offset:mine.offset + mine.length] == decoded_original
+
+
 @pytest.fixture
 def copy_fixture(tmp_path):
     """Copy a shipped fixture into tmp_path, to damage or rewrite it."""

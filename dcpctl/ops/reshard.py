@@ -29,7 +29,7 @@ from dcpctl.format.dtypes import DType
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
     iter_stored_pieces, locate_item
 from dcpctl.format.payload import PayloadReader
-from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo, TensorMetadata
+from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo
 from dcpctl.format.sharding import shard_dim0_chunks
 from dcpctl.format.torch_save_writer import iter_torch_save_archive
 from dcpctl.format.writer import CheckpointOutput, DataFileWriter

@@ -12,14 +12,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcpctl.errors import DataError
 from dcpctl.format.checkpoint import HF_INDEX_FILE_NAME, Checkpoint, open_checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor,
                                        encode_header, encode_index, plan_shards,
                                        shard_file_name)
 from dcpctl.ops.conversion import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                   cast_dtype, run_in_order, sync_and_close)
+                                   cast_dtype, counted_pieces, run_in_order, sync_and_close)
 from dcpctl.ops.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.tensor_bytes import iter_tensor_bytes
 from dcpctl.pipeline import default_thread_count
@@ -69,15 +68,9 @@ def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: 
             stream.write(header)
 
             def write(tensor: OutputTensor, pieces) -> None:
-                written = 0
-                for piece in pieces:
+                for piece in counted_pieces(str(checkpoint.path), tensor, pieces, on_progress,
+                                            total_bytes):
                     stream.write(piece)
-                    written += len(piece)
-                    if on_progress is not None:
-                        on_progress(len(piece), total_bytes)
-                if written != tensor.nbytes:
-                    raise DataError(f"{checkpoint.path}: tensor {tensor.entry.fqn!r} gave "
-                                    f"{written} bytes, not the {tensor.nbytes} its shape needs")
 
             run_in_order(lambda tensor: iter_tensor_bytes(checkpoint, tensor.entry, tensor.dtype),
                          tensors, write, threads)

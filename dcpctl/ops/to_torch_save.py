@@ -28,7 +28,7 @@ from dcpctl.format.dtypes import DType
 from dcpctl.format.items import locate_item, read_item
 from dcpctl.format.torch_save_writer import ARCHIVE_PREFIX, ZipStreamWriter
 from dcpctl.ops.conversion import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                   cast_dtype, run_in_order, sync_and_close)
+                                   cast_dtype, counted_pieces, run_in_order, sync_and_close)
 from dcpctl.ops.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.tensor_bytes import iter_tensor_bytes, torch_dtype
 from dcpctl.ops.torch_save_files import refuse_tensors_in_object
@@ -120,18 +120,13 @@ def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, stream, thread
     def write(task: tuple[int, OutputTensor], pieces) -> None:
         key, tensor = task
         stream.write(archive.local_header(f"{ARCHIVE_PREFIX}data/{key}"))
-        crc = written = 0
-        for piece in pieces:
+        crc = 0
+        for piece in counted_pieces(str(checkpoint.path), tensor, pieces, on_progress,
+                                    total_bytes):
             stream.write(piece)
             crc = zlib.crc32(piece, crc)
-            written += len(piece)
-            if on_progress is not None:
-                on_progress(len(piece), total_bytes)
-        if written != tensor.nbytes:
-            raise DataError(f"{checkpoint.path}: tensor {tensor.entry.fqn!r} gave "
-                            f"{written} bytes, not the {tensor.nbytes} its shape needs")
-        archive.position += written
-        stream.write(archive.data_descriptor(crc, written))
+        archive.position += tensor.nbytes
+        stream.write(archive.data_descriptor(crc, tensor.nbytes))
 
     run_in_order(lambda task: iter_tensor_bytes(checkpoint, task[1].entry, task[1].dtype),
                  list(enumerate(stored)), write, threads)

@@ -7,14 +7,14 @@ import errno
 import os
 
 import pytest
-from conftest import TORCH_LOADABLE_FIXTURES, directory_state, fixture_path, load_with_torch
+from conftest import TORCH_LOADABLE_FIXTURES, assert_plain_items_equal_decoded, directory_state, \
+    fixture_path, load_with_torch
 from make_fixtures import tensor_sha256
 from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 
 from dcpctl.errors import DataError, OutputError, UnsupportedLayoutError
 from dcpctl.format.checkpoint import open_checkpoint
 from dcpctl.format.codecs import IDENTITY, zstd_codec
-from dcpctl.format.items import locate_item, read_item
 from dcpctl.format.writer import DataFileWriter
 from dcpctl.ops.transcode import transcode_checkpoint
 
@@ -39,17 +39,9 @@ def test_compressed_checkpoint_loads_in_stock_torch_on_any_world_size(name, worl
 
 @pytest.mark.parametrize("name", TORCH_LOADABLE_FIXTURES)
 def test_compress_then_decompress_gives_back_the_original_items(name, tmp_path):
-    original = open_checkpoint(fixture_path(name))
     transcode_checkpoint(fixture_path(name), zstd_codec(), str(tmp_path / "z"))
     transcode_checkpoint(str(tmp_path / "z"), IDENTITY, str(tmp_path / "plain"))
-    restored = open_checkpoint(tmp_path / "plain")
-    tensor_fqns = {tensor.fqn for tensor in original.tensors}
-    for key, info in original.metadata.storage_data.items():
-        mine = restored.metadata.storage_data[key]
-        assert mine.transform_descriptors is None
-        restored_bytes = (tmp_path / "plain" / mine.relative_path).read_bytes()
-        decoded_original = read_item(locate_item(original, key.fqn, info, key.fqn in tensor_fqns))
-        assert restored_bytes[mine.offset:mine.offset + mine.length] == decoded_original
+    assert_plain_items_equal_decoded(fixture_path(name), tmp_path / "plain")
 
 
 def test_decompressing_torchs_own_zstd_matches_its_values(tmp_path):
