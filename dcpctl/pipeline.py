@@ -1,14 +1,19 @@
-"""A bounded, ordered, multithreaded pipeline of byte pieces; it knows nothing about DCP.
+"""A bounded multithreaded pipeline of byte pieces, ordered per output lane; it knows nothing
+about DCP.
 
-Worker threads take tasks in order and turn each into a stream of output pieces (reading and
-coding happen there: file reads, zstd and hashlib release the GIL). The calling thread consumes
-the tasks' outputs strictly in task order, so results land in a deterministic order whatever the
-thread count. Pieces waiting for the consumer share one budget of `bytes_in_flight`, so memory
-is bounded by bytes in flight (plus one piece per thread), not by the number or size of tasks:
-a worker that runs
-ahead of the consumer blocks. The lowest unfinished task always has a running worker (tasks are
-taken in order) that may always hand over a piece, so the consumer always makes progress. The first error anywhere cancels the
-rest and is raised in the calling thread.
+Each task belongs to a lane (an output file, say). `threads` threads take tasks in order and
+each does all the work of its task: it produces the task's pieces (reading and coding: file
+reads, zstd and hashlib release the GIL) and consumes them (writing and hashing). Consumption is
+ordered within a lane: a task's pieces reach `consume` only after every earlier task of its lane
+was consumed, so each lane's output is the same whatever the thread count. Lanes proceed side by
+side. A thread whose task must wait for its turn holds what it produces meanwhile; a task
+produced whole before its turn is parked, and the thread that consumes its predecessor consumes
+it next, so no thread idles waiting for a turn. Held pieces share one budget of
+`bytes_in_flight`, so memory is bounded by bytes in flight (plus a piece per thread), not by the
+number or size of tasks. The earliest unfinished task is always
+its lane's turn and never waits, so the pipeline always makes progress. With one thread,
+everything runs in the calling thread, one task after another. The first error anywhere
+cancels the rest and is raised in the calling thread.
 """
 
 from __future__ import annotations
@@ -16,12 +21,11 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from typing import Callable, Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import Callable, Generic, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 Task = TypeVar("Task")
 
 DEFAULT_BYTES_IN_FLIGHT = 64 << 20
-_END = object()
 
 
 def coalesce(pieces: Iterable[bytes], min_bytes: int) -> Iterator[bytes]:
@@ -50,55 +54,38 @@ def default_thread_count() -> int:
 
 
 class PipelineCancelled(Exception):
-    """Raised inside a worker or the consumer when another part of the pipeline failed."""
+    """Raised inside a thread of the pipeline when another part of it failed."""
 
 
-class _TaskOutput:
-    """The output pieces of one task, waiting for the consumer."""
+def _one_lane(task) -> None:
+    return None
 
-    def __init__(self, state: "_PipelineState", index: int) -> None:
-        self._state = state
-        self._index = index
-        self._pieces: collections.deque = collections.deque()
 
-    def put(self, piece) -> None:
-        state = self._state
-        with state.condition:
-            # The task the consumer waits on may always add to an empty buffer, however large
-            # the piece, so the pipeline never stalls; everything else waits for room.
-            while (state.buffered_bytes + len(piece) > state.capacity_bytes
-                   and not (self._index == state.consuming_index and not self._pieces)):
-                state.wait()
-            self._pieces.append(piece)
-            state.buffered_bytes += len(piece)
-            state.condition.notify_all()
-
-    def close(self) -> None:
-        with self._state.condition:
-            self._pieces.append(_END)
-            self._state.condition.notify_all()
-
-    def take(self):
-        state = self._state
-        with state.condition:
-            while not self._pieces:
-                state.wait()
-            piece = self._pieces.popleft()
-            if piece is not _END:
-                state.buffered_bytes -= len(piece)
-                state.condition.notify_all()
-            return piece
+def _lane_neighbours(lanes: Sequence[Hashable]) -> tuple[list[int], list[int]]:
+    """For each task, the index of the previous and of the next task of its lane, or -1."""
+    last: dict[Hashable, int] = {}
+    predecessors = []
+    successors = [-1] * len(lanes)
+    for index, lane in enumerate(lanes):
+        predecessor = last.get(lane, -1)
+        predecessors.append(predecessor)
+        if predecessor >= 0:
+            successors[predecessor] = index
+        last[lane] = index
+    return predecessors, successors
 
 
 class _PipelineState:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, lanes: Sequence[Hashable], capacity_bytes: int) -> None:
         self.condition = threading.Condition()
         self.error: BaseException | None = None
         self.next_task = 0
-        self.consuming_index = 0
+        self.predecessors, self.successors = _lane_neighbours(lanes)
+        self.consumed = [False] * len(lanes)
+        self.parked: dict[int, tuple] = {}  # produced whole, waiting for their lane's turn
         self.capacity_bytes = capacity_bytes
-        self.buffered_bytes = 0
-        self.outputs: dict[int, _TaskOutput] = {}
+        self.held_bytes = 0
+        self.running = 0
 
     def wait(self) -> None:
         """Wait for a change; raise PipelineCancelled once something failed."""
@@ -108,6 +95,11 @@ class _PipelineState:
         if self.error is not None:
             raise PipelineCancelled()
 
+    def is_turn(self, index: int) -> bool:
+        """Whether every earlier task of the task's lane was consumed (call under the lock)."""
+        predecessor = self.predecessors[index]
+        return predecessor < 0 or self.consumed[predecessor]
+
     def fail(self, error: BaseException) -> None:
         with self.condition:
             if self.error is None:
@@ -116,8 +108,8 @@ class _PipelineState:
 
 
 class Pipeline(Generic[Task]):
-    """Runs `produce(task)` on worker threads and hands each task's pieces, in task order, to
-    `consume(task, pieces)` on the calling thread."""
+    """Runs `produce(task)` and `consume(task, pieces)` for every task on `threads` threads,
+    consuming the tasks of each lane in task order."""
 
     def __init__(self, produce: Callable[[Task], Iterable[bytes]], threads: int | None = None,
                  bytes_in_flight: int = DEFAULT_BYTES_IN_FLIGHT) -> None:
@@ -125,42 +117,35 @@ class Pipeline(Generic[Task]):
         self.threads = max(1, threads or default_thread_count())
         self.bytes_in_flight = bytes_in_flight
 
-    def run(self, tasks: Sequence[Task], consume: Callable[[Task, Iterator[bytes]], None]) -> None:
-        """Process every task; raises the first error from any thread."""
-        state = _PipelineState(self.bytes_in_flight)
-        workers = [threading.Thread(target=self._work, args=(tasks, state),
+    def run(self, tasks: Sequence[Task], consume: Callable[[Task, Iterator[bytes]], None],
+            lane_of: Callable[[Task], Hashable] = _one_lane) -> None:
+        """Process every task; tasks with the same `lane_of` are consumed in order, one at a
+        time. Raises the first error from any thread."""
+        if self.threads == 1 or len(tasks) <= 1:
+            for task in tasks:
+                _consume_all(consume, task, iter(self.produce(task)))
+            return
+        state = _PipelineState([lane_of(task) for task in tasks], self.bytes_in_flight)
+        workers = [threading.Thread(target=self._work, args=(tasks, consume, state),
                                     name=f"dcpctl-worker-{n}", daemon=True)
                    for n in range(min(self.threads, len(tasks)))]
+        state.running = len(workers)
         for worker in workers:
             worker.start()
         try:
-            for index, task in enumerate(tasks):
-                pieces = self._pieces_of(index, state)
-                consume(task, pieces)
-                for _ in pieces:  # what consume left unread must not block its worker
-                    pass
-        except BaseException as error:
+            with state.condition:
+                while state.running and state.error is None:
+                    state.condition.wait()
+        except BaseException as error:  # KeyboardInterrupt while waiting
             state.fail(error)
         finally:
-            state.fail(PipelineCancelled())  # stops workers that are still ahead
+            state.fail(PipelineCancelled())  # stops workers that are still going
             for worker in workers:
                 worker.join()
         if not isinstance(state.error, PipelineCancelled):
             raise state.error
 
-    def _pieces_of(self, index: int, state: _PipelineState) -> Iterator[bytes]:
-        with state.condition:
-            state.consuming_index = index
-            state.condition.notify_all()
-            while index not in state.outputs:
-                state.wait()
-            output = state.outputs[index]
-        while (piece := output.take()) is not _END:
-            yield piece
-        with state.condition:
-            del state.outputs[index]
-
-    def _work(self, tasks: Sequence[Task], state: _PipelineState) -> None:
+    def _work(self, tasks: Sequence[Task], consume: Callable, state: _PipelineState) -> None:
         try:
             while True:
                 with state.condition:
@@ -168,18 +153,90 @@ class Pipeline(Generic[Task]):
                         return
                     index = state.next_task
                     state.next_task += 1
-                    output = state.outputs[index] = _TaskOutput(state, index)
-                    state.condition.notify_all()
-                pieces = iter(self.produce(tasks[index]))
-                try:
-                    for piece in pieces:
-                        output.put(piece)
-                finally:
-                    close = getattr(pieces, "close", None)
-                    if close is not None:
-                        close()
-                output.close()
+                self._run_task(index, tasks[index], consume, state)
         except PipelineCancelled:
             return
         except BaseException as error:
             state.fail(error)
+        finally:
+            with state.condition:
+                state.running -= 1
+                state.condition.notify_all()
+
+    def _run_task(self, index: int, task: Task, consume: Callable,
+                  state: _PipelineState) -> None:
+        pieces = iter(self.produce(task))
+        try:
+            held = _hold_until_turn(index, task, pieces, state)
+            if held is not None:
+                _consume_lane(index, task, held, pieces, consume, state)
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+
+
+def _hold_until_turn(index: int, task, pieces: Iterator[bytes], state: _PipelineState
+                     ) -> collections.deque | None:
+    """Produce and hold the task's pieces while earlier tasks of its lane are being consumed,
+    within the shared budget. Returns what was held, as (piece, counted against the budget),
+    once it is the task's turn; None when the task was parked whole, for the thread that
+    consumes its predecessor to take over."""
+    held: collections.deque = collections.deque()
+    with state.condition:
+        if state.is_turn(index):
+            return held
+    for piece in pieces:
+        with state.condition:
+            while not state.is_turn(index) and (
+                    state.held_bytes + len(piece) > state.capacity_bytes):
+                state.wait()
+            if state.is_turn(index):
+                held.append((piece, False))
+                return held
+            held.append((piece, True))
+            state.held_bytes += len(piece)
+    with state.condition:
+        if state.is_turn(index):
+            return held
+        state.parked[index] = (task, held)
+        return None
+
+
+def _consume_lane(index: int, task, held: collections.deque, pieces: Iterator[bytes],
+                  consume: Callable, state: _PipelineState) -> None:
+    """Consume the task, then each parked task after it in its lane."""
+    while True:
+        _consume_all(consume, task, _cancellable(held, pieces, state))
+        with state.condition:
+            state.consumed[index] = True
+            state.condition.notify_all()
+            index = state.successors[index]
+            task, held = state.parked.pop(index, (None, None))
+        if held is None:
+            return
+        pieces = iter(())
+
+
+def _cancellable(held: collections.deque, pieces: Iterator[bytes],
+                 state: _PipelineState) -> Iterator[bytes]:
+    """The held pieces, each leaving the budget once consumed, then the rest as produced;
+    stops once another thread failed."""
+    while held:
+        piece, counted = held.popleft()
+        yield piece
+        if counted:
+            with state.condition:
+                state.held_bytes -= len(piece)
+                state.condition.notify_all()
+    for piece in pieces:
+        if state.error is not None:
+            raise PipelineCancelled()
+        yield piece
+
+
+def _consume_all(consume: Callable, task, pieces: Iterator[bytes]) -> None:
+    """consume(task, pieces), then drain what it left unread so the task's work completes."""
+    consume(task, pieces)
+    for _ in pieces:
+        pass

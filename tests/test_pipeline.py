@@ -131,3 +131,54 @@ def test_coalesce_joins_small_pieces_and_passes_big_ones():
     assert joined == [b"abb" + b"c" * 10, b"d" + b"eee"]
     assert list(coalesce([b"x" * 8, b"y"], 4)) == [b"x" * 8, b"y"]
     assert list(coalesce([], 4)) == []
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_each_lane_is_consumed_in_task_order_one_task_at_a_time(threads):
+    lock = threading.Lock()
+    consumed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    busy = set()
+
+    def produce(task):
+        time.sleep((task * 7 % 5) / 2000)
+        yield bytes([task])
+
+    def consume(task, pieces):
+        lane = task % 3
+        with lock:
+            assert lane not in busy
+            busy.add(lane)
+        time.sleep(0.0005)
+        assert b"".join(pieces) == bytes([task])
+        with lock:
+            busy.discard(lane)
+            consumed[lane].append(task)
+
+    Pipeline(produce, threads=threads).run(list(range(60)), consume, lane_of=lambda t: t % 3)
+    assert consumed == {lane: list(range(lane, 60, 3)) for lane in range(3)}
+
+
+def test_lanes_are_consumed_side_by_side():
+    # lane "a"'s only task cannot finish until lane "b"'s task has been consumed
+    b_consumed = threading.Event()
+
+    def consume(task, pieces):
+        b"".join(pieces)
+        if task == "a":
+            assert b_consumed.wait(timeout=10), "lane b waited for lane a"
+        else:
+            b_consumed.set()
+
+    Pipeline(lambda task: [b"x"], threads=2).run(["a", "b"], consume, lane_of=lambda t: t)
+
+
+def test_one_thread_runs_everything_in_the_calling_thread():
+    threads_seen = set()
+
+    def produce(task):
+        threads_seen.add(threading.get_ident())
+        yield b"p"
+
+    Pipeline(produce, threads=1).run(list(range(5)), lambda t, p: threads_seen.add(
+        threading.get_ident()) or list(p))
+    assert threads_seen == {threading.get_ident()}

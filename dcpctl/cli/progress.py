@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Iterator
 
 from tqdm import tqdm
@@ -10,14 +11,18 @@ from tqdm import tqdm
 
 @contextlib.contextmanager
 def byte_progress(description: str) -> Iterator[Callable[[int, int], None]]:
-    """Yields `advance(bytes_done, total_bytes)` for ops; the bar starts on the first call."""
+    """Yields `advance(bytes_done, total_bytes)` for ops, callable from any thread; the bar
+    starts on the first call."""
     bars: list[tqdm] = []
+    lock = threading.Lock()
 
     def advance(done_bytes: int, total_bytes: int) -> None:
-        if not bars:
-            bars.append(tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                             desc=description, leave=False, dynamic_ncols=True, disable=None))
-        bars[0].update(done_bytes)
+        with lock:
+            if not bars:
+                bars.append(tqdm(total=total_bytes, unit="B", unit_scale=True,
+                                 unit_divisor=1024, desc=description, leave=False,
+                                 dynamic_ncols=True, disable=None))
+            bars[0].update(done_bytes)
 
     try:
         yield advance

@@ -96,8 +96,8 @@ def cast_dtype(dtype: DType, cast_to: DType | None) -> DType:
 
 def run_in_order(produce: Callable, tasks: list, write: Callable[[object, Iterator], None],
                  threads: int) -> None:
-    """Produce each task's pieces on worker threads and hand them to write in task order, with
-    the bytes waiting in between bounded."""
+    """Produce each task's pieces on `threads` threads and hand them to write in task order,
+    with the bytes waiting in between bounded."""
     Pipeline(produce, threads=threads, bytes_in_flight=PIECE_BUDGET_BYTES * threads).run(
         tasks, write)
 

@@ -292,11 +292,12 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
 
     try:
         Pipeline(_produce(plan, reader, piece_bytes), threads=threads,
-                 bytes_in_flight=4 * threads * piece_bytes).run(plan.tasks, consume)
+                 bytes_in_flight=4 * threads * piece_bytes).run(
+                     plan.tasks, consume, lane_of=lambda task: task.output_file)
     finally:
         reader.close()
-    for name, writer in writers.items():
-        output.finish_data_file(writer, name)
+    for name in sorted(writers):
+        output.finish_data_file(writers[name], name)
     output.publish(_new_metadata(checkpoint, plan, storage_by_task))
     return sum(info.length for info in storage_by_task.values())
 

@@ -23,8 +23,8 @@ from dcpctl.format.codecs import Codec, PayloadHint
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
     iter_stored_pieces, locate_item
 from dcpctl.format.records import ItemKey, StorageInfo
-from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
-    storage_with
+from dcpctl.format.writer import CheckpointOutput, DataFileWriter, final_name_of, \
+    remove_stale_temporaries, storage_with
 from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
 
 # Called with (bytes just done, total bytes) as work advances.
@@ -144,16 +144,12 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
     """Write every planned item into output and publish it; returns the stored bytes after."""
     new_storage: dict[ItemKey, StorageInfo] = {}
-    current = {"name": None, "writer": None}
+    writers: dict[str, DataFileWriter] = {}
 
     def consume(task: ItemTask, pieces: Iterator[bytes]) -> None:
-        if current["name"] != task.output_file:
-            if current["writer"] is not None:
-                output.finish_data_file(current["writer"], current["name"])
-                failpoint("after-first-data-file")
-            current["name"] = task.output_file
-            current["writer"] = output.create_data_file(task.output_file)
-        writer = current["writer"]
+        writer = writers.get(task.output_file)
+        if writer is None:
+            writer = writers[task.output_file] = output.create_data_file(task.output_file)
         start = writer.size_bytes
         for piece in pieces:
             writer.write(piece)
@@ -167,10 +163,12 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
 
     pipeline = Pipeline(_produce(plan.codec, piece_bytes), threads=threads,
                         bytes_in_flight=4 * threads * piece_bytes)
-    pipeline.run(plan.tasks, consume)
-    if current["writer"] is not None:
-        output.finish_data_file(current["writer"], current["name"])
-    output.publish(dataclasses.replace(checkpoint.metadata, storage_data=new_storage))
+    pipeline.run(plan.tasks, consume, lane_of=lambda task: task.output_file)
+    for name in sorted(writers):
+        output.finish_data_file(writers[name], name)
+        failpoint("after-first-data-file")
+    in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
+    output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order))
     return sum(info.length for info in new_storage.values())
 
 
