@@ -48,7 +48,8 @@ _RECORD_CLASSES = frozenset({CheckpointMetadata, TensorMetadata, BytesMetadata, 
 
 
 def _reconstruct_record(cls: Any, base: Any, state: Any) -> Any:
-    """Stands in for copyreg._reconstructor, restricted to `object.__new__` of our records."""
+    """Stands in for copyreg._reconstructor, restricted to `object.__new__` of our records
+    (`.metadata` written by dcpctl 0.1 builds records this way)."""
     if cls not in _RECORD_CLASSES or base is not object or state is not None:
         raise UnsafeMetadataError("uses copyreg._reconstructor on something other than a DCP "
                                   "metadata class")

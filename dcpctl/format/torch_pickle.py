@@ -1,142 +1,269 @@
 """Pickle dcpctl's metadata records as torch's own classes, without importing torch.
 
 Importing torch.distributed.checkpoint costs seconds and hundreds of MB; writing `.metadata`
-needs only the names of torch's classes. The C pickler insists that a global it writes can be
-imported, so the records are pickled (protocol 4, as torch does) against stand-in modules
-whose names are random strings exactly as long as the real module names, and each stand-in
-name is then replaced by the real one in the output: equal lengths keep the pickle's frames
-valid. A false match would need a string of the metadata equal to a name drawn at random when
-this module loads, after the checkpoint being rewritten was written. Objects are created with
-`copyreg._reconstructor(cls, object, None)`, which both torch's unpickling and dcpctl's
-allowlist reader accept (the pickler refuses NEWOBJ for a class other than the object's own).
+needs only the names of torch's classes. So the pickle (protocol 4, as torch writes it) is
+emitted opcode by opcode: each record as pickling torch's dataclass makes it (`NEWOBJ` of the
+class, then `BUILD` with its state), sizes as `torch.Size(tuple)`, dtypes as `torch.<name>`
+globals. Only globals and strings are memoized, by value: memory stays at the output's size plus
+one entry per distinct string, where the C pickler would pin every object it wrote until the
+end, hundreds of MB for a checkpoint with a hundred thousand chunks.
 """
 
 from __future__ import annotations
 
-import copyreg
-import io
+import contextlib
 import pickle
-import secrets
-import sys
-import types
+import struct
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from dcpctl.format.garbage_collection import paused_garbage_collection
+from dcpctl.errors import MetadataError
+from dcpctl.format.dtypes import DType
 from dcpctl.format.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
                                    StorageInfo, StorageMeta, TensorMetadata, TensorProperties)
 
 _PROTOCOL = 4
-_SHORT_STRING_OPCODE = b"\x8c"
-_REAL_MODULES = {
-    "metadata": "torch.distributed.checkpoint.metadata",
-    "filesystem": "torch.distributed.checkpoint.filesystem",
-    "torch": "torch",
-    "serialization": "torch.serialization",
-    "pathlib": "pathlib",
+_BATCH = 1000  # items per APPENDS / SETITEMS / ADDITEMS, as the pickle module writes them
+_METADATA = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+_PACK_INT = struct.Struct("<i").pack
+_PACK_UINT = struct.Struct("<I").pack
+_PACK_UINT64 = struct.Struct("<Q").pack
+_PACK_FLOAT = struct.Struct(">d").pack
+_SMALL_INTS = [pickle.BININT1 + bytes([value]) for value in range(256)]
+_NEW_OBJECT = pickle.EMPTY_TUPLE + pickle.NEWOBJ
+
+
+class _PickleWriter:
+    """Appends protocol-4 opcodes for plain values and metadata records to a buffer."""
+
+    def __init__(self) -> None:
+        self.out = bytearray(pickle.PROTO + bytes([_PROTOCOL]))
+        self._memo: dict[Any, int] = {}
+        self._open_containers: set[int] = set()
+
+    def _get_memoized(self, key: Any) -> bool:
+        """Emit a get of key's memo slot and return True; False when key has none yet."""
+        index = self._memo.get(key)
+        if index is None:
+            return False
+        self.out += (pickle.BINGET + bytes([index]) if index < 256
+                     else pickle.LONG_BINGET + _PACK_UINT(index))
+        return True
+
+    def _memoize(self, key: Any) -> None:
+        self._memo[key] = len(self._memo)
+        self.out += pickle.MEMOIZE
+
+    def global_name(self, module: str, name: str) -> None:
+        key = (module, name)
+        if not self._get_memoized(key):
+            self.string(module)
+            self.string(name)
+            self.out += pickle.STACK_GLOBAL
+            self._memoize(key)
+
+    def string(self, text: str) -> None:
+        if self._get_memoized(text):
+            return
+        encoded = text.encode("utf-8", "surrogatepass")
+        if len(encoded) < 256:
+            self.out += pickle.SHORT_BINUNICODE + bytes([len(encoded)])
+        else:
+            self.out += pickle.BINUNICODE8 + _PACK_UINT64(len(encoded))
+        self.out += encoded
+        self._memoize(text)
+
+    def integer(self, value: int) -> None:
+        if 0 <= value < 256:
+            self.out += _SMALL_INTS[value]
+        elif -(1 << 31) <= value < (1 << 31):
+            self.out += pickle.BININT + _PACK_INT(value)
+        else:
+            encoded = pickle.encode_long(value)
+            self.out += pickle.LONG1 + bytes([len(encoded)]) + encoded
+
+    def size(self, values: tuple[int, ...]) -> None:
+        """torch.Size(values)."""
+        self.global_name("torch", "Size")
+        self.out += pickle.MARK
+        for value in values:
+            self.integer(value)
+        self.out += pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
+
+    def fields(self, module: str, class_name: str, values: dict[str, Any]) -> None:
+        """An instance of module.class_name as pickling the dataclass makes it, from its
+        fields; field values that are (writer, value) pairs are written by that writer."""
+        self.global_name(module, class_name)
+        self.out += _NEW_OBJECT + pickle.EMPTY_DICT
+        if values:
+            self.out += pickle.MARK
+            for key, field_value in values.items():
+                self.string(key)
+                if type(field_value) is _Written:
+                    field_value.write(self, field_value.value)
+                else:
+                    self.value(field_value)
+            self.out += pickle.SETITEMS
+        self.out += pickle.BUILD
+
+    def value(self, value: Any) -> None:
+        """Any value a `.metadata` can hold: plain data, records, dtypes and pure paths."""
+        write = _VALUE_WRITERS.get(type(value))
+        if write is None:
+            raise MetadataError(f"cannot write a {type(value).__name__} into .metadata")
+        write(self, value)
+
+    def container(self, value: Any, empty: bytes, items: list, end: bytes) -> None:
+        """A list, dict or set: `empty`, then MARK-delimited batches of items, each closed by
+        `end`."""
+        with self._entered(value):
+            self.out += empty
+            for start in range(0, len(items), _BATCH):
+                self.out += pickle.MARK
+                for item in items[start:start + _BATCH]:
+                    self.value(item)
+                self.out += end
+
+    def marked(self, value: Any, items: list, end: bytes) -> None:
+        """A tuple or frozenset: MARK, its items, `end`."""
+        with self._entered(value):
+            self.out += pickle.MARK
+            for item in items:
+                self.value(item)
+            self.out += end
+
+    @contextlib.contextmanager
+    def _entered(self, value: Any) -> Iterator[None]:
+        """Refuse a container that contains itself (a pickle can build one)."""
+        if id(value) in self._open_containers:
+            raise MetadataError("metadata holds a container that contains itself")
+        self._open_containers.add(id(value))
+        yield
+        self._open_containers.discard(id(value))
+
+
+class _Written:
+    """A field value with the writer that writes it (a Size rather than a tuple, say)."""
+
+    __slots__ = ("write", "value")
+
+    def __init__(self, write: Callable[[_PickleWriter, Any], None], value: Any) -> None:
+        self.write = write
+        self.value = value
+
+
+def _size_or_none(writer: _PickleWriter, values: tuple[int, ...] | None) -> None:
+    if values is None:
+        writer.out += pickle.NONE
+    else:
+        writer.size(values)
+
+
+def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
+    fields = {"relative_path": info.relative_path, "offset": info.offset, "length": info.length}
+    if info.transform_descriptors is not None:
+        fields["transform_descriptors"] = list(info.transform_descriptors)
+    writer.fields(_FILESYSTEM, "_StorageInfo", fields)
+
+
+def _write_item_key(writer: _PickleWriter, key: ItemKey) -> None:
+    writer.fields(_METADATA, "MetadataIndex", {
+        "fqn": key.fqn, "offset": _Written(_size_or_none, key.offset), "index": key.index})
+
+
+def _write_chunk(writer: _PickleWriter, chunk: ChunkMetadata) -> None:
+    writer.fields(_METADATA, "ChunkStorageMetadata", {
+        "offsets": _Written(_size_or_none, chunk.offsets),
+        "sizes": _Written(_size_or_none, chunk.sizes)})
+
+
+def _write_tensor(writer: _PickleWriter, tensor: TensorMetadata) -> None:
+    writer.fields(_METADATA, "TensorStorageMetadata", {
+        "properties": tensor.properties, "size": _Written(_size_or_none, tensor.size),
+        "chunks": tensor.chunks})
+
+
+def _write_tensor_properties(writer: _PickleWriter, properties: TensorProperties) -> None:
+    """TensorProperties pickles its state as a tuple (its __getstate__)."""
+    writer.global_name(_METADATA, "TensorProperties")
+    writer.out += _NEW_OBJECT + pickle.MARK
+    writer.global_name("torch", properties.dtype.name)
+    writer.global_name("torch.serialization", "_get_layout")
+    writer.string(f"torch.{properties.layout}")
+    writer.out += pickle.TUPLE1 + pickle.REDUCE
+    writer.value(properties.requires_grad)
+    writer.global_name(_METADATA, "_MEM_FORMAT_ENCODING")
+    writer.integer(properties.memory_format_code)
+    writer.out += pickle.TUPLE1 + pickle.REDUCE
+    writer.value(properties.pin_memory)
+    writer.out += pickle.TUPLE + pickle.BUILD
+
+
+def _write_storage_meta(writer: _PickleWriter, meta: StorageMeta) -> None:
+    writer.fields(_METADATA, "StorageMeta", {
+        "checkpoint_id": meta.checkpoint_id, "save_id": meta.save_id, "load_id": meta.load_id,
+        "modules": list(meta.modules)})
+
+
+def _write_checkpoint_metadata(writer: _PickleWriter, metadata: CheckpointMetadata) -> None:
+    writer.fields(_METADATA, "Metadata", {
+        "state_dict_metadata": metadata.state_dict_metadata,
+        "planner_data": metadata.planner_data, "storage_data": metadata.storage_data,
+        "storage_meta": metadata.storage_meta, "version": metadata.version})
+
+
+def _write_pure_path(writer: _PickleWriter, path: PurePosixPath | PureWindowsPath) -> None:
+    writer.global_name("pathlib", "PosixPath" if type(path) is PurePosixPath else "WindowsPath")
+    writer.value(tuple(path.parts))
+    writer.out += pickle.REDUCE
+
+
+def _write_opcode(code: Callable[[Any], bytes]) -> Callable[[_PickleWriter, Any], None]:
+    def write(writer: _PickleWriter, value: Any) -> None:
+        writer.out += code(value)
+    return write
+
+
+def _write_bytes(writer: _PickleWriter, data: bytes) -> None:
+    header = (pickle.SHORT_BINBYTES + bytes([len(data)]) if len(data) < 256
+              else pickle.BINBYTES8 + _PACK_UINT64(len(data)))
+    writer.out += header + data
+
+
+_VALUE_WRITERS: dict[type, Callable[[_PickleWriter, Any], None]] = {
+    type(None): _write_opcode(lambda _: pickle.NONE),
+    bool: _write_opcode(lambda value: pickle.NEWTRUE if value else pickle.NEWFALSE),
+    int: _PickleWriter.integer,
+    float: _write_opcode(lambda value: pickle.BINFLOAT + _PACK_FLOAT(value)),
+    str: _PickleWriter.string,
+    bytes: _write_bytes,
+    tuple: lambda writer, values: writer.marked(values, list(values), pickle.TUPLE),
+    list: lambda writer, values: writer.container(values, pickle.EMPTY_LIST, values,
+                                                  pickle.APPENDS),
+    dict: lambda writer, values: writer.container(
+        values, pickle.EMPTY_DICT, [item for pair in values.items() for item in pair],
+        pickle.SETITEMS),
+    set: lambda writer, values: writer.container(values, pickle.EMPTY_SET, list(values),
+                                                 pickle.ADDITEMS),
+    frozenset: lambda writer, values: writer.marked(values, list(values), pickle.FROZENSET),
+    DType: lambda writer, dtype: writer.global_name("torch", dtype.name),
+    PurePosixPath: _write_pure_path,
+    PureWindowsPath: _write_pure_path,
+    StorageInfo: _write_storage_info,
+    ItemKey: _write_item_key,
+    ChunkMetadata: _write_chunk,
+    TensorMetadata: _write_tensor,
+    TensorProperties: _write_tensor_properties,
+    BytesMetadata: lambda writer, _: writer.fields(_METADATA, "BytesStorageMetadata", {}),
+    StorageMeta: _write_storage_meta,
+    CheckpointMetadata: _write_checkpoint_metadata,
 }
-
-
-def _stand_in_module(short_name: str) -> types.ModuleType:
-    length = len(_REAL_MODULES[short_name])
-    module = types.ModuleType(("_" + secrets.token_hex(length))[:length])
-    sys.modules[module.__name__] = module
-    return module
-
-
-_MODULES = {short: _stand_in_module(short) for short in _REAL_MODULES}
-
-
-def _stand_in(short_module: str, name: str) -> Any:
-    """An object that pickles as the global `<real module>.<name>`."""
-    module = _MODULES[short_module]
-    if not hasattr(module, name):
-        stand_in = type(name, (), {"__module__": module.__name__, "__qualname__": name})
-        setattr(module, name, stand_in)
-    return getattr(module, name)
-
-
-def _new_object(short_module: str, class_name: str, state: Any) -> tuple:
-    return (copyreg._reconstructor, (_stand_in(short_module, class_name), object, None), state)
-
-
-def _size(values: tuple[int, ...]) -> tuple:
-    return (_stand_in("torch", "Size"), (tuple(values),))
-
-
-class _TorchNamePickler(pickle.Pickler):
-    """Writes each record the way pickling torch's class would."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is StorageInfo:
-            state = {"relative_path": obj.relative_path, "offset": obj.offset,
-                     "length": obj.length}
-            if obj.transform_descriptors is not None:
-                state["transform_descriptors"] = list(obj.transform_descriptors)
-            return _new_object("filesystem", "_StorageInfo", state)
-        if kind is ItemKey:
-            offset = None if obj.offset is None else _SizeValue(obj.offset)
-            return _new_object("metadata", "MetadataIndex",
-                               {"fqn": obj.fqn, "offset": offset, "index": obj.index})
-        if kind is ChunkMetadata:
-            return _new_object("metadata", "ChunkStorageMetadata",
-                               {"offsets": _SizeValue(obj.offsets), "sizes": _SizeValue(obj.sizes)})
-        if kind is _SizeValue:
-            return _size(obj.values)
-        if kind is TensorMetadata:
-            return _new_object("metadata", "TensorStorageMetadata",
-                               {"properties": obj.properties, "size": _SizeValue(obj.size),
-                                "chunks": obj.chunks})
-        if kind is TensorProperties:
-            layout = (_stand_in("serialization", "_get_layout"), (f"torch.{obj.layout}",))
-            memory_format = (_stand_in("metadata", "_MEM_FORMAT_ENCODING"),
-                             (obj.memory_format_code,))
-            # A class object pickles as its global: `torch.<dtype>` after the renaming.
-            state = (_stand_in("torch", obj.dtype.name), _Reduced(layout), obj.requires_grad,
-                     _Reduced(memory_format), obj.pin_memory)
-            return _new_object("metadata", "TensorProperties", state)
-        if kind is BytesMetadata:
-            return _new_object("metadata", "BytesStorageMetadata", {})
-        if kind is StorageMeta:
-            return _new_object("metadata", "StorageMeta", {
-                "checkpoint_id": obj.checkpoint_id, "save_id": obj.save_id,
-                "load_id": obj.load_id, "modules": list(obj.modules)})
-        if kind is CheckpointMetadata:
-            return _new_object("metadata", "Metadata", {
-                "state_dict_metadata": obj.state_dict_metadata, "planner_data": obj.planner_data,
-                "storage_data": obj.storage_data, "storage_meta": obj.storage_meta,
-                "version": obj.version})
-        if kind in (PurePosixPath, PureWindowsPath):
-            real = "PosixPath" if kind is PurePosixPath else "WindowsPath"
-            return (_stand_in("pathlib", real), tuple(obj.parts))
-        if kind is _Reduced:
-            return obj.reduction
-        return NotImplemented
-
-
-class _SizeValue:
-    """A torch.Size to be."""
-
-    def __init__(self, values: tuple[int, ...]) -> None:
-        self.values = values
-
-
-class _Reduced:
-    """A value given directly as its pickle reduction."""
-
-    def __init__(self, reduction: tuple) -> None:
-        self.reduction = reduction
 
 
 def pickle_as_torch(metadata: CheckpointMetadata) -> bytes:
     """The `.metadata` bytes for these records, loadable by torch's own unpickling."""
-    buffer = io.BytesIO()
-    with paused_garbage_collection():
-        _TorchNamePickler(buffer, protocol=_PROTOCOL).dump(metadata)
-    data = buffer.getvalue()
-    for short_name, real_name in _REAL_MODULES.items():
-        stand_in = _MODULES[short_name].__name__
-        prefix = _SHORT_STRING_OPCODE + bytes([len(real_name)])
-        data = data.replace(prefix + stand_in.encode(), prefix + real_name.encode())
-    return data
+    writer = _PickleWriter()
+    writer.value(metadata)
+    writer.out += pickle.STOP
+    return bytes(writer.out)

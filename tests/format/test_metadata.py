@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
@@ -26,6 +27,30 @@ def test_rewritten_metadata_reads_back_equal(name):
 def test_rewritten_metadata_unpickles_equal_with_torch(name):
     rewritten = pickle.loads(serialize_metadata(read_metadata(fixture_path(name))))
     assert rewritten == torch_metadata(fixture_path(name))
+
+
+def test_plain_values_and_paths_are_written_as_pickle_writes_them():
+    metadata = read_metadata(fixture_path("fsdp2_adamw_3ranks"))
+    planner_data = {"text": "ünï", "long": "x" * 300, "ints": [0, 255, 256, -1, 2**31, -2**40],
+                    "float": -0.5, "bytes": b"\x00" * 300, "tuple": (1, ("a", None)),
+                    "flags": (True, False), "set": {3}, "frozen": frozenset({"f"}),
+                    "many": list(range(2500)), "empty": [(), {}, [], set(), frozenset()]}
+    metadata.planner_data = planner_data
+    metadata.storage_meta.checkpoint_id = PurePosixPath("/runs/step-10")
+    data = serialize_metadata(metadata)
+    assert parse_metadata(data) == metadata
+    from_torch = pickle.loads(data)
+    assert from_torch.planner_data == planner_data
+    assert from_torch.storage_meta.checkpoint_id == Path("/runs/step-10")
+
+
+def test_a_container_that_contains_itself_is_refused():
+    metadata = read_metadata(fixture_path("fsdp2_adamw_3ranks"))
+    loop = []
+    loop.append(loop)
+    metadata.planner_data = {"loop": loop}
+    with pytest.raises(MetadataError, match="contains itself"):
+        serialize_metadata(metadata)
 
 
 def test_reading_and_writing_metadata_do_not_import_torch():
