@@ -83,6 +83,9 @@ class _PipelineState:
         self.predecessors, self.successors = _lane_neighbours(lanes)
         self.consumed = [False] * len(lanes)
         self.parked: dict[int, tuple] = {}  # produced whole, waiting for their lane's turn
+        # set once every thread stopped or one failed; the calling thread waits on this, not
+        # on the condition, which is notified several times per task
+        self.finished = threading.Event()
         self.capacity_bytes = capacity_bytes
         self.held_bytes = 0
         self.running = 0
@@ -105,6 +108,7 @@ class _PipelineState:
             if self.error is None:
                 self.error = error
             self.condition.notify_all()
+        self.finished.set()
 
 
 class Pipeline(Generic[Task]):
@@ -133,9 +137,7 @@ class Pipeline(Generic[Task]):
         for worker in workers:
             worker.start()
         try:
-            with state.condition:
-                while state.running and state.error is None:
-                    state.condition.wait()
+            state.finished.wait()
         except BaseException as error:  # KeyboardInterrupt while waiting
             state.fail(error)
         finally:
@@ -161,7 +163,8 @@ class Pipeline(Generic[Task]):
         finally:
             with state.condition:
                 state.running -= 1
-                state.condition.notify_all()
+                if not state.running:
+                    state.finished.set()
 
     def _run_task(self, index: int, task: Task, consume: Callable,
                   state: _PipelineState) -> None:

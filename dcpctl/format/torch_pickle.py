@@ -32,6 +32,8 @@ _PACK_UINT64 = struct.Struct("<Q").pack
 _PACK_FLOAT = struct.Struct(">d").pack
 _SMALL_INTS = [pickle.BININT1 + bytes([value]) for value in range(256)]
 _NEW_OBJECT = pickle.EMPTY_TUPLE + pickle.NEWOBJ
+_BEGIN_FIELDS = _NEW_OBJECT + pickle.EMPTY_DICT + pickle.MARK
+_END_FIELDS = pickle.SETITEMS + pickle.BUILD
 
 
 class _PickleWriter:
@@ -91,21 +93,29 @@ class _PickleWriter:
             self.integer(value)
         self.out += pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
 
-    def fields(self, module: str, class_name: str, values: dict[str, Any]) -> None:
-        """An instance of module.class_name as pickling the dataclass makes it, from its
-        fields; field values that are (writer, value) pairs are written by that writer."""
+    def begin_fields(self, module: str, class_name: str) -> None:
+        """Start an instance of module.class_name as pickling a dataclass makes it (NEWOBJ,
+        then its fields as a dict for BUILD); write each field as a string key and a value,
+        then call end_fields."""
         self.global_name(module, class_name)
-        self.out += _NEW_OBJECT + pickle.EMPTY_DICT
-        if values:
-            self.out += pickle.MARK
-            for key, field_value in values.items():
-                self.string(key)
-                if type(field_value) is _Written:
-                    field_value.write(self, field_value.value)
-                else:
-                    self.value(field_value)
-            self.out += pickle.SETITEMS
-        self.out += pickle.BUILD
+        self.out += _BEGIN_FIELDS
+
+    def end_fields(self) -> None:
+        self.out += _END_FIELDS
+
+    def fields(self, module: str, class_name: str, values: dict[str, Any]) -> None:
+        """An instance of module.class_name whose fields hold plain values or records."""
+        self.begin_fields(module, class_name)
+        for key, field_value in values.items():
+            self.string(key)
+            self.value(field_value)
+        self.end_fields()
+
+    def size_or_none(self, values: tuple[int, ...] | None) -> None:
+        if values is None:
+            self.out += pickle.NONE
+        else:
+            self.size(values)
 
     def value(self, value: Any) -> None:
         """Any value a `.metadata` can hold: plain data, records, dtypes and pure paths."""
@@ -143,45 +153,49 @@ class _PickleWriter:
         self._open_containers.discard(id(value))
 
 
-class _Written:
-    """A field value with the writer that writes it (a Size rather than a tuple, say)."""
-
-    __slots__ = ("write", "value")
-
-    def __init__(self, write: Callable[[_PickleWriter, Any], None], value: Any) -> None:
-        self.write = write
-        self.value = value
-
-
-def _size_or_none(writer: _PickleWriter, values: tuple[int, ...] | None) -> None:
-    if values is None:
-        writer.out += pickle.NONE
-    else:
-        writer.size(values)
-
-
 def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
-    fields = {"relative_path": info.relative_path, "offset": info.offset, "length": info.length}
+    writer.begin_fields(_FILESYSTEM, "_StorageInfo")
+    writer.string("relative_path")
+    writer.string(info.relative_path)
+    writer.string("offset")
+    writer.integer(info.offset)
+    writer.string("length")
+    writer.integer(info.length)
     if info.transform_descriptors is not None:
-        fields["transform_descriptors"] = list(info.transform_descriptors)
-    writer.fields(_FILESYSTEM, "_StorageInfo", fields)
+        writer.string("transform_descriptors")
+        writer.value(list(info.transform_descriptors))
+    writer.end_fields()
 
 
 def _write_item_key(writer: _PickleWriter, key: ItemKey) -> None:
-    writer.fields(_METADATA, "MetadataIndex", {
-        "fqn": key.fqn, "offset": _Written(_size_or_none, key.offset), "index": key.index})
+    writer.begin_fields(_METADATA, "MetadataIndex")
+    writer.string("fqn")
+    writer.string(key.fqn)
+    writer.string("offset")
+    writer.size_or_none(key.offset)
+    writer.string("index")
+    writer.value(key.index)
+    writer.end_fields()
 
 
 def _write_chunk(writer: _PickleWriter, chunk: ChunkMetadata) -> None:
-    writer.fields(_METADATA, "ChunkStorageMetadata", {
-        "offsets": _Written(_size_or_none, chunk.offsets),
-        "sizes": _Written(_size_or_none, chunk.sizes)})
+    writer.begin_fields(_METADATA, "ChunkStorageMetadata")
+    writer.string("offsets")
+    writer.size(chunk.offsets)
+    writer.string("sizes")
+    writer.size(chunk.sizes)
+    writer.end_fields()
 
 
 def _write_tensor(writer: _PickleWriter, tensor: TensorMetadata) -> None:
-    writer.fields(_METADATA, "TensorStorageMetadata", {
-        "properties": tensor.properties, "size": _Written(_size_or_none, tensor.size),
-        "chunks": tensor.chunks})
+    writer.begin_fields(_METADATA, "TensorStorageMetadata")
+    writer.string("properties")
+    writer.value(tensor.properties)
+    writer.string("size")
+    writer.size(tensor.size)
+    writer.string("chunks")
+    writer.value(tensor.chunks)
+    writer.end_fields()
 
 
 def _write_tensor_properties(writer: _PickleWriter, properties: TensorProperties) -> None:

@@ -12,6 +12,7 @@ computed on the way; a zip64 end record is always written, and zip64 sizes where
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import zlib
 from typing import Iterable, Iterator
@@ -23,6 +24,10 @@ ARCHIVE_PREFIX = "archive/"
 _ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
+_ENTRY_CRC_OFFSET = 16
+_DESCRIPTOR_CRC_OFFSET = 4
+_PACK_CRC = struct.Struct("<I").pack
+_SERIALIZATION_ID_BYTES = 40
 
 
 def _global(module: str, name: str) -> bytes:
@@ -74,13 +79,6 @@ class ZipStreamWriter:
         self.position = 0
         self._entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, offset
 
-    def copy(self) -> "ZipStreamWriter":
-        """An independent writer in the same state."""
-        twin = ZipStreamWriter()
-        twin.position = self.position
-        twin._entries = list(self._entries)
-        return twin
-
     def local_header(self, name: str) -> bytes:
         """The header that starts record `name`; its data follows, 64-byte aligned."""
         encoded = name.encode()
@@ -112,62 +110,92 @@ class ZipStreamWriter:
 
     def directory(self) -> bytes:
         """The central directory and end records that close the archive."""
+        entries, end = self.directory_parts()
+        return b"".join(entries) + end
+
+    def directory_parts(self) -> tuple[list[bytes], bytes]:
+        """The central directory's entries, one per record (each with its CRC-32 at byte
+        _ENTRY_CRC_OFFSET), and the end records after them."""
         start = self.position
-        parts = []
+        entries = []
         for name, crc, size, offset in self._entries:
             zip64 = b""
             if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
                 zip64 = struct.pack("<HHQQQ", 0x0001, 24, size, size, offset)
-            parts.append(struct.pack(
+            entries.append(struct.pack(
                 "<IHHHHHHIIIHHHHHII", 0x02014B50, 0x1E03 if zip64 else 0, 45 if zip64 else 0,
                 _FLAGS, 0, 0, 0, crc, min(size, _ZIP64_LIMIT), min(size, _ZIP64_LIMIT),
                 len(name), len(zip64), 0, 0, 0, 0, min(offset, _ZIP64_LIMIT)) + name + zip64)
-        directory = b"".join(parts)
+        directory_bytes = sum(map(len, entries))
         count = len(self._entries)
-        end64 = self.position + len(directory)
-        tail = (struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x1E03, 45, 0, 0, count, count,
-                            len(directory), start)
-                + struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
-                + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(directory),
-                              min(start, _ZIP64_LIMIT), 0))
-        return directory + tail
+        end64 = self.position + directory_bytes
+        end = (struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x1E03, 45, 0, 0, count, count,
+                           directory_bytes, start)
+               + struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
+               + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_bytes,
+                             min(start, _ZIP64_LIMIT), 0))
+        return entries, end
+
+
+class _ArchiveTemplate:
+    """A tensor archive's bytes around its payload, for one dtype and shape (checkpoints repeat
+    shapes layer after layer): everything but the fields that depend on the payload's CRC-32."""
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...]) -> None:
+        self.nbytes = dtype.itemsize * math.prod(shape)
+        zip_writer = ZipStreamWriter()
+        self.prefix = b"".join([
+            zip_writer.record(ARCHIVE_PREFIX + "data.pkl", tensor_pickle(dtype, shape)),
+            zip_writer.record(ARCHIVE_PREFIX + ".format_version", b"1"),
+            zip_writer.record(ARCHIVE_PREFIX + ".storage_alignment", b"64"),
+            zip_writer.record(ARCHIVE_PREFIX + "byteorder", b"little"),
+            zip_writer.local_header(ARCHIVE_PREFIX + "data/0"),
+        ])
+        zip_writer.position += self.nbytes
+        self._payload_descriptor = zip_writer.data_descriptor(0, self.nbytes)
+        self._version_record = zip_writer.record(ARCHIVE_PREFIX + "version", b"3\n")
+        self._id_header = zip_writer.local_header(ARCHIVE_PREFIX + ".data/serialization_id")
+        zip_writer.position += _SERIALIZATION_ID_BYTES
+        self._id_descriptor = zip_writer.data_descriptor(0, _SERIALIZATION_ID_BYTES)
+        entries, self._directory_end = zip_writer.directory_parts()
+        self._directory_head = b"".join(entries[:4])
+        self._payload_entry, self._version_entry, self._id_entry = entries[4:]
+
+    def suffix(self, crc: int) -> bytes:
+        """Everything after a payload whose CRC-32 is crc."""
+        # torch draws a random id; one derived from the payload keeps output reproducible
+        serialization_id = f"{crc:0{_SERIALIZATION_ID_BYTES}d}".encode()
+        id_crc = _PACK_CRC(zlib.crc32(serialization_id))
+        crc_bytes = _PACK_CRC(crc)
+        return b"".join((
+            _with_crc(self._payload_descriptor, _DESCRIPTOR_CRC_OFFSET, crc_bytes),
+            self._version_record, self._id_header, serialization_id,
+            _with_crc(self._id_descriptor, _DESCRIPTOR_CRC_OFFSET, id_crc),
+            self._directory_head, _with_crc(self._payload_entry, _ENTRY_CRC_OFFSET, crc_bytes),
+            self._version_entry, _with_crc(self._id_entry, _ENTRY_CRC_OFFSET, id_crc),
+            self._directory_end))
+
+
+def _with_crc(record: bytes, offset: int, crc_bytes: bytes) -> bytes:
+    return record[:offset] + crc_bytes + record[offset + 4:]
 
 
 @functools.lru_cache(maxsize=256)
-def _archive_prefix(dtype: DType, shape: tuple[int, ...]) -> tuple[bytes, ZipStreamWriter]:
-    """Everything before the payload, which depends on dtype and shape alone (checkpoints
-    repeat shapes layer after layer), and the zip state after it."""
-    zip_writer = ZipStreamWriter()
-    prefix = b"".join([
-        zip_writer.record(ARCHIVE_PREFIX + "data.pkl", tensor_pickle(dtype, shape)),
-        zip_writer.record(ARCHIVE_PREFIX + ".format_version", b"1"),
-        zip_writer.record(ARCHIVE_PREFIX + ".storage_alignment", b"64"),
-        zip_writer.record(ARCHIVE_PREFIX + "byteorder", b"little"),
-        zip_writer.local_header(ARCHIVE_PREFIX + "data/0"),
-    ])
-    return prefix, zip_writer
+def _archive_template(dtype: DType, shape: tuple[int, ...]) -> _ArchiveTemplate:
+    return _ArchiveTemplate(dtype, shape)
 
 
 def iter_torch_save_archive(dtype: DType, shape: tuple[int, ...],
                             payload_pieces: Iterable[bytes]) -> Iterator[bytes]:
     """The bytes of `torch.save(tensor)` for a contiguous tensor whose row-major bytes come in
     payload_pieces, in pieces."""
-    prefix, cached_writer = _archive_prefix(dtype, shape)
-    zip_writer = cached_writer.copy()
-    yield prefix
+    template = _archive_template(dtype, shape)
+    yield template.prefix
     crc, size = 0, 0
     for piece in payload_pieces:
         crc = zlib.crc32(piece, crc)
         size += len(piece)
-        zip_writer.position += len(piece)
         yield piece
-    expected = dtype.itemsize
-    for dimension in shape:
-        expected *= dimension
-    if size != expected:
+    if size != template.nbytes:
         raise ValueError(f"payload of {size} bytes for a {dtype!r} tensor of shape {shape}")
-    yield zip_writer.data_descriptor(crc, size)
-    yield zip_writer.record(ARCHIVE_PREFIX + "version", b"3\n")
-    # torch draws a random id here; a value derived from the payload keeps output reproducible.
-    yield zip_writer.record(ARCHIVE_PREFIX + ".data/serialization_id", f"{crc:040d}".encode())
-    yield zip_writer.directory()
+    yield template.suffix(crc)
