@@ -40,7 +40,7 @@ from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
 _COALESCE_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourceChunk:
     """An input chunk that overlaps an output chunk."""
 
@@ -50,7 +50,7 @@ class SourceChunk:
     raw_tensor: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkTask:
     """One output chunk of a tensor: where it lies, from which input chunks, into which file."""
 
@@ -67,7 +67,7 @@ class ChunkTask:
         return math.prod(self.sizes) * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObjectTask:
     """A non-tensor item, carried over as stored into rank 0's file."""
 
@@ -119,10 +119,10 @@ def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = 
     codec = codec or _input_codec(checkpoint)
     tasks: list[ChunkTask | ObjectTask] = []
     for tensor in checkpoint.tensors:
+        sources = _SourceChunks(checkpoint, tensor)
         for target in shard_dim0_chunks(tensor.shape, world_size):
             tasks.append(ChunkTask(tensor.fqn, tensor.dtype, target.offsets, target.sizes,
-                                   _overlapping_sources(checkpoint, tensor, target.offsets,
-                                                        target.sizes),
+                                   sources.overlapping(target.offsets, target.sizes),
                                    rank_file_name(target.rank)))
     for entry in checkpoint.objects:
         if entry.storage is None:
@@ -141,18 +141,31 @@ def _input_codec(checkpoint: Checkpoint) -> Codec:
     return codec_for_descriptors(next(iter(used), None))
 
 
-def _overlapping_sources(checkpoint: Checkpoint, tensor: TensorEntry, offsets: tuple[int, ...],
-                         sizes: tuple[int, ...]) -> tuple[SourceChunk, ...]:
-    if not offsets:  # 0-d: the one chunk there is
-        chunk = tensor.chunks[0]
-        return (_source(checkpoint, tensor, chunk),)
-    begin, end = offsets[0], offsets[0] + sizes[0]
-    sources = []
-    for chunk in tensor.chunks:
-        if chunk.sizes[0] and math.prod(chunk.sizes) and (
-                chunk.offsets[0] < end and begin < chunk.offsets[0] + chunk.sizes[0]):
-            sources.append(_source(checkpoint, tensor, chunk))
-    return tuple(sources)
+class _SourceChunks:
+    """The input chunks of one tensor as sources, each made once however many output chunks
+    it overlaps."""
+
+    def __init__(self, checkpoint: Checkpoint, tensor: TensorEntry) -> None:
+        self._checkpoint = checkpoint
+        self._tensor = tensor
+        self._made: dict[int, SourceChunk] = {}
+
+    def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                    ) -> tuple[SourceChunk, ...]:
+        """The input chunks holding any of the output chunk's rows."""
+        chunks = self._tensor.chunks
+        if not offsets:  # 0-d: the one chunk there is
+            return (self._source(0, chunks[0]),)
+        begin, end = offsets[0], offsets[0] + sizes[0]
+        return tuple(self._source(index, chunk) for index, chunk in enumerate(chunks)
+                     if chunk.sizes[0] and math.prod(chunk.sizes) and (
+                         chunk.offsets[0] < end and begin < chunk.offsets[0] + chunk.sizes[0]))
+
+    def _source(self, index: int, chunk: ChunkMetadata) -> SourceChunk:
+        source = self._made.get(index)
+        if source is None:
+            source = self._made[index] = _source(self._checkpoint, self._tensor, chunk)
+        return source
 
 
 def _source(checkpoint: Checkpoint, tensor: TensorEntry, chunk: ChunkMetadata) -> SourceChunk:
