@@ -145,6 +145,7 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
     """Write every planned item into output and publish it; returns the stored bytes after."""
     new_storage: dict[ItemKey, StorageInfo] = {}
     writers: dict[str, DataFileWriter] = {}
+    last_task_of_file = {task.output_file: task for task in plan.tasks}
 
     def consume(task: ItemTask, pieces: Iterator[bytes]) -> None:
         writer = writers.get(task.output_file)
@@ -158,15 +159,15 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
         source = checkpoint.metadata.storage_data[task.key]
         new_storage[task.key] = storage_with(source, task.output_file, start,
                                              writer.size_bytes - start, descriptors)
+        if last_task_of_file[task.output_file] is task:  # files stay few at a time open
+            output.finish_data_file(writer, task.output_file)
+            failpoint("after-first-data-file")
         if on_progress is not None:
             on_progress(task.location.length, plan.stored_bytes)
 
     pipeline = Pipeline(_produce(plan.codec, piece_bytes), threads=threads,
                         bytes_in_flight=4 * threads * piece_bytes)
     pipeline.run(plan.tasks, consume, lane_of=lambda task: task.output_file)
-    for name in sorted(writers):
-        output.finish_data_file(writers[name], name)
-        failpoint("after-first-data-file")
     in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
     output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order))
     return sum(info.length for info in new_storage.values())
