@@ -16,8 +16,8 @@ from dcpctl.errors import DataError
 from dcpctl.format.codecs import codec_for_descriptors, describe_codec, floatsplit_codec, \
     iter_decoded
 from dcpctl.format.float_planes import LAYOUTS_BY_CODE, join_planes, split_planes
-from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATS_BLOCK, PayloadHint, \
-    find_payload_start
+from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATS_BLOCK, MAGIC, \
+    STREAM_HEADER, PayloadHint, find_payload_start
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex32,
           torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -134,6 +134,21 @@ def test_planes_join_back_and_hold_the_exponent_apart(layout):
         assert planes[0].tolist() == rotated.tolist()
 
 
+def test_pieces_a_caller_reuses_are_read_before_they_change():
+    tensor = (torch.randn(1_500_001, generator=torch.Generator().manual_seed(4)) * 0.02).to(
+        torch.float32)
+    item = torch_save_bytes(tensor)
+    stream = encode(item, hint_for(tensor), 1 << 20)
+    decoder, piece, decoded = floatsplit_codec().new_decoder(), bytearray(4093), []
+    for start in range(0, len(stream), len(piece)):
+        chunk = stream[start:start + len(piece)]
+        piece[:len(chunk)] = chunk
+        decoded += [bytes(part) for part in decoder.decode(memoryview(piece)[:len(chunk)])]
+        piece[:] = b"\xee" * len(piece)
+    decoder.finish()
+    assert b"".join(decoded) == item
+
+
 def test_payload_start_is_the_data_record():
     item = torch_save_bytes(torch.arange(10, dtype=torch.float32))
     start = find_payload_start(item[:4096])
@@ -168,6 +183,18 @@ def test_damaged_streams_are_refused(damage, message):
     stream = damage(_stream_of_a_tensor())
     with pytest.raises(DataError, match=message):
         decode(stream, 1 << 20)
+
+
+def test_frame_claiming_another_length_than_its_header_is_refused():
+    """Caught before zstd allocates what the frame claims (the first block is decoded before
+    the end block, which would disagree too, arrives)."""
+    stream = _stream_of_a_tensor()
+    decoded_bytes, stored_bytes = struct.unpack_from("<II", stream, 6)
+    damaged = stream[:6] + struct.pack("<I", decoded_bytes + 1) + stream[10:]
+    block_end = len(MAGIC) + 1 + STREAM_HEADER.size + stored_bytes
+    pieces = [damaged[:block_end], damaged[block_end:]]
+    with pytest.raises(DataError, match="a zstd frame claims"):
+        list(iter_decoded(floatsplit_codec().new_decoder(), pieces))
 
 
 def test_damaged_zstd_frame_is_refused():
