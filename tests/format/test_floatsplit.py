@@ -134,6 +134,21 @@ def test_planes_join_back_and_hold_the_exponent_apart(layout):
         assert planes[0].tolist() == rotated.tolist()
 
 
+@settings(max_examples=80, deadline=None)
+@given(code=st.sampled_from(sorted(LAYOUTS_BY_CODE)), count=st.integers(0, 5000),
+       seed=st.integers(0, 2**32 - 1), writable=st.booleans())
+def test_any_bytes_split_and_join_back(code, count, seed, writable):
+    """Planes given as read-only bytes (raw planes where they lie in the stream) or as arrays
+    the join may change (decoded planes in scratch memory) join back to the same words."""
+    layout = LAYOUTS_BY_CODE[code]
+    data = numpy.random.default_rng(seed).integers(0, 256, count * layout.itemsize,
+                                                   dtype=numpy.uint8).tobytes()
+    planes = [plane.copy() if writable else bytes(plane) for plane in split_planes(layout, data)]
+    joined = numpy.empty(len(data), dtype=numpy.uint8)
+    join_planes(layout, planes, joined)
+    assert joined.tobytes() == data
+
+
 def test_pieces_a_caller_reuses_are_read_before_they_change():
     tensor = (torch.randn(1_500_001, generator=torch.Generator().manual_seed(4)) * 0.02).to(
         torch.float32)
