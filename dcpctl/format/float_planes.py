@@ -22,6 +22,7 @@ _WORD_TYPES = {size: numpy.dtype(f"<u{size}") for size in (1, 2, 4, 8)}
 # For words of each width: the word twice as wide, and the factor that shifts a word up by it.
 _WIDENED = {size: (_WORD_TYPES[2 * size], _WORD_TYPES[2 * size].type(1 << (8 * size)))
             for size in (1, 2, 4)}
+_SIGN_PROBE_ELEMENTS = 4096
 _scratch = threading.local()
 
 
@@ -47,6 +48,8 @@ FLOAT32 = FloatLayout(3, "float32", 4, True)
 FLOAT64 = FloatLayout(4, "float64", 8, True)
 
 LAYOUTS_BY_CODE = {layout.code: layout for layout in (BFLOAT16, FLOAT16, FLOAT32, FLOAT64)}
+# A layout only says how bytes are split: float16's splits any 2-byte words without exchange.
+_LAYOUTS_WITHOUT_EXCHANGE = {BFLOAT16.code: FLOAT16}
 # Complex numbers are pairs of floats of the same format.
 _LAYOUTS_BY_DTYPE_NAME = {
     "bfloat16": BFLOAT16, "float16": FLOAT16, "complex32": FLOAT16,
@@ -57,6 +60,24 @@ _LAYOUTS_BY_DTYPE_NAME = {
 def layout_for_dtype(dtype_name: str) -> FloatLayout | None:
     """The layout that splits tensors of this torch dtype, or None for non-float dtypes."""
     return _LAYOUTS_BY_DTYPE_NAME.get(dtype_name)
+
+
+def layout_for_block(layout: FloatLayout, data) -> FloatLayout:
+    """The layout to split a block of `layout` elements with. Where they all have the same sign
+    (an optimizer's second moments, say), the exchange would move a constant bit into the
+    second plane, which then codes only that bit smaller: a layout as wide without the
+    exchange, where the format has one, stores about as many bytes and spares the exchange
+    and the Huffman coding of that plane, on both sides."""
+    plain = _LAYOUTS_WITHOUT_EXCHANGE.get(layout.code)
+    if plain is None:
+        return layout
+    words = numpy.frombuffer(data, dtype=layout.word_type)
+    sign = words.dtype.type(1 << (8 * layout.itemsize - 1))
+    # Most blocks show both signs in their first elements: only the others are read whole.
+    for part in (words[:_SIGN_PROBE_ELEMENTS], words):
+        if part.max() >= sign and part.min() < sign:
+            return layout
+    return plain
 
 
 def scratch_plane(index: int, size_bytes: int) -> numpy.ndarray:

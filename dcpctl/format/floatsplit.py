@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from dcpctl.format.float_planes import layout_for_dtype, split_planes
+from dcpctl.format.float_planes import layout_for_block, layout_for_dtype, split_planes
 from dcpctl.format.plane_zstd import plane_compressor
 
 FLOATSPLIT_NAME = "dcpctl.floatsplit"
@@ -151,7 +151,7 @@ class FloatSplitEncoder:
                     else None, parts)
 
     def _add_floats_block(self, data: memoryview, parts: list) -> None:
-        layout = self._layout
+        layout = layout_for_block(self._layout, data)
         parts.append(FLOATS_HEADER.pack(FLOATS_BLOCK, layout.code, len(data) // layout.itemsize))
         compressor = plane_compressor()
         for plane in split_planes(layout, data):

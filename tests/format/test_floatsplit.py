@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from dcpctl.errors import DataError
 from dcpctl.format.codecs import codec_for_descriptors, describe_codec, floatsplit_codec, \
     iter_decoded
-from dcpctl.format.float_planes import LAYOUTS_BY_CODE, join_planes, split_planes
-from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATS_BLOCK, MAGIC, \
-    STREAM_HEADER, PayloadHint, find_payload_start
+from dcpctl.format.float_planes import BFLOAT16, FLOAT16, FLOAT32, LAYOUTS_BY_CODE, \
+    join_planes, split_planes
+from dcpctl.format.floatsplit import END_BLOCK, FLOATS_BLOCK, FLOATS_HEADER, \
+    FLOATSPLIT_DESCRIPTOR, MAGIC, STREAM_HEADER, PayloadHint, find_payload_start
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex32,
           torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -147,6 +148,37 @@ def test_any_bytes_split_and_join_back(code, count, seed, writable):
     joined = numpy.empty(len(data), dtype=numpy.uint8)
     join_planes(layout, planes, joined)
     assert joined.tobytes() == data
+
+
+def _layout_codes(stream: bytes) -> list[int]:
+    """The layout of every FLOATS block of a stream, read by walking its blocks."""
+    position, codes = len(MAGIC), []
+    while stream[position] != END_BLOCK:
+        planes = 1
+        if stream[position] == FLOATS_BLOCK:
+            codes.append(stream[position + 1])
+            planes = LAYOUTS_BY_CODE[stream[position + 1]].itemsize
+            position += FLOATS_HEADER.size
+        else:
+            position += 1
+        for _ in range(planes):
+            position += STREAM_HEADER.size + STREAM_HEADER.unpack_from(stream, position)[2]
+    return codes
+
+
+@pytest.mark.parametrize("dtype, signs, layout_code", [
+    (torch.bfloat16, "positive", FLOAT16.code), (torch.bfloat16, "negative", FLOAT16.code),
+    (torch.bfloat16, "mixed", BFLOAT16.code), (torch.float32, "positive", FLOAT32.code)])
+def test_blocks_of_one_sign_skip_the_exchange_where_a_layout_allows(dtype, signs, layout_code):
+    """Layout 2 splits any 2-byte words without the exchange: bfloat16 blocks whose elements
+    all have one sign (an optimizer's second moments) are written with it."""
+    values = torch.randn(300_000, generator=torch.Generator().manual_seed(3)) * 0.02
+    values = {"positive": values.abs(), "negative": -values.abs(), "mixed": values}[signs]
+    tensor = values.to(dtype)
+    item = torch_save_bytes(tensor)
+    stream = encode(item, hint_for(tensor), 1 << 20)
+    assert set(_layout_codes(stream)) == {layout_code}
+    assert decode(stream, 65_537) == item
 
 
 def test_pieces_a_caller_reuses_are_read_before_they_change():
