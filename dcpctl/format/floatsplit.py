@@ -2,11 +2,11 @@
 
 A tensor item is a torch.save archive: some framing, the tensor's raw bytes, more framing. The
 encoder codes the framing with plain zstd and cuts the raw bytes into blocks of whole elements,
-each split into byte planes (float_planes) that are coded on their own: the exponent plane
-with zstd tuned to code literals (it reaches the plane's order-0 entropy), the sign and
-mantissa planes the same way, each stored raw where coding does not pay. Blocks are independent
-and small, so both directions stream with bounded memory. The byte layout is documented in
-docs/floatsplit.md; decoding (floatsplit_decoder) needs nothing but the stream.
+each split into byte planes (float_planes) that are coded on their own (plane_zstd): the
+exponent plane as Huffman-coded zstd literals (which reach the plane's order-0 entropy), the
+sign and mantissa planes the same way, each stored raw where coding does not pay. Blocks are
+independent and small, so both directions stream with bounded memory. The byte layout is
+documented in docs/floatsplit.md; decoding (floatsplit_decoder) needs nothing but the stream.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import zstandard
 
-from dcpctl.format.float_planes import layout_for_dtype, split_planes
+from dcpctl.format.float_planes import layout_for_block, layout_for_dtype, split_planes
+from dcpctl.format.plane_zstd import plane_compressor
 
 FLOATSPLIT_NAME = "dcpctl.floatsplit"
 FLOATSPLIT_DESCRIPTOR = f"{FLOATSPLIT_NAME}/1"
@@ -30,7 +31,6 @@ _MIN_BLOCK_BYTES = 1 << 20
 # A stream is stored coded only if that saves this fraction of it: decoding a nearly random
 # mantissa plane costs as much time as decoding the exponent plane, for a fraction of a percent.
 MIN_CODING_GAIN = 0.03
-_PROBE_BYTES = 64 << 10
 _MIN_SPLIT_BYTES = 16 << 10
 _HEAD_SEARCH_BYTES = 64 << 10
 STREAM_HEADER = struct.Struct("<BII")  # coding, decoded length, stored length
@@ -38,26 +38,17 @@ FLOATS_HEADER = struct.Struct("<BBI")  # block kind, layout code, element count
 END_HEADER = struct.Struct("<BQ")  # block kind, decoded length of the whole item
 _ZIP_LOCAL_HEADER = b"PK\x03\x04"
 _ZIP_LOCAL_HEADER_BYTES = 30
-# Literal coding at the speed of Huffman alone: a 128 KiB block (window_log 17) per Huffman
-# table, and a match finder too coarse to cut the literal runs into costly short matches.
-_PLANE_PARAMETERS = zstandard.ZstdCompressionParameters(
-    window_log=17, hash_log=8, chain_log=6, search_log=1, min_match=7, target_length=0,
-    strategy=zstandard.STRATEGY_FAST)
-
-
 _compressors = threading.local()
 
 
-def _compressor(level: int | None) -> zstandard.ZstdCompressor:
-    """This thread's compressor for plain bytes at `level`, or for planes (None). Reused, as
-    making one costs more than coding a small stream; fetched at each use, as an encoder may
-    move between threads."""
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for plain bytes at `level`. Reused, as making one costs more
+    than coding a small stream; fetched at each use, as an encoder may move between threads."""
     cache = getattr(_compressors, "cache", None)
     if cache is None:
         cache = _compressors.cache = {}
     if level not in cache:
-        cache[level] = (zstandard.ZstdCompressor(level=level) if level is not None else
-                        zstandard.ZstdCompressor(compression_params=_PLANE_PARAMETERS))
+        cache[level] = zstandard.ZstdCompressor(level=level)
     return cache[level]
 
 
@@ -155,23 +146,22 @@ class FloatSplitEncoder:
 
     def _add_bytes_block(self, data: memoryview, parts: list) -> None:
         parts.append(bytes((BYTES_BLOCK,)))
-        self._add_stream(data, _compressor(self._level), parts)
+        compressed = _compressor(self._level).compress(data)
+        _add_stream(data, compressed if len(compressed) <= len(data) * (1 - MIN_CODING_GAIN)
+                    else None, parts)
 
     def _add_floats_block(self, data: memoryview, parts: list) -> None:
-        layout = self._layout
+        layout = layout_for_block(self._layout, data)
         parts.append(FLOATS_HEADER.pack(FLOATS_BLOCK, layout.code, len(data) // layout.itemsize))
+        compressor = plane_compressor()
         for plane in split_planes(layout, data):
-            self._add_stream(plane, _compressor(None), parts, probe=True)
+            _add_stream(plane, compressor.compress(plane, MIN_CODING_GAIN), parts)
 
-    @staticmethod
-    def _add_stream(data, compressor: zstandard.ZstdCompressor, parts: list,
-                    probe: bool = False) -> None:
-        size = len(data)
-        # Nearly random mantissa planes are told by their first bytes, not coded in full.
-        hopeless = probe and size >= 4 * _PROBE_BYTES and len(
-            compressor.compress(data[:_PROBE_BYTES])) > _PROBE_BYTES * (1 - MIN_CODING_GAIN / 2)
-        compressed = b"" if hopeless else compressor.compress(data)
-        if not hopeless and len(compressed) <= size * (1 - MIN_CODING_GAIN):
-            parts += [STREAM_HEADER.pack(ZSTD_CODING, size, len(compressed)), compressed]
-        else:
-            parts += [STREAM_HEADER.pack(RAW_CODING, size, size), bytes(data)]
+
+def _add_stream(data, compressed: bytes | None, parts: list) -> None:
+    """A sub-stream of data: the zstd frame given, or data itself (raw) where there is none."""
+    size = len(data)
+    if compressed is None:
+        parts += [STREAM_HEADER.pack(RAW_CODING, size, size), bytes(data)]
+    else:
+        parts += [STREAM_HEADER.pack(ZSTD_CODING, size, len(compressed)), compressed]

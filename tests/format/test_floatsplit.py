@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from dcpctl.errors import DataError
 from dcpctl.format.codecs import codec_for_descriptors, describe_codec, floatsplit_codec, \
     iter_decoded
-from dcpctl.format.float_planes import LAYOUTS_BY_CODE, join_planes, split_planes
-from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATS_BLOCK, PayloadHint, \
-    find_payload_start
+from dcpctl.format.float_planes import BFLOAT16, FLOAT16, FLOAT32, LAYOUTS_BY_CODE, \
+    join_planes, split_planes
+from dcpctl.format.floatsplit import END_BLOCK, FLOATS_BLOCK, FLOATS_HEADER, \
+    FLOATSPLIT_DESCRIPTOR, MAGIC, STREAM_HEADER, PayloadHint, find_payload_start
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex32,
           torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -134,6 +135,67 @@ def test_planes_join_back_and_hold_the_exponent_apart(layout):
         assert planes[0].tolist() == rotated.tolist()
 
 
+@settings(max_examples=80, deadline=None)
+@given(code=st.sampled_from(sorted(LAYOUTS_BY_CODE)), count=st.integers(0, 5000),
+       seed=st.integers(0, 2**32 - 1), writable=st.booleans())
+def test_any_bytes_split_and_join_back(code, count, seed, writable):
+    """Planes given as read-only bytes (raw planes where they lie in the stream) or as arrays
+    the join may change (decoded planes in scratch memory) join back to the same words."""
+    layout = LAYOUTS_BY_CODE[code]
+    data = numpy.random.default_rng(seed).integers(0, 256, count * layout.itemsize,
+                                                   dtype=numpy.uint8).tobytes()
+    planes = [plane.copy() if writable else bytes(plane) for plane in split_planes(layout, data)]
+    joined = numpy.empty(len(data), dtype=numpy.uint8)
+    join_planes(layout, planes, joined)
+    assert joined.tobytes() == data
+
+
+def _layout_codes(stream: bytes) -> list[int]:
+    """The layout of every FLOATS block of a stream, read by walking its blocks."""
+    position, codes = len(MAGIC), []
+    while stream[position] != END_BLOCK:
+        planes = 1
+        if stream[position] == FLOATS_BLOCK:
+            codes.append(stream[position + 1])
+            planes = LAYOUTS_BY_CODE[stream[position + 1]].itemsize
+            position += FLOATS_HEADER.size
+        else:
+            position += 1
+        for _ in range(planes):
+            position += STREAM_HEADER.size + STREAM_HEADER.unpack_from(stream, position)[2]
+    return codes
+
+
+@pytest.mark.parametrize("dtype, signs, layout_code", [
+    (torch.bfloat16, "positive", FLOAT16.code), (torch.bfloat16, "negative", FLOAT16.code),
+    (torch.bfloat16, "mixed", BFLOAT16.code), (torch.float32, "positive", FLOAT32.code)])
+def test_blocks_of_one_sign_skip_the_exchange_where_a_layout_allows(dtype, signs, layout_code):
+    """Layout 2 splits any 2-byte words without the exchange: bfloat16 blocks whose elements
+    all have one sign (an optimizer's second moments) are written with it."""
+    values = torch.randn(300_000, generator=torch.Generator().manual_seed(3)) * 0.02
+    values = {"positive": values.abs(), "negative": -values.abs(), "mixed": values}[signs]
+    tensor = values.to(dtype)
+    item = torch_save_bytes(tensor)
+    stream = encode(item, hint_for(tensor), 1 << 20)
+    assert set(_layout_codes(stream)) == {layout_code}
+    assert decode(stream, 65_537) == item
+
+
+def test_pieces_a_caller_reuses_are_read_before_they_change():
+    tensor = (torch.randn(1_500_001, generator=torch.Generator().manual_seed(4)) * 0.02).to(
+        torch.float32)
+    item = torch_save_bytes(tensor)
+    stream = encode(item, hint_for(tensor), 1 << 20)
+    decoder, piece, decoded = floatsplit_codec().new_decoder(), bytearray(4093), []
+    for start in range(0, len(stream), len(piece)):
+        chunk = stream[start:start + len(piece)]
+        piece[:len(chunk)] = chunk
+        decoded += [bytes(part) for part in decoder.decode(memoryview(piece)[:len(chunk)])]
+        piece[:] = b"\xee" * len(piece)
+    decoder.finish()
+    assert b"".join(decoded) == item
+
+
 def test_payload_start_is_the_data_record():
     item = torch_save_bytes(torch.arange(10, dtype=torch.float32))
     start = find_payload_start(item[:4096])
@@ -168,6 +230,18 @@ def test_damaged_streams_are_refused(damage, message):
     stream = damage(_stream_of_a_tensor())
     with pytest.raises(DataError, match=message):
         decode(stream, 1 << 20)
+
+
+def test_frame_claiming_another_length_than_its_header_is_refused():
+    """Caught before zstd allocates what the frame claims (the first block is decoded before
+    the end block, which would disagree too, arrives)."""
+    stream = _stream_of_a_tensor()
+    decoded_bytes, stored_bytes = struct.unpack_from("<II", stream, 6)
+    damaged = stream[:6] + struct.pack("<I", decoded_bytes + 1) + stream[10:]
+    block_end = len(MAGIC) + 1 + STREAM_HEADER.size + stored_bytes
+    pieces = [damaged[:block_end], damaged[block_end:]]
+    with pytest.raises(DataError, match="a zstd frame claims"):
+        list(iter_decoded(floatsplit_codec().new_decoder(), pieces))
 
 
 def test_damaged_zstd_frame_is_refused():
