@@ -7,6 +7,7 @@ import sys
 import click
 
 from dcpctl import __version__
+from dcpctl.allocator import reuse_large_buffers
 from dcpctl.errors import DcpctlError, describe_os_error
 
 
@@ -76,4 +77,5 @@ register_commands()
 
 def main() -> None:
     """Console-script entry point."""
+    reuse_large_buffers()
     cli(prog_name="dcpctl")
