@@ -22,7 +22,6 @@ from dcpctl.format.records import (
     BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey, StorageInfo, StorageMeta,
     TensorMetadata, TensorProperties,
 )
-from dcpctl.format.torch_pickle import pickle_as_torch
 
 METADATA_FILE_NAME = ".metadata"
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -206,4 +205,6 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
 
 def serialize_metadata(metadata: CheckpointMetadata) -> bytes:
     """`.metadata` bytes that torch's DCP reads as this metadata (torch is not imported)."""
+    from dcpctl.format.torch_pickle import pickle_as_torch  # only writers need it
+
     return pickle_as_torch(metadata)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from dcpctl.format.checkpoint import Checkpoint, DataFile, ObjectEntry, TensorEntry, \
     open_checkpoint
-from dcpctl.format.codecs import describe_codec
+from dcpctl.format.codec_names import describe_codec
 from dcpctl.format.garbage_collection import paused_garbage_collection
 
 

@@ -84,3 +84,13 @@ def test_python_dash_m_and_console_script():
                                text=True)
         assert error.returncode == 1
         assert error.stderr.startswith("Error: /nonexistent/ckpt") and not error.stdout
+
+
+def test_inspect_imports_none_of_the_heavy_modules():
+    code = ("import sys; from dcpctl.cli.main import cli; "
+            f"cli(['inspect', {str(fixture_path('zstd_fsdp2_2ranks'))!r}], standalone_mode=False); "
+            "print([name for name in ('torch', 'numpy', 'zstandard', 'tqdm') "
+            "if name in sys.modules], file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stderr.strip() == "[]"
