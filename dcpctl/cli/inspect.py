@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from itertools import chain, repeat
+from operator import attrgetter
+
 import click
 
-from dcpctl.cli.render import echo_json, format_bytes, format_table
+from dcpctl.cli.render import echo_json_text, format_bytes, format_columns, format_table
+from dcpctl.columns import map_distinct
+from dcpctl.format.garbage_collection import paused_garbage_collection
 from dcpctl.ops.inspect import InspectReport, inspect_checkpoint
+
+_FQN, _DTYPE, _NAME, _SHAPE = map(attrgetter, ("fqn", "dtype", "name", "shape"))
+_CHUNKS, _NBYTES, _STORED_BYTES = map(attrgetter, ("chunks", "nbytes", "stored_bytes"))
 
 
 @click.command("inspect")
@@ -30,9 +38,15 @@ def inspect_command(checkpoint: str, as_json: bool, fqn_glob: str | None, by_fil
       dcpctl inspect ckpt/ --by-file
       dcpctl inspect ckpt/ --json | jq '.tensors[] | select(.dtype == "bfloat16") | .fqn'
     """
-    report = inspect_checkpoint(checkpoint, fqn_glob)
+    # The report is millions of small objects. With the cycle collector held off until they
+    # are freed again, it never walks them all (collecting them would find no cycle).
+    with paused_garbage_collection():
+        _show_report(inspect_checkpoint(checkpoint, fqn_glob), as_json, by_file)
+
+
+def _show_report(report: InspectReport, as_json: bool, by_file: bool) -> None:
     if as_json:
-        echo_json(report.to_json())
+        echo_json_text(report.to_json_text())
         return
     click.echo(render_summary(report))
     click.echo()
@@ -75,12 +89,23 @@ def render_summary(report: InspectReport) -> str:
 
 def render_tensors(report: InspectReport) -> str:
     """One row per tensor, then one per object."""
-    rows = [(t.fqn, t.dtype.name, "x".join(map(str, t.shape)) or "scalar", len(t.chunks),
-             format_bytes(t.nbytes), format_bytes(t.stored_bytes)) for t in report.tensors]
-    rows += [(o.fqn, "object", "-", 1, "-", format_bytes(o.storage.length if o.storage else 0))
-             for o in report.objects]
-    return format_table(("FQN", "DTYPE", "SHAPE", "CHUNKS", "LOGICAL", "STORED"), rows,
-                        right_aligned=(3, 4, 5))
+    tensors, objects = report.tensors, report.objects
+    object_stored_bytes = [o.storage.length if o.storage else 0 for o in objects]
+    for_objects = len(objects)
+    columns = (
+        chain(map(_FQN, tensors), map(_FQN, objects)),
+        chain(map(_NAME, map(_DTYPE, tensors)), repeat("object", for_objects)),
+        chain(map_distinct(_shape_text, map(_SHAPE, tensors)), repeat("-", for_objects)),
+        chain(map(len, map(_CHUNKS, tensors)), repeat(1, for_objects)),
+        chain(map_distinct(format_bytes, map(_NBYTES, tensors)), repeat("-", for_objects)),
+        map_distinct(format_bytes, chain(map(_STORED_BYTES, tensors), object_stored_bytes)),
+    )
+    return format_columns(("FQN", "DTYPE", "SHAPE", "CHUNKS", "LOGICAL", "STORED"), columns,
+                          right_aligned=(3, 4, 5))
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
 
 
 def render_files(report: InspectReport) -> str:

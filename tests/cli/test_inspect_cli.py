@@ -11,7 +11,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import FIXTURE_NAMES, fixture_path
 
+from dcpctl.cli.inspect import render_tensors
 from dcpctl.cli.main import cli
+from dcpctl.cli.render import format_bytes, format_table
+from dcpctl.ops.inspect import inspect_checkpoint
 
 
 def run_cli(*args: str):
@@ -94,3 +97,29 @@ def test_inspect_imports_none_of_the_heavy_modules():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stderr.strip() == "[]"
+
+
+def _table_cell_by_cell(headers, rows, right_aligned):
+    cells = [[str(cell) for cell in row] for row in [headers, *rows]]
+    widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
+    return "\n".join("  ".join(cell.rjust(width) if column in right_aligned else cell.ljust(width)
+                               for column, (cell, width) in enumerate(zip(row, widths))).rstrip()
+                     for row in cells)
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_tensor_table_matches_padding_cell_by_cell(name):
+    report = inspect_checkpoint(fixture_path(name))
+    rows = [(t.fqn, t.dtype.name, "x".join(map(str, t.shape)) or "scalar", len(t.chunks),
+             format_bytes(t.nbytes), format_bytes(t.stored_bytes)) for t in report.tensors]
+    rows += [(o.fqn, "object", "-", 1, "-", format_bytes(o.storage.length if o.storage else 0))
+             for o in report.objects]
+    headers = ("FQN", "DTYPE", "SHAPE", "CHUNKS", "LOGICAL", "STORED")
+    assert render_tensors(report) == _table_cell_by_cell(headers, rows, (3, 4, 5))
+
+
+@pytest.mark.parametrize("rows", [[], [("a", 1, ""), ("long name", 22, "x y")]])
+def test_format_table_pads_like_cell_by_cell(rows):
+    headers = ("NAME", "N", "NOTE")
+    assert format_table(headers, rows, right_aligned=(1,)) == _table_cell_by_cell(
+        headers, rows, (1,))
