@@ -7,6 +7,7 @@ from operator import attrgetter
 
 import click
 
+from dcpctl.cli.process import end_process_without_teardown
 from dcpctl.cli.render import echo_json_text, format_bytes, format_columns, format_table
 from dcpctl.columns import map_distinct
 from dcpctl.format.garbage_collection import paused_garbage_collection
@@ -22,7 +23,9 @@ _CHUNKS, _NBYTES, _STORED_BYTES = map(attrgetter, ("chunks", "nbytes", "stored_b
 @click.option("--filter", "fqn_glob", metavar="GLOB",
               help="Only tensors and objects whose fqn matches GLOB, e.g. 'model.*.weight'.")
 @click.option("--by-file", is_flag=True, help="List the data files instead of the tensors.")
-def inspect_command(checkpoint: str, as_json: bool, fqn_glob: str | None, by_file: bool) -> None:
+@click.pass_context
+def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
+                    fqn_glob: str | None, by_file: bool) -> None:
     """Show what CHECKPOINT holds, reading only `.metadata` and file sizes.
 
     The summary gives the DCP version, how many tensors and objects, their logical size
@@ -38,10 +41,14 @@ def inspect_command(checkpoint: str, as_json: bool, fqn_glob: str | None, by_fil
       dcpctl inspect ckpt/ --by-file
       dcpctl inspect ckpt/ --json | jq '.tensors[] | select(.dtype == "bfloat16") | .fqn'
     """
-    # The report is millions of small objects. With the cycle collector held off until they
-    # are freed again, it never walks them all (collecting them would find no cycle).
+    # The report is millions of small objects: the cycle collector is held off until they are
+    # freed (collecting them would find no cycle), and the dcpctl process ends before freeing
+    # them at all.
     with paused_garbage_collection():
-        _show_report(inspect_checkpoint(checkpoint, fqn_glob), as_json, by_file)
+        report = inspect_checkpoint(checkpoint, fqn_glob)
+        _show_report(report, as_json, by_file)
+        end_process_without_teardown(context)
+        del report
 
 
 def _show_report(report: InspectReport, as_json: bool, by_file: bool) -> None:

@@ -8,6 +8,7 @@ import sys
 import click
 
 from dcpctl import __version__
+from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.errors import DcpctlError, describe_os_error
 
 
@@ -82,4 +83,4 @@ def cli(context: click.Context, debug: bool) -> None:
 
 def main() -> None:
     """Console-script entry point."""
-    cli(prog_name="dcpctl")
+    cli(prog_name="dcpctl", obj={RUNS_AS_PROCESS: True})

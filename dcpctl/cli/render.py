@@ -56,5 +56,8 @@ def echo_json(payload: Any) -> None:
 
 def echo_json_text(text: str) -> None:
     """Print an already encoded JSON document on stdout."""
-    click.get_text_stream("stdout").write(text + "\n")
+    stdout = click.get_text_stream("stdout")
+    stdout.write(text)
+    stdout.write("\n")
+    stdout.flush()
 

@@ -83,6 +83,11 @@ def test_python_dash_m_and_console_script():
                                 capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["tensor_count"] == 3
+        table = subprocess.run([*command, "inspect", str(fixture_path("mesh2d_4ranks"))],
+                               capture_output=True, text=True)
+        assert table.returncode == 0 and not table.stderr
+        assert table.stdout.endswith("\n") and "tensors      3\n" in table.stdout
+        assert table.stdout == run_cli("inspect", fixture_path("mesh2d_4ranks")).output
         error = subprocess.run([*command, "inspect", "/nonexistent/ckpt"], capture_output=True,
                                text=True)
         assert error.returncode == 1
