@@ -8,7 +8,7 @@ column operations that have no builtin of their own.
 from __future__ import annotations
 
 from collections import deque
-from itertools import compress, islice, repeat
+from itertools import chain, compress, islice, repeat
 from operator import eq
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
@@ -29,6 +29,13 @@ def map_distinct(function: Callable[[Any], Any], values: Iterable[Hashable]) -> 
     values = list(values)
     result_of = {value: function(value) for value in set(values)}
     return map(result_of.__getitem__, values)
+
+
+def repeat_each(values: list, counts: list[int]) -> Iterable:
+    """Each value repeated its count of times, in order."""
+    if _all_ones(counts) and len(counts) == len(values):
+        return values
+    return chain.from_iterable(map(repeat, values, counts))
 
 
 def sums_of_runs(values: Iterable[int], run_lengths: list[int]) -> list[int]:

@@ -10,7 +10,7 @@ from itertools import chain, compress, repeat
 from operator import add, attrgetter, is_, is_not, mul, not_
 from pathlib import Path, PurePosixPath
 
-from dcpctl.columns import index_of_largest_by_group, set_each, sums_of_runs
+from dcpctl.columns import index_of_largest_by_group, repeat_each, set_each, sums_of_runs
 from dcpctl.errors import (
     CheckpointNotFoundError,
     DataError,
@@ -171,7 +171,7 @@ def _join_chunks_to_storage(tensor_fqns: list[str], chunk_lists: list[list[Chunk
     """Set each chunk's `storage`; return the bytes each tensor's chunks occupy."""
     chunk_counts = list(map(len, chunk_lists))
     chunks = list(chain.from_iterable(chunk_lists))
-    chunk_fqns = chain.from_iterable(map(repeat, tensor_fqns, chunk_counts))
+    chunk_fqns = repeat_each(tensor_fqns, chunk_counts)
     storages = list(map(storage_by_key.get, zip(chunk_fqns, map(_OFFSETS, chunks))))
     set_each(chunks, "storage", storages)
     if all(storages):

@@ -13,6 +13,7 @@ from itertools import chain, compress, repeat, starmap
 from operator import add, attrgetter, gt, is_, is_not
 from typing import Any, Callable, Iterable
 
+from dcpctl.columns import repeat_each
 from dcpctl.errors import MetadataError
 from dcpctl.format.dtypes import DType
 from dcpctl.format.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
@@ -95,7 +96,7 @@ def _tensors_look_sound(tensors: list[TensorMetadata]) -> bool:
         return False
     # Only ints from here on, so equal layouts are interchangeable (unlike 1, 1.0 and True):
     # each distinct (offsets, sizes, tensor size) is checked once.
-    tensor_size_of_chunks = chain.from_iterable(map(repeat, sizes, map(len, chunk_lists)))
+    tensor_size_of_chunks = repeat_each(sizes, list(map(len, chunk_lists)))
     layouts = set(zip(offsets, extents, tensor_size_of_chunks))
     return (min(chain.from_iterable(set(sizes)), default=0) >= 0
             and all(starmap(_chunk_lies_inside, layouts)))
