@@ -72,9 +72,16 @@ def sums_by_key(keys: Sequence[Hashable], values: Sequence[int]) -> dict:
     return totals
 
 
+def first_by_group(groups: Iterable[Hashable], values: Iterable) -> dict:
+    """The first value of each group, groups in the order they first appear."""
+    firsts: dict = {}
+    deque(map(firsts.setdefault, groups, values), maxlen=0)
+    return firsts
+
+
 def index_of_largest_by_group(groups: Sequence[Hashable], values: Sequence[int]) -> dict:
     """For each group, the index of its largest value (the first such index, on ties)."""
+    # A stable sort: equal values keep their order, so the first index of the largest comes
+    # first in its group.
     descending = sorted(range(len(values)), key=values.__getitem__, reverse=True)
-    # Walked backwards the order is ascending and, among equal values, the first index comes
-    # last: it is the one the dict keeps.
-    return dict(zip(map(groups.__getitem__, reversed(descending)), reversed(descending)))
+    return first_by_group(map(groups.__getitem__, descending), descending)

@@ -10,7 +10,8 @@ from itertools import chain, compress, repeat
 from operator import add, attrgetter, is_, is_not, mul, not_
 from pathlib import Path, PurePosixPath
 
-from dcpctl.columns import index_of_largest_by_group, repeat_each, set_each, sums_of_runs
+from dcpctl.columns import (first_by_group, index_of_largest_by_group, repeat_each, set_each,
+                            sums_of_runs)
 from dcpctl.errors import (
     CheckpointNotFoundError,
     DataError,
@@ -197,9 +198,8 @@ def _collect_files(checkpoint: Checkpoint) -> None:
             checkpoint.files[name].end_bytes, checkpoint.files[name].last_fqn = (
                 ends[index], keys[index].fqn)
     is_tensor_item = list(map(is_not, map(_KEY_OFFSET, keys), repeat(None)))
-    # Built backwards, so that each file keeps its first tensor item.
-    first_tensor_item = dict(zip(reversed(list(compress(paths, is_tensor_item))),
-                                 reversed(list(compress(infos, is_tensor_item)))))
+    first_tensor_item = first_by_group(compress(paths, is_tensor_item),
+                                       compress(infos, is_tensor_item))
     for name, data_file in checkpoint.files.items():
         if name in first_tensor_item:
             data_file.serialization = _detect_serialization(checkpoint, first_tensor_item[name])
