@@ -42,10 +42,11 @@ def format_columns(headers: Sequence[str], columns: Sequence[Iterable[Any]],
     """A plain text table given column by column, each padded to its widest cell."""
     cells = [[header, *map(str, column)] for header, column in zip(headers, columns)]
     widths = [max(map(len, column)) for column in cells]
-    # One format string pads a whole row: the rows are formatted in C, not cell by cell.
-    row_format = "  ".join(f"{{:{'>' if index in right_aligned else '<'}{width}}}"
+    # One %-format pads a whole row (`%-12s` as ljust(12), `%12s` as rjust(12)): the rows are
+    # formatted in C, not cell by cell.
+    row_format = "  ".join(f"%{'' if index in right_aligned else '-'}{width}s"
                            for index, width in enumerate(widths))
-    return "\n".join(map(str.rstrip, map(row_format.format, *cells)))
+    return "\n".join(map(str.rstrip, map(row_format.__mod__, zip(*cells))))
 
 
 def echo_json(payload: Any) -> None:
