@@ -114,10 +114,21 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
         objects=_matching(checkpoint.objects, fqn_glob),
         files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
     )
+    _add_size_totals(report)
+    chunk_storage = map(_STORAGE, chain.from_iterable(map(_CHUNKS, report.tensors)))
+    object_storage = map(_STORAGE, report.objects)
+    transforms_used = Counter(map(_TRANSFORMS, filter(None, chain(chunk_storage, object_storage))))
+    report.compression = _count_by_codec(transforms_used.items())
+    report.codecs_by_file = _codecs_by_file(checkpoint)
+    return report
+
+
+def _add_size_totals(report: InspectReport) -> None:
+    """Logical and stored bytes, in all, by dtype and by top-level key (objects count as 0
+    logical bytes)."""
     tensors, objects = report.tensors, report.objects
     tensor_nbytes = list(map(_NBYTES, tensors))
-    object_storage = list(map(_STORAGE, objects))
-    object_stored_bytes = [storage.length if storage else 0 for storage in object_storage]
+    object_stored_bytes = [entry.storage.length if entry.storage else 0 for entry in objects]
     top_level_keys = [*map(_TOP_LEVEL_KEY, map(str.partition, map(_FQN, tensors), repeat("."))),
                       *map(_TOP_LEVEL_KEY, map(str.partition, map(_FQN, objects), repeat(".")))]
     report.nbytes_by_dtype = sums_by_key(list(map(_NAME, map(_DTYPE, tensors))), tensor_nbytes)
@@ -127,11 +138,6 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
         top_level_keys, [*map(_STORED_BYTES, tensors), *object_stored_bytes])
     report.nbytes = sum(tensor_nbytes)
     report.stored_bytes = sum(report.stored_bytes_by_top_level_key.values())
-    chunk_storage = map(_STORAGE, chain.from_iterable(map(_CHUNKS, tensors)))
-    transforms_used = Counter(map(_TRANSFORMS, filter(None, chain(chunk_storage, object_storage))))
-    report.compression = _count_by_codec(transforms_used.items())
-    report.codecs_by_file = _codecs_by_file(checkpoint)
-    return report
 
 
 def _matching(entries: list, fqn_glob: str | None) -> list:
