@@ -52,7 +52,8 @@ class InspectReport:
 
     def to_json_text(self) -> str:
         """`to_json()` encoded compactly, as `json.dumps(..., separators=(",", ":"))` would."""
-        return inspect_report_json_text(self)
+        with paused_garbage_collection():
+            return inspect_report_json_text(self)
 
     def summary_json(self) -> dict:
         """The keys of `to_json()` that come before its tensors, objects and files."""
