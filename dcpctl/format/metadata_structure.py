@@ -1,30 +1,23 @@
 """Checking that unpickled `.metadata` has the shape of DCP metadata.
 
-Metadata can list millions of chunks, so every rule is first checked over whole columns of
-values with builtins that loop in C (map, chain, min, all over types). Only when a column
-breaks a rule does the check walk the entries one by one, to name the entry and the rule.
+Metadata can list millions of chunks. One pass over the records checks their types and
+gathers the tuples and numbers they hold; builtins that loop in C (map, chain, min, sets of
+types) then check those as whole columns. Only when something breaks a rule does the check
+walk the entries again one by one, to name the entry and the rule.
 """
 
 from __future__ import annotations
 
 import operator
-from collections import deque
-from itertools import chain, compress, repeat, starmap
-from operator import add, attrgetter, gt, is_, is_not
+from itertools import chain, starmap
+from operator import add, gt
 from typing import Any, Callable, Iterable
 
-from dcpctl.columns import repeat_each
 from dcpctl.errors import MetadataError
 from dcpctl.format.dtypes import DType
 from dcpctl.format.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
                                    StorageInfo, TensorMetadata, TensorProperties)
 
-_PROPERTIES, _DTYPE, _SIZE, _CHUNKS = map(attrgetter, ("properties", "dtype", "size", "chunks"))
-_OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
-_FQN, _KEY_OFFSET = attrgetter("fqn"), attrgetter("offset")
-_RELATIVE_PATH, _OFFSET, _LENGTH = map(attrgetter, ("relative_path", "offset", "length"))
-_TRANSFORMS = attrgetter("transform_descriptors")
-_NONE_FOR_EMPTY: dict[tuple, None] = {(): None}
 _INT_TYPE_SET = {int}
 
 Fail = Callable[[str], MetadataError]
@@ -58,45 +51,42 @@ def _check_records(loaded: Any, fail: Fail) -> None:
     if not _storage_looks_sound(storage_data, entries):
         for key, info in storage_data.items():
             _check_storage_entry(key, info, entries, fail)
-    _normalize_transforms(list(storage_data.values()))
+    _normalize_transforms(storage_data.values())
 
 
 def _only(values: Iterable, kind: type) -> bool:
     return set(map(type, values)) <= {kind}
 
 
-def _non_negative_ints(*columns: list) -> bool:
-    """Whether every value of the columns is an int (not a bool) of at least 0."""
-    return _only(chain(*columns), int) and min(chain(*columns), default=0) >= 0
-
-
 def _entries_look_sound(entries: dict) -> bool:
-    values = list(entries.values())
-    kinds = set(map(type, values))
-    if not (_only(entries, str) and kinds <= {TensorMetadata, BytesMetadata}):
-        return False
-    if BytesMetadata in kinds:
-        values = list(compress(values, map(is_, map(type, values), repeat(TensorMetadata))))
-    return _tensors_look_sound(values)
+    sizes, offsets, extents, tensor_size_of_chunks = [], [], [], []
+    for entry in entries.values():
+        kind = type(entry)
+        if kind is TensorMetadata:
+            properties, size, chunks = entry.properties, entry.size, entry.chunks
+            if (type(properties) is not TensorProperties or type(properties.dtype) is not DType
+                    or type(size) is not tuple or type(chunks) is not list):
+                return False
+            sizes.append(size)
+            for chunk in chunks:
+                if type(chunk) is not ChunkMetadata:
+                    return False
+                offsets.append(chunk.offsets)
+                extents.append(chunk.sizes)
+                tensor_size_of_chunks.append(size)
+        elif kind is not BytesMetadata:
+            return False
+    return _only(entries, str) and _chunks_look_sound(sizes, offsets, extents,
+                                                      tensor_size_of_chunks)
 
 
-def _tensors_look_sound(tensors: list[TensorMetadata]) -> bool:
-    properties = list(map(_PROPERTIES, tensors))
-    sizes = list(map(_SIZE, tensors))
-    chunk_lists = list(map(_CHUNKS, tensors))
-    if not (_only(properties, TensorProperties) and _only(map(_DTYPE, properties), DType)
-            and _only(sizes, tuple) and _only(chunk_lists, list)):
-        return False
-    chunks = list(chain.from_iterable(chunk_lists))
-    if not _only(chunks, ChunkMetadata):
-        return False
-    offsets, extents = list(map(_OFFSETS, chunks)), list(map(_SIZES, chunks))
+def _chunks_look_sound(sizes: list, offsets: list, extents: list,
+                       tensor_size_of_chunks: list) -> bool:
     if not (_only(offsets, tuple) and _only(extents, tuple)
             and _only(chain.from_iterable(chain(sizes, offsets, extents)), int)):
         return False
     # Only ints from here on, so equal layouts are interchangeable (unlike 1, 1.0 and True):
     # each distinct (offsets, sizes, tensor size) is checked once.
-    tensor_size_of_chunks = repeat_each(sizes, list(map(len, chunk_lists)))
     layouts = set(zip(offsets, extents, tensor_size_of_chunks))
     return (min(chain.from_iterable(set(sizes)), default=0) >= 0
             and all(starmap(_chunk_lies_inside, layouts)))
@@ -109,21 +99,22 @@ def _chunk_lies_inside(offsets: tuple, extents: tuple, size: tuple) -> bool:
 
 
 def _storage_looks_sound(storage_data: dict, entries: dict) -> bool:
-    keys, infos = list(storage_data), list(storage_data.values())
-    if not (_only(keys, ItemKey) and _only(infos, StorageInfo)):
-        return False
-    fqns, key_offsets = list(map(_FQN, keys)), list(map(_KEY_OFFSET, keys))
-    if not (_only(fqns, str) and all(map(entries.__contains__, fqns))
+    fqns, key_offsets, paths, byte_numbers, descriptors = [], [], [], [], []
+    for key, info in storage_data.items():
+        if type(key) is not ItemKey or type(info) is not StorageInfo:
+            return False
+        fqns.append(key.fqn)
+        key_offsets.append(key.offset)
+        paths.append(info.relative_path)
+        byte_numbers.append(info.offset)
+        byte_numbers.append(info.length)
+        descriptors.append(info.transform_descriptors)
+    return (_only(fqns, str) and all(map(entries.__contains__, fqns))
             and set(map(type, key_offsets)) <= {type(None), tuple}
-            and _only(chain.from_iterable(filter(None, key_offsets)), int)):
-        return False
-    paths = list(map(_RELATIVE_PATH, infos))
-    if not (_only(paths, str) and all(paths)):
-        return False
-    if not _non_negative_ints(list(map(_OFFSET, infos)), list(map(_LENGTH, infos))):
-        return False
-    descriptors = list(map(_TRANSFORMS, infos))
-    return (set(map(type, descriptors)) <= {type(None), list, tuple}
+            and _only(chain.from_iterable(filter(None, key_offsets)), int)
+            and _only(paths, str) and all(paths)
+            and _only(byte_numbers, int) and min(byte_numbers, default=0) >= 0
+            and set(map(type, descriptors)) <= {type(None), list, tuple}
             and _only(chain.from_iterable(filter(None, descriptors)), str))
 
 
@@ -189,13 +180,8 @@ def _check_storage_entry(key: Any, info: Any, entries: dict, fail: Fail) -> None
                    "not a list of names")
 
 
-def _normalize_transforms(infos: list[StorageInfo]) -> None:
+def _normalize_transforms(infos: Iterable[StorageInfo]) -> None:
     """Transform descriptors as tuples, an empty list as None (no transform)."""
-    descriptors = list(map(_TRANSFORMS, infos))
-    given = list(map(is_not, descriptors, repeat(None)))
-    if not any(given):
-        return
-    as_tuples = list(map(tuple, compress(descriptors, given)))
-    normalized = map(_NONE_FOR_EMPTY.get, as_tuples, as_tuples)
-    deque(map(setattr, compress(infos, given), repeat("transform_descriptors"), normalized),
-          maxlen=0)
+    for info in infos:
+        if info.transform_descriptors is not None:
+            info.transform_descriptors = tuple(info.transform_descriptors) or None
