@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
 from dataclasses import dataclass, field
-from itertools import chain, compress, repeat
-from operator import add, attrgetter, is_, is_not, mul, not_
 from pathlib import Path, PurePosixPath
 
-from dcpctl.columns import (first_by_group, index_of_largest_by_group, repeat_each, set_each,
-                            sums_of_runs)
 from dcpctl.errors import (
     CheckpointNotFoundError,
     DataError,
@@ -29,10 +24,6 @@ TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
 _ZIP_MAGIC = b"PK\x03\x04"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_FQN, _KEY_OFFSET, _CHUNKS, _OFFSETS = map(attrgetter, ("fqn", "offset", "chunks", "offsets"))
-_PROPERTIES, _DTYPE, _SIZE = map(attrgetter, ("properties", "dtype", "size"))
-_ITEMSIZE, _RELATIVE_PATH, _OFFSET, _LENGTH = map(attrgetter, ("itemsize", "relative_path",
-                                                                "offset", "length"))
 
 
 @dataclass
@@ -148,61 +139,43 @@ def _check_is_checkpoint_directory(directory: Path) -> None:
 
 
 def _collect_entries(checkpoint: Checkpoint) -> None:
-    # Whole columns at a time, with builtins that loop in C: metadata can list millions of chunks.
-    storage_data = checkpoint.metadata.storage_data or {}
-    storage_by_key = dict(zip(zip(map(_FQN, storage_data), map(_KEY_OFFSET, storage_data)),
-                              storage_data.values()))
-    entries = checkpoint.metadata.state_dict_metadata
-    fqns, values = list(entries), list(entries.values())
-    is_tensor = list(map(is_, map(type, values), repeat(TensorMetadata)))
-    tensors, tensor_fqns = list(compress(values, is_tensor)), list(compress(fqns, is_tensor))
-    chunk_lists = list(map(_CHUNKS, tensors))
-    stored_bytes = _join_chunks_to_storage(tensor_fqns, chunk_lists, storage_by_key)
-    dtypes, sizes = list(map(_DTYPE, map(_PROPERTIES, tensors))), list(map(_SIZE, tensors))
-    nbytes = map(mul, map(math.prod, sizes), map(_ITEMSIZE, dtypes))
-    checkpoint.tensors = list(map(TensorEntry, tensor_fqns, dtypes, sizes, chunk_lists, nbytes,
-                                  stored_bytes))
-    object_fqns = list(compress(fqns, map(not_, is_tensor)))
-    object_storage = map(storage_by_key.get, zip(object_fqns, repeat(None)))
-    checkpoint.objects = list(map(ObjectEntry, object_fqns, object_storage))
-
-
-def _join_chunks_to_storage(tensor_fqns: list[str], chunk_lists: list[list[ChunkMetadata]],
-                            storage_by_key: dict) -> list[int]:
-    """Set each chunk's `storage`; return the bytes each tensor's chunks occupy."""
-    chunk_counts = list(map(len, chunk_lists))
-    chunks = list(chain.from_iterable(chunk_lists))
-    chunk_fqns = repeat_each(tensor_fqns, chunk_counts)
-    storages = list(map(storage_by_key.get, zip(chunk_fqns, map(_OFFSETS, chunks))))
-    set_each(chunks, "storage", storages)
-    if all(storages):
-        lengths = map(_LENGTH, storages)
-    else:
-        lengths = [storage.length if storage is not None else 0 for storage in storages]
-    return sums_of_runs(lengths, chunk_counts)
+    storage_by_key = {(key.fqn, key.offset): info
+                      for key, info in (checkpoint.metadata.storage_data or {}).items()}
+    for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorMetadata):
+            stored_bytes = 0
+            for chunk in entry.chunks:
+                chunk.storage = storage = storage_by_key.get((fqn, chunk.offsets))
+                if storage is not None:
+                    stored_bytes += storage.length
+            dtype = entry.properties.dtype
+            nbytes = math.prod(entry.size) * dtype.itemsize
+            checkpoint.tensors.append(
+                TensorEntry(fqn, dtype, entry.size, entry.chunks, nbytes, stored_bytes))
+        else:
+            checkpoint.objects.append(ObjectEntry(fqn, storage_by_key.get((fqn, None))))
 
 
 def _collect_files(checkpoint: Checkpoint) -> None:
-    storage_data = checkpoint.metadata.storage_data or {}
-    keys, infos = list(storage_data), list(storage_data.values())
-    paths = list(map(_RELATIVE_PATH, infos))
-    for name, item_count in Counter(paths).items():
-        try:
-            size_bytes = checkpoint.data_path(name).stat().st_size
-        except FileNotFoundError:
-            size_bytes = None
-        checkpoint.files[name] = DataFile(name, size_bytes, item_count=item_count)
-    ends = list(map(add, map(_OFFSET, infos), map(_LENGTH, infos)))
-    for name, index in index_of_largest_by_group(paths, ends).items():
-        if ends[index] > 0:
-            checkpoint.files[name].end_bytes, checkpoint.files[name].last_fqn = (
-                ends[index], keys[index].fqn)
-    is_tensor_item = list(map(is_not, map(_KEY_OFFSET, keys), repeat(None)))
-    first_tensor_item = first_by_group(compress(paths, is_tensor_item),
-                                       compress(infos, is_tensor_item))
-    for name, data_file in checkpoint.files.items():
-        if name in first_tensor_item:
-            data_file.serialization = _detect_serialization(checkpoint, first_tensor_item[name])
+    first_tensor_item: dict[str, StorageInfo] = {}
+    for key, info in (checkpoint.metadata.storage_data or {}).items():
+        data_file = checkpoint.files.get(info.relative_path)
+        if data_file is None:
+            path = checkpoint.data_path(info.relative_path)
+            try:
+                size_bytes = path.stat().st_size
+            except FileNotFoundError:
+                size_bytes = None
+            data_file = checkpoint.files[info.relative_path] = DataFile(info.relative_path,
+                                                                        size_bytes)
+        data_file.item_count += 1
+        end = info.offset + info.length
+        if end > data_file.end_bytes:
+            data_file.end_bytes, data_file.last_fqn = end, key.fqn
+        if key.offset is not None and info.relative_path not in first_tensor_item:
+            first_tensor_item[info.relative_path] = info
+    for name, info in first_tensor_item.items():
+        checkpoint.files[name].serialization = _detect_serialization(checkpoint, info)
 
 
 def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
