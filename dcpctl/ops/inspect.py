@@ -7,21 +7,13 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import chain, compress, repeat
-from operator import attrgetter, itemgetter
 from typing import Iterable
 
-from dcpctl.columns import sums_by_key
 from dcpctl.format.checkpoint import Checkpoint, DataFile, ObjectEntry, TensorEntry, \
     open_checkpoint
 from dcpctl.format.codec_names import describe_codec
 from dcpctl.format.garbage_collection import paused_garbage_collection
 from dcpctl.ops.inspect_json import inspect_report_json_text
-
-_FQN, _DTYPE, _NAME, _CHUNKS = map(attrgetter, ("fqn", "dtype", "name", "chunks"))
-_NBYTES, _STORED_BYTES, _STORAGE = map(attrgetter, ("nbytes", "stored_bytes", "storage"))
-_RELATIVE_PATH, _TRANSFORMS = attrgetter("relative_path"), attrgetter("transform_descriptors")
-_TOP_LEVEL_KEY = itemgetter(0)  # of fqn.partition("."): `model` of `model.layers.0.weight`
 
 
 @dataclass
@@ -109,44 +101,54 @@ def inspect_checkpoint(path: str | os.PathLike, fqn_glob: str | None = None) -> 
 
 def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) -> InspectReport:
     """The InspectReport of an already opened checkpoint."""
+    def selected(fqn: str) -> bool:
+        return fqn_glob is None or fnmatch.fnmatchcase(fqn, fqn_glob)
+
     report = InspectReport(
         path=str(checkpoint.path), version=checkpoint.metadata.version, filter=fqn_glob,
-        tensors=_matching(checkpoint.tensors, fqn_glob),
-        objects=_matching(checkpoint.objects, fqn_glob),
+        tensors=[t for t in checkpoint.tensors if selected(t.fqn)],
+        objects=[o for o in checkpoint.objects if selected(o.fqn)],
         files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
     )
     _add_size_totals(report)
-    chunk_storage = map(_STORAGE, chain.from_iterable(map(_CHUNKS, report.tensors)))
-    object_storage = map(_STORAGE, report.objects)
-    transforms_used = Counter(map(_TRANSFORMS, filter(None, chain(chunk_storage, object_storage))))
-    report.compression = _count_by_codec(transforms_used.items())
+    report.compression = _count_by_codec(_transforms_used(report).items())
     report.codecs_by_file = _codecs_by_file(checkpoint)
     return report
 
 
 def _add_size_totals(report: InspectReport) -> None:
-    """Logical and stored bytes, in all, by dtype and by top-level key (objects count as 0
-    logical bytes)."""
-    tensors, objects = report.tensors, report.objects
-    tensor_nbytes = list(map(_NBYTES, tensors))
-    object_stored_bytes = [entry.storage.length if entry.storage else 0 for entry in objects]
-    top_level_keys = [*map(_TOP_LEVEL_KEY, map(str.partition, map(_FQN, tensors), repeat("."))),
-                      *map(_TOP_LEVEL_KEY, map(str.partition, map(_FQN, objects), repeat(".")))]
-    report.nbytes_by_dtype = sums_by_key(list(map(_NAME, map(_DTYPE, tensors))), tensor_nbytes)
-    report.nbytes_by_top_level_key = sums_by_key(
-        top_level_keys, [*tensor_nbytes, *repeat(0, len(objects))])
-    report.stored_bytes_by_top_level_key = sums_by_key(
-        top_level_keys, [*map(_STORED_BYTES, tensors), *object_stored_bytes])
-    report.nbytes = sum(tensor_nbytes)
-    report.stored_bytes = sum(report.stored_bytes_by_top_level_key.values())
+    """Logical and stored bytes, in all, by dtype and by top-level key (`model` of
+    `model.layers.0.weight`; objects count 0 logical bytes)."""
+    nbytes_by_dtype: dict[str, int] = {}
+    nbytes_by_key: dict[str, int] = {}
+    stored_bytes_by_key: dict[str, int] = {}
+    for tensor in report.tensors:
+        key, dtype, nbytes = tensor.fqn.partition(".")[0], tensor.dtype.name, tensor.nbytes
+        nbytes_by_key[key] = nbytes_by_key.get(key, 0) + nbytes
+        stored_bytes_by_key[key] = stored_bytes_by_key.get(key, 0) + tensor.stored_bytes
+        nbytes_by_dtype[dtype] = nbytes_by_dtype.get(dtype, 0) + nbytes
+    for entry in report.objects:
+        key = entry.fqn.partition(".")[0]
+        nbytes_by_key.setdefault(key, 0)
+        stored_bytes = entry.storage.length if entry.storage else 0
+        stored_bytes_by_key[key] = stored_bytes_by_key.get(key, 0) + stored_bytes
+    report.nbytes_by_dtype = nbytes_by_dtype
+    report.nbytes_by_top_level_key = nbytes_by_key
+    report.stored_bytes_by_top_level_key = stored_bytes_by_key
+    report.nbytes = sum(nbytes_by_key.values())
+    report.stored_bytes = sum(stored_bytes_by_key.values())
 
 
-def _matching(entries: list, fqn_glob: str | None) -> list:
-    if fqn_glob is None:
-        return list(entries)
-    # What fnmatch.fnmatchcase does for one name, compiled once for all of them.
-    matches = re.compile(fnmatch.translate(fqn_glob)).match
-    return list(compress(entries, map(matches, map(_FQN, entries))))
+def _transforms_used(report: InspectReport) -> Counter[tuple[str, ...] | None]:
+    """How many of the report's items use each list of transform descriptors."""
+    used: Counter[tuple[str, ...] | None] = Counter()
+    for tensor in report.tensors:
+        for chunk in tensor.chunks:
+            if chunk.storage is not None:
+                used[chunk.storage.transform_descriptors] += 1
+    used.update(entry.storage.transform_descriptors
+                for entry in report.objects if entry.storage is not None)
+    return used
 
 
 def _count_by_codec(transforms_counts: Iterable[tuple[tuple[str, ...] | None, int]]
@@ -159,8 +161,8 @@ def _count_by_codec(transforms_counts: Iterable[tuple[tuple[str, ...] | None, in
 
 
 def _codecs_by_file(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
-    infos = (checkpoint.metadata.storage_data or {}).values()
-    used = Counter(zip(map(_RELATIVE_PATH, infos), map(_TRANSFORMS, infos)))
+    used = Counter((info.relative_path, info.transform_descriptors)
+                   for info in (checkpoint.metadata.storage_data or {}).values())
     by_file: dict[str, list] = {name: [] for name in checkpoint.files}
     for (name, transforms), count in used.items():
         by_file[name].append((transforms, count))

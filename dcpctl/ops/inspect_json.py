@@ -1,33 +1,23 @@
-"""The JSON text of an InspectReport, assembled from whole columns of the report.
+"""The JSON text of an InspectReport, written directly from the report.
 
 `json.dumps(report.to_json(), separators=(",", ":"))` is the reference. For a checkpoint of a
-hundred thousand tensors, building that dict and encoding it takes longer than reading the
-metadata, so the tensors and objects are written here with %-formats mapped over columns of
-the report. tests/ops/test_inspect.py holds both texts to the same bytes.
+hundred thousand tensors, building that dict takes longer than reading the metadata, so the
+tensors and objects are written here with f-strings, and each distinct shape, offset list,
+file name and dtype is encoded once. tests/ops/test_inspect.py holds both texts to the same
+bytes.
 """
 
 from __future__ import annotations
 
 import json
-from itertools import chain
 from json.encoder import encode_basestring_ascii as json_string  # json.dumps' own, in C
-from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
-from dcpctl.columns import join_runs, map_distinct
 from dcpctl.format.checkpoint import ObjectEntry, TensorEntry
-from dcpctl.format.records import ChunkMetadata, StorageInfo
+from dcpctl.format.records import ChunkMetadata
 
 if TYPE_CHECKING:
     from dcpctl.ops.inspect import InspectReport
-
-_OBJECT = '{"fqn":%s,"file":%s,"stored_bytes":%d,"transforms":%s}'
-_FQN, _DTYPE, _NAME, _SHAPE, _CHUNKS = map(attrgetter, ("fqn", "dtype", "name", "shape",
-                                                        "chunks"))
-_NBYTES, _STORED_BYTES, _STORAGE_OF = map(attrgetter, ("nbytes", "stored_bytes", "storage"))
-_OFFSETS, _SIZES, _RELATIVE_PATH = map(attrgetter, ("offsets", "sizes", "relative_path"))
-_OFFSET, _LENGTH = attrgetter("offset"), attrgetter("length")
-_TRANSFORMS = attrgetter("transform_descriptors")
 
 
 def compact_json(value: Any) -> str:
@@ -38,9 +28,46 @@ def compact_json(value: Any) -> str:
 def inspect_report_json_text(report: InspectReport) -> str:
     """The compact JSON text of `report.to_json()`, without building that dict."""
     summary = compact_json(report.summary_json())
+    objects = ",".join([_object_json(entry) for entry in report.objects])
     return "".join([summary[:-1], ',"tensors":[', _tensors_json(report.tensors),
-                    '],"objects":[', ",".join(map(_object_json, report.objects)),
-                    '],"files":', compact_json(report.files_json()), "}"])
+                    '],"objects":[', objects, '],"files":', compact_json(report.files_json()),
+                    "}"])
+
+
+def _tensors_json(tensors: list[TensorEntry]) -> str:
+    # Most tensors share their dtype, shape, chunk offsets and sizes and file names with many
+    # others: `known` keeps the JSON of each (`known.get(value) or ...` looks it up, encoded
+    # texts are never empty). Metadata checks leave only ints in shapes and offsets, so tuples
+    # that compare equal are interchangeable; tuples and names never compare equal.
+    known: dict = {}
+    texts = []
+    for tensor in tensors:
+        chunks = ",".join([_chunk_json(chunk, known) for chunk in tensor.chunks])
+        dtype, shape = tensor.dtype.name, tensor.shape
+        texts.append(f'{{"fqn":{json_string(tensor.fqn)},'
+                     f'"dtype":{known.get(dtype) or _learn(known, dtype, json_string)},'
+                     f'"shape":{known.get(shape) or _learn(known, shape, _int_list_json)},'
+                     f'"chunks":[{chunks}],"nbytes":{tensor.nbytes},'
+                     f'"stored_bytes":{tensor.stored_bytes}}}')
+    return ",".join(texts)
+
+
+def _chunk_json(chunk: ChunkMetadata, known: dict) -> str:
+    offsets, sizes, storage = chunk.offsets, chunk.sizes, chunk.storage
+    layout = (f'{{"offsets":{known.get(offsets) or _learn(known, offsets, _int_list_json)},'
+              f'"sizes":{known.get(sizes) or _learn(known, sizes, _int_list_json)}')
+    if storage is None:
+        return f'{layout},"file":null,"offset":null,"length":null,"transforms":[]}}'
+    path, transforms = storage.relative_path, storage.transform_descriptors
+    return (f'{layout},"file":{known.get(path) or _learn(known, path, json_string)},'
+            f'"offset":{storage.offset},"length":{storage.length},'
+            f'"transforms":{_transforms_json(transforms) if transforms else "[]"}}}')
+
+
+def _learn(known: dict, value: Hashable, encode: Callable[[Any], str]) -> str:
+    """encode(value), kept in `known` for the next time."""
+    text = known[value] = encode(value)
+    return text
 
 
 def _int_list_json(values: tuple[int, ...]) -> str:
@@ -51,62 +78,10 @@ def _transforms_json(transforms: tuple[str, ...] | None) -> str:
     return "[" + ",".join(map(json_string, transforms or ())) + "]"
 
 
-def _escaped(text: str) -> str:
-    """text as a literal part of a %-format."""
-    return text.replace("%", "%%")
-
-
-# Most tensors share their dtype and shape with many others, and most chunks their offsets,
-# sizes, file and transforms: each such combination becomes one %-format, holding all but the
-# fqn and stored bytes of a tensor, or the byte range of a chunk. Metadata checks leave only
-# ints in shapes, offsets and sizes, so combinations that compare equal are interchangeable.
-def _tensor_format(dtype_shape_nbytes: tuple[str, tuple[int, ...], int]) -> str:
-    dtype, shape, nbytes = dtype_shape_nbytes
-    return (f'{{"fqn":%s,"dtype":{_escaped(json_string(dtype))},'
-            f'"shape":{_int_list_json(shape)},"chunks":[%s],"nbytes":{nbytes},'
-            '"stored_bytes":%d}')
-
-
-def _chunk_format(layout: tuple[tuple[int, ...], tuple[int, ...], str, tuple | None]) -> str:
-    offsets, sizes, relative_path, transforms = layout
-    return (f'{{"offsets":{_int_list_json(offsets)},"sizes":{_int_list_json(sizes)},'
-            f'"file":{_escaped(json_string(relative_path))},"offset":%d,"length":%d,'
-            f'"transforms":{_escaped(_transforms_json(transforms))}}}')
-
-
-def _tensors_json(tensors: list[TensorEntry]) -> str:
-    chunk_lists = list(map(_CHUNKS, tensors))
-    formats = map_distinct(_tensor_format, zip(map(_NAME, map(_DTYPE, tensors)),
-                                               map(_SHAPE, tensors), map(_NBYTES, tensors)))
-    chunk_texts = join_runs(",", _chunk_texts(list(chain.from_iterable(chunk_lists))),
-                            list(map(len, chunk_lists)))
-    values = zip(map(json_string, map(_FQN, tensors)), chunk_texts,
-                 map(_STORED_BYTES, tensors))
-    return ",".join(map(str.__mod__, formats, values))
-
-
-def _chunk_texts(chunks: list[ChunkMetadata]) -> Iterable[str]:
-    storages = list(map(_STORAGE_OF, chunks))
-    if not all(storages):  # chunks the metadata gives no storage: rare, done one by one
-        return list(map(_chunk_text, chunks, storages))
-    layouts = zip(map(_OFFSETS, chunks), map(_SIZES, chunks), map(_RELATIVE_PATH, storages),
-                  map(_TRANSFORMS, storages))
-    return map(str.__mod__, map_distinct(_chunk_format, layouts),
-               zip(map(_OFFSET, storages), map(_LENGTH, storages)))
-
-
-def _chunk_text(chunk: ChunkMetadata, storage: StorageInfo | None) -> str:
-    if storage is not None:
-        layout = (chunk.offsets, chunk.sizes, storage.relative_path,
-                  storage.transform_descriptors)
-        return _chunk_format(layout) % (storage.offset, storage.length)
-    return (f'{{"offsets":{_int_list_json(chunk.offsets)},"sizes":{_int_list_json(chunk.sizes)},'
-            '"file":null,"offset":null,"length":null,"transforms":[]}')
-
-
 def _object_json(entry: ObjectEntry) -> str:
     storage = entry.storage
     if storage is None:
-        return _OBJECT % (json_string(entry.fqn), "null", 0, "[]")
-    return _OBJECT % (json_string(entry.fqn), json_string(storage.relative_path),
-                      storage.length, _transforms_json(storage.transform_descriptors))
+        return f'{{"fqn":{json_string(entry.fqn)},"file":null,"stored_bytes":0,"transforms":[]}}'
+    return (f'{{"fqn":{json_string(entry.fqn)},"file":{json_string(storage.relative_path)},'
+            f'"stored_bytes":{storage.length},'
+            f'"transforms":{_transforms_json(storage.transform_descriptors)}}}')
