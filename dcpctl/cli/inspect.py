@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from itertools import chain, repeat
-from operator import attrgetter
+from functools import lru_cache
 
 import click
 
 from dcpctl.cli.process import end_process_without_teardown
-from dcpctl.cli.render import echo_json_text, format_bytes, format_columns, format_table
-from dcpctl.columns import map_distinct
+from dcpctl.cli.render import echo_json_text, format_bytes, format_table
 from dcpctl.format.garbage_collection import paused_garbage_collection
 from dcpctl.ops.inspect import InspectReport, inspect_checkpoint
-
-_FQN, _DTYPE, _NAME, _SHAPE = map(attrgetter, ("fqn", "dtype", "name", "shape"))
-_CHUNKS, _NBYTES, _STORED_BYTES = map(attrgetter, ("chunks", "nbytes", "stored_bytes"))
 
 
 @click.command("inspect")
@@ -96,19 +91,15 @@ def render_summary(report: InspectReport) -> str:
 
 def render_tensors(report: InspectReport) -> str:
     """One row per tensor, then one per object."""
-    tensors, objects = report.tensors, report.objects
-    object_stored_bytes = [o.storage.length if o.storage else 0 for o in objects]
-    for_objects = len(objects)
-    columns = (
-        chain(map(_FQN, tensors), map(_FQN, objects)),
-        chain(map(_NAME, map(_DTYPE, tensors)), repeat("object", for_objects)),
-        chain(map_distinct(_shape_text, map(_SHAPE, tensors)), repeat("-", for_objects)),
-        chain(map(len, map(_CHUNKS, tensors)), repeat(1, for_objects)),
-        chain(map_distinct(format_bytes, map(_NBYTES, tensors)), repeat("-", for_objects)),
-        map_distinct(format_bytes, chain(map(_STORED_BYTES, tensors), object_stored_bytes)),
-    )
-    return format_columns(("FQN", "DTYPE", "SHAPE", "CHUNKS", "LOGICAL", "STORED"), columns,
-                          right_aligned=(3, 4, 5))
+    # Shapes and sizes repeat from tensor to tensor: each distinct one is formatted once.
+    shape_text = lru_cache(maxsize=None)(_shape_text)
+    size_text = lru_cache(maxsize=None)(format_bytes)
+    rows = [(t.fqn, t.dtype.name, shape_text(t.shape), len(t.chunks), size_text(t.nbytes),
+             size_text(t.stored_bytes)) for t in report.tensors]
+    rows += [(o.fqn, "object", "-", 1, "-", size_text(o.storage.length if o.storage else 0))
+             for o in report.objects]
+    return format_table(("FQN", "DTYPE", "SHAPE", "CHUNKS", "LOGICAL", "STORED"), rows,
+                        right_aligned=(3, 4, 5))
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

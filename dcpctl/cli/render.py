@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import click
 
@@ -33,20 +33,14 @@ def format_age(seconds: float) -> str:
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                  right_aligned: Sequence[int] = ()) -> str:
     """A plain text table with columns padded to their widest cell."""
-    columns = list(zip(*rows)) if rows else [()] * len(headers)
-    return format_columns(headers, columns, right_aligned)
-
-
-def format_columns(headers: Sequence[str], columns: Sequence[Iterable[Any]],
-                   right_aligned: Sequence[int] = ()) -> str:
-    """A plain text table given column by column, each padded to its widest cell."""
-    cells = [[header, *map(str, column)] for header, column in zip(headers, columns)]
-    widths = [max(map(len, column)) for column in cells]
-    # One %-format pads a whole row (`%-12s` as ljust(12), `%12s` as rjust(12)): the rows are
-    # formatted in C, not cell by cell.
+    columns = [[header, *map(str, column)]
+               for header, column in zip(headers, zip(*rows) if rows else [()] * len(headers))]
+    widths = [max(map(len, column)) for column in columns]
+    # One %-format pads a whole row (`%-12s` as ljust(12), `%12s` as rjust(12)): tables of a
+    # hundred thousand rows are formatted in C, not cell by cell.
     row_format = "  ".join(f"%{'' if index in right_aligned else '-'}{width}s"
                            for index, width in enumerate(widths))
-    return "\n".join(map(str.rstrip, map(row_format.__mod__, zip(*cells))))
+    return "\n".join(map(str.rstrip, map(row_format.__mod__, zip(*columns))))
 
 
 def echo_json(payload: Any) -> None:
