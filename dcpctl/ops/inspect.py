@@ -101,19 +101,24 @@ def inspect_checkpoint(path: str | os.PathLike, fqn_glob: str | None = None) -> 
 
 def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) -> InspectReport:
     """The InspectReport of an already opened checkpoint."""
-    def selected(fqn: str) -> bool:
-        return fqn_glob is None or fnmatch.fnmatchcase(fqn, fqn_glob)
-
     report = InspectReport(
         path=str(checkpoint.path), version=checkpoint.metadata.version, filter=fqn_glob,
-        tensors=[t for t in checkpoint.tensors if selected(t.fqn)],
-        objects=[o for o in checkpoint.objects if selected(o.fqn)],
+        tensors=_matching(checkpoint.tensors, fqn_glob),
+        objects=_matching(checkpoint.objects, fqn_glob),
         files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
     )
     _add_size_totals(report)
     report.compression = _count_by_codec(_transforms_used(report).items())
     report.codecs_by_file = _codecs_by_file(checkpoint)
     return report
+
+
+def _matching(entries: list, fqn_glob: str | None) -> list:
+    if fqn_glob is None:
+        return list(entries)
+    # What fnmatch.fnmatchcase does for each name, with the pattern compiled once.
+    matches = re.compile(fnmatch.translate(fqn_glob)).match
+    return [entry for entry in entries if matches(entry.fqn)]
 
 
 def _add_size_totals(report: InspectReport) -> None:
