@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import click
 
-from dcpctl.cli.render import echo_json, format_bytes, format_table
+from dcpctl.cli.process import end_process_without_teardown
+from dcpctl.cli.render import echo_json_text, format_bytes, format_table
+from dcpctl.format.garbage_collection import paused_garbage_collection
 from dcpctl.ops.inspect import InspectReport, inspect_checkpoint
 
 
@@ -14,7 +18,9 @@ from dcpctl.ops.inspect import InspectReport, inspect_checkpoint
 @click.option("--filter", "fqn_glob", metavar="GLOB",
               help="Only tensors and objects whose fqn matches GLOB, e.g. 'model.*.weight'.")
 @click.option("--by-file", is_flag=True, help="List the data files instead of the tensors.")
-def inspect_command(checkpoint: str, as_json: bool, fqn_glob: str | None, by_file: bool) -> None:
+@click.pass_context
+def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
+                    fqn_glob: str | None, by_file: bool) -> None:
     """Show what CHECKPOINT holds, reading only `.metadata` and file sizes.
 
     The summary gives the DCP version, how many tensors and objects, their logical size
@@ -30,9 +36,19 @@ def inspect_command(checkpoint: str, as_json: bool, fqn_glob: str | None, by_fil
       dcpctl inspect ckpt/ --by-file
       dcpctl inspect ckpt/ --json | jq '.tensors[] | select(.dtype == "bfloat16") | .fqn'
     """
-    report = inspect_checkpoint(checkpoint, fqn_glob)
+    # The report is millions of small objects: the cycle collector is held off until they are
+    # freed (collecting them would find no cycle), and the dcpctl process ends before freeing
+    # them at all.
+    with paused_garbage_collection():
+        report = inspect_checkpoint(checkpoint, fqn_glob)
+        _show_report(report, as_json, by_file)
+        end_process_without_teardown(context)
+        del report
+
+
+def _show_report(report: InspectReport, as_json: bool, by_file: bool) -> None:
     if as_json:
-        echo_json(report.to_json())
+        echo_json_text(report.to_json_text())
         return
     click.echo(render_summary(report))
     click.echo()
@@ -75,12 +91,19 @@ def render_summary(report: InspectReport) -> str:
 
 def render_tensors(report: InspectReport) -> str:
     """One row per tensor, then one per object."""
-    rows = [(t.fqn, t.dtype.name, "x".join(map(str, t.shape)) or "scalar", len(t.chunks),
-             format_bytes(t.nbytes), format_bytes(t.stored_bytes)) for t in report.tensors]
-    rows += [(o.fqn, "object", "-", 1, "-", format_bytes(o.storage.length if o.storage else 0))
+    # Shapes and sizes repeat from tensor to tensor: each distinct one is formatted once.
+    shape_text = lru_cache(maxsize=None)(_shape_text)
+    size_text = lru_cache(maxsize=None)(format_bytes)
+    rows = [(t.fqn, t.dtype.name, shape_text(t.shape), len(t.chunks), size_text(t.nbytes),
+             size_text(t.stored_bytes)) for t in report.tensors]
+    rows += [(o.fqn, "object", "-", 1, "-", size_text(o.storage.length if o.storage else 0))
              for o in report.objects]
     return format_table(("FQN", "DTYPE", "SHAPE", "CHUNKS", "LOGICAL", "STORED"), rows,
                         right_aligned=(3, 4, 5))
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
 
 
 def render_files(report: InspectReport) -> str:

@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 
 from dcpctl import __version__
 from dcpctl.allocator import reuse_large_buffers
+from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.errors import DcpctlError, describe_os_error
 
 
+# Each command's module is imported only when that command runs (or help lists it): `inspect`
+# should not pay for the numpy, zstandard and tqdm that other commands import.
+_COMMAND_LOCATIONS = {
+    "inspect": ("dcpctl.cli.inspect", "inspect_command"),
+    "compress": ("dcpctl.cli.compress", "compress_command"),
+    "decompress": ("dcpctl.cli.compress", "decompress_command"),
+    "reshard": ("dcpctl.cli.reshard", "reshard_command"),
+    "convert": ("dcpctl.cli.convert", "convert_command"),
+    "checksum": ("dcpctl.cli.checksum", "checksum_command"),
+    "verify": ("dcpctl.cli.verify", "verify_command"),
+    "ls": ("dcpctl.cli.ls", "ls_command"),
+    "prune": ("dcpctl.cli.prune", "prune_command"),
+}
+
+
 class DcpctlGroup(click.Group):
-    """Runs a subcommand and turns every expected failure into one `Error: ...` line."""
+    """Runs a subcommand and turns every expected failure into one `Error: ...` line; imports
+    each subcommand's module on first use."""
+
+    def list_commands(self, context: click.Context) -> list[str]:
+        return sorted({*_COMMAND_LOCATIONS, *self.commands})
+
+    def get_command(self, context: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in _COMMAND_LOCATIONS:
+            module_name, attribute = _COMMAND_LOCATIONS[name]
+            self.add_command(getattr(importlib.import_module(module_name), attribute), name)
+        return self.commands.get(name)
 
     def invoke(self, context: click.Context):
         try:
@@ -55,27 +82,7 @@ def cli(context: click.Context, debug: bool) -> None:
     context.obj["debug"] = debug
 
 
-def register_commands() -> None:
-    """Attach every subcommand to the group."""
-    from dcpctl.cli.checksum import checksum_command
-    from dcpctl.cli.compress import compress_command, decompress_command
-    from dcpctl.cli.convert import convert_command
-    from dcpctl.cli.inspect import inspect_command
-    from dcpctl.cli.ls import ls_command
-    from dcpctl.cli.prune import prune_command
-    from dcpctl.cli.reshard import reshard_command
-    from dcpctl.cli.verify import verify_command
-
-    for command in (inspect_command, compress_command, decompress_command, reshard_command,
-                    convert_command, checksum_command, verify_command, ls_command,
-                    prune_command):
-        cli.add_command(command)
-
-
-register_commands()
-
-
 def main() -> None:
     """Console-script entry point."""
     reuse_large_buffers()
-    cli(prog_name="dcpctl")
+    cli(prog_name="dcpctl", obj={RUNS_AS_PROCESS: True})

@@ -33,19 +33,26 @@ def format_age(seconds: float) -> str:
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                  right_aligned: Sequence[int] = ()) -> str:
     """A plain text table with columns padded to their widest cell."""
-    cells = [[str(cell) for cell in row] for row in [headers, *rows]]
-    widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
-    lines = []
-    for row in cells:
-        padded = [cell.rjust(width) if column in right_aligned else cell.ljust(width)
-                  for column, (cell, width) in enumerate(zip(row, widths))]
-        lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines)
+    columns = [[header, *map(str, column)]
+               for header, column in zip(headers, zip(*rows) if rows else [()] * len(headers))]
+    widths = [max(map(len, column)) for column in columns]
+    # One %-format pads a whole row (`%-12s` as ljust(12), `%12s` as rjust(12)): tables of a
+    # hundred thousand rows are formatted in C, not cell by cell.
+    row_format = "  ".join(f"%{'' if index in right_aligned else '-'}{width}s"
+                           for index, width in enumerate(widths))
+    return "\n".join(map(str.rstrip, map(row_format.__mod__, zip(*columns))))
 
 
 def echo_json(payload: Any) -> None:
     """Print a JSON document on stdout, compact (pipe it to `jq` to read it)."""
     # json.dumps encodes in C; json.dump to a stream takes the pure-Python path, 5x slower.
-    click.get_text_stream("stdout").write(
-        json.dumps(payload, separators=(",", ":"), default=str) + "\n")
+    echo_json_text(json.dumps(payload, separators=(",", ":"), default=str))
+
+
+def echo_json_text(text: str) -> None:
+    """Print an already encoded JSON document on stdout."""
+    stdout = click.get_text_stream("stdout")
+    stdout.write(text)
+    stdout.write("\n")
+    stdout.flush()
 

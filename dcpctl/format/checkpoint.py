@@ -105,9 +105,8 @@ def open_checkpoint(path: str | os.PathLike, check_files: bool = True) -> Checkp
     truncated files."""
     directory = Path(path)
     _check_is_checkpoint_directory(directory)
-    metadata = read_metadata(directory)
-    checkpoint = Checkpoint(directory, metadata)
     with paused_garbage_collection():
+        checkpoint = Checkpoint(directory, read_metadata(directory))
         _collect_entries(checkpoint)
         _collect_files(checkpoint)
     if check_files:

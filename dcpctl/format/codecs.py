@@ -9,14 +9,14 @@ from typing import Iterable, Iterator, Protocol, Sequence
 import zstandard
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME, FloatSplitEncoder, \
-    PayloadHint
+from dcpctl.format.codec_names import (FLOATSPLIT, FLOATSPLIT_DESCRIPTOR,  # noqa: F401
+                                       IDENTITY_NAME, ZSTD, ZSTD_DESCRIPTOR,
+                                       codec_name_for_descriptors, describe_codec)
+from dcpctl.format.floatsplit import FloatSplitEncoder, PayloadHint
 from dcpctl.format.floatsplit_decoder import FloatSplitDecoder
 from dcpctl.format.zstd_blocks import ZstdBlockSplitter
 
-ZSTD_DESCRIPTOR = "stream.zstd/1"
 DEFAULT_ZSTD_LEVEL = 3
-ZSTD, FLOATSPLIT = "zstd", "floatsplit"
 _ZSTD_READ_BYTES = 1 << 20
 # Small, so that one read decodes few floatsplit blocks (each at most 4 MiB as dcpctl writes them).
 _FLOATSPLIT_READ_BYTES = 64 << 10
@@ -82,7 +82,7 @@ class Codec:
         return _ZstdReader(stored)
 
 
-IDENTITY = Codec("none", ())
+IDENTITY = Codec(IDENTITY_NAME, ())
 
 
 def zstd_codec(level: int = DEFAULT_ZSTD_LEVEL) -> Codec:
@@ -115,15 +115,11 @@ def _checked_level(level: int) -> int:
 
 def codec_for_descriptors(descriptors: Sequence[str] | None) -> Codec:
     """The codec that decodes an item stored with these transform descriptors."""
-    if not descriptors:
+    name = codec_name_for_descriptors(descriptors)
+    if name == IDENTITY.name:
         return IDENTITY
-    if len(descriptors) == 1:
-        name, _, version = descriptors[0].partition("/")
-        if version.partition(".")[0] == "1":
-            if name == "stream.zstd":
-                return zstd_codec()
-            if name == FLOATSPLIT_NAME:
-                return floatsplit_codec()
+    if name is not None:
+        return _CODEC_MAKERS[name]()
     raise UnsupportedLayoutError(
         f"unknown transform {list(descriptors)}; dcpctl reads items with no transform, "
         f"with {ZSTD_DESCRIPTOR!r} or with {FLOATSPLIT_DESCRIPTOR!r}"
@@ -135,15 +131,6 @@ def iter_decoded(decoder: Decoder, pieces: Iterable[bytes]) -> Iterator[bytes]:
     for piece in pieces:
         yield from decoder.decode(piece)
     decoder.finish()
-
-
-def describe_codec(descriptors: Sequence[str] | None) -> str:
-    """A short human name for an item's transforms: `none`, `zstd`, `floatsplit` or the raw
-    descriptors."""
-    try:
-        return codec_for_descriptors(descriptors).name
-    except UnsupportedLayoutError:
-        return "+".join(descriptors or ())
 
 
 class _IdentityCoder:

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import zstandard
 
+from dcpctl.format.codec_names import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME  # noqa: F401
 from dcpctl.format.float_planes import layout_for_block, layout_for_dtype, split_planes
 from dcpctl.format.plane_zstd import plane_compressor
 
-FLOATSPLIT_NAME = "dcpctl.floatsplit"
-FLOATSPLIT_DESCRIPTOR = f"{FLOATSPLIT_NAME}/1"
 MAGIC = b"DCFS"
 END_BLOCK, BYTES_BLOCK, FLOATS_BLOCK = 0, 1, 2
 RAW_CODING, ZSTD_CODING = 0, 1

@@ -9,7 +9,6 @@ Writing pickles the records under torch's class names (format/torch_pickle.py), 
 from __future__ import annotations
 
 import io
-import operator
 import os
 import pickle
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -18,11 +17,11 @@ from typing import Any
 from dcpctl.errors import MetadataError, UnsafeMetadataError
 from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
 from dcpctl.format.garbage_collection import paused_garbage_collection
+from dcpctl.format.metadata_structure import check_metadata_structure
 from dcpctl.format.records import (
     BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey, StorageInfo, StorageMeta,
     TensorMetadata, TensorProperties,
 )
-from dcpctl.format.torch_pickle import pickle_as_torch
 
 METADATA_FILE_NAME = ".metadata"
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -101,98 +100,21 @@ def parse_metadata(data: bytes, source: str = METADATA_FILE_NAME) -> CheckpointM
     """Unpickle `.metadata` bytes with the allowlist and check that they are DCP metadata."""
     if not data:
         raise MetadataError(f"{source}: file is empty")
+    with paused_garbage_collection():
+        loaded = _load_with_allowlist(data, source)
+        check_metadata_structure(loaded, source)
+    return loaded
+
+
+def _load_with_allowlist(data: bytes, source: str) -> Any:
     try:
-        with paused_garbage_collection():
-            loaded = _AllowlistUnpickler(io.BytesIO(data)).load()
+        return _AllowlistUnpickler(io.BytesIO(data)).load()
     except UnsafeMetadataError as error:
         raise UnsafeMetadataError(f"{source}: {error}") from None
     except Exception as error:  # a damaged pickle fails in many ways; all mean the same
         raise MetadataError(
             f"{source}: not a readable DCP metadata pickle ({type(error).__name__}: {error})"
         ) from None
-    with paused_garbage_collection():
-        check_metadata_structure(loaded, source)
-    return loaded
-
-
-def check_metadata_structure(loaded: Any, source: str) -> None:
-    """Raise MetadataError unless `loaded` has the shape of DCP metadata; normalizes in place."""
-
-    def fail(rule: str) -> MetadataError:
-        return MetadataError(f"{source}: {rule}")
-
-    if not isinstance(loaded, CheckpointMetadata):
-        raise fail(f"holds a {type(loaded).__name__}, not DCP Metadata")
-    if not isinstance(loaded.state_dict_metadata, dict):
-        raise fail("state_dict_metadata is not a dict")
-    for fqn, entry in loaded.state_dict_metadata.items():
-        if not isinstance(fqn, str):
-            raise fail(f"state_dict_metadata key {fqn!r} is not a string")
-        if isinstance(entry, TensorMetadata):
-            _check_tensor_entry(fqn, entry, fail)
-        elif not isinstance(entry, BytesMetadata):
-            raise fail(f"entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
-    storage_data = loaded.storage_data
-    if storage_data is None:
-        loaded.storage_data = storage_data = {}
-    if not isinstance(storage_data, dict):
-        raise fail("storage_data is not a dict")
-    for key, info in storage_data.items():
-        _check_storage_entry(key, info, loaded.state_dict_metadata, fail)
-
-
-_INT_TYPE_SET = {int}
-
-
-def _check_tensor_entry(fqn: str, entry: TensorMetadata, fail) -> None:
-    # Written for speed: this runs for every chunk of checkpoints with a million of them.
-    properties = entry.properties
-    if type(properties) is not TensorProperties or type(properties.dtype) is not DType:
-        raise fail(f"tensor {fqn!r} has no dtype")
-    size = entry.size
-    if type(size) is not tuple:
-        raise fail(f"tensor {fqn!r} has size {size!r}, not a tuple of sizes")
-    rank = len(size)
-    chunks = entry.chunks
-    if type(chunks) is not list:
-        raise fail(f"tensor {fqn!r} has no chunk list")
-    numbers = list(size)
-    for chunk in chunks:
-        if (type(chunk) is not ChunkMetadata or type(chunk.offsets) is not tuple
-                or type(chunk.sizes) is not tuple or len(chunk.offsets) != rank
-                or len(chunk.sizes) != rank):
-            raise fail(f"tensor {fqn!r} has a chunk that is not {rank}-d offsets and sizes")
-        numbers += chunk.offsets
-        numbers += chunk.sizes
-    if numbers and (not set(map(type, numbers)) <= _INT_TYPE_SET or min(numbers) < 0):
-        raise fail(f"tensor {fqn!r} has a size, offset or chunk size that is not a "
-                   "non-negative integer")
-    for chunk in chunks:
-        if any(map(operator.gt, map(operator.add, chunk.offsets, chunk.sizes), size)):
-            raise fail(f"tensor {fqn!r}: chunk at {list(chunk.offsets)} of size "
-                       f"{list(chunk.sizes)} lies outside the tensor's size {list(size)}")
-
-
-def _check_storage_entry(key: Any, info: Any, entries: dict, fail) -> None:
-    if not isinstance(key, ItemKey) or not isinstance(key.fqn, str):
-        raise fail(f"storage_data key {key!r} is not a MetadataIndex")
-    if key.fqn not in entries:
-        raise fail(f"storage_data names {key.fqn!r}, which state_dict_metadata lacks")
-    if not isinstance(info, StorageInfo):
-        raise fail(f"storage_data for {key.fqn!r} is a {type(info).__name__}, not _StorageInfo")
-    if not isinstance(info.relative_path, str) or not info.relative_path:
-        raise fail(f"storage_data for {key.fqn!r} has no file name")
-    if type(info.offset) is not int or type(info.length) is not int or min(
-            info.offset, info.length) < 0:
-        raise fail(f"storage_data for {key.fqn!r} has byte range "
-                   f"offset={info.offset!r} length={info.length!r}, not two non-negative integers")
-    descriptors = info.transform_descriptors
-    if descriptors is not None:
-        if not isinstance(descriptors, (list, tuple)) or not all(
-                isinstance(name, str) for name in descriptors):
-            raise fail(f"storage_data for {key.fqn!r} has transforms {descriptors!r}, "
-                       "not a list of names")
-        info.transform_descriptors = tuple(descriptors) or None
 
 
 def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
@@ -207,4 +129,6 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
 
 def serialize_metadata(metadata: CheckpointMetadata) -> bytes:
     """`.metadata` bytes that torch's DCP reads as this metadata (torch is not imported)."""
+    from dcpctl.format.torch_pickle import pickle_as_torch  # only writers need it
+
     return pickle_as_torch(metadata)

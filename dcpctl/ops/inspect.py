@@ -7,11 +7,13 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from dcpctl.format.checkpoint import Checkpoint, DataFile, ObjectEntry, TensorEntry, \
     open_checkpoint
-from dcpctl.format.codecs import describe_codec
+from dcpctl.format.codec_names import describe_codec
 from dcpctl.format.garbage_collection import paused_garbage_collection
+from dcpctl.ops.inspect_json import inspect_report_json_text
 
 
 @dataclass
@@ -35,25 +37,38 @@ class InspectReport:
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
         with paused_garbage_collection():
-            return {
-                "path": self.path,
-                "version": self.version,
-                "filter": self.filter,
-                "tensor_count": len(self.tensors),
-                "object_count": len(self.objects),
-                "nbytes": self.nbytes,
-                "stored_bytes": self.stored_bytes,
-                "file_bytes": sum(f.size_bytes or 0 for f in self.files),
-                "nbytes_by_dtype": self.nbytes_by_dtype,
-                "nbytes_by_top_level_key": self.nbytes_by_top_level_key,
-                "stored_bytes_by_top_level_key": self.stored_bytes_by_top_level_key,
-                "compression": self.compression,
-                "tensors": [_tensor_json(tensor) for tensor in self.tensors],
-                "objects": [_object_json(entry) for entry in self.objects],
-                "files": [{"name": f.name, "bytes": f.size_bytes, "serialization": f.serialization,
-                           "items": f.item_count, "codecs": self.codecs_by_file[f.name]}
-                          for f in self.files],
-            }
+            return {**self.summary_json(),
+                    "tensors": [_tensor_json(tensor) for tensor in self.tensors],
+                    "objects": [_object_json(entry) for entry in self.objects],
+                    "files": self.files_json()}
+
+    def to_json_text(self) -> str:
+        """`to_json()` encoded compactly, as `json.dumps(..., separators=(",", ":"))` would."""
+        with paused_garbage_collection():
+            return inspect_report_json_text(self)
+
+    def summary_json(self) -> dict:
+        """The keys of `to_json()` that come before its tensors, objects and files."""
+        return {
+            "path": self.path,
+            "version": self.version,
+            "filter": self.filter,
+            "tensor_count": len(self.tensors),
+            "object_count": len(self.objects),
+            "nbytes": self.nbytes,
+            "stored_bytes": self.stored_bytes,
+            "file_bytes": sum(f.size_bytes or 0 for f in self.files),
+            "nbytes_by_dtype": self.nbytes_by_dtype,
+            "nbytes_by_top_level_key": self.nbytes_by_top_level_key,
+            "stored_bytes_by_top_level_key": self.stored_bytes_by_top_level_key,
+            "compression": self.compression,
+        }
+
+    def files_json(self) -> list[dict]:
+        """The `files` of `to_json()`."""
+        return [{"name": f.name, "bytes": f.size_bytes, "serialization": f.serialization,
+                 "items": f.item_count, "codecs": self.codecs_by_file[f.name]}
+                for f in self.files]
 
 
 def _tensor_json(tensor: TensorEntry) -> dict:
@@ -80,58 +95,83 @@ def _object_json(entry: ObjectEntry) -> dict:
 
 def inspect_checkpoint(path: str | os.PathLike, fqn_glob: str | None = None) -> InspectReport:
     """Summarize a checkpoint; `fqn_glob` keeps only tensors and objects whose fqn matches."""
-    return build_inspect_report(open_checkpoint(path), fqn_glob)
+    with paused_garbage_collection():
+        return build_inspect_report(open_checkpoint(path), fqn_glob)
 
 
 def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) -> InspectReport:
     """The InspectReport of an already opened checkpoint."""
-    def selected(fqn: str) -> bool:
-        return fqn_glob is None or fnmatch.fnmatchcase(fqn, fqn_glob)
-
     report = InspectReport(
         path=str(checkpoint.path), version=checkpoint.metadata.version, filter=fqn_glob,
-        tensors=[t for t in checkpoint.tensors if selected(t.fqn)],
-        objects=[o for o in checkpoint.objects if selected(o.fqn)],
+        tensors=_matching(checkpoint.tensors, fqn_glob),
+        objects=_matching(checkpoint.objects, fqn_glob),
         files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
     )
-    transforms_used: Counter[tuple[str, ...] | None] = Counter(
-        chunk.storage.transform_descriptors for tensor in report.tensors
-        for chunk in tensor.chunks if chunk.storage is not None)
-    transforms_used.update(entry.storage.transform_descriptors
-                           for entry in report.objects if entry.storage is not None)
-    nbytes_by_dtype: Counter[str] = Counter()
-    nbytes_by_key: Counter[str] = Counter()
-    stored_bytes_by_key: Counter[str] = Counter()
-    for tensor in report.tensors:
-        top_level_key = tensor.fqn.split(".", 1)[0]
-        nbytes_by_key[top_level_key] += tensor.nbytes
-        stored_bytes_by_key[top_level_key] += tensor.stored_bytes
-        nbytes_by_dtype[tensor.dtype.name] += tensor.nbytes
-    for entry in report.objects:
-        top_level_key = entry.fqn.split(".", 1)[0]
-        nbytes_by_key[top_level_key] += 0
-        stored_bytes_by_key[top_level_key] += entry.storage.length if entry.storage else 0
-    report.nbytes_by_dtype = dict(nbytes_by_dtype)
-    report.nbytes_by_top_level_key = dict(nbytes_by_key)
-    report.stored_bytes_by_top_level_key = dict(stored_bytes_by_key)
-    report.nbytes = sum(nbytes_by_key.values())
-    report.stored_bytes = sum(stored_bytes_by_key.values())
-    compression: Counter[str] = Counter()
-    for transforms, count in transforms_used.items():
-        compression[describe_codec(transforms)] += count
-    report.compression = dict(compression.most_common())
+    _add_size_totals(report)
+    report.compression = _count_by_codec(_transforms_used(report).items())
     report.codecs_by_file = _codecs_by_file(checkpoint)
     return report
 
 
+def _matching(entries: list, fqn_glob: str | None) -> list:
+    if fqn_glob is None:
+        return list(entries)
+    # What fnmatch.fnmatchcase does for each name, with the pattern compiled once.
+    matches = re.compile(fnmatch.translate(fqn_glob)).match
+    return [entry for entry in entries if matches(entry.fqn)]
+
+
+def _add_size_totals(report: InspectReport) -> None:
+    """Logical and stored bytes, in all, by dtype and by top-level key (`model` of
+    `model.layers.0.weight`; objects count 0 logical bytes)."""
+    nbytes_by_dtype: dict[str, int] = {}
+    nbytes_by_key: dict[str, int] = {}
+    stored_bytes_by_key: dict[str, int] = {}
+    for tensor in report.tensors:
+        key, dtype, nbytes = tensor.fqn.partition(".")[0], tensor.dtype.name, tensor.nbytes
+        nbytes_by_key[key] = nbytes_by_key.get(key, 0) + nbytes
+        stored_bytes_by_key[key] = stored_bytes_by_key.get(key, 0) + tensor.stored_bytes
+        nbytes_by_dtype[dtype] = nbytes_by_dtype.get(dtype, 0) + nbytes
+    for entry in report.objects:
+        key = entry.fqn.partition(".")[0]
+        nbytes_by_key.setdefault(key, 0)
+        stored_bytes = entry.storage.length if entry.storage else 0
+        stored_bytes_by_key[key] = stored_bytes_by_key.get(key, 0) + stored_bytes
+    report.nbytes_by_dtype = nbytes_by_dtype
+    report.nbytes_by_top_level_key = nbytes_by_key
+    report.stored_bytes_by_top_level_key = stored_bytes_by_key
+    report.nbytes = sum(nbytes_by_key.values())
+    report.stored_bytes = sum(stored_bytes_by_key.values())
+
+
+def _transforms_used(report: InspectReport) -> Counter[tuple[str, ...] | None]:
+    """How many of the report's items use each list of transform descriptors."""
+    used: Counter[tuple[str, ...] | None] = Counter()
+    for tensor in report.tensors:
+        for chunk in tensor.chunks:
+            if chunk.storage is not None:
+                used[chunk.storage.transform_descriptors] += 1
+    used.update(entry.storage.transform_descriptors
+                for entry in report.objects if entry.storage is not None)
+    return used
+
+
+def _count_by_codec(transforms_counts: Iterable[tuple[tuple[str, ...] | None, int]]
+                    ) -> dict[str, int]:
+    """Item counts by codec name, most used first."""
+    by_codec: Counter[str] = Counter()
+    for transforms, count in transforms_counts:
+        by_codec[describe_codec(transforms)] += count
+    return dict(by_codec.most_common())
+
+
 def _codecs_by_file(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
-    used: Counter[tuple[str, tuple[str, ...] | None]] = Counter(
-        (info.relative_path, info.transform_descriptors)
-        for info in (checkpoint.metadata.storage_data or {}).values())
-    by_file: dict[str, Counter[str]] = {name: Counter() for name in checkpoint.files}
+    used = Counter((info.relative_path, info.transform_descriptors)
+                   for info in (checkpoint.metadata.storage_data or {}).values())
+    by_file: dict[str, list] = {name: [] for name in checkpoint.files}
     for (name, transforms), count in used.items():
-        by_file[name][describe_codec(transforms)] += count
-    return {name: dict(counter.most_common()) for name, counter in by_file.items()}
+        by_file[name].append((transforms, count))
+    return {name: _count_by_codec(counts) for name, counts in by_file.items()}
 
 
 def _natural_order(name: str) -> tuple:

@@ -11,7 +11,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import FIXTURE_NAMES, fixture_path
 
+from dcpctl.cli.inspect import render_tensors
 from dcpctl.cli.main import cli
+from dcpctl.cli.render import format_bytes, format_table
+from dcpctl.ops.inspect import inspect_checkpoint
 
 
 def run_cli(*args: str):
@@ -80,7 +83,48 @@ def test_python_dash_m_and_console_script():
                                 capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["tensor_count"] == 3
+        table = subprocess.run([*command, "inspect", str(fixture_path("mesh2d_4ranks"))],
+                               capture_output=True, text=True)
+        assert table.returncode == 0 and not table.stderr
+        assert table.stdout.endswith("\n") and "tensors      3\n" in table.stdout
+        assert table.stdout == run_cli("inspect", fixture_path("mesh2d_4ranks")).output
         error = subprocess.run([*command, "inspect", "/nonexistent/ckpt"], capture_output=True,
                                text=True)
         assert error.returncode == 1
         assert error.stderr.startswith("Error: /nonexistent/ckpt") and not error.stdout
+
+
+def test_inspect_imports_none_of_the_heavy_modules():
+    code = ("import sys; from dcpctl.cli.main import cli; "
+            f"cli(['inspect', {str(fixture_path('zstd_fsdp2_2ranks'))!r}], standalone_mode=False); "
+            "print([name for name in ('torch', 'numpy', 'zstandard', 'tqdm') "
+            "if name in sys.modules], file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stderr.strip() == "[]"
+
+
+def _table_cell_by_cell(headers, rows, right_aligned):
+    cells = [[str(cell) for cell in row] for row in [headers, *rows]]
+    widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
+    return "\n".join("  ".join(cell.rjust(width) if column in right_aligned else cell.ljust(width)
+                               for column, (cell, width) in enumerate(zip(row, widths))).rstrip()
+                     for row in cells)
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_tensor_table_matches_padding_cell_by_cell(name):
+    report = inspect_checkpoint(fixture_path(name))
+    rows = [(t.fqn, t.dtype.name, "x".join(map(str, t.shape)) or "scalar", len(t.chunks),
+             format_bytes(t.nbytes), format_bytes(t.stored_bytes)) for t in report.tensors]
+    rows += [(o.fqn, "object", "-", 1, "-", format_bytes(o.storage.length if o.storage else 0))
+             for o in report.objects]
+    headers = ("FQN", "DTYPE", "SHAPE", "CHUNKS", "LOGICAL", "STORED")
+    assert render_tensors(report) == _table_cell_by_cell(headers, rows, (3, 4, 5))
+
+
+@pytest.mark.parametrize("rows", [[], [("a", 1, ""), ("long name", 22, "x y")]])
+def test_format_table_pads_like_cell_by_cell(rows):
+    headers = ("NAME", "N", "NOTE")
+    assert format_table(headers, rows, right_aligned=(1,)) == _table_cell_by_cell(
+        headers, rows, (1,))

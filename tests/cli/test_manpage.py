@@ -1,5 +1,6 @@
 """man/dcpctl.1 is generated from the click commands and must not drift from them."""
 
+import click
 from conftest import REPO_ROOT
 
 from dcpctl.cli.main import cli
@@ -14,7 +15,9 @@ def test_manpage_is_in_sync_with_the_commands():
 
 def test_manpage_covers_every_command_and_option():
     page = render_manpage()
-    for name, command in cli.commands.items():
+    context = click.Context(cli, info_name="dcpctl")
+    for name in cli.list_commands(context):
+        command = cli.get_command(context, name)
         assert f".SS dcpctl {name}" in page
         for parameter in command.params:
             for option in getattr(parameter, "opts", []):

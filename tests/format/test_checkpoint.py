@@ -13,6 +13,7 @@ from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpo
                            MetadataError, UnsafePathError, UnsupportedLayoutError)
 from dcpctl.format.checkpoint import SAFETENSORS, open_checkpoint
 from dcpctl.format.items import iter_item_pieces, locate_item, open_item_stream, read_item
+from dcpctl.format.metadata import read_metadata
 
 
 def _chunk_of(full: torch.Tensor, offsets, sizes) -> torch.Tensor:
@@ -103,8 +104,12 @@ def test_truncated_data_file(copy_fixture):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     data_file = checkpoint / "__2_0.distcp"
     os.truncate(data_file, data_file.stat().st_size - 100)
-    with pytest.raises(DataError, match=r"__2_0.distcp: truncated"):
+    with pytest.raises(DataError, match=r"__2_0.distcp: truncated") as raised:
         open_checkpoint(checkpoint)
+    items = [(info.offset + info.length, key.fqn) for key, info in
+             read_metadata(checkpoint).storage_data.items() if info.relative_path == "__2_0.distcp"]
+    end, fqn = max(items, key=lambda item: item[0])  # the first of equal ends
+    assert f"item {fqn!r} ends at byte {end}" in str(raised.value)
 
 
 def test_corrupt_zstd_item_names_file_and_item(copy_fixture):

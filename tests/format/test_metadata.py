@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -164,3 +165,95 @@ def test_dtype_table_agrees_with_torch():
     for code, torch_dtype in _TYPES.items():
         assert DTYPES_BY_SAFETENSORS_CODE[code].name == str(torch_dtype).removeprefix("torch.")
     assert dtype_by_name("torch.half").name == "float16"
+
+
+def _many_tensors_metadata(count: int = 2000):
+    """fsdp2_adamw_3ranks' metadata grown to `count` more tensors, each a copy of one entry."""
+    metadata = read_metadata(fixture_path("fsdp2_adamw_3ranks"))
+    entry = metadata.state_dict_metadata["model.embed.weight"]
+    storage = {key: info for key, info in metadata.storage_data.items()
+               if key.fqn == "model.embed.weight"}
+    for index in range(count):
+        fqn = f"copies.{index}.weight"
+        metadata.state_dict_metadata[fqn] = dataclasses.replace(
+            entry, chunks=[dataclasses.replace(chunk) for chunk in entry.chunks])
+        for key, info in storage.items():
+            metadata.storage_data[dataclasses.replace(key, fqn=fqn)] = dataclasses.replace(info)
+    return metadata
+
+
+def _refusal(edit) -> str:
+    metadata = _many_tensors_metadata()
+    edit(metadata)
+    with pytest.raises(MetadataError) as raised:
+        parse_metadata(serialize_metadata(metadata), "x/.metadata")
+    return str(raised.value)
+
+
+def test_many_sound_tensors_read_back_equal():
+    metadata = _many_tensors_metadata()
+    assert parse_metadata(serialize_metadata(metadata)) == metadata
+
+
+@pytest.mark.parametrize("value", [1.0, True, -1, "1", None])
+def test_one_chunk_offset_that_is_not_a_non_negative_int_is_refused(value):
+    def edit(metadata):
+        chunk = metadata.state_dict_metadata["copies.1500.weight"].chunks[1]
+        chunk.offsets = (value, *chunk.offsets[1:])
+
+    assert "'copies.1500.weight'" in _refusal(edit)
+
+
+def test_one_tensor_size_that_is_a_bool_is_refused():
+    def edit(metadata):
+        entry = metadata.state_dict_metadata["copies.1999.weight"]
+        entry.size = (entry.size[0], True)
+
+    assert "copies.1999.weight" in _refusal(edit)
+
+
+def test_chunk_of_the_wrong_rank_is_refused():
+    def edit(metadata):
+        chunk = metadata.state_dict_metadata["copies.700.weight"].chunks[0]
+        chunk.offsets, chunk.sizes = (0,), (1,)
+
+    assert "copies.700.weight' has a chunk that is not 2-d" in _refusal(edit)
+
+
+def test_one_chunk_past_its_tensor_among_many_is_named():
+    def edit(metadata):
+        chunk = metadata.state_dict_metadata["copies.1234.weight"].chunks[2]
+        chunk.sizes = (chunk.sizes[0] + 1, chunk.sizes[1])
+
+    assert "copies.1234.weight': chunk at" in _refusal(edit)
+
+
+def test_storage_key_offset_that_is_not_a_tuple_of_ints_is_refused():
+    def edit(metadata):
+        key = next(key for key in metadata.storage_data if key.fqn == "copies.5.weight")
+        info = metadata.storage_data.pop(key)
+        metadata.storage_data[dataclasses.replace(key, offset=(0.0, 0))] = info
+
+    assert "storage_data key for 'copies.5.weight' has offset" in _refusal(edit)
+
+
+def test_transforms_that_are_not_names_are_refused():
+    def edit(metadata):
+        key = next(key for key in metadata.storage_data if key.fqn == "copies.9.weight")
+        metadata.storage_data[key].transform_descriptors = ("stream.zstd/1", 3)
+
+    assert "'copies.9.weight' has transforms" in _refusal(edit)
+
+
+def test_a_record_without_its_fields_is_a_metadata_error():
+    payload = (b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81.")
+    with pytest.raises(MetadataError, match="lacks a field"):
+        parse_metadata(payload, "x/.metadata")
+
+
+def test_transforms_are_read_as_tuples_and_an_empty_list_as_none():
+    metadata = _many_tensors_metadata(10)
+    infos = list(metadata.storage_data.values())
+    infos[0].transform_descriptors, infos[1].transform_descriptors = ["stream.zstd/1"], []
+    read = list(parse_metadata(serialize_metadata(metadata)).storage_data.values())
+    assert [info.transform_descriptors for info in read[:3]] == [("stream.zstd/1",), None, None]
