@@ -9,9 +9,8 @@ from typing import Iterable, Iterator, Protocol, Sequence
 import zstandard
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.codec_names import (FLOATSPLIT, FLOATSPLIT_DESCRIPTOR,  # noqa: F401
-                                       IDENTITY_NAME, ZSTD, ZSTD_DESCRIPTOR,
-                                       codec_name_for_descriptors, describe_codec)
+from dcpctl.format.codec_names import (FLOATSPLIT, FLOATSPLIT_DESCRIPTOR, IDENTITY_NAME, ZSTD,
+                                       ZSTD_DESCRIPTOR, codec_name_for_descriptors)
 from dcpctl.format.floatsplit import FloatSplitEncoder, PayloadHint
 from dcpctl.format.floatsplit_decoder import FloatSplitDecoder
 from dcpctl.format.zstd_blocks import ZstdBlockSplitter

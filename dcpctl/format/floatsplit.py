@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import zstandard
 
-from dcpctl.format.codec_names import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME  # noqa: F401
 from dcpctl.format.float_planes import layout_for_block, layout_for_dtype, split_planes
 from dcpctl.format.plane_zstd import plane_compressor
 

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
 from dcpctl.format.codecs import floatsplit_codec, iter_decoded
-from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME
+from dcpctl.format.codec_names import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, PieceStream
 
 

@@ -90,7 +90,10 @@ class _PickleWriter:
         self.global_name("torch", "Size")
         self.out += pickle.MARK
         for value in values:
-            self.integer(value)
+            if type(value) is int:
+                self.integer(value)
+            else:  # written as it is; reading it back refuses it
+                self.value(value)
         self.out += pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
 
     def begin_fields(self, module: str, class_name: str) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 import dcpctl
 from dcpctl.format.checkpoint import open_checkpoint
 from dcpctl.format.codecs import IDENTITY, codec_for_descriptors, floatsplit_codec, zstd_codec
-from dcpctl.format.floatsplit import FLOATSPLIT_DESCRIPTOR
+from dcpctl.format.codec_names import FLOATSPLIT_DESCRIPTOR
 from dcpctl.ops.inspect import inspect_checkpoint
 from dcpctl.ops.key_selection import KeySelection
 from dcpctl.ops.reshard import reshard_checkpoint
