@@ -11,8 +11,6 @@ import zstandard
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.codec_names import (FLOATSPLIT, FLOATSPLIT_DESCRIPTOR, IDENTITY_NAME, ZSTD,
                                        ZSTD_DESCRIPTOR, codec_name_for_descriptors)
-from dcpctl.format.floatsplit import FloatSplitEncoder, PayloadHint
-from dcpctl.format.floatsplit_decoder import FloatSplitDecoder
 from dcpctl.format.zstd_blocks import ZstdBlockSplitter
 
 DEFAULT_ZSTD_LEVEL = 3
@@ -45,6 +43,15 @@ class Decoder(Protocol):
 
 
 @dataclass(frozen=True)
+class PayloadHint:
+    """Where a tensor item's raw bytes are: what the encoder splits. The tensor's dtype (torch's
+    name) and the byte count of its elements; decoding never needs it."""
+
+    dtype_name: str
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
 class Codec:
     """A stream transform: its descriptor list as recorded in the metadata, and its coders."""
 
@@ -59,6 +66,7 @@ class Codec:
         if not self.descriptors:
             return _IdentityCoder()
         if self.name == FLOATSPLIT:
+            from dcpctl.format.floatsplit import FloatSplitEncoder  # numpy loads only when used
             return FloatSplitEncoder(self.level or DEFAULT_ZSTD_LEVEL, payload)
         return _ZstdEncoder(self.level or DEFAULT_ZSTD_LEVEL, size_bytes)
 
@@ -67,7 +75,7 @@ class Codec:
         if not self.descriptors:
             return _IdentityCoder()
         if self.name == FLOATSPLIT:
-            return FloatSplitDecoder()
+            return _new_floatsplit_decoder()
         return _ZstdDecoder()
 
     def open_reader(self, stored: Readable) -> Readable:
@@ -77,8 +85,13 @@ class Codec:
         if not self.descriptors:
             return stored
         if self.name == FLOATSPLIT:
-            return _DecodingReader(stored, FloatSplitDecoder(), _FLOATSPLIT_READ_BYTES)
+            return _DecodingReader(stored, _new_floatsplit_decoder(), _FLOATSPLIT_READ_BYTES)
         return _ZstdReader(stored)
+
+
+def _new_floatsplit_decoder() -> Decoder:
+    from dcpctl.format.floatsplit_decoder import FloatSplitDecoder  # numpy loads only when used
+    return FloatSplitDecoder()
 
 
 IDENTITY = Codec(IDENTITY_NAME, ())

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import struct
 import threading
-from dataclasses import dataclass
 
 import zstandard
 
+from dcpctl.format.codecs import PayloadHint
 from dcpctl.format.float_planes import layout_for_block, layout_for_dtype, split_planes
 from dcpctl.format.plane_zstd import plane_compressor
 
@@ -48,15 +48,6 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     if level not in cache:
         cache[level] = zstandard.ZstdCompressor(level=level)
     return cache[level]
-
-
-@dataclass(frozen=True)
-class PayloadHint:
-    """Where a tensor item's raw bytes are: what the encoder splits. The tensor's dtype (torch's
-    name) and the byte count of its elements; decoding never needs it."""
-
-    dtype_name: str
-    payload_bytes: int
 
 
 def find_payload_start(head: bytes) -> int | None:

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from dcpctl.errors import DataError
 from dcpctl.format.codec_names import FLOATSPLIT_DESCRIPTOR, describe_codec
-from dcpctl.format.codecs import codec_for_descriptors, floatsplit_codec, iter_decoded
+from dcpctl.format.codecs import PayloadHint, codec_for_descriptors, floatsplit_codec, \
+    iter_decoded
 from dcpctl.format.float_planes import BFLOAT16, FLOAT16, FLOAT32, LAYOUTS_BY_CODE, \
     join_planes, split_planes
 from dcpctl.format.floatsplit import END_BLOCK, FLOATS_BLOCK, FLOATS_HEADER, MAGIC, \
-    STREAM_HEADER, PayloadHint, find_payload_start
+    STREAM_HEADER, find_payload_start
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex32,
           torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,
