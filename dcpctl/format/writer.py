@@ -74,7 +74,7 @@ class CheckpointOutput:
         self.destination = destination
         self.in_place = in_place
         self._digests: dict[str, str] = {}
-        self._open_writers: list[DataFileWriter] = []
+        self._open_writers: dict[str, DataFileWriter] = {}  # by final name
         self._written: list[Path] = []
         self._metadata_switched = False
         if in_place:
@@ -90,17 +90,23 @@ class CheckpointOutput:
         """The name a data file has in the published metadata's first version."""
         return f"{final_name}.dcpctl-{self._token}.tmp" if self.in_place else final_name
 
-    def create_data_file(self, final_name: str) -> DataFileWriter:
-        """Start writing the data file that will be called final_name."""
-        writer = DataFileWriter(self.directory / self.data_file_name(final_name))
-        self._open_writers.append(writer)
-        self._written.append(writer.path)
+    def data_file(self, final_name: str) -> DataFileWriter:
+        """The data file that will be called final_name, started on first use."""
+        writer = self._open_writers.get(final_name)
+        if writer is None:
+            writer = DataFileWriter(self.directory / self.data_file_name(final_name))
+            self._written.append(writer.path)
+            self._open_writers[final_name] = writer
         return writer
 
-    def finish_data_file(self, writer: DataFileWriter, final_name: str) -> None:
+    def finish_data_file(self, final_name: str) -> None:
         """Sync and close a data file, remembering its checksum."""
-        self._digests[final_name] = writer.close()
-        self._open_writers.remove(writer)
+        self._digests[final_name] = self._open_writers.pop(final_name).close()
+
+    def finish_data_files(self) -> None:
+        """Sync and close every data file still open."""
+        for final_name in sorted(self._open_writers):
+            self.finish_data_file(final_name)
 
     def publish(self, metadata: CheckpointMetadata) -> None:
         """Write `.metadata` (whose storage_data names final file names) and SHA256SUMS."""
@@ -112,7 +118,7 @@ class CheckpointOutput:
     def abort(self) -> None:
         """Remove everything this output wrote; the source stays as it was. Once `.metadata`
         names the new files, they are the checkpoint and stay."""
-        for writer in self._open_writers:
+        for writer in self._open_writers.values():
             writer.discard()
         if self._metadata_switched:
             return

@@ -32,7 +32,7 @@ from dcpctl.format.payload import PayloadReader
 from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo
 from dcpctl.format.sharding import shard_dim0_chunks
 from dcpctl.format.torch_save_writer import iter_torch_save_archive
-from dcpctl.format.writer import CheckpointOutput, DataFileWriter
+from dcpctl.format.writer import CheckpointOutput
 from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
 
 # Pieces smaller than this are joined before they reach the writer: a chunk's archive comes as
@@ -282,15 +282,12 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
     users = Counter(source.location for task in plan.tasks if isinstance(task, ChunkTask)
                     for source in task.sources)
     reader = PayloadReader(spool_directory, users)
-    writers: dict[str, DataFileWriter] = {}
     storage_by_task: dict[int, StorageInfo] = {}
     index_of = {id(task): index for index, task in enumerate(plan.tasks)}
     total = sum(t.nbytes if isinstance(t, ChunkTask) else t.location.length for t in plan.tasks)
 
     def consume(task: ChunkTask | ObjectTask, pieces: Iterator[bytes]) -> None:
-        writer = writers.get(task.output_file)
-        if writer is None:
-            writer = writers[task.output_file] = output.create_data_file(task.output_file)
+        writer = output.data_file(task.output_file)
         start = writer.size_bytes
         for piece in pieces:
             writer.write(piece)
@@ -309,8 +306,7 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
                      plan.tasks, consume, lane_of=lambda task: task.output_file)
     finally:
         reader.close()
-    for name in sorted(writers):
-        output.finish_data_file(writers[name], name)
+    output.finish_data_files()
     output.publish(_new_metadata(checkpoint, plan, storage_by_task))
     return sum(info.length for info in storage_by_task.values())
 

@@ -197,7 +197,7 @@ def write_dcp(entries: list[SourceEntry], ranks: int, output: CheckpointOutput, 
     total_bytes = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries if e.is_tensor)
     for rank, items in enumerate(plan_items(entries, ranks)):
         name = f"__{rank}_0.distcp"
-        writer = output.create_data_file(name)
+        writer = output.data_file(name)
 
         def write(item: _Item, pieces) -> None:
             start = writer.size_bytes
@@ -212,7 +212,7 @@ def write_dcp(entries: list[SourceEntry], ranks: int, output: CheckpointOutput, 
         run_in_order(_item_bytes, items, write, threads)
         files.append(WrittenFile(name, writer.size_bytes,
                                  sum(item.chunk is not None for item in items)))
-        output.finish_data_file(writer, name)
+        output.finish_data_file(name)
     output.publish(_metadata(entries, ranks, storage_data, output.destination))
     return files
 

@@ -23,8 +23,8 @@ from dcpctl.format.codecs import Codec, PayloadHint
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
     iter_stored_pieces, locate_item
 from dcpctl.format.records import ItemKey, StorageInfo
-from dcpctl.format.writer import CheckpointOutput, DataFileWriter, final_name_of, \
-    remove_stale_temporaries, storage_with
+from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
+    storage_with
 from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
 
 # Called with (bytes just done, total bytes) as work advances.
@@ -144,13 +144,10 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
     """Write every planned item into output and publish it; returns the stored bytes after."""
     new_storage: dict[ItemKey, StorageInfo] = {}
-    writers: dict[str, DataFileWriter] = {}
     last_task_of_file = {task.output_file: task for task in plan.tasks}
 
     def consume(task: ItemTask, pieces: Iterator[bytes]) -> None:
-        writer = writers.get(task.output_file)
-        if writer is None:
-            writer = writers[task.output_file] = output.create_data_file(task.output_file)
+        writer = output.data_file(task.output_file)
         start = writer.size_bytes
         for piece in pieces:
             writer.write(piece)
@@ -160,7 +157,7 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
         new_storage[task.key] = storage_with(source, task.output_file, start,
                                              writer.size_bytes - start, descriptors)
         if last_task_of_file[task.output_file] is task:  # files stay few at a time open
-            output.finish_data_file(writer, task.output_file)
+            output.finish_data_file(task.output_file)
             failpoint("after-first-data-file")
         if on_progress is not None:
             on_progress(task.location.length, plan.stored_bytes)
