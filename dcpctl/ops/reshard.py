@@ -164,17 +164,15 @@ class _SourceChunks:
     def _source(self, index: int, chunk: ChunkMetadata) -> SourceChunk:
         source = self._made.get(index)
         if source is None:
-            source = self._made[index] = _source(self._checkpoint, self._tensor, chunk)
+            checkpoint, fqn = self._checkpoint, self._tensor.fqn
+            if chunk.storage is None:
+                raise UnsupportedLayoutError(f"{checkpoint.path}: chunk {list(chunk.offsets)} "
+                                             f"of {fqn!r} has no stored item")
+            raw = checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS
+            source = self._made[index] = SourceChunk(
+                chunk.offsets, chunk.sizes, locate_item(checkpoint, fqn, chunk.storage, True),
+                raw)
         return source
-
-
-def _source(checkpoint: Checkpoint, tensor: TensorEntry, chunk: ChunkMetadata) -> SourceChunk:
-    if chunk.storage is None:
-        raise UnsupportedLayoutError(f"{checkpoint.path}: chunk {list(chunk.offsets)} of "
-                                     f"{tensor.fqn!r} has no stored item")
-    raw = checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS
-    return SourceChunk(chunk.offsets, chunk.sizes,
-                       locate_item(checkpoint, tensor.fqn, chunk.storage, True), raw)
 
 
 def _row_blocks(task: ChunkTask, piece_bytes: int) -> Iterator[tuple[int, int]]:
