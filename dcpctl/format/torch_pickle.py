@@ -11,11 +11,10 @@ end, hundreds of MB for a checkpoint with a hundred thousand chunks.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import struct
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from dcpctl.errors import MetadataError
 from dcpctl.format.dtypes import DType
@@ -34,6 +33,7 @@ _SMALL_INTS = [pickle.BININT1 + bytes([value]) for value in range(256)]
 _NEW_OBJECT = pickle.EMPTY_TUPLE + pickle.NEWOBJ
 _BEGIN_FIELDS = _NEW_OBJECT + pickle.EMPTY_DICT + pickle.MARK
 _END_FIELDS = pickle.SETITEMS + pickle.BUILD
+_END_SIZE = pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
 
 
 class _PickleWriter:
@@ -41,20 +41,21 @@ class _PickleWriter:
 
     def __init__(self) -> None:
         self.out = bytearray(pickle.PROTO + bytes([_PROTOCOL]))
-        self._memo: dict[Any, int] = {}
+        self._memo_gets: dict[Any, bytes] = {}  # by key: the opcode that gets its memo slot
         self._open_containers: set[int] = set()
 
     def _get_memoized(self, key: Any) -> bool:
         """Emit a get of key's memo slot and return True; False when key has none yet."""
-        index = self._memo.get(key)
-        if index is None:
+        get = self._memo_gets.get(key)
+        if get is None:
             return False
-        self.out += (pickle.BINGET + bytes([index]) if index < 256
-                     else pickle.LONG_BINGET + _PACK_UINT(index))
+        self.out += get
         return True
 
     def _memoize(self, key: Any) -> None:
-        self._memo[key] = len(self._memo)
+        index = len(self._memo_gets)
+        self._memo_gets[key] = (pickle.BINGET + bytes([index]) if index < 256
+                                else pickle.LONG_BINGET + _PACK_UINT(index))
         self.out += pickle.MEMOIZE
 
     def global_name(self, module: str, name: str) -> None:
@@ -66,7 +67,9 @@ class _PickleWriter:
             self._memoize(key)
 
     def string(self, text: str) -> None:
-        if self._get_memoized(text):
+        get = self._memo_gets.get(text)
+        if get is not None:
+            self.out += get
             return
         encoded = text.encode("utf-8", "surrogatepass")
         if len(encoded) < 256:
@@ -88,13 +91,16 @@ class _PickleWriter:
     def size(self, values: tuple[int, ...]) -> None:
         """torch.Size(values)."""
         self.global_name("torch", "Size")
-        self.out += pickle.MARK
+        out = self.out
+        out += pickle.MARK
         for value in values:
-            if type(value) is int:
-                self.integer(value)
-            else:  # written as it is; reading it back refuses it
+            if type(value) is not int:  # written as it is; reading it back refuses it
                 self.value(value)
-        self.out += pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
+            elif 0 <= value < 256:  # most sizes and offsets: spared a call
+                out += _SMALL_INTS[value]
+            else:
+                self.integer(value)
+        out += _END_SIZE
 
     def begin_fields(self, module: str, class_name: str) -> None:
         """Start an instance of module.class_name as pickling a dataclass makes it (NEWOBJ,
@@ -130,30 +136,31 @@ class _PickleWriter:
     def container(self, value: Any, empty: bytes, items: list, end: bytes) -> None:
         """A list, dict or set: `empty`, then MARK-delimited batches of items, each closed by
         `end`."""
-        with self._entered(value):
-            self.out += empty
-            for start in range(0, len(items), _BATCH):
-                self.out += pickle.MARK
-                for item in items[start:start + _BATCH]:
-                    self.value(item)
-                self.out += end
+        self._enter(value)
+        self.out += empty
+        for start in range(0, len(items), _BATCH):
+            self.out += pickle.MARK
+            for item in items[start:start + _BATCH]:
+                self.value(item)
+            self.out += end
+        self._open_containers.discard(id(value))
 
     def marked(self, value: Any, items: list, end: bytes) -> None:
         """A tuple or frozenset: MARK, its items, `end`."""
-        with self._entered(value):
-            self.out += pickle.MARK
-            for item in items:
-                self.value(item)
-            self.out += end
+        self._enter(value)
+        self.out += pickle.MARK
+        for item in items:
+            self.value(item)
+        self.out += end
+        self._open_containers.discard(id(value))
 
-    @contextlib.contextmanager
-    def _entered(self, value: Any) -> Iterator[None]:
-        """Refuse a container that contains itself (a pickle can build one)."""
+    def _enter(self, value: Any) -> None:
+        """Refuse a container that contains itself (a pickle can build one); the caller leaves
+        it by discarding its id. A failure anywhere ends the whole pickle, so no
+        try/finally is needed."""
         if id(value) in self._open_containers:
             raise MetadataError("metadata holds a container that contains itself")
         self._open_containers.add(id(value))
-        yield
-        self._open_containers.discard(id(value))
 
 
 def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
