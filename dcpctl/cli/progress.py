@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Callable, Iterator
 
-from tqdm import tqdm
+
+def _ignore(done_bytes: int, total_bytes: int) -> None:
+    pass
 
 
 @contextlib.contextmanager
 def byte_progress(description: str) -> Iterator[Callable[[int, int], None]]:
     """Yields `advance(bytes_done, total_bytes)` for ops, callable from any thread; the bar
-    starts on the first call."""
+    starts on the first call. Where stderr is not a terminal (a cron job, a pipe) there is no
+    bar, and tqdm is not even imported."""
+    if not sys.stderr.isatty():
+        yield _ignore
+        return
+    from tqdm import tqdm
+
     bars: list[tqdm] = []
     lock = threading.Lock()
 
@@ -21,7 +30,7 @@ def byte_progress(description: str) -> Iterator[Callable[[int, int], None]]:
             if not bars:
                 bars.append(tqdm(total=total_bytes, unit="B", unit_scale=True,
                                  unit_divisor=1024, desc=description, leave=False,
-                                 dynamic_ncols=True, disable=None))
+                                 dynamic_ncols=True))
             bars[0].update(done_bytes)
 
     try:
