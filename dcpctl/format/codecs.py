@@ -3,6 +3,7 @@ dcpctl's own floatsplit."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol, Sequence
 
@@ -157,15 +158,53 @@ class _IdentityCoder:
 
 
 class _ZstdEncoder:
+    """One zstd frame, coded with a compressor borrowed from this thread's idle ones: making
+    one per item would cost more than coding a small item, under the GIL. An item given whole
+    in one piece is coded in one call, which spares zstd's streaming buffers."""
+
     def __init__(self, level: int, size_bytes: int | None) -> None:
-        compressor = zstandard.ZstdCompressor(level=level, write_content_size=size_bytes is not None)
-        self._stream = compressor.compressobj(size=size_bytes if size_bytes is not None else -1)
+        self._key = (level, size_bytes is not None)
+        self._size_bytes = size_bytes
+        idle = _idle_compressors(self._key)
+        self._compressor = idle.pop() if idle else zstandard.ZstdCompressor(
+            level=level, write_content_size=size_bytes is not None)
+        self._stream = None
+        self._coded_whole = False
 
     def encode(self, piece: bytes) -> bytes:
+        if self._stream is None:
+            if not self._coded_whole and len(piece) == self._size_bytes:
+                self._coded_whole = True
+                return self._compressor.compress(piece)
+            self._stream = self._new_stream()
         return self._stream.compress(piece)
 
     def finish(self) -> bytes:
-        return self._stream.flush()
+        if self._coded_whole and self._stream is None:
+            ending = b""
+        else:  # a stream ends its frame here; an empty item's frame is made here whole
+            ending = (self._stream or self._new_stream()).flush()
+        # only a finished frame frees its compressor; an abandoned one keeps it
+        _idle_compressors(self._key).append(self._compressor)
+        return ending
+
+    def _new_stream(self):
+        if self._coded_whole:
+            raise ValueError("zstd encoder given more bytes than the item's size")
+        # a new compressobj starts a new frame, whatever the compressor did before
+        return self._compressor.compressobj(
+            size=self._size_bytes if self._size_bytes is not None else -1)
+
+
+_thread_compressors = threading.local()
+
+
+def _idle_compressors(key: tuple[int, bool]) -> list[zstandard.ZstdCompressor]:
+    """This thread's compressors for (level, whether frames record their size) not in use."""
+    idle_by_key = getattr(_thread_compressors, "idle", None)
+    if idle_by_key is None:
+        idle_by_key = _thread_compressors.idle = {}
+    return idle_by_key.setdefault(key, [])
 
 
 class _ZstdDecoder:

@@ -80,3 +80,24 @@ def test_damaged_frames_are_data_errors(damage, message):
     data = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(os.urandom(200_000))
     with pytest.raises(DataError, match=message):
         _decode_in_pieces(damage(data), 65536)
+
+
+@pytest.mark.parametrize("size_bytes", [0, 1, 300_000])
+@pytest.mark.parametrize("given_whole", [True, False])
+def test_zstd_encoder_makes_one_frame_whole_or_in_pieces(size_bytes, given_whole):
+    data = bytes(range(256)) * (size_bytes // 256) + b"x" * (size_bytes % 256)
+    for known_size in (size_bytes, None):
+        for _ in range(2):  # the second item reuses the first one's compressor
+            encoder = zstd_codec(3).new_encoder(known_size)
+            pieces = [data] if given_whole else [data[i:i + 7000] for i in range(0, size_bytes, 7000)]
+            frame = b"".join([encoder.encode(piece) for piece in pieces] + [encoder.finish()])
+            assert zstandard.get_frame_parameters(frame).content_size == (
+                size_bytes if known_size is not None else zstandard.CONTENTSIZE_UNKNOWN)
+            assert zstandard.ZstdDecompressor().decompressobj().decompress(frame) == data
+
+
+def test_zstd_encoder_refuses_bytes_past_the_size_it_was_given():
+    encoder = zstd_codec(3).new_encoder(4)
+    encoder.encode(b"abcd")
+    with pytest.raises(ValueError, match="more bytes than the item's size"):
+        encoder.encode(b"e")
