@@ -20,8 +20,8 @@ from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.failpoints import failpoint
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs import Codec, PayloadHint
-from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
-    iter_stored_pieces, locate_item
+from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan, \
+    iter_item_pieces, iter_stored_pieces, locate_item
 from dcpctl.format.records import ItemKey, StorageInfo
 from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
     storage_with
@@ -36,6 +36,7 @@ class ItemTask:
     """One item to carry into the output: copied as stored, or decoded and encoded again."""
 
     key: ItemKey
+    source: StorageInfo
     location: ItemLocation
     output_file: str
     transcode: bool
@@ -106,7 +107,7 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
     for key, info in ordered:
         location = locate_item(checkpoint, key.fqn, info, key.fqn in tensor_fqns)
         same_codec = location.codec.descriptors == codec.descriptors
-        tasks.append(ItemTask(key, location, final_name_of(info.relative_path),
+        tasks.append(ItemTask(key, info, location, final_name_of(info.relative_path),
                               transcode=not same_codec or (recode_same_codec and
                                                            bool(codec.descriptors)),
                               payload=payloads.get((key.fqn, key.offset))))
@@ -120,21 +121,65 @@ def _payload_hints(checkpoint: Checkpoint) -> dict[tuple, PayloadHint]:
             for tensor in checkpoint.tensors for chunk in tensor.chunks}
 
 
-def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemTask], Iterator[bytes]]:
-    def transcoded(task: ItemTask) -> Iterator[bytes]:
+@dataclass(slots=True)
+class ItemRun:
+    """Items that neighbour each other in one source file and go to one output file: small
+    ones are read with one read and written with few writes."""
+
+    tasks: list[ItemTask]
+    output_file: str
+    stored_bytes: int
+    encoded_lengths: list[int] = dataclasses.field(default_factory=list)
+    """Filled as the run is produced: each item's length in the output."""
+
+
+def group_into_runs(tasks: list[ItemTask], max_bytes: int) -> list[ItemRun]:
+    """Consecutive tasks into runs of at most max_bytes stored bytes whose items lie back to
+    back in one source file; an item larger than that is a run of its own."""
+    runs: list[ItemRun] = []
+    for task in tasks:
+        location = task.location
+        if runs:
+            run = runs[-1]
+            last = run.tasks[-1].location
+            if (run.output_file == task.output_file and last.path == location.path
+                    and location.start == last.start + last.length
+                    and run.stored_bytes + location.length <= max_bytes):
+                run.tasks.append(task)
+                run.stored_bytes += location.length
+                continue
+        runs.append(ItemRun([task], task.output_file, location.length))
+    return runs
+
+
+def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemRun], Iterator[bytes]]:
+    def item_pieces(task: ItemTask, span: StoredSpan | None) -> Iterator[bytes]:
+        if not task.transcode:
+            yield from iter_stored_pieces(task.location, piece_bytes, span)
+            return
         known_size = task.location.length if not task.location.codec.descriptors else None
         encoder = codec.new_encoder(known_size, task.payload)
-        for piece in iter_item_pieces(task.location, piece_bytes):
+        for piece in iter_item_pieces(task.location, piece_bytes, span):
             encoded = encoder.encode(piece)
             if encoded:
                 yield encoded
         yield encoder.finish()
 
-    def produce(task: ItemTask) -> Iterator[bytes]:
-        if not task.transcode:
-            return iter_stored_pieces(task.location, piece_bytes)
-        # decoders hand out pieces of at most one zstd block; the writer wants fewer, larger
-        return coalesce(transcoded(task), piece_bytes)
+    def run_pieces(run: ItemRun) -> Iterator[bytes]:
+        first, last = run.tasks[0].location, run.tasks[-1].location
+        span = (StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
+                if len(run.tasks) > 1 else None)
+        for task in run.tasks:
+            length = 0
+            for piece in item_pieces(task, span):
+                length += len(piece)
+                yield piece
+            run.encoded_lengths.append(length)
+
+    def produce(run: ItemRun) -> Iterator[bytes]:
+        # decoders hand out pieces of at most one zstd block, a run many small items: the
+        # writer wants fewer, larger pieces
+        return coalesce(run_pieces(run), piece_bytes)
 
     return produce
 
@@ -144,27 +189,29 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
     """Write every planned item into output and publish it; returns the stored bytes after."""
     new_storage: dict[ItemKey, StorageInfo] = {}
-    last_task_of_file = {task.output_file: task for task in plan.tasks}
+    runs = group_into_runs(plan.tasks, piece_bytes)
+    last_run_of_file = {run.output_file: run for run in runs}
 
-    def consume(task: ItemTask, pieces: Iterator[bytes]) -> None:
-        writer = output.data_file(task.output_file)
-        start = writer.size_bytes
+    def consume(run: ItemRun, pieces: Iterator[bytes]) -> None:
+        writer = output.data_file(run.output_file)
+        offset = writer.size_bytes
         for piece in pieces:
             writer.write(piece)
-        descriptors = plan.codec.descriptors if task.transcode else \
-            task.location.codec.descriptors
-        source = checkpoint.metadata.storage_data[task.key]
-        new_storage[task.key] = storage_with(source, task.output_file, start,
-                                             writer.size_bytes - start, descriptors)
-        if last_task_of_file[task.output_file] is task:  # files stay few at a time open
-            output.finish_data_file(task.output_file)
+        for task, length in zip(run.tasks, run.encoded_lengths, strict=True):
+            descriptors = plan.codec.descriptors if task.transcode else \
+                task.location.codec.descriptors
+            new_storage[task.key] = storage_with(task.source, run.output_file, offset, length,
+                                                 descriptors)
+            offset += length
+        if last_run_of_file[run.output_file] is run:  # files stay few at a time open
+            output.finish_data_file(run.output_file)
             failpoint("after-first-data-file")
         if on_progress is not None:
-            on_progress(task.location.length, plan.stored_bytes)
+            on_progress(run.stored_bytes, plan.stored_bytes)
 
     pipeline = Pipeline(_produce(plan.codec, piece_bytes), threads=threads,
                         bytes_in_flight=4 * threads * piece_bytes)
-    pipeline.run(plan.tasks, consume, lane_of=lambda task: task.output_file)
+    pipeline.run(runs, consume, lane_of=lambda run: run.output_file)
     in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
     output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order))
     return sum(info.length for info in new_storage.values())

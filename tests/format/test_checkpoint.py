@@ -12,7 +12,8 @@ from conftest import FIXTURE_NAMES, fixture_path, load_with_torch
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
                            MetadataError, UnsafePathError, UnsupportedLayoutError)
 from dcpctl.format.checkpoint import SAFETENSORS, open_checkpoint
-from dcpctl.format.items import iter_item_pieces, locate_item, open_item_stream, read_item
+from dcpctl.format.items import StoredSpan, iter_item_pieces, locate_item, open_item_stream, \
+    read_item
 from dcpctl.format.metadata import read_metadata
 
 
@@ -110,6 +111,31 @@ def test_truncated_data_file(copy_fixture):
              read_metadata(checkpoint).storage_data.items() if info.relative_path == "__2_0.distcp"]
     end, fqn = max(items, key=lambda item: item[0])  # the first of equal ends
     assert f"item {fqn!r} ends at byte {end}" in str(raised.value)
+
+
+def test_items_read_as_one_span_are_their_own_bytes_and_a_short_file_names_the_item(
+        copy_fixture):
+    checkpoint_path = copy_fixture("fsdp2_adamw_3ranks")
+    checkpoint = open_checkpoint(checkpoint_path)
+    entries = sorted(((info.offset, key.fqn, info) for key, info in
+                      checkpoint.metadata.storage_data.items()
+                      if info.relative_path == "__2_0.distcp"), key=lambda entry: entry[0])
+    locations = [locate_item(checkpoint, fqn, info, fqn in {t.fqn for t in checkpoint.tensors})
+                 for _, fqn, info in entries]
+    first, last = locations[0], locations[-1]
+    span = StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
+    for location in locations:
+        assert b"".join(iter_item_pieces(location, span=span)) == read_item(location)
+    os.truncate(checkpoint_path / "__2_0.distcp", last.start + 1)
+    short_span = StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
+    with pytest.raises(DataError, match=rf"__2_0.distcp: truncated: item {last.fqn!r} needs "
+                                        rf"bytes {last.start}..{last.start + last.length}, "
+                                        rf"the file ends at {last.start + 1}"):
+        b"".join(iter_item_pieces(last, span=short_span))
+    (checkpoint_path / "__2_0.distcp").unlink()
+    with pytest.raises(DataError, match=rf"__2_0.distcp: missing data file \(item "
+                                        rf"{first.fqn!r}\)"):
+        StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
 
 
 def test_corrupt_zstd_item_names_file_and_item(copy_fixture):

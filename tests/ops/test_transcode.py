@@ -16,7 +16,7 @@ from dcpctl.errors import DataError, OutputError, UnsupportedLayoutError
 from dcpctl.format.checkpoint import open_checkpoint
 from dcpctl.format.codecs import IDENTITY, zstd_codec
 from dcpctl.format.writer import DataFileWriter
-from dcpctl.ops.transcode import transcode_checkpoint
+from dcpctl.ops.transcode import group_into_runs, plan_transcode, transcode_checkpoint
 
 RANKS_TO_LOAD_ON = {
     "fsdp2_adamw_3ranks": [3, 2],
@@ -130,6 +130,28 @@ def test_corrupt_item_fails_naming_it_and_leaves_the_source_untouched(copy_fixtu
     assert not any(p.name.startswith(".out") or p.name == "out" for p in tmp_path.iterdir())
 
 
+def test_missing_source_file_is_named(copy_fixture, tmp_path):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    (checkpoint / "__2_0.distcp").unlink()
+    with pytest.raises(DataError, match=r"__2_0.distcp: missing data file"):
+        transcode_checkpoint(checkpoint, zstd_codec(), str(tmp_path / "out"), threads=2)
+
+
+def test_small_neighbouring_items_share_runs_large_ones_stand_alone():
+    checkpoint = open_checkpoint(fixture_path("fsdp2_adamw_3ranks"))
+    tasks = plan_transcode(checkpoint, zstd_codec(), recode_same_codec=False).tasks
+    largest = max(task.location.length for task in tasks)
+    runs = group_into_runs(tasks, max_bytes=4 * largest)
+    assert [task for run in runs for task in run.tasks] == tasks
+    assert len({run.output_file for run in runs}) == 3 < len(runs) < len(tasks) / 3
+    for run in runs:
+        assert run.stored_bytes == sum(task.location.length for task in run.tasks) <= 4 * largest
+        for before, after in zip(run.tasks, run.tasks[1:]):
+            assert after.output_file == before.output_file == run.output_file
+            assert after.location.start == before.location.start + before.location.length
+    assert [len(run.tasks) for run in group_into_runs(tasks, max_bytes=1)] == [1] * len(tasks)
+
+
 def test_disk_full_mid_run_cleans_up(copy_fixture, tmp_path, monkeypatch):
     # A real ENOSPC needs a full file system; fail the data writer the way one would.
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
@@ -137,7 +159,7 @@ def test_disk_full_mid_run_cleans_up(copy_fixture, tmp_path, monkeypatch):
     real_write = DataFileWriter.write
 
     def write_until_full(self, piece):
-        if self.size_bytes > 5_000:
+        if self.size_bytes + len(piece) > 5_000:  # the disk fills during this write
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
         real_write(self, piece)
 
