@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 Task = TypeVar("Task")
@@ -43,6 +44,49 @@ def coalesce(pieces: Iterable[bytes], min_bytes: int) -> Iterator[bytes]:
             pending, pending_bytes = [], 0
     if pending:
         yield b"".join(pending)
+
+
+@dataclass(slots=True)
+class Run(Generic[Task]):
+    """Neighbouring tasks of one lane run as one task: a small task costs a round of locks,
+    system calls and GIL hand-overs of its own otherwise."""
+
+    tasks: list[Task]
+    lane: Hashable
+    size_bytes: int
+    produced_bytes: list[int] = field(default_factory=list)
+    """Filled as the run is produced: how many bytes each task produced."""
+
+
+def group_into_runs(tasks: Iterable[Task], lane_of: Callable[[Task], Hashable],
+                    size_of: Callable[[Task], int], max_bytes: int,
+                    neighbours: Callable[[Task, Task], bool] = lambda before, after: True
+                    ) -> list[Run[Task]]:
+    """Consecutive tasks of one lane into runs of at most max_bytes (by size_of), each task a
+    `neighbours` of the one before it; a task larger than max_bytes is a run of its own."""
+    runs: list[Run[Task]] = []
+    for task in tasks:
+        lane, size = lane_of(task), size_of(task)
+        if runs:
+            run = runs[-1]
+            if (run.lane == lane and run.size_bytes + size <= max_bytes
+                    and neighbours(run.tasks[-1], task)):
+                run.tasks.append(task)
+                run.size_bytes += size
+                continue
+        runs.append(Run([task], lane, size))
+    return runs
+
+
+def produce_run(run: Run[Task], produce: Callable[[Task], Iterable[bytes]]) -> Iterator[bytes]:
+    """The pieces of every task of the run in order, counting each task's bytes into
+    run.produced_bytes."""
+    for task in run.tasks:
+        produced = 0
+        for piece in produce(task):
+            produced += len(piece)
+            yield piece
+        run.produced_bytes.append(produced)
 
 
 def default_thread_count() -> int:

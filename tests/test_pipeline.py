@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dcpctl.pipeline import Pipeline, coalesce
+from dcpctl.pipeline import Pipeline, coalesce, group_into_runs, produce_run
 
 
 def _collect(pipeline, tasks):
@@ -182,3 +182,19 @@ def test_one_thread_runs_everything_in_the_calling_thread():
     Pipeline(produce, threads=1).run(list(range(5)), lambda t, p: threads_seen.add(
         threading.get_ident()) or list(p))
     assert threads_seen == {threading.get_ident()}
+
+
+def test_runs_keep_to_one_lane_a_size_and_neighbours():
+    tasks = [("a", 3), ("a", 3), ("a", 3), ("b", 1), ("b", 9), ("b", 1), ("b", 1), ("a", 1)]
+    runs = group_into_runs(tasks, lambda task: task[0], lambda task: task[1], max_bytes=6,
+                           neighbours=lambda before, after: before[1] == after[1])
+    assert [(run.lane, run.tasks, run.size_bytes) for run in runs] == [
+        ("a", [("a", 3), ("a", 3)], 6), ("a", [("a", 3)], 3), ("b", [("b", 1)], 1),
+        ("b", [("b", 9)], 9), ("b", [("b", 1), ("b", 1)], 2), ("a", [("a", 1)], 1)]
+
+
+def test_a_run_produces_its_tasks_in_order_counting_each():
+    run = group_into_runs([2, 0, 5], lambda task: 0, lambda task: task, max_bytes=10)[0]
+    pieces = list(produce_run(run, lambda task: [b"x" * task, b"y"]))
+    assert b"".join(pieces) == b"xxy" + b"y" + b"xxxxxy"
+    assert run.produced_bytes == [3, 1, 6]

@@ -25,7 +25,8 @@ from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan, \
 from dcpctl.format.records import ItemKey, StorageInfo
 from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
     storage_with
-from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
+from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, group_into_runs, \
+    produce_run
 
 # Called with (bytes just done, total bytes) as work advances.
 ProgressCallback = Callable[[int, int], None]
@@ -121,38 +122,7 @@ def _payload_hints(checkpoint: Checkpoint) -> dict[tuple, PayloadHint]:
             for tensor in checkpoint.tensors for chunk in tensor.chunks}
 
 
-@dataclass(slots=True)
-class ItemRun:
-    """Items that neighbour each other in one source file and go to one output file: small
-    ones are read with one read and written with few writes."""
-
-    tasks: list[ItemTask]
-    output_file: str
-    stored_bytes: int
-    encoded_lengths: list[int] = dataclasses.field(default_factory=list)
-    """Filled as the run is produced: each item's length in the output."""
-
-
-def group_into_runs(tasks: list[ItemTask], max_bytes: int) -> list[ItemRun]:
-    """Consecutive tasks into runs of at most max_bytes stored bytes whose items lie back to
-    back in one source file; an item larger than that is a run of its own."""
-    runs: list[ItemRun] = []
-    for task in tasks:
-        location = task.location
-        if runs:
-            run = runs[-1]
-            last = run.tasks[-1].location
-            if (run.output_file == task.output_file and last.path == location.path
-                    and location.start == last.start + last.length
-                    and run.stored_bytes + location.length <= max_bytes):
-                run.tasks.append(task)
-                run.stored_bytes += location.length
-                continue
-        runs.append(ItemRun([task], task.output_file, location.length))
-    return runs
-
-
-def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemRun], Iterator[bytes]]:
+def _produce(codec: Codec, piece_bytes: int) -> Callable[[Run[ItemTask]], Iterator[bytes]]:
     def item_pieces(task: ItemTask, span: StoredSpan | None) -> Iterator[bytes]:
         if not task.transcode:
             yield from iter_stored_pieces(task.location, piece_bytes, span)
@@ -165,23 +135,28 @@ def _produce(codec: Codec, piece_bytes: int) -> Callable[[ItemRun], Iterator[byt
                 yield encoded
         yield encoder.finish()
 
-    def run_pieces(run: ItemRun) -> Iterator[bytes]:
+    def produce(run: Run[ItemTask]) -> Iterator[bytes]:
         first, last = run.tasks[0].location, run.tasks[-1].location
         span = (StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
                 if len(run.tasks) > 1 else None)
-        for task in run.tasks:
-            length = 0
-            for piece in item_pieces(task, span):
-                length += len(piece)
-                yield piece
-            run.encoded_lengths.append(length)
-
-    def produce(run: ItemRun) -> Iterator[bytes]:
         # decoders hand out pieces of at most one zstd block, a run many small items: the
         # writer wants fewer, larger pieces
-        return coalesce(run_pieces(run), piece_bytes)
+        return coalesce(produce_run(run, lambda task: item_pieces(task, span)), piece_bytes)
 
     return produce
+
+
+def _back_to_back(before: ItemTask, after: ItemTask) -> bool:
+    """Whether after's stored bytes follow before's in the same source file."""
+    return (after.location.path == before.location.path
+            and after.location.start == before.location.start + before.location.length)
+
+
+def group_items_into_runs(tasks: list[ItemTask], max_bytes: int) -> list[Run[ItemTask]]:
+    """Runs of items that lie back to back in one source file and go to one output file, read
+    with one read and written with few writes."""
+    return group_into_runs(tasks, lambda task: task.output_file,
+                           lambda task: task.location.length, max_bytes, _back_to_back)
 
 
 def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: CheckpointOutput,
@@ -189,29 +164,29 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
     """Write every planned item into output and publish it; returns the stored bytes after."""
     new_storage: dict[ItemKey, StorageInfo] = {}
-    runs = group_into_runs(plan.tasks, piece_bytes)
-    last_run_of_file = {run.output_file: run for run in runs}
+    runs = group_items_into_runs(plan.tasks, piece_bytes)
+    last_run_of_file = {run.lane: run for run in runs}
 
-    def consume(run: ItemRun, pieces: Iterator[bytes]) -> None:
-        writer = output.data_file(run.output_file)
+    def consume(run: Run[ItemTask], pieces: Iterator[bytes]) -> None:
+        writer = output.data_file(run.lane)
         offset = writer.size_bytes
         for piece in pieces:
             writer.write(piece)
-        for task, length in zip(run.tasks, run.encoded_lengths, strict=True):
+        for task, length in zip(run.tasks, run.produced_bytes, strict=True):
             descriptors = plan.codec.descriptors if task.transcode else \
                 task.location.codec.descriptors
-            new_storage[task.key] = storage_with(task.source, run.output_file, offset, length,
+            new_storage[task.key] = storage_with(task.source, run.lane, offset, length,
                                                  descriptors)
             offset += length
-        if last_run_of_file[run.output_file] is run:  # files stay few at a time open
-            output.finish_data_file(run.output_file)
+        if last_run_of_file[run.lane] is run:  # files stay few at a time open
+            output.finish_data_file(run.lane)
             failpoint("after-first-data-file")
         if on_progress is not None:
-            on_progress(run.stored_bytes, plan.stored_bytes)
+            on_progress(run.size_bytes, plan.stored_bytes)
 
     pipeline = Pipeline(_produce(plan.codec, piece_bytes), threads=threads,
                         bytes_in_flight=4 * threads * piece_bytes)
-    pipeline.run(runs, consume, lane_of=lambda run: run.output_file)
+    pipeline.run(runs, consume, lane_of=lambda run: run.lane)
     in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
     output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order))
     return sum(info.length for info in new_storage.values())

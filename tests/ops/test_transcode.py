@@ -16,7 +16,7 @@ from dcpctl.errors import DataError, OutputError, UnsupportedLayoutError
 from dcpctl.format.checkpoint import open_checkpoint
 from dcpctl.format.codecs import IDENTITY, zstd_codec
 from dcpctl.format.writer import DataFileWriter
-from dcpctl.ops.transcode import group_into_runs, plan_transcode, transcode_checkpoint
+from dcpctl.ops.transcode import group_items_into_runs, plan_transcode, transcode_checkpoint
 
 RANKS_TO_LOAD_ON = {
     "fsdp2_adamw_3ranks": [3, 2],
@@ -141,15 +141,15 @@ def test_small_neighbouring_items_share_runs_large_ones_stand_alone():
     checkpoint = open_checkpoint(fixture_path("fsdp2_adamw_3ranks"))
     tasks = plan_transcode(checkpoint, zstd_codec(), recode_same_codec=False).tasks
     largest = max(task.location.length for task in tasks)
-    runs = group_into_runs(tasks, max_bytes=4 * largest)
+    runs = group_items_into_runs(tasks, max_bytes=4 * largest)
     assert [task for run in runs for task in run.tasks] == tasks
-    assert len({run.output_file for run in runs}) == 3 < len(runs) < len(tasks) / 3
+    assert len({run.lane for run in runs}) == 3 < len(runs) < len(tasks) / 3
     for run in runs:
-        assert run.stored_bytes == sum(task.location.length for task in run.tasks) <= 4 * largest
+        assert run.size_bytes == sum(task.location.length for task in run.tasks) <= 4 * largest
         for before, after in zip(run.tasks, run.tasks[1:]):
-            assert after.output_file == before.output_file == run.output_file
+            assert after.output_file == before.output_file == run.lane
             assert after.location.start == before.location.start + before.location.length
-    assert [len(run.tasks) for run in group_into_runs(tasks, max_bytes=1)] == [1] * len(tasks)
+    assert [len(run.tasks) for run in group_items_into_runs(tasks, max_bytes=1)] == [1] * len(tasks)
 
 
 def test_disk_full_mid_run_cleans_up(copy_fixture, tmp_path, monkeypatch):
