@@ -38,6 +38,7 @@ class ItemTask:
 
     key: ItemKey
     source: StorageInfo
+    """The item's entry in the source metadata, which its new entry copies."""
     location: ItemLocation
     output_file: str
     transcode: bool

@@ -89,7 +89,8 @@ def test_zstd_encoder_makes_one_frame_whole_or_in_pieces(size_bytes, given_whole
     for known_size in (size_bytes, None):
         for _ in range(2):  # the second item reuses the first one's compressor
             encoder = zstd_codec(3).new_encoder(known_size)
-            pieces = [data] if given_whole else [data[i:i + 7000] for i in range(0, size_bytes, 7000)]
+            pieces = ([data] if given_whole else
+                      [data[start:start + 7000] for start in range(0, size_bytes, 7000)])
             frame = b"".join([encoder.encode(piece) for piece in pieces] + [encoder.finish()])
             assert zstandard.get_frame_parameters(frame).content_size == (
                 size_bytes if known_size is not None else zstandard.CONTENTSIZE_UNKNOWN)
