@@ -180,7 +180,7 @@ class _ZstdEncoder:
         return self._stream.compress(piece)
 
     def finish(self) -> bytes:
-        if self._coded_whole and self._stream is None:
+        if self._coded_whole:  # no stream was started after the whole item
             ending = b""
         else:  # a stream ends its frame here; an empty item's frame is made here whole
             ending = (self._stream or self._new_stream()).flush()

@@ -62,7 +62,7 @@ class StoredSpan:
             with open(path, "rb", buffering=0) as stream:
                 self._data = memoryview(os.pread(stream.fileno(), end - start, start))
         except FileNotFoundError:
-            raise DataError(f"{path}: missing data file (item {first_fqn!r})") from None
+            raise _missing(path, first_fqn) from None
 
     def stored_bytes(self, location: ItemLocation) -> memoryview:
         """The item's stored bytes, which must lie in the span."""
@@ -93,7 +93,11 @@ def iter_stored_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_
                 remaining -= len(piece)
                 yield piece
     except FileNotFoundError:
-        raise DataError(f"{location.path}: missing data file (item {location.fqn!r})") from None
+        raise _missing(location.path, location.fqn) from None
+
+
+def _missing(path: Path, fqn: str) -> DataError:
+    return DataError(f"{path}: missing data file (item {fqn!r})")
 
 
 def _truncated(location: ItemLocation, missing_bytes: int) -> DataError:
