@@ -29,26 +29,37 @@ class PayloadSource:
     nbytes: int
 
 
+class _ItemState:
+    """One stored item's payload, once found, and how many users it has left."""
+
+    __slots__ = ("lock", "source", "users_left")
+
+    def __init__(self, users: int) -> None:
+        self.lock = threading.Lock()
+        self.source: PayloadSource | None = None
+        self.users_left = users
+
+
 class PayloadReader:
     """Finds and reads the payload of stored chunks; safe to share between threads."""
 
     def __init__(self, spool_directory: Path, users_by_item: dict[ItemLocation, int]) -> None:
         self._spool_directory = spool_directory
-        self._users_left = dict(users_by_item)
-        self._sources: dict[ItemLocation, PayloadSource] = {}
-        self._item_locks: dict[ItemLocation, threading.Lock] = {}
+        # One state per item, made up front: each use then costs one lookup and no shared lock.
+        self._items = {location: _ItemState(users) for location, users in users_by_item.items()}
         self._lock = threading.Lock()
         self._descriptors: dict[Path, int] = {}
 
     def source_of(self, location: ItemLocation, raw_tensor: bool, expected_nbytes: int
                   ) -> PayloadSource:
         """The payload of the chunk stored at location (raw_tensor: SAFETENSORS bytes)."""
-        with self._lock:
-            item_lock = self._item_locks.setdefault(location, threading.Lock())
-        with item_lock:
-            source = self._sources.get(location)
-            if source is None:
-                source = self._sources[location] = self._locate(location, raw_tensor)
+        item = self._items[location]
+        source = item.source
+        if source is None:
+            with item.lock:
+                source = item.source
+                if source is None:
+                    source = item.source = self._locate(location, raw_tensor)
         if source.nbytes != expected_nbytes:
             raise DataError(f"{location.path}: item {location.fqn!r} holds {source.nbytes} bytes "
                             f"of tensor data, the metadata implies {expected_nbytes}")
@@ -63,13 +74,15 @@ class PayloadReader:
 
     def release(self, location: ItemLocation) -> None:
         """One user of the item is done; its spool file goes with the last one."""
-        with self._lock:
-            self._users_left[location] -= 1
-            if self._users_left[location] or location not in self._sources:
+        item = self._items[location]
+        with item.lock:
+            item.users_left -= 1
+            if item.users_left or item.source is None:
                 return
-            source = self._sources.pop(location)
+            source, item.source = item.source, None
         if source.path.parent == self._spool_directory:
-            descriptor = self._descriptors.pop(source.path, None)
+            with self._lock:
+                descriptor = self._descriptors.pop(source.path, None)
             if descriptor is not None:
                 os.close(descriptor)
             source.path.unlink(missing_ok=True)

@@ -10,20 +10,23 @@ onto plain values; a storage is a persistent id, recorded rather than loaded.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 from dcpctl.errors import DataError
 from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
-from dcpctl.format.zip_archive import STORED, ReadRange, ZipRecord, read_zip_records
+from dcpctl.format.zip_archive import STORED, ReadRange, ZipRecord, locate_record, \
+    read_central_directory
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
 _MAX_PICKLE_BYTES = 1 << 20
 _LAYOUT_WINDOW_BYTES = 4096
 
+RecordT = TypeVar("RecordT")
 _DTYPES_BY_LEGACY_STORAGE = {storage: DTYPES_BY_NAME[name]
                               for name, storage in LEGACY_STORAGE_TYPES.items()}
 
@@ -63,9 +66,8 @@ class SavedTensor:
 
 @dataclass(frozen=True)
 class TorchSaveLayout:
-    """Where everything lies in a torch.save archive of one tensor (offsets within the item)."""
+    """Where the tensor of a torch.save archive of one tensor lies (offsets within the item)."""
 
-    records: tuple[ZipRecord, ...]
     tensor: SavedTensor
     storage: ZipRecord
 
@@ -76,14 +78,18 @@ class TorchSaveLayout:
 
 
 def read_torch_save_layout(read_range: ReadRange, item_length: int) -> TorchSaveLayout:
-    """The records and tensor of a torch.save archive of `item_length` bytes. Reads only the
-    archive's last and first few KiB (central directory, local headers, data.pkl), never the
-    tensor data."""
+    """The tensor of a torch.save archive of `item_length` bytes and where it lies. Reads only
+    the archive's last and first few KiB (central directory, the two local headers it needs,
+    data.pkl), never the tensor data."""
     read_cached = cache_ends(read_range, item_length, _LAYOUT_WINDOW_BYTES)
-    records = read_zip_records(read_cached, item_length)
-    pickle_record = find_pickle_record(records)
-    return build_torch_save_layout(
-        records, read_cached(pickle_record.data_offset, pickle_record.size_bytes))
+    directory_offset, entries = read_central_directory(read_cached, item_length)
+    pickle_record = locate_record(read_cached, find_pickle_record(entries), directory_offset)
+    tensor = _tensor_of_pickle_record(
+        pickle_record, read_cached(pickle_record.data_offset, pickle_record.size_bytes))
+    storage_entry = next((entry for entry in entries if entry.name == tensor.storage_record),
+                         None)
+    return _join_storage(tensor, storage_entry and locate_record(read_cached, storage_entry,
+                                                                 directory_offset))
 
 
 def cache_ends(read_range: ReadRange, length: int, window_bytes: int) -> ReadRange:
@@ -103,8 +109,8 @@ def cache_ends(read_range: ReadRange, length: int, window_bytes: int) -> ReadRan
     return read_cached
 
 
-def find_pickle_record(records: Sequence[ZipRecord]) -> ZipRecord:
-    """The archive's `<prefix>/data.pkl` record."""
+def find_pickle_record(records: Sequence[RecordT]) -> RecordT:
+    """The archive's `<prefix>/data.pkl` record (a ZipRecord or a central directory entry)."""
     for record in records:
         if record.name.endswith(PICKLE_RECORD_SUFFIX) and record.name.count("/") == 1:
             if record.compression_method != STORED:
@@ -119,10 +125,18 @@ def find_pickle_record(records: Sequence[ZipRecord]) -> ZipRecord:
 
 def build_torch_save_layout(records: Sequence[ZipRecord], pickle_bytes: bytes) -> TorchSaveLayout:
     """Join the archive's records with its data.pkl and check that they agree."""
-    pickle_record = find_pickle_record(records)
+    tensor = _tensor_of_pickle_record(find_pickle_record(records), pickle_bytes)
+    return _join_storage(tensor, next((r for r in records if r.name == tensor.storage_record),
+                                      None))
+
+
+def _tensor_of_pickle_record(pickle_record: ZipRecord, pickle_bytes: bytes) -> SavedTensor:
     prefix = pickle_record.name[:-len(PICKLE_RECORD_SUFFIX)]
-    tensor = parse_tensor_pickle(pickle_bytes, f"{prefix}/data/")
-    storage = next((r for r in records if r.name == tensor.storage_record), None)
+    return parse_tensor_pickle(pickle_bytes, f"{prefix}/data/")
+
+
+def _join_storage(tensor: SavedTensor, storage: ZipRecord | None) -> TorchSaveLayout:
+    """The layout of the tensor in its storage record, once both are checked to agree."""
     if storage is None:
         raise DataError(f"data.pkl names storage record {tensor.storage_record!r}, which the "
                         "archive lacks")
@@ -138,7 +152,7 @@ def build_torch_save_layout(records: Sequence[ZipRecord], pickle_bytes: bytes) -
             raise DataError(f"data.pkl describes a tensor of shape {list(tensor.shape)}, stride "
                             f"{list(tensor.stride)} and offset {tensor.storage_offset} that "
                             f"reaches outside its storage of {tensor.storage_numel} elements")
-    return TorchSaveLayout(tuple(records), tensor, storage)
+    return TorchSaveLayout(tensor, storage)
 
 
 @dataclass(frozen=True)
@@ -219,6 +233,12 @@ class _TensorUnpickler(pickle.Unpickler):
 
 def parse_tensor_pickle(data: bytes, storage_record_prefix: str = "archive/data/") -> SavedTensor:
     """The tensor described by a torch.save data.pkl; raises DataError for anything else."""
+    return _parse_tensor_pickle(bytes(data), storage_record_prefix)
+
+
+# Every chunk of one shape and dtype has the same data.pkl: parse each distinct one once.
+@functools.lru_cache(maxsize=1024)
+def _parse_tensor_pickle(data: bytes, storage_record_prefix: str) -> SavedTensor:
     try:
         loaded = _TensorUnpickler(data, storage_record_prefix).load()
     except DataError:

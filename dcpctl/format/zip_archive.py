@@ -36,7 +36,7 @@ _MAX_COMMENT_BYTES = 0xFFFF
 _FIRST_TAIL_BYTES = 1024
 
 
-class _CentralEntry(NamedTuple):
+class CentralEntry(NamedTuple):
     """A record as the central directory describes it."""
 
     name: str
@@ -65,12 +65,12 @@ class ZipRecord:
 
 def read_zip_records(read_range: ReadRange, archive_length: int) -> list[ZipRecord]:
     """Every record of the archive, in central directory order, with its data offset."""
-    directory_offset, entries = _read_central_directory(read_range, archive_length)
-    return [_locate_record(read_range, entry, directory_offset) for entry in entries]
+    directory_offset, entries = read_central_directory(read_range, archive_length)
+    return [locate_record(read_range, entry, directory_offset) for entry in entries]
 
 
-def _read_central_directory(read_range: ReadRange,
-                            archive_length: int) -> tuple[int, list[_CentralEntry]]:
+def read_central_directory(read_range: ReadRange,
+                           archive_length: int) -> tuple[int, list[CentralEntry]]:
     """Where the central directory starts and its entries, found through the (zip64) end of
     central directory record."""
     end_offset, end = _find_end_record(read_range, archive_length)
@@ -113,7 +113,7 @@ def _read_zip64_end(read_range: ReadRange, locator: bytes, end_offset: int) -> t
     return fields[7], fields[8], fields[9]
 
 
-def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> list[_CentralEntry]:
+def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> list[CentralEntry]:
     entries = []
     position = 0
     for _ in range(count):
@@ -132,10 +132,11 @@ def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> li
         if position > len(data):
             raise DataError(f"zip central directory entry at byte {where} is cut short")
         name = data[name_start:extra_start].decode("utf-8", errors="replace")
-        extra = data[extra_start:extra_start + extra_length]
-        size_bytes, header_offset = _apply_zip64_extra(extra, uncompressed_bytes, size_bytes,
-                                                       header_offset, name)
-        entries.append(_CentralEntry(name, header_offset, size_bytes, crc32, method))
+        if 0xFFFFFFFF in (uncompressed_bytes, size_bytes, header_offset):
+            size_bytes, header_offset = _apply_zip64_extra(
+                data[extra_start:extra_start + extra_length], uncompressed_bytes, size_bytes,
+                header_offset, name)
+        entries.append(CentralEntry(name, header_offset, size_bytes, crc32, method))
     return entries
 
 
@@ -143,8 +144,6 @@ def _apply_zip64_extra(extra: bytes, uncompressed_bytes: int, size_bytes: int,
                        header_offset: int, name: str) -> tuple[int, int]:
     """Sizes and offsets too large for 32 bits are 0xFFFFFFFF, the real values in the zip64
     extra field, in the order: uncompressed size, compressed size, local header offset."""
-    if 0xFFFFFFFF not in (uncompressed_bytes, size_bytes, header_offset):
-        return size_bytes, header_offset
     wanted = [value == 0xFFFFFFFF for value in (uncompressed_bytes, size_bytes, header_offset)]
     values = [uncompressed_bytes, size_bytes, header_offset]
     position = 0
@@ -163,8 +162,9 @@ def _apply_zip64_extra(extra: bytes, uncompressed_bytes: int, size_bytes: int,
     raise DataError(f"zip record {name!r} lacks the zip64 extra field its sizes call for")
 
 
-def _locate_record(read_range: ReadRange, entry: _CentralEntry, data_limit: int) -> ZipRecord:
-    """The record of a central directory entry, its data start read from its local header."""
+def locate_record(read_range: ReadRange, entry: CentralEntry, data_limit: int) -> ZipRecord:
+    """The record of a central directory entry, its data start read from its local header;
+    its data must end by data_limit (where the central directory starts)."""
     header = read_range(entry.header_offset, _LOCAL_HEADER.size)
     signature, _, _, _, _, _, _, _, _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
     if signature != LOCAL_SIGNATURE:

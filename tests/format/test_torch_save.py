@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 import pickle
+import zipfile
 
 import pytest
 import torch
 from conftest import FIXTURE_NAMES, fixture_path
-from test_zip_archive import assert_agrees_with_zipfile, reader_of
+from test_zip_archive import assert_record_agrees_with_zipfile, reader_of
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint import TORCH_SAVE, open_checkpoint
@@ -34,7 +35,7 @@ def assert_layout_matches_torch(data: bytes) -> None:
         return reader_of(data)(start, count)
 
     layout = read_torch_save_layout(read_range, len(data))
-    assert_agrees_with_zipfile(data, list(layout.records))
+    assert_record_agrees_with_zipfile(data, layout.storage)
     loaded = torch.load(io.BytesIO(data), weights_only=True)
     tensor = layout.tensor
     assert repr(tensor.dtype) == str(loaded.dtype)
@@ -135,4 +136,22 @@ def test_storage_record_of_the_wrong_size_is_refused():
     damaged = data.replace(b"K\x04t", b"K\x05t", 1)  # storage numel 4 -> 5 in data.pkl
     assert damaged != data and damaged.index(b"\x80\x02") == pickle_start
     with pytest.raises(DataError, match="holds 16 bytes, but data.pkl says 5 elements"):
+        read_torch_save_layout(reader_of(damaged), len(damaged))
+
+
+def test_one_pickle_parsed_under_two_prefixes_names_two_storage_records():
+    """Parses are shared between equal pickles, but never across archive prefixes."""
+    with zipfile.ZipFile(io.BytesIO(saved(torch.ones(3)))) as archive:
+        pickle_bytes = archive.read("archive/data.pkl")
+    first = parse_tensor_pickle(pickle_bytes, "first/data/")
+    second = parse_tensor_pickle(bytearray(pickle_bytes), "second/data/")
+    assert (first.storage_record, second.storage_record) == ("first/data/0", "second/data/0")
+    assert parse_tensor_pickle(pickle_bytes, "first/data/") == first
+
+
+def test_missing_storage_record_is_refused_naming_it():
+    data = saved(torch.arange(4.0))
+    damaged = data.replace(b"archive/data/0", b"archive/data/9")  # local header and directory
+    with pytest.raises(DataError, match="storage record 'archive/data/0', which the archive "
+                                        "lacks"):
         read_torch_save_layout(reader_of(damaged), len(damaged))

@@ -35,14 +35,21 @@ def reader_of(data: bytes):
 
 
 def assert_agrees_with_zipfile(data: bytes, records: list[ZipRecord]) -> None:
+    """records are every record of the archive, as zipfile lists them."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        infos = archive.infolist()
-        assert [record.name for record in records] == [info.filename for info in infos]
-        for record, info in zip(records, infos):
-            assert (record.crc32, record.size_bytes, record.compression_method,
-                    record.header_offset) == (info.CRC, info.compress_size, info.compress_type,
-                                              info.header_offset)
-            assert data[record.data_offset:record.data_end] == archive.read(info.filename)
+        assert [record.name for record in records] == [info.filename for info in
+                                                        archive.infolist()]
+    for record in records:
+        assert_record_agrees_with_zipfile(data, record)
+
+
+def assert_record_agrees_with_zipfile(data: bytes, record: ZipRecord) -> None:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        info = archive.getinfo(record.name)
+        assert (record.crc32, record.size_bytes, record.compression_method,
+                record.header_offset) == (info.CRC, info.compress_size, info.compress_type,
+                                          info.header_offset)
+        assert data[record.data_offset:record.data_end] == archive.read(info.filename)
 
 
 def test_every_fixture_archive_matches_zipfile():

@@ -1,0 +1,57 @@
+"""Reading stored chunks' payloads: in place, or from a spool file for items under a codec."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from conftest import fixture_path
+
+from dcpctl.errors import DataError
+from dcpctl.format.checkpoint import open_checkpoint
+from dcpctl.format.items import locate_item, read_item
+from dcpctl.format.payload import PayloadReader
+
+
+def first_tensor_item(name: str):
+    checkpoint = open_checkpoint(fixture_path(name))
+    tensor = next(t for t in checkpoint.tensors if math.prod(t.chunks[0].sizes) > 1)
+    chunk = tensor.chunks[0]
+    return (locate_item(checkpoint, tensor.fqn, chunk.storage, True),
+            math.prod(chunk.sizes) * tensor.dtype.itemsize)
+
+
+@pytest.mark.parametrize("name", ["fsdp2_adamw_3ranks", "zstd_fsdp2_2ranks"])
+def test_payload_equals_what_torch_loads(tmp_path, name):
+    location, nbytes = first_tensor_item(name)
+    reader = PayloadReader(tmp_path, {location: 1})
+    source = reader.source_of(location, False, nbytes)
+    data = reader.read(source, 0, nbytes)
+    loaded = torch.load(io.BytesIO(bytes(read_item(location))), weights_only=True)
+    assert data == loaded.contiguous().view(torch.uint8).numpy().tobytes()
+    reader.release(location)
+    reader.close()
+
+
+def test_spool_file_goes_with_the_last_user(tmp_path):
+    location, nbytes = first_tensor_item("zstd_fsdp2_2ranks")
+    reader = PayloadReader(tmp_path, {location: 2})
+    first = reader.source_of(location, False, nbytes)
+    assert reader.source_of(location, False, nbytes) == first  # decoded once
+    assert list(tmp_path.iterdir()) == [first.path]
+    reader.release(location)
+    assert first.path.exists()
+    reader.release(location)
+    assert not first.path.exists()
+    reader.close()
+
+
+def test_payload_of_another_size_than_the_metadata_implies_is_refused(tmp_path):
+    location, nbytes = first_tensor_item("fsdp2_adamw_3ranks")
+    reader = PayloadReader(tmp_path, {location: 1})
+    with pytest.raises(DataError, match=f"holds {nbytes} bytes of tensor data, the metadata "
+                                        f"implies {nbytes + 4}"):
+        reader.source_of(location, False, nbytes + 4)
+    reader.close()
