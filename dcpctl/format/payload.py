@@ -65,12 +65,11 @@ class PayloadReader:
                             f"of tensor data, the metadata implies {expected_nbytes}")
         return source
 
-    def read(self, source: PayloadSource, offset: int, length: int) -> bytes:
-        """length bytes of the payload from offset."""
-        data = os.pread(self._descriptor(source.path), length, source.offset + offset)
-        if len(data) != length:
-            raise DataError(f"{source.path}: truncated at byte {source.offset + offset + len(data)}")
-        return data
+    def read_into(self, source: PayloadSource, offset: int, out: memoryview) -> None:
+        """Fill out with the payload's bytes from offset."""
+        count = os.preadv(self._descriptor(source.path), [out], source.offset + offset)
+        if count != len(out):
+            raise DataError(f"{source.path}: truncated at byte {source.offset + offset + count}")
 
     def release(self, location: ItemLocation) -> None:
         """One user of the item is done; its spool file goes with the last one."""

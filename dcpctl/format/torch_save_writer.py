@@ -15,7 +15,9 @@ import functools
 import math
 import struct
 import zlib
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
+
+import numpy
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
@@ -160,6 +162,7 @@ class _ArchiveTemplate:
         entries, self._directory_end = zip_writer.directory_parts()
         self._directory_head = b"".join(entries[:4])
         self._payload_entry, self._version_entry, self._id_entry = entries[4:]
+        self.suffix_bytes = len(self.suffix(0))
 
     def suffix(self, crc: int) -> bytes:
         """Everything after a payload whose CRC-32 is crc."""
@@ -199,3 +202,18 @@ def iter_torch_save_archive(dtype: DType, shape: tuple[int, ...],
     if size != template.nbytes:
         raise ValueError(f"payload of {size} bytes for a {dtype!r} tensor of shape {shape}")
     yield template.suffix(crc)
+
+
+def torch_save_archive(dtype: DType, shape: tuple[int, ...],
+                       fill_payload: Callable[[memoryview], None]) -> memoryview:
+    """The bytes of `torch.save(tensor)` for a contiguous tensor, in one buffer whose payload
+    fill_payload writes in place (the row-major bytes): no piece of it is copied twice."""
+    template = _archive_template(dtype, shape)
+    payload_start = len(template.prefix)
+    payload_end = payload_start + template.nbytes
+    archive = memoryview(numpy.empty(payload_end + template.suffix_bytes, dtype=numpy.uint8))
+    archive[:payload_start] = template.prefix
+    payload = archive[payload_start:payload_end]
+    fill_payload(payload)
+    archive[payload_end:] = template.suffix(zlib.crc32(payload))
+    return archive

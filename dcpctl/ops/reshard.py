@@ -2,9 +2,10 @@
 
 The plan, a pure function of the checkpoint and N, gives every output chunk (`Shard(0)` with
 torch.chunk semantics, format/sharding.py), the input chunks that overlap it and the rank
-file it goes to. Running it assembles each output chunk in blocks of rows, reading only the
-overlapping byte ranges of the input payloads, and streams it out as a torch.save archive
-through the shared ordered pipeline; no chunk is ever whole in memory.
+file it goes to. Running it assembles each output chunk from the overlapping byte ranges of the
+input payloads, read straight into place, as a torch.save archive that goes out through the
+shared ordered pipeline. A chunk of up to a piece (4 MiB) is built whole in one buffer, so its
+bytes are copied once; a larger one streams in blocks of rows, never whole in memory.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pie
 from dcpctl.format.payload import PayloadReader
 from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo
 from dcpctl.format.sharding import shard_dim0_chunks
-from dcpctl.format.torch_save_writer import iter_torch_save_archive
+from dcpctl.format.torch_save_writer import iter_torch_save_archive, torch_save_archive
 from dcpctl.format.writer import CheckpointOutput
 from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
 
@@ -189,13 +190,14 @@ def _row_blocks(task: ChunkTask, piece_bytes: int) -> Iterator[tuple[int, int]]:
         yield begin, min(begin + step, stop)
 
 
-def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> bytes:
-    """Rows [begin, end) of the output chunk, from the overlapping input rows."""
+def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
+               out: memoryview) -> None:
+    """Write rows [begin, end) of the output chunk into out, from the overlapping input rows."""
     itemsize = task.dtype.itemsize
     if not task.offsets:
         source = task.sources[0]
-        payload = reader.source_of(source.location, source.raw_tensor, itemsize)
-        return reader.read(payload, 0, itemsize)
+        reader.read_into(reader.source_of(source.location, source.raw_tensor, itemsize), 0, out)
+        return
     inner = task.sizes[1:]
     whole_rows = [s for s in task.sources if s.sizes[1:] == inner
                   and s.offsets[0] <= begin and end <= s.offsets[0] + s.sizes[0]]
@@ -204,9 +206,9 @@ def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader)
         row_bytes = math.prod(inner) * itemsize
         payload = reader.source_of(source.location, source.raw_tensor,
                                    source.sizes[0] * row_bytes)
-        return reader.read(payload, (begin - source.offsets[0]) * row_bytes,
-                           (end - begin) * row_bytes)
-    block = numpy.empty((end - begin, *inner, itemsize), dtype=numpy.uint8)
+        reader.read_into(payload, (begin - source.offsets[0]) * row_bytes, out)
+        return
+    block = numpy.frombuffer(out, dtype=numpy.uint8).reshape((end - begin, *inner, itemsize))
     for source in task.sources:
         first = max(begin, source.offsets[0])
         last = min(end, source.offsets[0] + source.sizes[0])
@@ -215,39 +217,57 @@ def _assemble_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader)
         row_bytes = math.prod(source.sizes[1:]) * itemsize
         payload = reader.source_of(source.location, source.raw_tensor,
                                    source.sizes[0] * row_bytes)
-        data = reader.read(payload, (first - source.offsets[0]) * row_bytes,
-                           (last - first) * row_bytes)
+        rows = memoryview(numpy.empty((last - first) * row_bytes, dtype=numpy.uint8))
+        reader.read_into(payload, (first - source.offsets[0]) * row_bytes, rows)
         region = (slice(first - begin, last - begin),) + tuple(
             slice(offset, offset + size) for offset, size in zip(source.offsets[1:],
                                                                  source.sizes[1:]))
-        block[region] = numpy.frombuffer(data, dtype=numpy.uint8).reshape(
+        block[region] = numpy.frombuffer(rows, dtype=numpy.uint8).reshape(
             (last - first, *source.sizes[1:], itemsize))
-    return memoryview(block).cast("B")
+
+
+def _read_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> memoryview:
+    """Rows [begin, end) of the output chunk, in a buffer of their own."""
+    rows = end - begin if task.offsets else 1
+    out = memoryview(numpy.empty(rows * (task.nbytes // (task.sizes[0] if task.offsets else 1)),
+                                 dtype=numpy.uint8))
+    _fill_rows(task, begin, end, reader, out)
+    return out
 
 
 def _produce(plan: ReshardPlan, reader: PayloadReader,
              piece_bytes: int) -> Callable[[ChunkTask | ObjectTask], Iterator[bytes]]:
-    def encoded(pieces: Iterator[bytes], payload: PayloadHint | None) -> Iterator[bytes]:
-        encoder = plan.codec.new_encoder(None, payload)
+    def encoded(pieces: Iterator[bytes], size_bytes: int | None,
+                payload: PayloadHint | None) -> Iterator[bytes]:
+        encoder = plan.codec.new_encoder(size_bytes, payload)
         for piece in pieces:
             out = encoder.encode(piece)
             if out:
                 yield out
-        yield encoder.finish()
+        ending = encoder.finish()
+        if ending:
+            yield ending
 
     def produce(task: ChunkTask | ObjectTask) -> Iterator[bytes]:
         if isinstance(task, ObjectTask):
             if task.location.codec.descriptors == plan.codec.descriptors:
                 yield from iter_stored_pieces(task.location, piece_bytes)
             else:
-                yield from encoded(iter_item_pieces(task.location, piece_bytes), None)
+                yield from encoded(iter_item_pieces(task.location, piece_bytes), None, None)
             return
+        hint = PayloadHint(task.dtype.name, task.nbytes)
         try:
-            rows = (_assemble_rows(task, begin, end, reader)
+            if task.nbytes <= piece_bytes:  # the whole archive in one buffer, read into place
+                first_row = task.offsets[0] if task.offsets else 0
+                archive = torch_save_archive(task.dtype, task.sizes, lambda payload: _fill_rows(
+                    task, first_row, first_row + (task.sizes[0] if task.offsets else 1), reader,
+                    payload))
+                yield from encoded(iter([archive]), len(archive), hint)
+                return
+            rows = (_read_rows(task, begin, end, reader)
                     for begin, end in _row_blocks(task, piece_bytes))
-            archive = iter_torch_save_archive(task.dtype, task.sizes, rows)
-            yield from coalesce(encoded(archive, PayloadHint(task.dtype.name, task.nbytes)),
-                                _COALESCE_BYTES)
+            archive_pieces = iter_torch_save_archive(task.dtype, task.sizes, rows)
+            yield from coalesce(encoded(archive_pieces, None, hint), _COALESCE_BYTES)
         finally:
             for source in task.sources:
                 reader.release(source.location)

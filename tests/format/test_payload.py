@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -28,7 +30,8 @@ def test_payload_equals_what_torch_loads(tmp_path, name):
     location, nbytes = first_tensor_item(name)
     reader = PayloadReader(tmp_path, {location: 1})
     source = reader.source_of(location, False, nbytes)
-    data = reader.read(source, 0, nbytes)
+    data = bytearray(nbytes)
+    reader.read_into(source, 0, memoryview(data))
     loaded = torch.load(io.BytesIO(bytes(read_item(location))), weights_only=True)
     assert data == loaded.contiguous().view(torch.uint8).numpy().tobytes()
     reader.release(location)
@@ -54,4 +57,18 @@ def test_payload_of_another_size_than_the_metadata_implies_is_refused(tmp_path):
     with pytest.raises(DataError, match=f"holds {nbytes} bytes of tensor data, the metadata "
                                         f"implies {nbytes + 4}"):
         reader.source_of(location, False, nbytes + 4)
+    reader.close()
+
+
+def test_payload_cut_short_is_refused_naming_where(tmp_path):
+    location, nbytes = first_tensor_item("fsdp2_adamw_3ranks")
+    copy = tmp_path / "data.distcp"
+    copy.write_bytes(location.path.read_bytes())
+    location = dataclasses.replace(location, path=copy)
+    reader = PayloadReader(tmp_path / "spool", {location: 1})
+    source = reader.source_of(location, False, nbytes)
+    cut = source.offset + nbytes // 2
+    os.truncate(copy, cut)
+    with pytest.raises(DataError, match=f"{copy}: truncated at byte {cut}$"):
+        reader.read_into(source, 0, memoryview(bytearray(nbytes)))
     reader.close()

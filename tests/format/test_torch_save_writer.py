@@ -10,7 +10,7 @@ import torch
 
 from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.format.torch_save import read_torch_save_layout
-from dcpctl.format.torch_save_writer import iter_torch_save_archive
+from dcpctl.format.torch_save_writer import iter_torch_save_archive, torch_save_archive
 
 CASES = [
     (torch.bfloat16, (2, 3)), (torch.float32, (70_000, 3)), (torch.int64, ()),
@@ -56,3 +56,20 @@ def test_archive_has_torchs_size_for_a_small_tensor():
 def test_wrong_payload_size_is_refused():
     with pytest.raises(ValueError, match="payload of 3 bytes"):
         b"".join(iter_torch_save_archive(dtype_by_name("float32"), (2,), [b"abc"]))
+
+
+@pytest.mark.parametrize("dtype,shape", CASES)
+def test_archive_built_in_one_buffer_is_the_streamed_archive(dtype, shape):
+    tensor = _sample(dtype, shape)
+    payload = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    dtype_name = dtype_by_name(str(dtype))
+    filled = []
+
+    def fill(out: memoryview) -> None:
+        filled.append(len(out))
+        out[:] = payload
+
+    archive = torch_save_archive(dtype_name, tuple(shape), fill)
+    assert filled == [len(payload)]
+    assert bytes(archive) == b"".join(iter_torch_save_archive(dtype_name, tuple(shape), [payload]))
+    assert torch.equal(torch.load(io.BytesIO(bytes(archive)), weights_only=True), tensor)
