@@ -34,11 +34,16 @@ from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo
 from dcpctl.format.sharding import shard_dim0_chunks
 from dcpctl.format.torch_save_writer import iter_torch_save_archive, torch_save_archive
 from dcpctl.format.writer import CheckpointOutput
-from dcpctl.pipeline import Pipeline, coalesce, default_thread_count
+from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, group_into_runs, \
+    produce_run
 
-# Pieces smaller than this are joined before they reach the writer: a chunk's archive comes as
-# a dozen small records around its payload, and per-piece costs add up over many chunks.
+# Pieces smaller than this are joined before they reach the writer: a run's archives come as
+# many small pieces, and per-piece costs (a write and a hash update, each a hand-over of the
+# GIL) add up over many chunks.
 _COALESCE_BYTES = 1 << 20
+# Runs are formed within windows of this many bytes of tasks in plan order (see
+# group_tasks_into_runs).
+_WINDOW_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +132,8 @@ def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = 
                                    rank_file_name(target.rank)))
     for entry in checkpoint.objects:
         if entry.storage is None:
-            raise UnsupportedLayoutError(f"{checkpoint.path}: object {entry.fqn!r} has no stored item")
+            raise UnsupportedLayoutError(f"{checkpoint.path}: object {entry.fqn!r} has no "
+                                         "stored item")
         tasks.append(ObjectTask(entry.fqn, locate_item(checkpoint, entry.fqn, entry.storage, False),
                                 rank_file_name(0)))
     return ReshardPlan(world_size, codec, tasks)
@@ -235,8 +241,22 @@ def _read_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> 
     return out
 
 
+def _chunk_archive(task: ChunkTask, reader: PayloadReader, piece_bytes: int
+                   ) -> tuple[Iterator[bytes], int | None]:
+    """The output chunk's torch.save archive as pieces, and its size when known: a chunk of up
+    to piece_bytes comes whole in one buffer, its rows read straight into place."""
+    if task.nbytes <= piece_bytes:
+        first_row = task.offsets[0] if task.offsets else 0
+        last_row = first_row + (task.sizes[0] if task.offsets else 1)
+        archive = torch_save_archive(task.dtype, task.sizes, lambda payload: _fill_rows(
+            task, first_row, last_row, reader, payload))
+        return iter([archive]), len(archive)
+    rows = (_read_rows(task, begin, end, reader) for begin, end in _row_blocks(task, piece_bytes))
+    return iter_torch_save_archive(task.dtype, task.sizes, rows), None
+
+
 def _produce(plan: ReshardPlan, reader: PayloadReader,
-             piece_bytes: int) -> Callable[[ChunkTask | ObjectTask], Iterator[bytes]]:
+             piece_bytes: int) -> Callable[[Run[ChunkTask | ObjectTask]], Iterator[bytes]]:
     def encoded(pieces: Iterator[bytes], size_bytes: int | None,
                 payload: PayloadHint | None) -> Iterator[bytes]:
         encoder = plan.codec.new_encoder(size_bytes, payload)
@@ -255,24 +275,40 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
             else:
                 yield from encoded(iter_item_pieces(task.location, piece_bytes), None, None)
             return
-        hint = PayloadHint(task.dtype.name, task.nbytes)
         try:
-            if task.nbytes <= piece_bytes:  # the whole archive in one buffer, read into place
-                first_row = task.offsets[0] if task.offsets else 0
-                archive = torch_save_archive(task.dtype, task.sizes, lambda payload: _fill_rows(
-                    task, first_row, first_row + (task.sizes[0] if task.offsets else 1), reader,
-                    payload))
-                yield from encoded(iter([archive]), len(archive), hint)
-                return
-            rows = (_read_rows(task, begin, end, reader)
-                    for begin, end in _row_blocks(task, piece_bytes))
-            archive_pieces = iter_torch_save_archive(task.dtype, task.sizes, rows)
-            yield from coalesce(encoded(archive_pieces, None, hint), _COALESCE_BYTES)
+            yield from encoded(*_chunk_archive(task, reader, piece_bytes),
+                               PayloadHint(task.dtype.name, task.nbytes))
         finally:
             for source in task.sources:
                 reader.release(source.location)
 
-    return produce
+    def produce_run_pieces(run: Run[ChunkTask | ObjectTask]) -> Iterator[bytes]:
+        return coalesce(produce_run(run, produce), _COALESCE_BYTES)
+
+    return produce_run_pieces
+
+
+def _task_bytes(task: ChunkTask | ObjectTask) -> int:
+    return task.nbytes if isinstance(task, ChunkTask) else task.location.length
+
+
+def group_tasks_into_runs(tasks: list[ChunkTask | ObjectTask], max_bytes: int,
+                          window_bytes: int = _WINDOW_BYTES) -> list[Run[ChunkTask | ObjectTask]]:
+    """Runs of tasks of one output file, of at most max_bytes. Tasks are taken in windows of
+    about window_bytes, each window's tasks grouped by output file (plan order kept within a
+    file, so the output is the same): runs form for every rank file, while the users of an
+    input item stay close in time, and a spooled item goes once they are done."""
+    ordered: list[ChunkTask | ObjectTask] = []
+    window: list[ChunkTask | ObjectTask] = []
+    gathered = 0
+    for task in tasks:
+        window.append(task)
+        gathered += _task_bytes(task)
+        if gathered >= window_bytes:
+            ordered += sorted(window, key=lambda task: task.output_file)
+            window, gathered = [], 0
+    ordered += sorted(window, key=lambda task: task.output_file)
+    return group_into_runs(ordered, lambda task: task.output_file, _task_bytes, max_bytes)
 
 
 def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
@@ -302,26 +338,28 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
     reader = PayloadReader(spool_directory, users)
     storage_by_task: dict[int, StorageInfo] = {}
     index_of = {id(task): index for index, task in enumerate(plan.tasks)}
-    total = sum(t.nbytes if isinstance(t, ChunkTask) else t.location.length for t in plan.tasks)
+    total = sum(map(_task_bytes, plan.tasks))
 
-    def consume(task: ChunkTask | ObjectTask, pieces: Iterator[bytes]) -> None:
-        writer = output.data_file(task.output_file)
-        start = writer.size_bytes
+    def consume(run: Run[ChunkTask | ObjectTask], pieces: Iterator[bytes]) -> None:
+        writer = output.data_file(run.lane)
+        offset = writer.size_bytes
         for piece in pieces:
             writer.write(piece)
-        keeps_stored = isinstance(task, ObjectTask) and (
-            task.location.codec.descriptors == plan.codec.descriptors)
-        storage_by_task[index_of[id(task)]] = StorageInfo(
-            task.output_file, start, writer.size_bytes - start,
-            (task.location.codec.descriptors if keeps_stored else plan.codec.descriptors) or None)
+        for task, length in zip(run.tasks, run.produced_bytes, strict=True):
+            keeps_stored = isinstance(task, ObjectTask) and (
+                task.location.codec.descriptors == plan.codec.descriptors)
+            storage_by_task[index_of[id(task)]] = StorageInfo(
+                run.lane, offset, length, (task.location.codec.descriptors if keeps_stored
+                                           else plan.codec.descriptors) or None)
+            offset += length
         if on_progress is not None:
-            on_progress(task.nbytes if isinstance(task, ChunkTask) else task.location.length,
-                        total)
+            on_progress(run.size_bytes, total)
 
     try:
         Pipeline(_produce(plan, reader, piece_bytes), threads=threads,
                  bytes_in_flight=4 * threads * piece_bytes).run(
-                     plan.tasks, consume, lane_of=lambda task: task.output_file)
+                     group_tasks_into_runs(plan.tasks, piece_bytes), consume,
+                     lane_of=lambda run: run.lane)
     finally:
         reader.close()
     output.finish_data_files()

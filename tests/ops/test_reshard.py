@@ -13,7 +13,8 @@ from rank_loading import assert_matches_manifest, describe_after_loading_on_rank
 from dcpctl.errors import OutputError, UnsupportedLayoutError
 from dcpctl.format.checkpoint import open_checkpoint
 from dcpctl.format.codecs import IDENTITY
-from dcpctl.ops.reshard import reshard_checkpoint
+from dcpctl.format.dtypes import dtype_by_name
+from dcpctl.ops.reshard import ChunkTask, group_tasks_into_runs, rank_file_name, reshard_checkpoint
 
 
 def _save_fsdp2(rank: int, world_size: int, path: str) -> None:
@@ -134,3 +135,21 @@ def test_bad_outputs_are_refused(tmp_path):
     with pytest.raises(UnsupportedLayoutError, match="at least 1"):
         reshard_checkpoint(fixture_path("mesh2d_4ranks"), 0, str(tmp_path / "zero"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_runs_group_each_windows_tasks_by_rank_file_in_plan_order():
+    float32 = dtype_by_name("float32")
+    tasks = [ChunkTask(f"t{tensor}", float32, (tensor * 3 + rank, 0), (1, 256), (),
+                       rank_file_name(rank))
+             for tensor in range(5) for rank in range(3)]  # 1 KiB each, ranks interleaved
+    runs = group_tasks_into_runs(tasks, max_bytes=2048, window_bytes=6 * 1024)
+    assert [[task.fqn for task in run.tasks] for run in runs] == [
+        ["t0", "t1"], ["t0", "t1"], ["t0", "t1"],  # window 1: tensors 0 and 1, per rank file
+        ["t2", "t3"], ["t2", "t3"], ["t2", "t3"],
+        ["t4"], ["t4"], ["t4"]]
+    for run in runs:
+        assert {task.output_file for task in run.tasks} == {run.lane}
+        assert run.size_bytes == 1024 * len(run.tasks) <= 2048
+    for rank in range(3):  # each file gets its tasks in plan order: the same bytes as before
+        assert [task for run in runs if run.lane == rank_file_name(rank) for task in run.tasks
+                ] == [task for task in tasks if task.output_file == rank_file_name(rank)]
