@@ -6,7 +6,10 @@ side, each run a fresh process and each figure the best of --repeat runs (median
   torch:  `FileSystemReader(path).read_metadata()` (today's way to look inside: import torch
           and unpickle with torch's classes), as a process and, inside it, the read alone
   dcpctl: `dcpctl inspect --json` (safe unpickle, checks, full report, JSON out) and the
-          table, as processes; and inside a process, the read + report and the JSON text alone.
+          table, as processes; and inside a process, the read + report and the JSON text alone
+  floors: the start-up of a bare `python -c pass`, and Python's C unpickler alone on the same
+          `.metadata` with its globals mapped to trivial stand-in classes: no reader that
+          builds the records from the pickle can beat their sum.
 With --baseline DIR, the dcpctl rows are also run from another source tree (e.g. an older
 commit: `git worktree add /tmp/old <commit>`), interleaved with this one's runs.
 
@@ -94,6 +97,29 @@ else:  # a tree from before to_json_text: what its CLI did
 print(time.perf_counter() - start)
 """
 
+# The floor of any reader that builds the records: Python's C unpickler alone on the same
+# bytes, its globals mapped to the cheapest stand-ins (no checks, no allowlist, no report).
+_UNPICKLE_FLOOR_CODE = """
+import gc, io, pickle, sys, time
+gc.disable()  # as dcpctl's reader pauses the cycle collector
+class Record:
+    pass
+class TupleRecord:  # TensorProperties pickles its state as a tuple
+    def __setstate__(self, state):
+        self.state = state
+STAND_INS = {("torch", "Size"): tuple, ("collections", "OrderedDict"): dict,
+             ("torch.serialization", "_get_layout"): str, ("pathlib", "PosixPath"): lambda *parts: parts,
+             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): int,
+             ("torch.distributed.checkpoint.metadata", "TensorProperties"): TupleRecord}
+class StandIns(pickle.Unpickler):
+    def find_class(self, module, name):
+        return STAND_INS.get((module, name), Record)
+data = open(sys.argv[1] + "/.metadata", "rb").read()
+start = time.perf_counter()
+StandIns(io.BytesIO(data)).load()
+print(time.perf_counter() - start)
+"""
+
 
 def _in_tree(source_tree: Path) -> dict:
     """Run from source_tree and import dcpctl from it: `python -m` and `-c` put the working
@@ -131,6 +157,10 @@ def measurements(checkpoint: Path) -> dict[str, tuple[bool, object]]:
             _DCPCTL_REPORT_CODE, checkpoint, tree)),
         "dcpctl JSON text of the report (inside)": (True, lambda tree: reported_seconds(
             _DCPCTL_JSON_CODE, checkpoint, tree)),
+        "floor: python start-up (process)": (False, lambda tree: process_seconds(
+            [sys.executable, "-c", "pass"], tree)),
+        "floor: C unpickle to stand-ins (inside)": (False, lambda tree: reported_seconds(
+            _UNPICKLE_FLOOR_CODE, checkpoint, tree)),
     }
 
 
@@ -159,6 +189,10 @@ def bench_one(checkpoint: Path, repeat: int, baseline: Path | None) -> None:
     json_best = min(times[("dcpctl inspect --json (process)", "this tree")])
     print(f"dcpctl inspect --json / torch read_metadata, as processes: "
           f"{json_best / torch_best:.2f}x")
+    floor = (min(times[("floor: python start-up (process)", "this tree")])
+             + min(times[("floor: C unpickle to stand-ins (inside)", "this tree")]))
+    print(f"floor of any reader that builds the records (start-up + C unpickle): {floor:.2f} s;"
+          f" dcpctl inspect --json is {json_best / floor:.2f}x that")
 
 
 def main() -> None:

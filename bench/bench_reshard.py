@@ -3,8 +3,10 @@
 Today's way: N gloo processes (as torchrun would start) that each build the target state from
 the metadata (DTensors sharded along dim 0 on an N-rank mesh), `dcp.load` it and `dcp.save` it.
 dcpctl: `dcpctl reshard CKPT --ranks N -o OUT`, one process. `cp -r` of the same checkpoint is
-the floor. Each runs in fresh processes under /usr/bin/time -v, input in the page cache; peak
-RSS is that of the largest single process.
+the bar's anchor; bench/checksummed_copy.py is the floor of anything that writes SHA256SUMS and
+torch.save archives: a copy that also computes a CRC-32 and a SHA-256 of every byte. Each
+runs in fresh processes under /usr/bin/time -v, input in the page cache; peak RSS is that of
+the largest single process.
 
 Usage: python bench/bench_reshard.py [--units 11] [--targets 16 3] [--also-units 43]
 """
@@ -21,6 +23,7 @@ from harness import (dcpctl_command, directory_bytes, drop_directory, measure,  
 from real_checkpoint import ONE_GB_UNITS, OUT_ROOT, real_checkpoint  # noqa: E402
 
 TODAYS_WAY = str(Path(__file__).resolve().parent / "todays_reshard.py")
+CHECKSUMMED_COPY = str(Path(__file__).resolve().parent / "checksummed_copy.py")
 
 
 def main() -> None:
@@ -34,7 +37,9 @@ def main() -> None:
     out = OUT_ROOT / "reshard-out"
     rows = []
     copy_seconds = None
-    for label, command in [("cp -r", ["cp", "-r", str(source), str(out)])] + [
+    floor = [("floor: copy + CRC-32 + SHA-256, 2 threads",
+              [sys.executable, CHECKSUMMED_COPY, str(source), str(out), "2"])]
+    for label, command in [("cp -r", ["cp", "-r", str(source), str(out)])] + floor + [
             item for n in args.targets for item in (
                 (f"today: {n} gloo processes load + save", [sys.executable, TODAYS_WAY, str(source), str(out), str(n)]),
                 (f"dcpctl reshard --ranks {n}", dcpctl_command("reshard", str(source),

@@ -38,6 +38,8 @@ def check_metadata_structure(loaded: Any, source: str) -> None:
 def _check_records(loaded: Any, fail: Fail) -> None:
     if not isinstance(loaded, CheckpointMetadata):
         raise fail(f"holds a {type(loaded).__name__}, not DCP Metadata")
+    if loaded.version is not None and type(loaded.version) is not str:
+        raise fail(f"version is a {type(loaded.version).__name__}, not a string")
     entries = loaded.state_dict_metadata
     if not isinstance(entries, dict):
         raise fail("state_dict_metadata is not a dict")

@@ -257,3 +257,20 @@ def test_transforms_are_read_as_tuples_and_an_empty_list_as_none():
     infos[0].transform_descriptors, infos[1].transform_descriptors = ["stream.zstd/1"], []
     read = list(parse_metadata(serialize_metadata(metadata)).storage_data.values())
     assert [info.transform_descriptors for info in read[:3]] == [("stream.zstd/1",), None, None]
+
+
+@pytest.mark.parametrize("version", [["1.0.0"], 1, b"1.0.0"])
+def test_version_that_is_not_a_string_is_refused(version):
+    def edit(metadata):
+        metadata.version = version
+
+    with pytest.raises(MetadataError, match=f"x/.metadata: version is a {type(version).__name__}, "
+                                            "not a string"):
+        parse_metadata(_edited_metadata(edit), "x/.metadata")
+
+
+def test_metadata_without_a_version_reads():
+    def edit(metadata):
+        metadata.version = None
+
+    assert parse_metadata(_edited_metadata(edit), "x/.metadata").version is None
