@@ -234,9 +234,8 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
 
 def _read_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> memoryview:
     """Rows [begin, end) of the output chunk, in a buffer of their own."""
-    rows = end - begin if task.offsets else 1
-    out = memoryview(numpy.empty(rows * (task.nbytes // (task.sizes[0] if task.offsets else 1)),
-                                 dtype=numpy.uint8))
+    row_bytes = task.nbytes // task.sizes[0] if task.offsets else task.nbytes  # 0-d: one "row"
+    out = memoryview(numpy.empty((end - begin) * row_bytes, dtype=numpy.uint8))
     _fill_rows(task, begin, end, reader, out)
     return out
 
