@@ -87,7 +87,7 @@ class Codec:
             return stored
         if self.name == FLOATSPLIT:
             return _DecodingReader(stored, _new_floatsplit_decoder(), _FLOATSPLIT_READ_BYTES)
-        return _ZstdReader(stored)
+        return _DecodingReader(stored, _ZstdDecoder(), _ZSTD_READ_BYTES)
 
 
 def _new_floatsplit_decoder() -> Decoder:
@@ -230,33 +230,26 @@ class _ZstdDecoder:
             raise DataError("zstd frame is cut short")
 
 
-class _ZstdReader:
-    def __init__(self, stored: Readable) -> None:
-        self._stream = zstandard.ZstdDecompressor().stream_reader(
-            stored, read_size=_ZSTD_READ_BYTES, read_across_frames=False, closefd=False)
-
-    def read(self, size: int) -> bytes:
-        try:
-            return self._stream.read(size)
-        except zstandard.ZstdError as error:
-            raise DataError(f"zstd frame does not decode ({error})") from None
-
-
 class _DecodingReader:
     """An item's decoded bytes, read by feeding its stored bytes to a piece-wise decoder."""
 
     def __init__(self, stored: Readable, decoder: Decoder, read_bytes: int) -> None:
         self._pieces = iter_decoded(decoder, iter(lambda: stored.read(read_bytes), b""))
-        self._piece = memoryview(b"")
+        self._piece: object = b""
+        self._view = memoryview(b"")
+        self._offset = 0
 
     def read(self, size: int = -1) -> bytes:
         if size < 0:
             return b"".join(iter(lambda: self.read(1 << 30), b""))
-        while not self._piece:
+        while self._offset >= len(self._view):
             piece = next(self._pieces, None)
             if piece is None:
                 return b""
-            self._piece = memoryview(piece).cast("B")
-        chunk = self._piece[:size]
-        self._piece = self._piece[len(chunk):]
-        return bytes(chunk)
+            self._piece, self._view, self._offset = piece, memoryview(piece).cast("B"), 0
+        if self._offset == 0 and size >= len(self._view) and type(self._piece) is bytes:
+            self._offset = len(self._view)
+            return self._piece  # a whole decoded piece goes out as it is, uncopied
+        chunk = bytes(self._view[self._offset:self._offset + size])
+        self._offset += len(chunk)
+        return chunk

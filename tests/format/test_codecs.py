@@ -37,9 +37,31 @@ def test_corrupt_frame_is_a_data_error():
     frame = bytearray(_compressed(bytes(1 << 20) + b"tail"))
     frame[len(frame) // 2] ^= 0xFF
     reader = zstd_codec().open_reader(io.BytesIO(bytes(frame)))
-    with pytest.raises(DataError, match="zstd frame does not decode"):
+    # the flipped byte breaks the frame's block structure or its contents, as it falls
+    with pytest.raises(DataError, match="zstd frame (does not decode|is cut short)"):
         while reader.read(1 << 16):
             pass
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda frame: frame + b"\0\0\0", "bytes follow the end of the zstd frame"),
+    (lambda frame: frame[:-3], "zstd frame is cut short"),
+    (lambda frame: b"\0" * 8 + frame, "stored bytes do not start a zstd frame"),
+])
+def test_reading_a_damaged_zstd_item_says_how_it_is_damaged(damage, message):
+    reader = zstd_codec().open_reader(io.BytesIO(damage(_compressed(b"weights" * 1000))))
+    with pytest.raises(DataError, match=message):
+        while reader.read(1 << 16):
+            pass
+
+
+@pytest.mark.parametrize("read_bytes", [1, 1000, 1 << 20])
+def test_reader_gives_at_most_what_is_asked_and_every_byte_once(read_bytes):
+    data = bytes(range(256)) * 3000 + bytes(1 << 20)
+    reader = zstd_codec().open_reader(io.BytesIO(_compressed(data)))
+    pieces = list(iter(lambda: reader.read(read_bytes), b""))
+    assert all(len(piece) <= read_bytes for piece in pieces)
+    assert b"".join(pieces) == data
 
 
 def _decode_in_pieces(data: bytes, piece_bytes: int) -> list[bytes]:

@@ -106,6 +106,24 @@ def test_flipped_bit_in_a_zstd_item_is_found(copy_fixture):
             storage.relative_path, storage.offset, storage.offset + storage.length)
 
 
+def test_bytes_after_a_zstd_items_frame_are_found(copy_fixture):
+    """decompress refuses them, so verify does too (torch's reader would ignore them)."""
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    storage_data = torch_metadata(checkpoint).storage_data
+    key, last = max(((key, info) for key, info in storage_data.items()
+                     if info.relative_path == "__0_0.distcp"), key=lambda pair: pair[1].offset)
+    with open(checkpoint / last.relative_path, "ab") as stream:
+        stream.write(b"\0" * 16)
+
+    def lengthen(metadata):
+        metadata.storage_data[key].length += 16
+
+    edit_metadata(checkpoint, lengthen)
+    problem = only_problem(verify_checkpoint(checkpoint), "decode")
+    assert "bytes follow the end of the zstd frame" in problem.message
+    assert problem.fqns == (key.fqn,) and problem.end == last.offset + last.length + 16
+
+
 def test_truncated_file(copy_fixture):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     path = checkpoint / "__1_0.distcp"
