@@ -2,31 +2,41 @@
 
 A plain TORCH_SAVE item is read in place: its torch.save layout (found from the archive's
 end, without reading the data) says where the payload starts. An item under a stream codec
-such as zstd can only be read front to back, so it is decoded once into a spool file and read
-from there; the spool file goes when the last reader that needs it is done. SAFETENSORS items
-are raw bytes already.
+such as zstd can only be read front to back, so it is decoded once and read from there: in
+memory when its tensor is small (a piece at most), else from a spool file on disk. Either goes
+when the last reader that needs it is done. SAFETENSORS items are raw bytes already.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import os
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.items import ItemLocation, iter_item_pieces
+from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces
 from dcpctl.format.torch_save import read_torch_save_layout
+
+
+# Room for a torch.save archive's records around its tensor's bytes: a decoded item larger
+# than its tensor by more than this goes to a spool file, however small the tensor.
+_FRAMING_ROOM_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
 class PayloadSource:
-    """Where a chunk's raw row-major bytes can be read with os.pread."""
+    """Where a chunk's raw row-major bytes are: at offset in the file at path, read with
+    os.pread, or, for an item decoded in memory, in `data` (path None)."""
 
-    path: Path
+    path: Path | None
     offset: int
     nbytes: int
+    data: memoryview | None = None
 
 
 class _ItemState:
@@ -43,8 +53,12 @@ class _ItemState:
 class PayloadReader:
     """Finds and reads the payload of stored chunks; safe to share between threads."""
 
-    def __init__(self, spool_directory: Path, users_by_item: dict[ItemLocation, int]) -> None:
+    def __init__(self, spool_directory: Path, users_by_item: dict[ItemLocation, int],
+                 memory_item_bytes: int = DEFAULT_PIECE_BYTES) -> None:
+        """Items under a codec whose tensor has at most memory_item_bytes are decoded into
+        memory, larger ones into spool_directory."""
         self._spool_directory = spool_directory
+        self._memory_item_bytes = memory_item_bytes
         # One state per item, made up front: each use then costs one lookup and no shared lock.
         self._items = {location: _ItemState(users) for location, users in users_by_item.items()}
         self._lock = threading.Lock()
@@ -59,7 +73,8 @@ class PayloadReader:
             with item.lock:
                 source = item.source
                 if source is None:
-                    source = item.source = self._locate(location, raw_tensor)
+                    source = item.source = self._locate(location, raw_tensor,
+                                                        expected_nbytes)
         if source.nbytes != expected_nbytes:
             raise DataError(f"{location.path}: item {location.fqn!r} holds {source.nbytes} bytes "
                             f"of tensor data, the metadata implies {expected_nbytes}")
@@ -67,6 +82,12 @@ class PayloadReader:
 
     def read_into(self, source: PayloadSource, offset: int, out: memoryview) -> None:
         """Fill out with the payload's bytes from offset."""
+        if source.data is not None:
+            if offset + len(out) > source.nbytes:
+                raise ValueError(f"bytes {offset}..{offset + len(out)} of a payload of "
+                                 f"{source.nbytes}")
+            out[:] = source.data[offset:offset + len(out)]
+            return
         count = os.preadv(self._descriptor(source.path), [out], source.offset + offset)
         if count != len(out):
             raise DataError(f"{source.path}: truncated at byte {source.offset + offset + count}")
@@ -79,7 +100,7 @@ class PayloadReader:
             if item.users_left or item.source is None:
                 return
             source, item.source = item.source, None
-        if source.path.parent == self._spool_directory:
+        if source.path is not None and source.path.parent == self._spool_directory:
             with self._lock:
                 descriptor = self._descriptors.pop(source.path, None)
             if descriptor is not None:
@@ -99,27 +120,56 @@ class PayloadReader:
                 descriptor = self._descriptors[path] = os.open(path, os.O_RDONLY)
             return descriptor
 
-    def _locate(self, location: ItemLocation, raw_tensor: bool) -> PayloadSource:
+    def _locate(self, location: ItemLocation, raw_tensor: bool,
+                expected_nbytes: int) -> PayloadSource:
         if raw_tensor:  # SAFETENSORS files store the bare bytes, never under a codec
             return PayloadSource(location.path, location.start, location.length)
-        path, start, length = location.path, location.start, location.length
-        if location.codec.descriptors:
-            path = self._spool(location)
-            start, length = 0, path.stat().st_size
-        descriptor = self._descriptor(path)
+        if not location.codec.descriptors:
+            descriptor = self._descriptor(location.path)
+            layout = self._layout(location, lambda offset, size: os.pread(
+                descriptor, size, location.start + offset), location.length)
+            return PayloadSource(location.path, location.start + layout.payload_offset,
+                                 layout.tensor.nbytes)
+        decoded = self._decode(location, expected_nbytes)
+        if isinstance(decoded, Path):
+            descriptor = self._descriptor(decoded)
+            layout = self._layout(location, lambda offset, size: os.pread(
+                descriptor, size, offset), decoded.stat().st_size)
+            return PayloadSource(decoded, layout.payload_offset, layout.tensor.nbytes)
+        layout = self._layout(location, lambda offset, size: bytes(
+            decoded[offset:offset + size]), len(decoded))
+        start = layout.payload_offset
+        return PayloadSource(None, start, layout.tensor.nbytes,
+                             decoded[start:start + layout.tensor.nbytes])
+
+    @staticmethod
+    def _layout(location: ItemLocation, read_range, length: int):
         try:
-            layout = read_torch_save_layout(
-                lambda offset, size: os.pread(descriptor, size, start + offset), length)
+            layout = read_torch_save_layout(read_range, length)
         except DataError as error:
             raise DataError(f"{location.path}: item {location.fqn!r}: {error}") from None
         if not layout.tensor.is_contiguous:
             raise UnsupportedLayoutError(f"{location.path}: item {location.fqn!r} holds a "
                                          "non-contiguous tensor view")
-        return PayloadSource(path, start + layout.payload_offset, layout.tensor.nbytes)
+        return layout
 
-    def _spool(self, location: ItemLocation) -> Path:
+    def _decode(self, location: ItemLocation, expected_nbytes: int) -> memoryview | Path:
+        """The item's decoded bytes: in memory while they stay within its tensor's bytes and
+        room for the archive's records (for a tensor of at most memory_item_bytes), else in
+        a spool file."""
+        limit = expected_nbytes + _FRAMING_ROOM_BYTES \
+            if expected_nbytes <= self._memory_item_bytes else 0
+        held = io.BytesIO()
+        pieces = iter_item_pieces(location)
+        for piece in pieces:
+            if held.tell() + len(piece) > limit:
+                return self._spool(itertools.chain([held.getbuffer(), piece], pieces))
+            held.write(piece)
+        return held.getbuffer()
+
+    def _spool(self, pieces: Iterable[bytes]) -> Path:
         handle, name = tempfile.mkstemp(dir=self._spool_directory, suffix=".item")
         with os.fdopen(handle, "wb") as stream:
-            for piece in iter_item_pieces(location):
+            for piece in pieces:
                 stream.write(piece)
         return Path(name)

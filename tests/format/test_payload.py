@@ -9,11 +9,13 @@ import os
 
 import pytest
 import torch
+import zstandard
 from conftest import fixture_path
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint import open_checkpoint
-from dcpctl.format.items import locate_item, read_item
+from dcpctl.format.codecs import zstd_codec
+from dcpctl.format.items import ItemLocation, locate_item, read_item
 from dcpctl.format.payload import PayloadReader
 
 
@@ -38,9 +40,41 @@ def test_payload_equals_what_torch_loads(tmp_path, name):
     reader.close()
 
 
+def test_small_item_under_a_codec_is_decoded_in_memory(tmp_path):
+    location, nbytes = first_tensor_item("zstd_fsdp2_2ranks")
+    reader = PayloadReader(tmp_path, {location: 1})
+    source = reader.source_of(location, False, nbytes)
+    assert source.path is None and len(source.data) == nbytes
+    assert list(tmp_path.iterdir()) == []
+    data = bytearray(nbytes)
+    reader.read_into(source, 0, memoryview(data))
+    loaded = torch.load(io.BytesIO(bytes(read_item(location))), weights_only=True)
+    assert data == loaded.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_item_that_decodes_to_far_more_than_its_tensor_goes_to_a_spool_file(tmp_path):
+    """A view saved with its whole storage: the archive holds 400 KB for a 16-byte tensor."""
+    archive = io.BytesIO()
+    torch.save(torch.arange(100_000, dtype=torch.float32)[:4], archive)
+    stored = zstandard.ZstdCompressor().compress(archive.getvalue())
+    (tmp_path / "data.distcp").write_bytes(stored)
+    location = ItemLocation("view", tmp_path / "data.distcp", 0, len(stored), zstd_codec())
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    reader = PayloadReader(spool, {location: 1})
+    source = reader.source_of(location, False, 16)
+    assert source.path is not None and source.path.parent == spool
+    data = bytearray(16)
+    reader.read_into(source, 0, memoryview(data))
+    assert data == torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    reader.release(location)
+    assert list(spool.iterdir()) == []
+    reader.close()
+
+
 def test_spool_file_goes_with_the_last_user(tmp_path):
     location, nbytes = first_tensor_item("zstd_fsdp2_2ranks")
-    reader = PayloadReader(tmp_path, {location: 2})
+    reader = PayloadReader(tmp_path, {location: 2}, memory_item_bytes=0)
     first = reader.source_of(location, False, nbytes)
     assert reader.source_of(location, False, nbytes) == first  # decoded once
     assert list(tmp_path.iterdir()) == [first.path]
