@@ -34,10 +34,11 @@ def reshard_command(checkpoint: str, world_size: int, output: str, codec: str | 
     or empty, like torch.chunk. Rank r's chunks go to `__r_0.distcp`, so each rank of the next
     job reads only its own file. 0-d tensors and non-tensor objects go to rank 0. Any DCP
     input works: FSDP2 or 2-D mesh shards, zstd or plain, TORCH_SAVE or SAFETENSORS
-    serialization. Output chunks are assembled in blocks of rows from the byte ranges of the
-    input chunks they overlap, so memory stays near a few blocks per thread; zstd inputs are
-    decoded once into a temporary spool file beside the output. The output is written into a
-    hidden sibling directory and renamed into place, with SHA256SUMS.
+    serialization. Output chunks are assembled from the byte ranges of the input chunks they
+    overlap, a large chunk in blocks of rows, so memory stays near a few 4 MiB blocks per
+    thread; zstd inputs are decoded once, a chunk of up to 4 MiB in memory and a larger one
+    into a temporary spool file beside the output. The output is written into a hidden sibling
+    directory and renamed into place, with SHA256SUMS.
 
     \b
     Examples:
