@@ -10,21 +10,20 @@ when the last reader that needs it is done. SAFETENSORS items are raw bytes alre
 from __future__ import annotations
 
 import io
-import itertools
 import os
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces
-from dcpctl.format.torch_save import read_torch_save_layout
+from dcpctl.format.torch_save import TorchSaveLayout, read_torch_save_layout
+from dcpctl.format.zip_archive import ReadRange
 
 
-# Room for a torch.save archive's records around its tensor's bytes: a decoded item larger
-# than its tensor by more than this goes to a spool file, however small the tensor.
+# Room for a torch.save archive's records around its tensor's bytes (about 1 KiB in practice).
 _FRAMING_ROOM_BYTES = 64 << 10
 
 
@@ -143,7 +142,7 @@ class PayloadReader:
                              decoded[start:start + layout.tensor.nbytes])
 
     @staticmethod
-    def _layout(location: ItemLocation, read_range, length: int):
+    def _layout(location: ItemLocation, read_range: ReadRange, length: int) -> TorchSaveLayout:
         try:
             layout = read_torch_save_layout(read_range, length)
         except DataError as error:
@@ -154,22 +153,37 @@ class PayloadReader:
         return layout
 
     def _decode(self, location: ItemLocation, expected_nbytes: int) -> memoryview | Path:
-        """The item's decoded bytes: in memory while they stay within its tensor's bytes and
-        room for the archive's records (for a tensor of at most memory_item_bytes), else in
-        a spool file."""
-        limit = expected_nbytes + _FRAMING_ROOM_BYTES \
-            if expected_nbytes <= self._memory_item_bytes else 0
+        """The item's decoded bytes: in memory for a tensor of at most memory_item_bytes, else
+        in a spool file. torch saves a tensor with a storage of its own bytes, so an archive
+        larger than them and room for its records is refused: a few stored bytes can decode
+        to terabytes."""
+        limit = expected_nbytes + _FRAMING_ROOM_BYTES
+        pieces = self._capped(location, iter_item_pieces(location), limit)
+        if expected_nbytes > self._memory_item_bytes:
+            return self._spool(pieces)
         held = io.BytesIO()
-        pieces = iter_item_pieces(location)
         for piece in pieces:
-            if held.tell() + len(piece) > limit:
-                return self._spool(itertools.chain([held.getbuffer(), piece], pieces))
             held.write(piece)
         return held.getbuffer()
 
+    @staticmethod
+    def _capped(location: ItemLocation, pieces: Iterable[bytes], limit: int) -> Iterator[bytes]:
+        decoded = 0
+        for piece in pieces:
+            decoded += len(piece)
+            if decoded > limit:
+                raise DataError(f"{location.path}: item {location.fqn!r} decodes to more than "
+                                f"{limit} bytes, more than a torch.save archive of its tensor "
+                                "holds")
+            yield piece
+
     def _spool(self, pieces: Iterable[bytes]) -> Path:
         handle, name = tempfile.mkstemp(dir=self._spool_directory, suffix=".item")
-        with os.fdopen(handle, "wb") as stream:
-            for piece in pieces:
-                stream.write(piece)
+        try:
+            with os.fdopen(handle, "wb") as stream:
+                for piece in pieces:
+                    stream.write(piece)
+        except BaseException:
+            os.unlink(name)
+            raise
         return Path(name)

@@ -52,8 +52,10 @@ def test_small_item_under_a_codec_is_decoded_in_memory(tmp_path):
     assert data == loaded.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def test_item_that_decodes_to_far_more_than_its_tensor_goes_to_a_spool_file(tmp_path):
-    """A view saved with its whole storage: the archive holds 400 KB for a 16-byte tensor."""
+@pytest.mark.parametrize("memory_item_bytes", [0, 1 << 20])
+def test_item_that_decodes_to_far_more_than_its_tensor_is_refused(tmp_path, memory_item_bytes):
+    """torch saves tensors with storages of their own bytes; here a view kept its whole
+    storage, 400 KB for a 16-byte tensor (a decompression bomb looks the same)."""
     archive = io.BytesIO()
     torch.save(torch.arange(100_000, dtype=torch.float32)[:4], archive)
     stored = zstandard.ZstdCompressor().compress(archive.getvalue())
@@ -61,14 +63,11 @@ def test_item_that_decodes_to_far_more_than_its_tensor_goes_to_a_spool_file(tmp_
     location = ItemLocation("view", tmp_path / "data.distcp", 0, len(stored), zstd_codec())
     spool = tmp_path / "spool"
     spool.mkdir()
-    reader = PayloadReader(spool, {location: 1})
-    source = reader.source_of(location, False, 16)
-    assert source.path is not None and source.path.parent == spool
-    data = bytearray(16)
-    reader.read_into(source, 0, memoryview(data))
-    assert data == torch.arange(4, dtype=torch.float32).numpy().tobytes()
-    reader.release(location)
-    assert list(spool.iterdir()) == []
+    reader = PayloadReader(spool, {location: 1}, memory_item_bytes)
+    with pytest.raises(DataError, match=f"data.distcp: item 'view' decodes to more than "
+                                        f"{16 + 65536} bytes"):
+        reader.source_of(location, False, 16)
+    assert list(spool.iterdir()) == []  # no spool file left behind
     reader.close()
 
 
