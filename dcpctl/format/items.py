@@ -107,12 +107,19 @@ def _truncated(location: ItemLocation, missing_bytes: int) -> DataError:
 
 
 def iter_item_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_BYTES,
-                     span: StoredSpan | None = None) -> Iterator[bytes]:
+                     span: StoredSpan | None = None,
+                     max_bytes: int | None = None) -> Iterator[bytes]:
     """The item's decoded bytes, in pieces; raises DataError naming the item if they do not
-    decode."""
+    decode, or if they pass max_bytes (a few stored bytes can decode to terabytes)."""
     try:
-        yield from iter_decoded(location.codec.new_decoder(),
-                                iter_stored_pieces(location, piece_bytes, span))
+        decoded = 0
+        for piece in iter_decoded(location.codec.new_decoder(),
+                                  iter_stored_pieces(location, piece_bytes, span)):
+            decoded += len(piece)
+            if max_bytes is not None and decoded > max_bytes:
+                raise DataError(f"decodes to more than {max_bytes} bytes, more than the item "
+                                "can hold")
+            yield piece
     except DataError as error:
         if str(location.path) in str(error):
             raise
@@ -120,9 +127,10 @@ def iter_item_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_BY
                         f"{location.start}..{location.start + location.length}: {error}") from None
 
 
-def read_item(location: ItemLocation) -> bytes:
-    """The whole decoded item; for small items such as pickled objects."""
-    return b"".join(iter_item_pieces(location))
+def read_item(location: ItemLocation, max_bytes: int | None = None) -> bytes:
+    """The whole decoded item, refused past max_bytes; for small items such as pickled
+    objects."""
+    return b"".join(iter_item_pieces(location, max_bytes=max_bytes))
 
 
 class PieceStream(io.RawIOBase):

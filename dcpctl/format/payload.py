@@ -15,16 +15,13 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces
-from dcpctl.format.torch_save import TorchSaveLayout, read_torch_save_layout
+from dcpctl.format.torch_save import ARCHIVE_RECORDS_ROOM_BYTES, TorchSaveLayout, \
+    read_torch_save_layout
 from dcpctl.format.zip_archive import ReadRange
-
-
-# Room for a torch.save archive's records around its tensor's bytes (about 1 KiB in practice).
-_FRAMING_ROOM_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -154,28 +151,15 @@ class PayloadReader:
 
     def _decode(self, location: ItemLocation, expected_nbytes: int) -> memoryview | Path:
         """The item's decoded bytes: in memory for a tensor of at most memory_item_bytes, else
-        in a spool file. torch saves a tensor with a storage of its own bytes, so an archive
-        larger than them and room for its records is refused: a few stored bytes can decode
-        to terabytes."""
-        limit = expected_nbytes + _FRAMING_ROOM_BYTES
-        pieces = self._capped(location, iter_item_pieces(location), limit)
+        in a spool file. An archive larger than its tensor's bytes and room for its records
+        is refused."""
+        pieces = iter_item_pieces(location, max_bytes=expected_nbytes + ARCHIVE_RECORDS_ROOM_BYTES)
         if expected_nbytes > self._memory_item_bytes:
             return self._spool(pieces)
         held = io.BytesIO()
         for piece in pieces:
             held.write(piece)
         return held.getbuffer()
-
-    @staticmethod
-    def _capped(location: ItemLocation, pieces: Iterable[bytes], limit: int) -> Iterator[bytes]:
-        decoded = 0
-        for piece in pieces:
-            decoded += len(piece)
-            if decoded > limit:
-                raise DataError(f"{location.path}: item {location.fqn!r} decodes to more than "
-                                f"{limit} bytes, more than a torch.save archive of its tensor "
-                                "holds")
-            yield piece
 
     def _spool(self, pieces: Iterable[bytes]) -> Path:
         handle, name = tempfile.mkstemp(dir=self._spool_directory, suffix=".item")

@@ -23,6 +23,9 @@ from dcpctl.format.zip_archive import STORED, ReadRange, ZipRecord, locate_recor
     read_central_directory
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
+# torch's FileSystemWriter saves a tensor with a storage of its own bytes (it clones views), so
+# a tensor item's archive is its bytes and records of about 1 KiB; this is the room allowed.
+ARCHIVE_RECORDS_ROOM_BYTES = 64 << 10
 _MAX_PICKLE_BYTES = 1 << 20
 _LAYOUT_WINDOW_BYTES = 4096
 

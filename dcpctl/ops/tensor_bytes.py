@@ -22,7 +22,7 @@ from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, TensorEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.format.items import ItemLocation, locate_item, read_item
 from dcpctl.format.records import ChunkMetadata
-from dcpctl.format.torch_save import read_torch_save_layout
+from dcpctl.format.torch_save import ARCHIVE_RECORDS_ROOM_BYTES, read_torch_save_layout
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,9 @@ def read_chunk_bytes(checkpoint: Checkpoint, tensor: TensorEntry,
 def _read_payload(location: ItemLocation, tensor: TensorEntry,
                   chunk: ChunkMetadata) -> bytearray:
     """The tensor bytes of a torch.save item; an item under a codec is decoded whole first."""
-    archive = read_item(location) if location.codec.descriptors else None
+    expected_bytes = math.prod(chunk.sizes) * tensor.dtype.itemsize
+    archive = read_item(location, expected_bytes + ARCHIVE_RECORDS_ROOM_BYTES) \
+        if location.codec.descriptors else None
     if archive is not None:
         def read_range(start: int, length: int) -> bytes:
             return archive[start:start + length]

@@ -64,8 +64,8 @@ def test_item_that_decodes_to_far_more_than_its_tensor_is_refused(tmp_path, memo
     spool = tmp_path / "spool"
     spool.mkdir()
     reader = PayloadReader(spool, {location: 1}, memory_item_bytes)
-    with pytest.raises(DataError, match=f"data.distcp: item 'view' decodes to more than "
-                                        f"{16 + 65536} bytes"):
+    with pytest.raises(DataError, match=f"data.distcp: item 'view' at bytes 0..{len(stored)}: "
+                                        f"decodes to more than {16 + 65536} bytes"):
         reader.source_of(location, False, 16)
     assert list(spool.iterdir()) == []  # no spool file left behind
     reader.close()
