@@ -22,6 +22,7 @@ from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs import Codec, PayloadHint
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan, \
     iter_item_pieces, iter_stored_pieces, locate_item
+from dcpctl.format.torch_save import ARCHIVE_RECORDS_ROOM_BYTES
 from dcpctl.format.records import ItemKey, StorageInfo
 from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
     storage_with
@@ -130,7 +131,10 @@ def _produce(codec: Codec, piece_bytes: int) -> Callable[[Run[ItemTask]], Iterat
             return
         known_size = task.location.length if not task.location.codec.descriptors else None
         encoder = codec.new_encoder(known_size, task.payload)
-        for piece in iter_item_pieces(task.location, piece_bytes, span):
+        # a decoded tensor item holds its tensor's bytes and records: a bomb is cut off there
+        max_bytes = (task.payload.payload_bytes + ARCHIVE_RECORDS_ROOM_BYTES
+                     if task.payload is not None and known_size is None else None)
+        for piece in iter_item_pieces(task.location, piece_bytes, span, max_bytes):
             encoded = encoder.encode(piece)
             if encoded:
                 yield encoded

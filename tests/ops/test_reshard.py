@@ -154,31 +154,3 @@ def test_runs_group_each_windows_tasks_by_rank_file_in_plan_order():
         assert [task for run in runs if run.lane == rank_file_name(rank) for task in run.tasks
                 ] == [task for task in tasks if task.output_file == rank_file_name(rank)]
 
-
-def test_an_item_that_decodes_far_past_its_tensor_is_refused(copy_fixture, tmp_path):
-    """A few KiB of zstd that decode to 64 MiB stand in for one small chunk: reshard and
-    convert refuse it, naming it, without holding or spooling what it decodes to."""
-    import pickle
-
-    import zstandard
-
-    from dcpctl.errors import DataError
-    from dcpctl.ops.key_selection import KeySelection
-    from dcpctl.ops.to_safetensors import convert_to_safetensors
-
-    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
-    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
-    metadata = torch_metadata(checkpoint)
-    key = next(key for key in metadata.storage_data if key.fqn == "model.norm.weight")
-    info = metadata.storage_data[key]
-    with open(checkpoint / info.relative_path, "ab") as stream:
-        info.offset, info.length = stream.tell(), len(bomb)
-        stream.write(bomb)
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
-    message = (f"{info.relative_path}: item 'model.norm.weight' at bytes {info.offset}.."
-               f"{info.offset + len(bomb)}: decodes to more than")
-    with pytest.raises(DataError, match=message):
-        reshard_checkpoint(checkpoint, 3, str(tmp_path / "resharded"))
-    with pytest.raises(DataError, match=message):
-        convert_to_safetensors(checkpoint, tmp_path / "converted", KeySelection())
-    assert not (tmp_path / "resharded").exists() and not (tmp_path / "converted").exists()
