@@ -19,7 +19,7 @@ from typing import Iterable
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces
-from dcpctl.format.torch_save import ARCHIVE_RECORDS_ROOM_BYTES, TorchSaveLayout, \
+from dcpctl.format.torch_save import TorchSaveLayout, max_tensor_archive_bytes, \
     read_torch_save_layout
 from dcpctl.format.zip_archive import ReadRange
 
@@ -153,7 +153,7 @@ class PayloadReader:
         """The item's decoded bytes: in memory for a tensor of at most memory_item_bytes, else
         in a spool file. An archive larger than its tensor's bytes and room for its records
         is refused."""
-        pieces = iter_item_pieces(location, max_bytes=expected_nbytes + ARCHIVE_RECORDS_ROOM_BYTES)
+        pieces = iter_item_pieces(location, max_bytes=max_tensor_archive_bytes(expected_nbytes))
         if expected_nbytes > self._memory_item_bytes:
             return self._spool(pieces)
         held = io.BytesIO()

@@ -23,9 +23,7 @@ from dcpctl.format.zip_archive import STORED, ReadRange, ZipRecord, locate_recor
     read_central_directory
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
-# torch's FileSystemWriter saves a tensor with a storage of its own bytes (it clones views), so
-# a tensor item's archive is its bytes and records of about 1 KiB; this is the room allowed.
-ARCHIVE_RECORDS_ROOM_BYTES = 64 << 10
+_RECORDS_ROOM_BYTES = 64 << 10
 _MAX_PICKLE_BYTES = 1 << 20
 _LAYOUT_WINDOW_BYTES = 4096
 
@@ -78,6 +76,14 @@ class TorchSaveLayout:
     def payload_offset(self) -> int:
         """Offset in the archive of the tensor's first element."""
         return self.storage.data_offset + self.tensor.storage_offset * self.tensor.dtype.itemsize
+
+
+def max_tensor_archive_bytes(tensor_nbytes: int) -> int:
+    """The most bytes the torch.save archive of a chunk of tensor_nbytes may hold: torch's
+    FileSystemWriter saves a tensor with a storage of its own bytes (it clones views), and the
+    records around them take about 1 KiB. A compressed item that decodes past this is damaged
+    or hostile (a few stored bytes can decode to terabytes)."""
+    return tensor_nbytes + _RECORDS_ROOM_BYTES
 
 
 def read_torch_save_layout(read_range: ReadRange, item_length: int) -> TorchSaveLayout:

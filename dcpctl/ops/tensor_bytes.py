@@ -22,7 +22,7 @@ from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, TensorEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.format.items import ItemLocation, locate_item, read_item
 from dcpctl.format.records import ChunkMetadata
-from dcpctl.format.torch_save import ARCHIVE_RECORDS_ROOM_BYTES, read_torch_save_layout
+from dcpctl.format.torch_save import max_tensor_archive_bytes, read_torch_save_layout
 
 if TYPE_CHECKING:
     import torch
@@ -46,18 +46,18 @@ def read_chunk_bytes(checkpoint: Checkpoint, tensor: TensorEntry,
     if checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS:
         data = _read_file_range(location, 0, location.length)
     else:
-        data = _read_payload(location, tensor, chunk)
+        data = _read_payload(location, tensor, chunk, expected_bytes)
     if len(data) != expected_bytes:
         raise DataError(f"{location.path}: item {tensor.fqn!r} at {list(chunk.offsets)} holds "
                         f"{len(data)} bytes of tensor data, its shape needs {expected_bytes}")
     return data
 
 
-def _read_payload(location: ItemLocation, tensor: TensorEntry,
-                  chunk: ChunkMetadata) -> bytearray:
-    """The tensor bytes of a torch.save item; an item under a codec is decoded whole first."""
-    expected_bytes = math.prod(chunk.sizes) * tensor.dtype.itemsize
-    archive = read_item(location, expected_bytes + ARCHIVE_RECORDS_ROOM_BYTES) \
+def _read_payload(location: ItemLocation, tensor: TensorEntry, chunk: ChunkMetadata,
+                  expected_bytes: int) -> bytearray:
+    """The tensor bytes of a torch.save item; an item under a codec is decoded whole first
+    (refused past what a chunk of expected_bytes can hold)."""
+    archive = read_item(location, max_tensor_archive_bytes(expected_bytes)) \
         if location.codec.descriptors else None
     if archive is not None:
         def read_range(start: int, length: int) -> bytes:

@@ -22,7 +22,7 @@ from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs import Codec, PayloadHint
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan, \
     iter_item_pieces, iter_stored_pieces, locate_item
-from dcpctl.format.torch_save import ARCHIVE_RECORDS_ROOM_BYTES
+from dcpctl.format.torch_save import max_tensor_archive_bytes
 from dcpctl.format.records import ItemKey, StorageInfo
 from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
     storage_with
@@ -131,8 +131,7 @@ def _produce(codec: Codec, piece_bytes: int) -> Callable[[Run[ItemTask]], Iterat
             return
         known_size = task.location.length if not task.location.codec.descriptors else None
         encoder = codec.new_encoder(known_size, task.payload)
-        # a decoded tensor item holds its tensor's bytes and records: a bomb is cut off there
-        max_bytes = (task.payload.payload_bytes + ARCHIVE_RECORDS_ROOM_BYTES
+        max_bytes = (max_tensor_archive_bytes(task.payload.payload_bytes)
                      if task.payload is not None and known_size is None else None)
         for piece in iter_item_pieces(task.location, piece_bytes, span, max_bytes):
             encoded = encoder.encode(piece)

@@ -25,7 +25,7 @@ from dcpctl.format.archive_check import ArchiveCheck, ArchiveStreamCheck, spoole
 from dcpctl.format.checkpoint import resolve_inside
 from dcpctl.format.codecs import Codec, codec_for_descriptors
 from dcpctl.format.items import read_safetensors_header
-from dcpctl.format.torch_save import ARCHIVE_RECORDS_ROOM_BYTES
+from dcpctl.format.torch_save import max_tensor_archive_bytes
 from dcpctl.ops.verify_structure import Problem, StoredItem
 
 PIECE_BYTES = 4 << 20
@@ -191,8 +191,7 @@ def check_archive_item(item: StoredItem, file_name: str, cursor: _FileCursor) ->
         return [Problem("unsupported-transform", f"item cannot be decoded: {error}", **where)]
     stream_check = ArchiveStreamCheck()
     decoded = codec.open_reader(cursor.open_range(storage.offset, storage.length))
-    # a decoded tensor item holds its tensor's bytes and records: a bomb is cut off there
-    max_bytes = item.chunk_nbytes + ARCHIVE_RECORDS_ROOM_BYTES \
+    max_bytes = max_tensor_archive_bytes(item.chunk_nbytes) \
         if item.tensor is not None and codec.descriptors else math.inf
     decoded_bytes = 0
     try:
