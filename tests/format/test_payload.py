@@ -1,4 +1,5 @@
-"""Reading stored chunks' payloads: in place, or from a spool file for items under a codec."""
+"""Reading stored chunks' payloads: in place, or decoded once (in memory or a spool file) for
+items under a codec."""
 
 from __future__ import annotations
 
