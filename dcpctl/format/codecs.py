@@ -139,6 +139,17 @@ def codec_for_descriptors(descriptors: Sequence[str] | None) -> Codec:
     )
 
 
+def iter_encoded(encoder: Encoder, pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The encoded bytes of an item's pieces, its frame ended; empty outputs are left out."""
+    for piece in pieces:
+        encoded = encoder.encode(piece)
+        if encoded:
+            yield encoded
+    ending = encoder.finish()
+    if ending:
+        yield ending
+
+
 def iter_decoded(decoder: Decoder, pieces: Iterable[bytes]) -> Iterator[bytes]:
     """The decoded bytes of an item's stored pieces; raises DataError if they end too soon."""
     for piece in pieces:

@@ -25,7 +25,7 @@ import numpy
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, TensorEntry, open_checkpoint
-from dcpctl.format.codecs import Codec, PayloadHint, codec_for_descriptors
+from dcpctl.format.codecs import Codec, PayloadHint, codec_for_descriptors, iter_encoded
 from dcpctl.format.dtypes import DType
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
     iter_stored_pieces, locate_item
@@ -258,14 +258,7 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
              piece_bytes: int) -> Callable[[Run[ChunkTask | ObjectTask]], Iterator[bytes]]:
     def encoded(pieces: Iterator[bytes], size_bytes: int | None,
                 payload: PayloadHint | None) -> Iterator[bytes]:
-        encoder = plan.codec.new_encoder(size_bytes, payload)
-        for piece in pieces:
-            out = encoder.encode(piece)
-            if out:
-                yield out
-        ending = encoder.finish()
-        if ending:
-            yield ending
+        return iter_encoded(plan.codec.new_encoder(size_bytes, payload), pieces)
 
     def produce(task: ChunkTask | ObjectTask) -> Iterator[bytes]:
         if isinstance(task, ObjectTask):

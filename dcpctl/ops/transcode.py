@@ -19,11 +19,11 @@ from typing import Callable, Iterator
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.failpoints import failpoint
 from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, open_checkpoint
-from dcpctl.format.codecs import Codec, PayloadHint
+from dcpctl.format.codecs import Codec, PayloadHint, iter_encoded
 from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan, \
     iter_item_pieces, iter_stored_pieces, locate_item
-from dcpctl.format.torch_save import max_tensor_archive_bytes
 from dcpctl.format.records import ItemKey, StorageInfo
+from dcpctl.format.torch_save import max_tensor_archive_bytes
 from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
     storage_with
 from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, group_into_runs, \
@@ -130,14 +130,10 @@ def _produce(codec: Codec, piece_bytes: int) -> Callable[[Run[ItemTask]], Iterat
             yield from iter_stored_pieces(task.location, piece_bytes, span)
             return
         known_size = task.location.length if not task.location.codec.descriptors else None
-        encoder = codec.new_encoder(known_size, task.payload)
         max_bytes = (max_tensor_archive_bytes(task.payload.payload_bytes)
                      if task.payload is not None and known_size is None else None)
-        for piece in iter_item_pieces(task.location, piece_bytes, span, max_bytes):
-            encoded = encoder.encode(piece)
-            if encoded:
-                yield encoded
-        yield encoder.finish()
+        yield from iter_encoded(codec.new_encoder(known_size, task.payload),
+                                iter_item_pieces(task.location, piece_bytes, span, max_bytes))
 
     def produce(run: Run[ItemTask]) -> Iterator[bytes]:
         first, last = run.tasks[0].location, run.tasks[-1].location
