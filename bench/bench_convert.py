@@ -58,7 +58,7 @@ with safe_open(sys.argv[1], "pt") as mine, safe_open(sys.argv[2], "pt") as their
 
 
 def _largest_tensor_bytes(checkpoint: Path) -> int:
-    from dcpctl.format.checkpoint import open_checkpoint
+    from dcpctl.format.checkpoint.view import open_checkpoint
 
     return max(tensor.nbytes for tensor in open_checkpoint(checkpoint).tensors)
 

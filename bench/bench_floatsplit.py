@@ -34,9 +34,9 @@ from harness import REPO_ROOT, dcpctl_command, directory_bytes, drop_directory, 
 from real_checkpoint import ENCODER, ONE_GB_UNITS, WHISPER, real_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT))
-from dcpctl.format.codecs import (PayloadHint, floatsplit_codec, iter_decoded,  # noqa: E402
+from dcpctl.format.codecs.registry import (PayloadHint, floatsplit_codec, iter_decoded,  # noqa: E402
                                   zstd_codec)
-from dcpctl.format.floatsplit import find_payload_start  # noqa: E402
+from dcpctl.format.codecs.floatsplit.encoder import find_payload_start  # noqa: E402
 
 PIECE_BYTES = 4 << 20
 # (exponent bits, sign and mantissa bits) per dtype

@@ -78,7 +78,7 @@ print(time.perf_counter() - start)
 # next allocations would start anyway, counted with the read, not with what follows it.
 _DCPCTL_REPORT_CODE = """
 import gc, sys, time
-from dcpctl.ops.inspect import inspect_checkpoint
+from dcpctl.ops.inspection.report import inspect_checkpoint
 start = time.perf_counter()
 report = inspect_checkpoint(sys.argv[1])
 gc.collect(0)
@@ -86,7 +86,7 @@ print(time.perf_counter() - start)
 """
 _DCPCTL_JSON_CODE = """
 import gc, sys, time
-from dcpctl.ops.inspect import inspect_checkpoint
+from dcpctl.ops.inspection.report import inspect_checkpoint
 report = inspect_checkpoint(sys.argv[1])
 gc.collect(0)
 start = time.perf_counter()

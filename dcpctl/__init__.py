@@ -8,6 +8,6 @@ __version__ = "0.1.0"
 def storage_reader(path):
     """A torch `StorageReader` for the checkpoint at path that decodes every codec dcpctl writes:
     `dcp.load(state_dict, storage_reader=dcpctl.storage_reader(path))`."""
-    from dcpctl.format.torch_extension import storage_reader as new_storage_reader
+    from dcpctl.format.codecs.torch_extension import storage_reader as new_storage_reader
 
     return new_storage_reader(path)

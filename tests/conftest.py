@@ -61,8 +61,8 @@ def directory_state(path: Path) -> dict[str, str]:
 
 def assert_plain_items_equal_decoded(original_dir: Path, restored_dir: Path) -> None:
     """Every item of restored_dir is stored plain and equals the decoded item of original_dir."""
-    from dcpctl.format.checkpoint import open_checkpoint
-    from dcpctl.format.items import locate_item, read_item
+    from dcpctl.format.checkpoint.view import open_checkpoint
+    from dcpctl.format.checkpoint.items import locate_item, read_item
 
     original = open_checkpoint(original_dir)
     restored = open_checkpoint(restored_dir)

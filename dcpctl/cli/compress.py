@@ -7,8 +7,8 @@ import click
 from dcpctl.cli.options import threads_option
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import echo_json, format_bytes
-from dcpctl.format.codec_names import ZSTD
-from dcpctl.format.codecs import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY, codec_by_name
+from dcpctl.format.codecs.names import ZSTD
+from dcpctl.format.codecs.registry import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY, codec_by_name
 from dcpctl.ops.transcode import TranscodeReport, transcode_checkpoint
 
 _checkpoint_argument = click.argument("checkpoint", type=click.Path(exists=False))

@@ -12,8 +12,8 @@ from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import echo_json, format_bytes, format_table
 from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.format.safetensors import DEFAULT_MAX_SHARD_BYTES
-from dcpctl.ops.conversion import ConvertReport
-from dcpctl.ops.key_selection import MODEL_PREFIX, KeySelection, Rename
+from dcpctl.ops.convert.report import ConvertReport
+from dcpctl.ops.convert.key_selection import MODEL_PREFIX, KeySelection, Rename
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, **{f"{unit}b": 1000 ** power for power, unit in enumerate("kmgt", 1)},
@@ -154,15 +154,15 @@ def _run(source: str, target: str, output: str, options: dict, progress) -> Conv
     common = {"threads": options["threads"], "overwrite": options["overwrite"],
               "on_progress": progress}
     if target == "dcp":
-        from dcpctl.ops.to_dcp import convert_to_dcp
+        from dcpctl.ops.convert.to_dcp import convert_to_dcp
         return convert_to_dcp(source, output, options["ranks"], options["prefix"], **common)
     cast_to = dtype_by_name(options["dtype"]) if options["dtype"] else None
     include = options["include"] or None
     if target == "torch":
-        from dcpctl.ops.to_torch_save import convert_to_torch_save
+        from dcpctl.ops.convert.to_torch_save import convert_to_torch_save
         selection = KeySelection(include or ("*",), options["exclude"])
         return convert_to_torch_save(source, output, selection, cast_to, **common)
-    from dcpctl.ops.to_safetensors import convert_to_safetensors
+    from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
     selection = KeySelection(include, options["exclude"], options["strip_prefix"],
                              tuple(options["renames"]))
     return convert_to_safetensors(source, output, selection, cast_to,

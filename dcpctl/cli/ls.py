@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dcpctl.cli.render import echo_json, format_age, format_bytes, format_table
-from dcpctl.ops.ls import CheckpointEntry, IgnoredEntry, ListReport, list_run_directory
+from dcpctl.ops.runs.listing import CheckpointEntry, IgnoredEntry, ListReport, list_run_directory
 
 CHECKPOINT_HEADERS = ("STEP", "CHECKPOINT", "STATE", "SIZE", "AGE")
 

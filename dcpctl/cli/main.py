@@ -16,7 +16,7 @@ from dcpctl.errors import DcpctlError, describe_os_error
 # Each command's module is imported only when that command runs (or help lists it): `inspect`
 # should not pay for the numpy, zstandard and tqdm that other commands import.
 _COMMAND_LOCATIONS = {
-    "inspect": ("dcpctl.cli.inspect", "inspect_command"),
+    "inspect": ("dcpctl.cli.inspection", "inspect_command"),
     "compress": ("dcpctl.cli.compress", "compress_command"),
     "decompress": ("dcpctl.cli.compress", "decompress_command"),
     "reshard": ("dcpctl.cli.reshard", "reshard_command"),

@@ -9,7 +9,7 @@ import click
 from dcpctl.cli.ls import CHECKPOINT_HEADERS, checkpoint_cells, render_ignored
 from dcpctl.cli.render import echo_json, format_bytes, format_table
 from dcpctl.errors import PartialFailureError
-from dcpctl.ops.prune import DELETED, FAILED, PruneReport, RetentionRules, prune_run_directory
+from dcpctl.ops.runs.prune import DELETED, FAILED, PruneReport, RetentionRules, prune_run_directory
 
 _DURATION = re.compile(r"([0-9]+)([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import threads_option
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import echo_json, format_bytes
-from dcpctl.format.codecs import IDENTITY, floatsplit_codec, zstd_codec
+from dcpctl.format.codecs.registry import IDENTITY, floatsplit_codec, zstd_codec
 from dcpctl.ops.reshard import ReshardReport, reshard_checkpoint
 
 _CODECS = {"zstd": zstd_codec, "floatsplit": floatsplit_codec, "none": lambda: IDENTITY}

@@ -7,8 +7,8 @@ import click
 from dcpctl.cli.options import threads_option
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import echo_json, format_bytes
-from dcpctl.ops.verify import VerifyReport, verify_checkpoint
-from dcpctl.ops.verify_structure import Problem
+from dcpctl.ops.verify.verifier import VerifyReport, verify_checkpoint
+from dcpctl.ops.verify.structure import Problem
 
 _FQNS_SHOWN = 3
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.checkpoint import HF_INDEX_FILE_NAME
+from dcpctl.format.checkpoint.view import HF_INDEX_FILE_NAME
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType
-from dcpctl.format.items import read_safetensors_header
+from dcpctl.format.checkpoint.items import read_safetensors_header
 
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

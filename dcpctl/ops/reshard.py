@@ -24,16 +24,16 @@ from typing import Callable, Iterator
 import numpy
 
 from dcpctl.errors import UnsupportedLayoutError
-from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, TensorEntry, open_checkpoint
-from dcpctl.format.codecs import Codec, PayloadHint, codec_for_descriptors, iter_encoded
+from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry, open_checkpoint
+from dcpctl.format.codecs.registry import Codec, PayloadHint, codec_for_descriptors, iter_encoded
 from dcpctl.format.dtypes import DType
-from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
+from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
     iter_stored_pieces, locate_item
-from dcpctl.format.payload import PayloadReader
-from dcpctl.format.records import ChunkMetadata, ItemKey, StorageInfo
-from dcpctl.format.sharding import shard_dim0_chunks
-from dcpctl.format.torch_save_writer import iter_torch_save_archive, torch_save_archive
-from dcpctl.format.writer import CheckpointOutput
+from dcpctl.format.checkpoint.payloads import PayloadReader
+from dcpctl.format.metadata.records import ChunkMetadata, ItemKey, StorageInfo
+from dcpctl.format.checkpoint.sharding import shard_dim0_chunks
+from dcpctl.format.torch_save.writer import iter_torch_save_archive, torch_save_archive
+from dcpctl.format.checkpoint.publishing import CheckpointOutput
 from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, group_into_runs, \
     produce_run
 

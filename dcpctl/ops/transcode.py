@@ -18,13 +18,13 @@ from typing import Callable, Iterator
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.failpoints import failpoint
-from dcpctl.format.checkpoint import SAFETENSORS, Checkpoint, open_checkpoint
-from dcpctl.format.codecs import Codec, PayloadHint, iter_encoded
-from dcpctl.format.items import DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan, \
+from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
+from dcpctl.format.codecs.registry import Codec, PayloadHint, iter_encoded
+from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan, \
     iter_item_pieces, iter_stored_pieces, locate_item
-from dcpctl.format.records import ItemKey, StorageInfo
-from dcpctl.format.torch_save import max_tensor_archive_bytes
-from dcpctl.format.writer import CheckpointOutput, final_name_of, remove_stale_temporaries, \
+from dcpctl.format.metadata.records import ItemKey, StorageInfo
+from dcpctl.format.torch_save.layout import max_tensor_archive_bytes
+from dcpctl.format.checkpoint.publishing import CheckpointOutput, final_name_of, remove_stale_temporaries, \
     storage_with
 from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, group_into_runs, \
     produce_run

@@ -15,7 +15,7 @@ from conftest import MANIFEST, fixture_path, load_with_torch
 from make_fixtures import tensor_sha256
 
 from dcpctl.cli.main import cli
-from dcpctl.format.checksums import read_sha256sums, sha256_of_file
+from dcpctl.format.checkpoint.checksums import read_sha256sums, sha256_of_file
 
 IN_PLACE_FAILPOINTS = ["after-first-data-file", "after-first-metadata-switch",
                        "after-first-final-name", "after-second-metadata-switch"]

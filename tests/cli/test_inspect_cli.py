@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import FIXTURE_NAMES, fixture_path
 
-from dcpctl.cli.inspect import render_tensors
+from dcpctl.cli.inspection import render_tensors
 from dcpctl.cli.main import cli
 from dcpctl.cli.render import format_bytes, format_table
-from dcpctl.ops.inspect import inspect_checkpoint
+from dcpctl.ops.inspection.report import inspect_checkpoint
 
 
 def run_cli(*args: str):

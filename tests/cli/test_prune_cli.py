@@ -13,7 +13,7 @@ from conftest import add_checkpoint, fail_rmtree_part_way, tree_listing
 
 from dcpctl.cli.main import cli
 from dcpctl.cli.prune import parse_duration
-from dcpctl.ops.prune import hold_prune_lock
+from dcpctl.ops.runs.prune import hold_prune_lock
 
 DAY = 86400
 

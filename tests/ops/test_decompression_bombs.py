@@ -11,12 +11,12 @@ import zstandard
 from conftest import torch_metadata
 
 from dcpctl.errors import DataError
-from dcpctl.format.codecs import IDENTITY
-from dcpctl.ops.key_selection import KeySelection
+from dcpctl.format.codecs.registry import IDENTITY
+from dcpctl.ops.convert.key_selection import KeySelection
 from dcpctl.ops.reshard import reshard_checkpoint
-from dcpctl.ops.to_safetensors import convert_to_safetensors
+from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
 from dcpctl.ops.transcode import transcode_checkpoint
-from dcpctl.ops.verify import verify_checkpoint
+from dcpctl.ops.verify.verifier import verify_checkpoint
 
 
 def test_an_item_that_decodes_far_past_its_tensor_is_refused(copy_fixture, tmp_path):

@@ -19,15 +19,15 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import dcpctl
-from dcpctl.format.checkpoint import open_checkpoint
-from dcpctl.format.codecs import IDENTITY, codec_for_descriptors, floatsplit_codec, zstd_codec
-from dcpctl.format.codec_names import FLOATSPLIT_DESCRIPTOR
-from dcpctl.ops.inspect import inspect_checkpoint
-from dcpctl.ops.key_selection import KeySelection
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.codecs.registry import IDENTITY, codec_for_descriptors, floatsplit_codec, zstd_codec
+from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR
+from dcpctl.ops.inspection.report import inspect_checkpoint
+from dcpctl.ops.convert.key_selection import KeySelection
 from dcpctl.ops.reshard import reshard_checkpoint
-from dcpctl.ops.to_safetensors import convert_to_safetensors
+from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
 from dcpctl.ops.transcode import transcode_checkpoint
-from dcpctl.ops.verify import verify_checkpoint
+from dcpctl.ops.verify.verifier import verify_checkpoint
 
 
 def _load_scrambled_state(rank: int, world_size: int, checkpoint: str, state_kind: str,

@@ -11,8 +11,8 @@ from make_fixtures import build_fsdp2_train_state, run_gloo_job, tensor_sha256
 from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 
 from dcpctl.errors import OutputError, UnsupportedLayoutError
-from dcpctl.format.checkpoint import open_checkpoint
-from dcpctl.format.codecs import IDENTITY
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.codecs.registry import IDENTITY
 from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.ops.reshard import ChunkTask, group_tasks_into_runs, rank_file_name, reshard_checkpoint
 

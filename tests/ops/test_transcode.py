@@ -13,9 +13,9 @@ from make_fixtures import tensor_sha256
 from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 
 from dcpctl.errors import DataError, OutputError, UnsupportedLayoutError
-from dcpctl.format.checkpoint import open_checkpoint
-from dcpctl.format.codecs import IDENTITY, zstd_codec
-from dcpctl.format.writer import DataFileWriter
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.codecs.registry import IDENTITY, zstd_codec
+from dcpctl.format.checkpoint.publishing import DataFileWriter
 from dcpctl.ops.transcode import group_items_into_runs, plan_transcode, transcode_checkpoint
 
 RANKS_TO_LOAD_ON = {

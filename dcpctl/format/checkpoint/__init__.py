@@ -1,0 +1,1 @@
+"""The checkpoint view: a directory's metadata joined with its files, items, payloads, sharding, publishing, checksums."""

@@ -1,0 +1,212 @@
+"""Publishing a rewritten checkpoint atomically: data first, `.metadata` last, SHA256SUMS after.
+
+Two destinations:
+- a new directory: everything is written into a hidden temporary sibling, which is renamed to
+  the destination at the end; a killed run leaves the sibling, never a half checkpoint at the
+  destination;
+- in place: new data files are written beside the old ones under temporary names, `.metadata`
+  is switched to them with one atomic rename, and only then are the new files given their
+  final names (hard link, then an atomic replace of the old name) before a second metadata
+  switch. At every moment `.metadata` names files that exist and hold what it says, so a
+  killed run leaves a checkpoint that loads, old or new, never a mix.
+Data files are hashed while written, so SHA256SUMS costs no second read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import secrets
+from pathlib import Path
+
+from dcpctl.failpoints import failpoint
+from dcpctl.format.checkpoint.checksums import SHA256SUMS_FILE_NAME, write_sha256sums
+from dcpctl.format.metadata.reading import METADATA_FILE_NAME, serialize_metadata
+from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
+from dcpctl.storage.staging import StagedOutput, fsync_directory
+
+_TEMPORARY_NAME = re.compile(r"^(?P<final>.+)\.dcpctl-[0-9a-f]{12}\.tmp(\.link)?$")
+
+
+class DataFileWriter:
+    """One data file being written: its size so far and the SHA-256 of what was written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size_bytes = 0
+        self._digest = hashlib.sha256()
+        self._stream = open(path, "xb")
+
+    def write(self, piece: bytes) -> None:
+        """Append a piece of bytes."""
+        self._stream.write(piece)
+        self._digest.update(piece)
+        self.size_bytes += len(piece)
+
+    def close(self) -> str:
+        """Flush to disk; returns the hex SHA-256 of the file."""
+        self._stream.flush()
+        os.fsync(self._stream.fileno())
+        self._stream.close()
+        return self._digest.hexdigest()
+
+    def discard(self) -> None:
+        """Close without syncing (after a failure)."""
+        self._stream.close()
+
+
+def _write_file_atomically(path: Path, data: bytes) -> str:
+    temporary = path.with_name(f"{path.name}.dcpctl-{secrets.token_hex(6)}.tmp")
+    with open(temporary, "xb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+class CheckpointOutput:
+    """Where a rewritten checkpoint goes; see the module docstring for the two ways."""
+
+    def __init__(self, destination: Path, in_place: bool, overwrite: bool = False) -> None:
+        self.destination = destination
+        self.in_place = in_place
+        self._digests: dict[str, str] = {}
+        self._open_writers: dict[str, DataFileWriter] = {}  # by final name
+        self._written: list[Path] = []
+        self._metadata_switched = False
+        if in_place:
+            self._staged = None
+            self._token = secrets.token_hex(6)
+            self.directory = destination
+        else:
+            self._staged = StagedOutput(destination, overwrite)
+            self._token = self._staged.token
+            self.directory = self._staged.path
+
+    def data_file_name(self, final_name: str) -> str:
+        """The name a data file has in the published metadata's first version."""
+        return f"{final_name}.dcpctl-{self._token}.tmp" if self.in_place else final_name
+
+    def data_file(self, final_name: str) -> DataFileWriter:
+        """The data file that will be called final_name, started on first use."""
+        writer = self._open_writers.get(final_name)
+        if writer is None:
+            writer = DataFileWriter(self.directory / self.data_file_name(final_name))
+            self._written.append(writer.path)
+            self._open_writers[final_name] = writer
+        return writer
+
+    def finish_data_file(self, final_name: str) -> None:
+        """Sync and close a data file, remembering its checksum."""
+        self._digests[final_name] = self._open_writers.pop(final_name).close()
+
+    def finish_data_files(self) -> None:
+        """Sync and close every data file still open."""
+        for final_name in sorted(self._open_writers):
+            self.finish_data_file(final_name)
+
+    def publish(self, metadata: CheckpointMetadata) -> None:
+        """Write `.metadata` (whose storage_data names final file names) and SHA256SUMS."""
+        if self.in_place:
+            self._publish_in_place(metadata)
+        else:
+            self._publish_new_directory(metadata)
+
+    def abort(self) -> None:
+        """Remove everything this output wrote; the source stays as it was. Once `.metadata`
+        names the new files, they are the checkpoint and stay."""
+        for writer in self._open_writers.values():
+            writer.discard()
+        if self._metadata_switched:
+            return
+        if self.in_place:
+            for path in self._written:
+                path.unlink(missing_ok=True)
+        else:
+            self._staged.abort()
+
+    def _publish_new_directory(self, metadata: CheckpointMetadata) -> None:
+        self._digests[METADATA_FILE_NAME] = _write_file_atomically(
+            self.directory / METADATA_FILE_NAME, serialize_metadata(metadata))
+        write_sha256sums(self.directory, self._digests)
+        self._staged.publish()
+
+    def _publish_in_place(self, metadata: CheckpointMetadata) -> None:
+        directory = self.directory
+        (directory / SHA256SUMS_FILE_NAME).unlink(missing_ok=True)  # it describes the old files
+        temporary_names = {name: self.data_file_name(name) for name in self._digests}
+        _write_file_atomically(directory / METADATA_FILE_NAME,
+                               serialize_metadata(_renamed(metadata, temporary_names)))
+        self._metadata_switched = True
+        fsync_directory(directory)
+        failpoint("after-first-metadata-switch")
+        if _give_final_names(directory, temporary_names):
+            metadata_digest = _write_file_atomically(directory / METADATA_FILE_NAME,
+                                                     serialize_metadata(metadata))
+            fsync_directory(directory)
+            failpoint("after-second-metadata-switch")
+            for temporary in temporary_names.values():
+                (directory / temporary).unlink()
+            digests = dict(self._digests)
+        else:  # no hard links here: the new files keep their temporary names
+            metadata_digest = hashlib.sha256(
+                (directory / METADATA_FILE_NAME).read_bytes()).hexdigest()
+            digests = {temporary_names[name]: digest for name, digest in self._digests.items()}
+        for path in directory.iterdir():
+            is_old_data = path.name.endswith(".distcp") or _TEMPORARY_NAME.match(path.name)
+            if is_old_data and path.name not in digests:
+                path.unlink()
+        digests[METADATA_FILE_NAME] = metadata_digest
+        write_sha256sums(directory, digests)
+        fsync_directory(directory)
+
+
+def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:
+    """Hard-link each new file under its final name, replacing the old file atomically; False
+    when the file system has no hard links (nothing is changed then)."""
+    for final_name, temporary in temporary_names.items():
+        link = directory / f"{temporary}.link"
+        try:
+            os.link(directory / temporary, link)
+        except OSError:
+            if final_name == next(iter(temporary_names)):
+                return False
+            raise
+        os.replace(link, directory / final_name)
+        failpoint("after-first-final-name")
+    fsync_directory(directory)
+    return True
+
+
+def _renamed(metadata: CheckpointMetadata, names: dict[str, str]) -> CheckpointMetadata:
+    storage_data = {key: dataclasses.replace(info, relative_path=names[info.relative_path])
+                    for key, info in (metadata.storage_data or {}).items()}
+    return dataclasses.replace(metadata, storage_data=storage_data)
+
+
+def final_name_of(name: str) -> str:
+    """The name a data file will have once published: a temporary name left by an interrupted
+    in-place rewrite maps back to the name it was standing in for."""
+    match = _TEMPORARY_NAME.match(name)
+    return match.group("final") if match else name
+
+
+def remove_stale_temporaries(directory: Path, referenced: set[str]) -> list[str]:
+    """Delete files an earlier killed in-place rewrite left behind, unless the metadata uses
+    them; returns their names."""
+    removed = []
+    for path in directory.iterdir():
+        if _TEMPORARY_NAME.match(path.name) and path.name not in referenced:
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def storage_with(info: StorageInfo, relative_path: str, offset: int, length: int,
+                 descriptors: tuple[str, ...] | None) -> StorageInfo:
+    """A copy of info pointing at a new byte range with new transforms."""
+    return dataclasses.replace(info, relative_path=relative_path, offset=offset, length=length,
+                               transform_descriptors=descriptors or None)

@@ -1,0 +1,207 @@
+"""The typed view of a DCP checkpoint directory: its metadata joined with its data files."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from dcpctl.errors import (
+    CheckpointNotFoundError,
+    DataError,
+    IncompleteCheckpointError,
+    UnsafePathError,
+    UnsupportedLayoutError,
+)
+from dcpctl.format.dtypes import DType
+from dcpctl.cycle_collector import paused_garbage_collection
+from dcpctl.format.metadata.reading import METADATA_FILE_NAME, read_metadata
+from dcpctl.format.metadata.records import CheckpointMetadata, ChunkMetadata, StorageInfo, TensorMetadata
+
+HF_INDEX_FILE_NAME = "model.safetensors.index.json"
+TORCH_SAVE = "torch_save"
+SAFETENSORS = "safetensors"
+_ZIP_MAGIC = b"PK\x03\x04"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+@dataclass
+class TensorEntry:
+    """A tensor of the checkpoint: fqn, dtype, full shape and its chunks, each joined with the
+    storage of its bytes (`chunk.storage`, None where the metadata lacks it)."""
+
+    fqn: str
+    dtype: DType
+    shape: tuple[int, ...]
+    chunks: list[ChunkMetadata]
+    nbytes: int = 0
+    """Logical size of the full tensor in bytes."""
+    stored_bytes: int = 0
+    """Bytes its chunks occupy in the data files."""
+
+
+@dataclass
+class ObjectEntry:
+    """A non-tensor entry (a pickled Python object) and where it is stored."""
+
+    fqn: str
+    storage: StorageInfo | None
+
+
+@dataclass
+class DataFile:
+    """A data file the metadata refers to: its size, how its items are serialized, how many
+    items it holds and where the last of them ends (the item that ends there: last_fqn)."""
+
+    name: str
+    size_bytes: int | None
+    serialization: str = TORCH_SAVE
+    item_count: int = 0
+    end_bytes: int = 0
+    last_fqn: str = ""
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint directory read through its metadata; no tensor data is loaded."""
+
+    path: Path
+    metadata: CheckpointMetadata
+    tensors: list[TensorEntry] = field(default_factory=list)
+    objects: list[ObjectEntry] = field(default_factory=list)
+    files: dict[str, DataFile] = field(default_factory=dict)
+    _checked_paths: dict[str, Path] = field(default_factory=dict, repr=False)
+
+    def data_path(self, relative_path: str) -> Path:
+        """The path of a data file named in the metadata, refused if it escapes the directory."""
+        path = self._checked_paths.get(relative_path)
+        if path is None:
+            path = self._checked_paths[relative_path] = resolve_inside(self.path, relative_path)
+        return path
+
+
+def resolve_inside(directory: Path, relative_path: str) -> Path:
+    """`directory/relative_path`, refused if it is absolute, climbs out, or links outside."""
+    pure = PurePosixPath(relative_path)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in relative_path or not pure.parts:
+        raise UnsafePathError(
+            f"{directory}: metadata names data file {relative_path!r}, which is not a plain "
+            "path inside the checkpoint directory"
+        )
+    candidate = directory / pure
+    real_directory = os.path.realpath(directory)
+    real_candidate = os.path.realpath(candidate)
+    if os.path.commonpath([real_directory, real_candidate]) != real_directory:
+        raise UnsafePathError(
+            f"{candidate}: data file resolves to {real_candidate}, outside the checkpoint "
+            "directory (a symlink out?)"
+        )
+    return candidate
+
+
+def open_checkpoint(path: str | os.PathLike, check_files: bool = True) -> Checkpoint:
+    """Read a checkpoint's metadata and data file sizes; with check_files, refuse missing or
+    truncated files."""
+    directory = Path(path)
+    _check_is_checkpoint_directory(directory)
+    with paused_garbage_collection():
+        checkpoint = Checkpoint(directory, read_metadata(directory))
+        _collect_entries(checkpoint)
+        _collect_files(checkpoint)
+    if check_files:
+        problems = find_file_problems(checkpoint)
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise DataError(problems[0] + more)
+    return checkpoint
+
+
+def _check_is_checkpoint_directory(directory: Path) -> None:
+    if not directory.exists():
+        raise CheckpointNotFoundError(f"{directory}: no such file or directory")
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"{directory}: not a directory; a DCP checkpoint is a "
+                                      "directory holding .metadata and .distcp files")
+    if (directory / METADATA_FILE_NAME).exists():
+        return
+    if (directory / HF_INDEX_FILE_NAME).exists():
+        raise UnsupportedLayoutError(
+            f"{directory}: holds {HF_INDEX_FILE_NAME} but no {METADATA_FILE_NAME}: this is a "
+            "Hugging Face safetensors checkpoint (HuggingFaceStorageWriter), not DCP metadata"
+        )
+    if (directory / f"{METADATA_FILE_NAME}.tmp").exists() or any(directory.glob("*.distcp")):
+        raise IncompleteCheckpointError(
+            f"{directory}: incomplete checkpoint: data files but no {METADATA_FILE_NAME} "
+            "(a save still running, or one that died before finishing)"
+        )
+    raise IncompleteCheckpointError(f"{directory}: not a DCP checkpoint: no {METADATA_FILE_NAME}")
+
+
+def _collect_entries(checkpoint: Checkpoint) -> None:
+    storage_by_key = {(key.fqn, key.offset): info
+                      for key, info in (checkpoint.metadata.storage_data or {}).items()}
+    for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorMetadata):
+            stored_bytes = 0
+            for chunk in entry.chunks:
+                chunk.storage = storage = storage_by_key.get((fqn, chunk.offsets))
+                if storage is not None:
+                    stored_bytes += storage.length
+            dtype = entry.properties.dtype
+            nbytes = math.prod(entry.size) * dtype.itemsize
+            checkpoint.tensors.append(
+                TensorEntry(fqn, dtype, entry.size, entry.chunks, nbytes, stored_bytes))
+        else:
+            checkpoint.objects.append(ObjectEntry(fqn, storage_by_key.get((fqn, None))))
+
+
+def _collect_files(checkpoint: Checkpoint) -> None:
+    first_tensor_item: dict[str, StorageInfo] = {}
+    for key, info in (checkpoint.metadata.storage_data or {}).items():
+        data_file = checkpoint.files.get(info.relative_path)
+        if data_file is None:
+            path = checkpoint.data_path(info.relative_path)
+            try:
+                size_bytes = path.stat().st_size
+            except FileNotFoundError:
+                size_bytes = None
+            data_file = checkpoint.files[info.relative_path] = DataFile(info.relative_path,
+                                                                        size_bytes)
+        data_file.item_count += 1
+        end = info.offset + info.length
+        if end > data_file.end_bytes:
+            data_file.end_bytes, data_file.last_fqn = end, key.fqn
+        if key.offset is not None and info.relative_path not in first_tensor_item:
+            first_tensor_item[info.relative_path] = info
+    for name, info in first_tensor_item.items():
+        checkpoint.files[name].serialization = _detect_serialization(checkpoint, info)
+
+
+def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
+    """torch.save items start with a zip (or zstd) header; SAFETENSORS files with a header length
+    followed by JSON."""
+    if checkpoint.files[info.relative_path].size_bytes is None:
+        return TORCH_SAVE
+    with open(checkpoint.data_path(info.relative_path), "rb") as stream:
+        stream.seek(info.offset)
+        head = stream.read(9)
+    if head[:4] in (_ZIP_MAGIC, _ZSTD_MAGIC):
+        return TORCH_SAVE
+    if len(head) == 9 and head[8:9] == b"{":
+        return SAFETENSORS
+    return TORCH_SAVE
+
+
+def find_file_problems(checkpoint: Checkpoint) -> list[str]:
+    """Missing data files and item byte ranges that run past the end of their file."""
+    problems = []
+    for name, data_file in sorted(checkpoint.files.items()):
+        path = checkpoint.path / name
+        if data_file.size_bytes is None:
+            problems.append(f"{path}: missing data file, named by {data_file.item_count} items "
+                            "in the metadata")
+        elif data_file.end_bytes > data_file.size_bytes:
+            problems.append(f"{path}: truncated: {data_file.size_bytes} bytes, but item "
+                            f"{data_file.last_fqn!r} ends at byte {data_file.end_bytes}")
+    return problems

@@ -1,0 +1,1 @@
+"""DCP `.metadata`: its records, safe (allowlisted) reading, structure checks, torch-free writing."""

@@ -1,0 +1,134 @@
+"""Safe reading and faithful writing of a DCP `.metadata` file.
+
+Neither reading nor writing imports torch. Reading never runs code from the file: the pickle is
+loaded with an allowlist that maps each class DCP metadata uses onto a plain record of ours.
+Writing pickles the records under torch's class names (format/torch_pickle.py), so stock
+`torch.distributed.checkpoint` reads them as its own.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from dcpctl.errors import MetadataError, UnsafeMetadataError
+from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
+from dcpctl.cycle_collector import paused_garbage_collection
+from dcpctl.format.metadata.structure import check_metadata_structure
+from dcpctl.format.metadata.records import (
+    BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey, StorageInfo, StorageMeta,
+    TensorMetadata, TensorProperties,
+)
+
+METADATA_FILE_NAME = ".metadata"
+_TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_TORCH_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+_TORCH_LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
+_MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
+
+
+def _make_dtype(name: str) -> DType:
+    return DTYPES_BY_NAME[DTYPE_ALIASES.get(name, name)]
+
+
+def _layout_by_qualified_name(qualified_name: Any) -> str:
+    """Stands in for torch.serialization._get_layout, which torch pickles layouts through."""
+    name = qualified_name.removeprefix("torch.") if isinstance(qualified_name, str) else None
+    if name not in _TORCH_LAYOUTS:
+        raise UnsafeMetadataError(f"names an unknown tensor layout {qualified_name!r}")
+    return name
+
+
+_RECORD_CLASSES = frozenset({CheckpointMetadata, TensorMetadata, BytesMetadata, ChunkMetadata,
+                             TensorProperties, ItemKey, StorageMeta, StorageInfo})
+
+
+def _reconstruct_record(cls: Any, base: Any, state: Any) -> Any:
+    """Stands in for copyreg._reconstructor, restricted to `object.__new__` of our records
+    (`.metadata` written by dcpctl 0.1 builds records this way)."""
+    if cls not in _RECORD_CLASSES or base is not object or state is not None:
+        raise UnsafeMetadataError("uses copyreg._reconstructor on something other than a DCP "
+                                  "metadata class")
+    return cls.__new__(cls)
+
+
+_ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
+    (_TORCH_METADATA_MODULE, "Metadata"): CheckpointMetadata,
+    (_TORCH_METADATA_MODULE, "TensorStorageMetadata"): TensorMetadata,
+    (_TORCH_METADATA_MODULE, "BytesStorageMetadata"): BytesMetadata,
+    (_TORCH_METADATA_MODULE, "ChunkStorageMetadata"): ChunkMetadata,
+    (_TORCH_METADATA_MODULE, "TensorProperties"): TensorProperties,
+    (_TORCH_METADATA_MODULE, "MetadataIndex"): ItemKey,
+    (_TORCH_METADATA_MODULE, "StorageMeta"): StorageMeta,
+    (_TORCH_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): int,
+    (_TORCH_FILESYSTEM_MODULE, "_StorageInfo"): StorageInfo,
+    ("torch", "Size"): tuple,
+    ("torch.serialization", "_get_layout"): _layout_by_qualified_name,
+    ("collections", "OrderedDict"): dict,
+    ("copyreg", "_reconstructor"): _reconstruct_record,
+    ("builtins", "object"): object,
+    # Pure paths only: building one touches no file system.
+    **{(module, name): PurePosixPath
+       for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")},
+    **{(module, name): PureWindowsPath
+       for module in ("pathlib", "pathlib._local") for name in ("WindowsPath", "PureWindowsPath")},
+    **{("torch", name): _make_dtype(name) for name in [*DTYPES_BY_NAME, *DTYPE_ALIASES]},
+    **{("torch", name): name for name in _TORCH_LAYOUTS},
+}
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """Resolves only the globals DCP metadata uses, each to a plain record of ours."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED_CLASSES[(module, name)]
+        except KeyError:
+            raise UnsafeMetadataError(
+                f"refers to {module}.{name}, which is not a DCP metadata class; "
+                "refusing to unpickle it"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeMetadataError("uses pickle persistent ids, which DCP metadata never does")
+
+
+def parse_metadata(data: bytes, source: str = METADATA_FILE_NAME) -> CheckpointMetadata:
+    """Unpickle `.metadata` bytes with the allowlist and check that they are DCP metadata."""
+    if not data:
+        raise MetadataError(f"{source}: file is empty")
+    with paused_garbage_collection():
+        loaded = _load_with_allowlist(data, source)
+        check_metadata_structure(loaded, source)
+    return loaded
+
+
+def _load_with_allowlist(data: bytes, source: str) -> Any:
+    try:
+        return _AllowlistUnpickler(io.BytesIO(data)).load()
+    except UnsafeMetadataError as error:
+        raise UnsafeMetadataError(f"{source}: {error}") from None
+    except Exception as error:  # a damaged pickle fails in many ways; all mean the same
+        raise MetadataError(
+            f"{source}: not a readable DCP metadata pickle ({type(error).__name__}: {error})"
+        ) from None
+
+
+def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
+    """Read and check `checkpoint_dir/.metadata` without importing torch."""
+    path = Path(checkpoint_dir) / METADATA_FILE_NAME
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise MetadataError(f"{path}: cannot read ({error.strerror})") from None
+    return parse_metadata(data, str(path))
+
+
+def serialize_metadata(metadata: CheckpointMetadata) -> bytes:
+    """`.metadata` bytes that torch's DCP reads as this metadata (torch is not imported)."""
+    from dcpctl.format.metadata.writing import pickle_as_torch  # only writers need it
+
+    return pickle_as_torch(metadata)

@@ -1,0 +1,189 @@
+"""Checking that unpickled `.metadata` has the shape of DCP metadata.
+
+Metadata can list millions of chunks. One pass over the records checks their types and
+gathers the tuples and numbers they hold; builtins that loop in C (map, chain, min, sets of
+types) then check those as whole columns. Only when something breaks a rule does the check
+walk the entries again one by one, to name the entry and the rule.
+"""
+
+from __future__ import annotations
+
+import operator
+from itertools import chain, starmap
+from operator import add, gt
+from typing import Any, Callable, Iterable
+
+from dcpctl.errors import MetadataError
+from dcpctl.format.dtypes import DType
+from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
+                                   StorageInfo, TensorMetadata, TensorProperties)
+
+_INT_TYPE_SET = {int}
+
+Fail = Callable[[str], MetadataError]
+
+
+def check_metadata_structure(loaded: Any, source: str) -> None:
+    """Raise MetadataError unless `loaded` has the shape of DCP metadata; normalizes in place."""
+
+    def fail(rule: str) -> MetadataError:
+        return MetadataError(f"{source}: {rule}")
+
+    try:
+        _check_records(loaded, fail)
+    except AttributeError as error:  # a record that the pickle never gave its fields
+        raise fail(f"a metadata record lacks a field ({error})") from None
+
+
+def _check_records(loaded: Any, fail: Fail) -> None:
+    if not isinstance(loaded, CheckpointMetadata):
+        raise fail(f"holds a {type(loaded).__name__}, not DCP Metadata")
+    if loaded.version is not None and type(loaded.version) is not str:
+        raise fail(f"version is a {type(loaded.version).__name__}, not a string")
+    entries = loaded.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise fail("state_dict_metadata is not a dict")
+    if not _entries_look_sound(entries):
+        _check_entries_one_by_one(entries, fail)
+    if loaded.storage_data is None:
+        loaded.storage_data = {}
+    storage_data = loaded.storage_data
+    if not isinstance(storage_data, dict):
+        raise fail("storage_data is not a dict")
+    if not _storage_looks_sound(storage_data, entries):
+        for key, info in storage_data.items():
+            _check_storage_entry(key, info, entries, fail)
+    _normalize_transforms(storage_data.values())
+
+
+def _only(values: Iterable, kind: type) -> bool:
+    return set(map(type, values)) <= {kind}
+
+
+def _entries_look_sound(entries: dict) -> bool:
+    sizes, offsets, extents, tensor_size_of_chunks = [], [], [], []
+    for entry in entries.values():
+        kind = type(entry)
+        if kind is TensorMetadata:
+            properties, size, chunks = entry.properties, entry.size, entry.chunks
+            if (type(properties) is not TensorProperties or type(properties.dtype) is not DType
+                    or type(size) is not tuple or type(chunks) is not list):
+                return False
+            sizes.append(size)
+            for chunk in chunks:
+                if type(chunk) is not ChunkMetadata:
+                    return False
+                offsets.append(chunk.offsets)
+                extents.append(chunk.sizes)
+                tensor_size_of_chunks.append(size)
+        elif kind is not BytesMetadata:
+            return False
+    return _only(entries, str) and _chunks_look_sound(sizes, offsets, extents,
+                                                      tensor_size_of_chunks)
+
+
+def _chunks_look_sound(sizes: list, offsets: list, extents: list,
+                       tensor_size_of_chunks: list) -> bool:
+    if not (_only(offsets, tuple) and _only(extents, tuple)
+            and _only(chain.from_iterable(chain(sizes, offsets, extents)), int)):
+        return False
+    # Only ints from here on, so equal layouts are interchangeable (unlike 1, 1.0 and True):
+    # each distinct (offsets, sizes, tensor size) is checked once.
+    layouts = set(zip(offsets, extents, tensor_size_of_chunks))
+    return (min(chain.from_iterable(set(sizes)), default=0) >= 0
+            and all(starmap(_chunk_lies_inside, layouts)))
+
+
+def _chunk_lies_inside(offsets: tuple, extents: tuple, size: tuple) -> bool:
+    return (len(offsets) == len(extents) == len(size)
+            and min(chain(offsets, extents), default=0) >= 0
+            and not any(map(gt, map(add, offsets, extents), size)))
+
+
+def _storage_looks_sound(storage_data: dict, entries: dict) -> bool:
+    fqns, key_offsets, paths, byte_numbers, descriptors = [], [], [], [], []
+    for key, info in storage_data.items():
+        if type(key) is not ItemKey or type(info) is not StorageInfo:
+            return False
+        fqns.append(key.fqn)
+        key_offsets.append(key.offset)
+        paths.append(info.relative_path)
+        byte_numbers.append(info.offset)
+        byte_numbers.append(info.length)
+        descriptors.append(info.transform_descriptors)
+    return (_only(fqns, str) and all(map(entries.__contains__, fqns))
+            and set(map(type, key_offsets)) <= {type(None), tuple}
+            and _only(chain.from_iterable(filter(None, key_offsets)), int)
+            and _only(paths, str) and all(paths)
+            and _only(byte_numbers, int) and min(byte_numbers, default=0) >= 0
+            and set(map(type, descriptors)) <= {type(None), list, tuple}
+            and _only(chain.from_iterable(filter(None, descriptors)), str))
+
+
+def _check_entries_one_by_one(entries: dict, fail: Fail) -> None:
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise fail(f"state_dict_metadata key {fqn!r} is not a string")
+        if isinstance(entry, TensorMetadata):
+            _check_tensor_entry(fqn, entry, fail)
+        elif not isinstance(entry, BytesMetadata):
+            raise fail(f"entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
+
+
+def _check_tensor_entry(fqn: str, entry: TensorMetadata, fail: Fail) -> None:
+    properties = entry.properties
+    if type(properties) is not TensorProperties or type(properties.dtype) is not DType:
+        raise fail(f"tensor {fqn!r} has no dtype")
+    size = entry.size
+    if type(size) is not tuple:
+        raise fail(f"tensor {fqn!r} has size {size!r}, not a tuple of sizes")
+    rank = len(size)
+    chunks = entry.chunks
+    if type(chunks) is not list:
+        raise fail(f"tensor {fqn!r} has no chunk list")
+    numbers = list(size)
+    for chunk in chunks:
+        if (type(chunk) is not ChunkMetadata or type(chunk.offsets) is not tuple
+                or type(chunk.sizes) is not tuple or len(chunk.offsets) != rank
+                or len(chunk.sizes) != rank):
+            raise fail(f"tensor {fqn!r} has a chunk that is not {rank}-d offsets and sizes")
+        numbers += chunk.offsets
+        numbers += chunk.sizes
+    if numbers and (not set(map(type, numbers)) <= _INT_TYPE_SET or min(numbers) < 0):
+        raise fail(f"tensor {fqn!r} has a size, offset or chunk size that is not a "
+                   "non-negative integer")
+    for chunk in chunks:
+        if any(map(operator.gt, map(operator.add, chunk.offsets, chunk.sizes), size)):
+            raise fail(f"tensor {fqn!r}: chunk at {list(chunk.offsets)} of size "
+                       f"{list(chunk.sizes)} lies outside the tensor's size {list(size)}")
+
+
+def _check_storage_entry(key: Any, info: Any, entries: dict, fail: Fail) -> None:
+    if not isinstance(key, ItemKey) or not isinstance(key.fqn, str):
+        raise fail(f"storage_data key {key!r} is not a MetadataIndex")
+    if key.fqn not in entries:
+        raise fail(f"storage_data names {key.fqn!r}, which state_dict_metadata lacks")
+    if key.offset is not None and (type(key.offset) is not tuple
+                                   or not all(type(number) is int for number in key.offset)):
+        raise fail(f"storage_data key for {key.fqn!r} has offset {key.offset!r}, not a tuple "
+                   "of integers")
+    if not isinstance(info, StorageInfo):
+        raise fail(f"storage_data for {key.fqn!r} is a {type(info).__name__}, not _StorageInfo")
+    if not isinstance(info.relative_path, str) or not info.relative_path:
+        raise fail(f"storage_data for {key.fqn!r} has no file name")
+    if type(info.offset) is not int or type(info.length) is not int or min(
+            info.offset, info.length) < 0:
+        raise fail(f"storage_data for {key.fqn!r} has byte range "
+                   f"offset={info.offset!r} length={info.length!r}, not two non-negative integers")
+    descriptors = info.transform_descriptors
+    if descriptors is not None and (not isinstance(descriptors, (list, tuple)) or not all(
+            isinstance(name, str) for name in descriptors)):
+        raise fail(f"storage_data for {key.fqn!r} has transforms {descriptors!r}, "
+                   "not a list of names")
+
+
+def _normalize_transforms(infos: Iterable[StorageInfo]) -> None:
+    """Transform descriptors as tuples, an empty list as None (no transform)."""
+    for info in infos:
+        if info.transform_descriptors is not None:
+            info.transform_descriptors = tuple(info.transform_descriptors) or None

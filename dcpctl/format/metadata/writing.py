@@ -1,0 +1,293 @@
+"""Pickle dcpctl's metadata records as torch's own classes, without importing torch.
+
+Importing torch.distributed.checkpoint costs seconds and hundreds of MB; writing `.metadata`
+needs only the names of torch's classes. So the pickle (protocol 4, as torch writes it) is
+emitted opcode by opcode: each record as pickling torch's dataclass makes it (`NEWOBJ` of the
+class, then `BUILD` with its state), sizes as `torch.Size(tuple)`, dtypes as `torch.<name>`
+globals. Only globals and strings are memoized, by value: memory stays at the output's size plus
+one entry per distinct string, where the C pickler would pin every object it wrote until the
+end, hundreds of MB for a checkpoint with a hundred thousand chunks.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any, Callable
+
+from dcpctl.errors import MetadataError
+from dcpctl.format.dtypes import DType
+from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
+                                   StorageInfo, StorageMeta, TensorMetadata, TensorProperties)
+
+_PROTOCOL = 4
+_BATCH = 1000  # items per APPENDS / SETITEMS / ADDITEMS, as the pickle module writes them
+_METADATA = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+_PACK_INT = struct.Struct("<i").pack
+_PACK_UINT = struct.Struct("<I").pack
+_PACK_UINT64 = struct.Struct("<Q").pack
+_PACK_FLOAT = struct.Struct(">d").pack
+_SMALL_INTS = [pickle.BININT1 + bytes([value]) for value in range(256)]
+_NEW_OBJECT = pickle.EMPTY_TUPLE + pickle.NEWOBJ
+_BEGIN_FIELDS = _NEW_OBJECT + pickle.EMPTY_DICT + pickle.MARK
+_END_FIELDS = pickle.SETITEMS + pickle.BUILD
+_END_SIZE = pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
+
+
+class _PickleWriter:
+    """Appends protocol-4 opcodes for plain values and metadata records to a buffer."""
+
+    def __init__(self) -> None:
+        self.out = bytearray(pickle.PROTO + bytes([_PROTOCOL]))
+        self._memo_gets: dict[Any, bytes] = {}  # by key: the opcode that gets its memo slot
+        self._open_containers: set[int] = set()
+
+    def _get_memoized(self, key: Any) -> bool:
+        """Emit a get of key's memo slot and return True; False when key has none yet."""
+        get = self._memo_gets.get(key)
+        if get is None:
+            return False
+        self.out += get
+        return True
+
+    def _memoize(self, key: Any) -> None:
+        index = len(self._memo_gets)
+        self._memo_gets[key] = (pickle.BINGET + bytes([index]) if index < 256
+                                else pickle.LONG_BINGET + _PACK_UINT(index))
+        self.out += pickle.MEMOIZE
+
+    def global_name(self, module: str, name: str) -> None:
+        key = (module, name)
+        if not self._get_memoized(key):
+            self.string(module)
+            self.string(name)
+            self.out += pickle.STACK_GLOBAL
+            self._memoize(key)
+
+    def string(self, text: str) -> None:
+        get = self._memo_gets.get(text)
+        if get is not None:
+            self.out += get
+            return
+        encoded = text.encode("utf-8", "surrogatepass")
+        if len(encoded) < 256:
+            self.out += pickle.SHORT_BINUNICODE + bytes([len(encoded)])
+        else:
+            self.out += pickle.BINUNICODE8 + _PACK_UINT64(len(encoded))
+        self.out += encoded
+        self._memoize(text)
+
+    def integer(self, value: int) -> None:
+        if 0 <= value < 256:
+            self.out += _SMALL_INTS[value]
+        elif -(1 << 31) <= value < (1 << 31):
+            self.out += pickle.BININT + _PACK_INT(value)
+        else:
+            encoded = pickle.encode_long(value)
+            self.out += pickle.LONG1 + bytes([len(encoded)]) + encoded
+
+    def size(self, values: tuple[int, ...]) -> None:
+        """torch.Size(values)."""
+        self.global_name("torch", "Size")
+        out = self.out
+        out += pickle.MARK
+        for value in values:
+            if type(value) is not int:  # written as it is; reading it back refuses it
+                self.value(value)
+            elif 0 <= value < 256:  # most sizes and offsets: spared a call
+                out += _SMALL_INTS[value]
+            else:
+                self.integer(value)
+        out += _END_SIZE
+
+    def begin_fields(self, module: str, class_name: str) -> None:
+        """Start an instance of module.class_name as pickling a dataclass makes it (NEWOBJ,
+        then its fields as a dict for BUILD); write each field as a string key and a value,
+        then call end_fields."""
+        self.global_name(module, class_name)
+        self.out += _BEGIN_FIELDS
+
+    def end_fields(self) -> None:
+        self.out += _END_FIELDS
+
+    def fields(self, module: str, class_name: str, values: dict[str, Any]) -> None:
+        """An instance of module.class_name whose fields hold plain values or records."""
+        self.begin_fields(module, class_name)
+        for key, field_value in values.items():
+            self.string(key)
+            self.value(field_value)
+        self.end_fields()
+
+    def size_or_none(self, values: tuple[int, ...] | None) -> None:
+        if values is None:
+            self.out += pickle.NONE
+        else:
+            self.size(values)
+
+    def value(self, value: Any) -> None:
+        """Any value a `.metadata` can hold: plain data, records, dtypes and pure paths."""
+        write = _VALUE_WRITERS.get(type(value))
+        if write is None:
+            raise MetadataError(f"cannot write a {type(value).__name__} into .metadata")
+        write(self, value)
+
+    def container(self, value: Any, empty: bytes, items: list, end: bytes) -> None:
+        """A list, dict or set: `empty`, then MARK-delimited batches of items, each closed by
+        `end`."""
+        self._enter(value)
+        self.out += empty
+        for start in range(0, len(items), _BATCH):
+            self.out += pickle.MARK
+            for item in items[start:start + _BATCH]:
+                self.value(item)
+            self.out += end
+        self._open_containers.discard(id(value))
+
+    def marked(self, value: Any, items: list, end: bytes) -> None:
+        """A tuple or frozenset: MARK, its items, `end`."""
+        self._enter(value)
+        self.out += pickle.MARK
+        for item in items:
+            self.value(item)
+        self.out += end
+        self._open_containers.discard(id(value))
+
+    def _enter(self, value: Any) -> None:
+        """Refuse a container that contains itself (a pickle can build one); the caller leaves
+        it by discarding its id. A failure anywhere ends the whole pickle, so no
+        try/finally is needed."""
+        if id(value) in self._open_containers:
+            raise MetadataError("metadata holds a container that contains itself")
+        self._open_containers.add(id(value))
+
+
+def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
+    writer.begin_fields(_FILESYSTEM, "_StorageInfo")
+    writer.string("relative_path")
+    writer.string(info.relative_path)
+    writer.string("offset")
+    writer.integer(info.offset)
+    writer.string("length")
+    writer.integer(info.length)
+    if info.transform_descriptors is not None:
+        writer.string("transform_descriptors")
+        writer.value(list(info.transform_descriptors))
+    writer.end_fields()
+
+
+def _write_item_key(writer: _PickleWriter, key: ItemKey) -> None:
+    writer.begin_fields(_METADATA, "MetadataIndex")
+    writer.string("fqn")
+    writer.string(key.fqn)
+    writer.string("offset")
+    writer.size_or_none(key.offset)
+    writer.string("index")
+    writer.value(key.index)
+    writer.end_fields()
+
+
+def _write_chunk(writer: _PickleWriter, chunk: ChunkMetadata) -> None:
+    writer.begin_fields(_METADATA, "ChunkStorageMetadata")
+    writer.string("offsets")
+    writer.size(chunk.offsets)
+    writer.string("sizes")
+    writer.size(chunk.sizes)
+    writer.end_fields()
+
+
+def _write_tensor(writer: _PickleWriter, tensor: TensorMetadata) -> None:
+    writer.begin_fields(_METADATA, "TensorStorageMetadata")
+    writer.string("properties")
+    writer.value(tensor.properties)
+    writer.string("size")
+    writer.size(tensor.size)
+    writer.string("chunks")
+    writer.value(tensor.chunks)
+    writer.end_fields()
+
+
+def _write_tensor_properties(writer: _PickleWriter, properties: TensorProperties) -> None:
+    """TensorProperties pickles its state as a tuple (its __getstate__)."""
+    writer.global_name(_METADATA, "TensorProperties")
+    writer.out += _NEW_OBJECT + pickle.MARK
+    writer.global_name("torch", properties.dtype.name)
+    writer.global_name("torch.serialization", "_get_layout")
+    writer.string(f"torch.{properties.layout}")
+    writer.out += pickle.TUPLE1 + pickle.REDUCE
+    writer.value(properties.requires_grad)
+    writer.global_name(_METADATA, "_MEM_FORMAT_ENCODING")
+    writer.integer(properties.memory_format_code)
+    writer.out += pickle.TUPLE1 + pickle.REDUCE
+    writer.value(properties.pin_memory)
+    writer.out += pickle.TUPLE + pickle.BUILD
+
+
+def _write_storage_meta(writer: _PickleWriter, meta: StorageMeta) -> None:
+    writer.fields(_METADATA, "StorageMeta", {
+        "checkpoint_id": meta.checkpoint_id, "save_id": meta.save_id, "load_id": meta.load_id,
+        "modules": list(meta.modules)})
+
+
+def _write_checkpoint_metadata(writer: _PickleWriter, metadata: CheckpointMetadata) -> None:
+    writer.fields(_METADATA, "Metadata", {
+        "state_dict_metadata": metadata.state_dict_metadata,
+        "planner_data": metadata.planner_data, "storage_data": metadata.storage_data,
+        "storage_meta": metadata.storage_meta, "version": metadata.version})
+
+
+def _write_pure_path(writer: _PickleWriter, path: PurePosixPath | PureWindowsPath) -> None:
+    writer.global_name("pathlib", "PosixPath" if type(path) is PurePosixPath else "WindowsPath")
+    writer.value(tuple(path.parts))
+    writer.out += pickle.REDUCE
+
+
+def _write_opcode(code: Callable[[Any], bytes]) -> Callable[[_PickleWriter, Any], None]:
+    def write(writer: _PickleWriter, value: Any) -> None:
+        writer.out += code(value)
+    return write
+
+
+def _write_bytes(writer: _PickleWriter, data: bytes) -> None:
+    header = (pickle.SHORT_BINBYTES + bytes([len(data)]) if len(data) < 256
+              else pickle.BINBYTES8 + _PACK_UINT64(len(data)))
+    writer.out += header + data
+
+
+_VALUE_WRITERS: dict[type, Callable[[_PickleWriter, Any], None]] = {
+    type(None): _write_opcode(lambda _: pickle.NONE),
+    bool: _write_opcode(lambda value: pickle.NEWTRUE if value else pickle.NEWFALSE),
+    int: _PickleWriter.integer,
+    float: _write_opcode(lambda value: pickle.BINFLOAT + _PACK_FLOAT(value)),
+    str: _PickleWriter.string,
+    bytes: _write_bytes,
+    tuple: lambda writer, values: writer.marked(values, list(values), pickle.TUPLE),
+    list: lambda writer, values: writer.container(values, pickle.EMPTY_LIST, values,
+                                                  pickle.APPENDS),
+    dict: lambda writer, values: writer.container(
+        values, pickle.EMPTY_DICT, [item for pair in values.items() for item in pair],
+        pickle.SETITEMS),
+    set: lambda writer, values: writer.container(values, pickle.EMPTY_SET, list(values),
+                                                 pickle.ADDITEMS),
+    frozenset: lambda writer, values: writer.marked(values, list(values), pickle.FROZENSET),
+    DType: lambda writer, dtype: writer.global_name("torch", dtype.name),
+    PurePosixPath: _write_pure_path,
+    PureWindowsPath: _write_pure_path,
+    StorageInfo: _write_storage_info,
+    ItemKey: _write_item_key,
+    ChunkMetadata: _write_chunk,
+    TensorMetadata: _write_tensor,
+    TensorProperties: _write_tensor_properties,
+    BytesMetadata: lambda writer, _: writer.fields(_METADATA, "BytesStorageMetadata", {}),
+    StorageMeta: _write_storage_meta,
+    CheckpointMetadata: _write_checkpoint_metadata,
+}
+
+
+def pickle_as_torch(metadata: CheckpointMetadata) -> bytes:
+    """The `.metadata` bytes for these records, loadable by torch's own unpickling."""
+    writer = _PickleWriter()
+    writer.value(metadata)
+    writer.out += pickle.STOP
+    return bytes(writer.out)

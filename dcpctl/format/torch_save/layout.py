@@ -1,0 +1,259 @@
+"""The layout of a `torch.save` archive holding one tensor, read without torch and without
+running code from it.
+
+DCP's TORCH_SAVE serialization stores each tensor item as a complete torch.save zip archive:
+`<prefix>/data.pkl` (a pickle naming the dtype, shape, stride and storage of the tensor),
+`<prefix>/data/<key>` (the raw storage bytes, 64-byte aligned) and a few small records. The
+pickle is read with an allowlist that maps the few globals torch writes for a dense tensor
+onto plain values; a storage is a persistent id, recorded rather than loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any, Sequence, TypeVar
+
+from dcpctl.errors import DataError
+from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
+from dcpctl.format.torch_save.zip_records import STORED, ReadRange, ZipRecord, locate_record, \
+    read_central_directory
+
+PICKLE_RECORD_SUFFIX = "/data.pkl"
+_RECORDS_ROOM_BYTES = 64 << 10
+_MAX_PICKLE_BYTES = 1 << 20
+_LAYOUT_WINDOW_BYTES = 4096
+
+RecordT = TypeVar("RecordT")
+_DTYPES_BY_LEGACY_STORAGE = {storage: DTYPES_BY_NAME[name]
+                              for name, storage in LEGACY_STORAGE_TYPES.items()}
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """The tensor a torch.save archive holds: a view (shape, stride, storage_offset, all in
+    elements) of the storage kept in record `storage_record`."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    storage_record: str
+    storage_numel: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's elements."""
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Whether the elements lie in row-major order with no gaps (dims of size 1 aside)."""
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return self.numel == 0
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True)
+class TorchSaveLayout:
+    """Where the tensor of a torch.save archive of one tensor lies (offsets within the item)."""
+
+    tensor: SavedTensor
+    storage: ZipRecord
+
+    @property
+    def payload_offset(self) -> int:
+        """Offset in the archive of the tensor's first element."""
+        return self.storage.data_offset + self.tensor.storage_offset * self.tensor.dtype.itemsize
+
+
+def max_tensor_archive_bytes(tensor_nbytes: int) -> int:
+    """The most bytes the torch.save archive of a chunk of tensor_nbytes may hold: torch's
+    FileSystemWriter saves a tensor with a storage of its own bytes (it clones views), and the
+    records around them take about 1 KiB. A compressed item that decodes past this is damaged
+    or hostile (a few stored bytes can decode to terabytes)."""
+    return tensor_nbytes + _RECORDS_ROOM_BYTES
+
+
+def read_torch_save_layout(read_range: ReadRange, item_length: int) -> TorchSaveLayout:
+    """The tensor of a torch.save archive of `item_length` bytes and where it lies. Reads only
+    the archive's last and first few KiB (central directory, the two local headers it needs,
+    data.pkl), never the tensor data."""
+    read_cached = cache_ends(read_range, item_length, _LAYOUT_WINDOW_BYTES)
+    directory_offset, entries = read_central_directory(read_cached, item_length)
+    pickle_record = locate_record(read_cached, find_pickle_record(entries), directory_offset)
+    tensor = _tensor_of_pickle_record(
+        pickle_record, read_cached(pickle_record.data_offset, pickle_record.size_bytes))
+    storage_entry = next((entry for entry in entries if entry.name == tensor.storage_record),
+                         None)
+    return _join_storage(tensor, storage_entry and locate_record(read_cached, storage_entry,
+                                                                 directory_offset))
+
+
+def cache_ends(read_range: ReadRange, length: int, window_bytes: int) -> ReadRange:
+    """read_range, serving reads within the first or last window_bytes from one read of each."""
+    windows: dict[int, bytes] = {}
+
+    def read_cached(start: int, count: int) -> bytes:
+        for window_start in (0, max(0, length - window_bytes)):
+            window_end = min(length, window_start + window_bytes)
+            if window_start <= start and start + count <= window_end:
+                if window_start not in windows:
+                    windows[window_start] = read_range(window_start, window_end - window_start)
+                window = windows[window_start]
+                return window[start - window_start:start - window_start + count]
+        return read_range(start, count)
+
+    return read_cached
+
+
+def find_pickle_record(records: Sequence[RecordT]) -> RecordT:
+    """The archive's `<prefix>/data.pkl` record (a ZipRecord or a central directory entry)."""
+    for record in records:
+        if record.name.endswith(PICKLE_RECORD_SUFFIX) and record.name.count("/") == 1:
+            if record.compression_method != STORED:
+                raise DataError(f"zip record {record.name!r} is compressed, which torch.save "
+                                "never does")
+            if record.size_bytes > _MAX_PICKLE_BYTES:
+                raise DataError(f"zip record {record.name!r} holds {record.size_bytes} bytes, "
+                                "far more than the pickle of one tensor")
+            return record
+    raise DataError("no data.pkl record: not a torch.save archive")
+
+
+def build_torch_save_layout(records: Sequence[ZipRecord], pickle_bytes: bytes) -> TorchSaveLayout:
+    """Join the archive's records with its data.pkl and check that they agree."""
+    tensor = _tensor_of_pickle_record(find_pickle_record(records), pickle_bytes)
+    return _join_storage(tensor, next((r for r in records if r.name == tensor.storage_record),
+                                      None))
+
+
+def _tensor_of_pickle_record(pickle_record: ZipRecord, pickle_bytes: bytes) -> SavedTensor:
+    prefix = pickle_record.name[:-len(PICKLE_RECORD_SUFFIX)]
+    return parse_tensor_pickle(pickle_bytes, f"{prefix}/data/")
+
+
+def _join_storage(tensor: SavedTensor, storage: ZipRecord | None) -> TorchSaveLayout:
+    """The layout of the tensor in its storage record, once both are checked to agree."""
+    if storage is None:
+        raise DataError(f"data.pkl names storage record {tensor.storage_record!r}, which the "
+                        "archive lacks")
+    storage_bytes = tensor.storage_numel * tensor.dtype.itemsize
+    if storage.size_bytes != storage_bytes:
+        raise DataError(f"zip record {storage.name!r} holds {storage.size_bytes} bytes, but "
+                        f"data.pkl says {tensor.storage_numel} elements of {tensor.dtype.name} "
+                        f"({storage_bytes} bytes)")
+    if tensor.numel:
+        last_element = tensor.storage_offset + sum(
+            (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride))
+        if last_element >= tensor.storage_numel or min(tensor.stride, default=0) < 0:
+            raise DataError(f"data.pkl describes a tensor of shape {list(tensor.shape)}, stride "
+                            f"{list(tensor.stride)} and offset {tensor.storage_offset} that "
+                            f"reaches outside its storage of {tensor.storage_numel} elements")
+    return TorchSaveLayout(tensor, storage)
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: DType | None  # None: an UntypedStorage, whose dtype comes with the tensor
+
+
+@dataclass(frozen=True)
+class _StorageReference:
+    key: str
+    storage_type: _StorageType
+    numel: int
+
+
+def _is_sizes(value: Any) -> bool:
+    return isinstance(value, tuple) and all(type(item) is int and item >= 0 for item in value)
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: Any,
+                    storage_record_prefix: str) -> SavedTensor:
+    if not isinstance(storage, _StorageReference):
+        raise DataError("data.pkl rebuilds a tensor from something that is not a storage")
+    if not (type(storage_offset) is int and storage_offset >= 0 and _is_sizes(size)
+            and _is_sizes(stride) and len(size) == len(stride)):
+        raise DataError(f"data.pkl has a malformed tensor view: offset {storage_offset!r}, "
+                        f"size {size!r}, stride {stride!r}")
+    if not isinstance(dtype, DType):
+        raise DataError(f"data.pkl gives dtype {dtype!r}, not a torch dtype")
+    numel = storage.numel
+    if storage.storage_type.dtype is None:  # an untyped storage counts bytes
+        numel, remainder = divmod(numel, dtype.itemsize)
+        if remainder:
+            raise DataError(f"storage of {storage.numel} bytes is not a whole number of "
+                            f"{dtype.name} elements")
+    return SavedTensor(dtype, size, stride, storage_offset, storage_record_prefix + storage.key,
+                       numel)
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Resolves only the globals torch.save writes for a plain dense tensor."""
+
+    def __init__(self, data: bytes, storage_record_prefix: str) -> None:
+        super().__init__(io.BytesIO(data))
+        prefix = storage_record_prefix
+
+        def rebuild_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None):
+            return _rebuild_tensor(storage, offset, size, stride, storage.storage_type.dtype
+                                   if isinstance(storage, _StorageReference) else None, prefix)
+
+        def rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+            return _rebuild_tensor(storage, offset, size, stride, dtype, prefix)
+
+        self._globals = {("torch._utils", "_rebuild_tensor_v2"): rebuild_v2,
+                         ("torch._utils", "_rebuild_tensor_v3"): rebuild_v3}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._globals.get((module, name))
+        if found is not None:
+            return found
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            return _StorageType(None)
+        if module == "torch" and name in _DTYPES_BY_LEGACY_STORAGE:
+            return _StorageType(_DTYPES_BY_LEGACY_STORAGE[name])
+        if module == "torch" and name in DTYPES_BY_NAME:
+            return DTYPES_BY_NAME[name]
+        raise DataError(f"data.pkl refers to {module}.{name}, which the pickle of a plain dense "
+                        "tensor never does; refusing to unpickle it")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
+                and type(pid[4]) is int and pid[4] >= 0):
+            raise DataError(f"data.pkl has a malformed storage reference {pid!r:.200}")
+        return _StorageReference(pid[2], pid[1], pid[4])
+
+
+def parse_tensor_pickle(data: bytes, storage_record_prefix: str = "archive/data/") -> SavedTensor:
+    """The tensor described by a torch.save data.pkl; raises DataError for anything else."""
+    return _parse_tensor_pickle(bytes(data), storage_record_prefix)
+
+
+# Every chunk of one shape and dtype has the same data.pkl: parse each distinct one once.
+@functools.lru_cache(maxsize=1024)
+def _parse_tensor_pickle(data: bytes, storage_record_prefix: str) -> SavedTensor:
+    try:
+        loaded = _TensorUnpickler(data, storage_record_prefix).load()
+    except DataError:
+        raise
+    except Exception as error:  # a damaged pickle fails in many ways; all mean the same
+        raise DataError(f"data.pkl does not unpickle ({type(error).__name__}: {error})") from None
+    if not isinstance(loaded, SavedTensor):
+        raise DataError(f"data.pkl holds a {type(loaded).__name__}, not one tensor")
+    return loaded

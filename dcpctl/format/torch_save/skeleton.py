@@ -1,0 +1,72 @@
+"""torch.save files opened without their tensor data: the structure, and where each tensor's
+bytes lie in the file, so that they can be read or written a piece at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.format.torch_save.zip_records import read_zip_records
+
+
+def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
+    """The file's contents with every tensor on the meta device (no tensor bytes are read),
+    unpickled with torch's weights_only loader so that no code from the file runs, and the data
+    offset -> size of each of its storage records (`<prefix>/data/<key>`)."""
+    with open(path, "rb") as stream:
+        def read_range(start: int, length: int) -> bytes:
+            stream.seek(start)
+            return stream.read(length)
+
+        try:
+            records = read_zip_records(read_range, path.stat().st_size)
+        except DataError as error:
+            raise UnsupportedLayoutError(f"{path}: not a torch.save zip archive ({error}; the "
+                                         "legacy format of torch < 1.6 is not supported)") from None
+        byteorder = next((r for r in records if r.name.endswith("/byteorder")), None)
+        if byteorder and read_range(byteorder.data_offset, byteorder.size_bytes) != b"little":
+            raise UnsupportedLayoutError(f"{path}: saved on a big-endian machine")
+    try:
+        skeleton = torch.load(path, map_location="meta", weights_only=True)
+    except Exception as error:  # the weights_only loader refuses in many ways
+        raise UnsupportedLayoutError(
+            f"{path}: cannot be loaded with weights_only=True "
+            f"({str(error).splitlines()[0]})") from None
+    storages = {record.data_offset: record.size_bytes for record in records
+                if record.name.partition("/")[2].startswith("data/")}
+    return skeleton, storages
+
+
+def storage_file_offset(path: Path, placeholder: torch.Tensor, records: dict[int, int]) -> int:
+    """Where in the file the storage of a tensor from load_skeleton starts. torch works it out
+    from the conventions of its own writer; it is checked against the archive's records."""
+    offset = getattr(placeholder.untyped_storage(), "_checkpoint_offset", None)
+    needed = placeholder.untyped_storage().nbytes()
+    if offset is None or records.get(offset, -1) < needed:
+        raise UnsupportedLayoutError(f"{path}: cannot tell where a tensor's bytes lie (torch "
+                                     f"points at byte {offset}, where no storage record of "
+                                     f"{needed} bytes starts)")
+    return offset
+
+
+def find_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside value's dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from find_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from find_tensors(item)
+
+
+def refuse_tensors_in_object(path: Path, fqn: str, value: Any) -> None:
+    """Objects are carried as pickles; one holding tensors is refused, as its tensors would
+    come out empty."""
+    if next(find_tensors(value), None) is not None:
+        raise UnsupportedLayoutError(f"{path}: {fqn!r} is an object holding tensors, which "
+                                     "dcpctl does not carry inside objects")

@@ -1,0 +1,1 @@
+"""`convert`: DCP to safetensors or torch.save, and back to DCP."""

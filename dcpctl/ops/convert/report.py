@@ -1,0 +1,109 @@
+"""What a conversion did, and the pieces the three conversions share."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+from dcpctl.errors import DataError
+from dcpctl.format.checkpoint.view import TensorEntry
+from dcpctl.format.dtypes import DType
+from dcpctl.pipeline import Pipeline
+
+# Called with (bytes just done, total bytes) as work advances.
+ProgressCallback = Callable[[int, int], None]
+PIECE_BUDGET_BYTES = 16 << 20
+
+
+@dataclass
+class WrittenFile:
+    """One file of the output."""
+
+    name: str
+    size_bytes: int
+    tensors: int
+
+
+@dataclass
+class ConvertReport:
+    """What a convert did: what went in, what came out, and what was left out."""
+
+    source: str
+    output: str
+    source_format: str
+    target_format: str
+    tensors: int = 0
+    objects: int = 0
+    tensor_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    cast_to: str | None = None
+    tensors_left_out: int = 0
+    objects_left_out: int = 0
+    ranks: int | None = None
+    threads: int = 1
+    seconds: float = 0.0
+    files: list[WrittenFile] = field(default_factory=list)
+
+    def count_tensors(self, sizes: Iterable[int]) -> None:
+        """Record the tensors written, by their sizes in bytes."""
+        sizes = list(sizes)
+        self.tensors = len(sizes)
+        self.tensor_bytes = sum(sizes)
+        self.largest_tensor_bytes = max(sizes, default=0)
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict."""
+        rate = self.tensor_bytes / self.seconds if self.seconds else None
+        return {**dataclasses.asdict(self), "bytes_per_second": rate}
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """A checkpoint tensor as it goes into the output: its name there and its dtype."""
+
+    entry: TensorEntry
+    name: str
+    dtype: DType
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its data in the output."""
+        return math.prod(self.entry.shape) * self.dtype.itemsize
+
+
+def counted_pieces(source: str, tensor: OutputTensor, pieces: Iterable[bytes],
+                   on_progress: "ProgressCallback | None", total_bytes: int) -> Iterator[bytes]:
+    """The tensor's pieces, passed on with progress; raises DataError when they do not add up
+    to the bytes its shape needs."""
+    written = 0
+    for piece in pieces:
+        written += len(piece)
+        if on_progress is not None:
+            on_progress(len(piece), total_bytes)
+        yield piece
+    if written != tensor.nbytes:
+        raise DataError(f"{source}: tensor {tensor.entry.fqn!r} gave {written} bytes, not the "
+                        f"{tensor.nbytes} its shape needs")
+
+
+def cast_dtype(dtype: DType, cast_to: DType | None) -> DType:
+    """The dtype a tensor gets: cast_to for floating-point tensors, its own otherwise."""
+    return cast_to if cast_to is not None and dtype.is_floating_point else dtype
+
+
+def run_in_order(produce: Callable, tasks: list, write: Callable[[object, Iterator], None],
+                 threads: int) -> None:
+    """Produce each task's pieces on `threads` threads and hand them to write in task order,
+    with the bytes waiting in between bounded."""
+    Pipeline(produce, threads=threads, bytes_in_flight=PIECE_BUDGET_BYTES * threads).run(
+        tasks, write)
+
+
+def sync_and_close(stream) -> None:
+    """Flush a written file to disk and close it."""
+    stream.flush()
+    os.fsync(stream.fileno())
+    stream.close()

@@ -1,0 +1,259 @@
+"""Safetensors files or a torch.save file to a DCP checkpoint laid out for N ranks.
+
+Each tensor is split by rows as an N-rank FSDP2 save splits it (format/sharding.py) and each
+rank's chunks go into its own file `__{rank}_0.distcp`, every item the torch.save archive of the
+chunk that torch's FileSystemWriter would write (format/torch_save_writer.py); non-tensor
+entries go to rank 0. Sources are read a chunk at a time from the byte ranges their headers name
+(for a torch.save file, found by loading it with every tensor on the meta device), never loaded
+whole. A safetensors source needs no torch at all.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
+from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
+                                   StorageInfo, StorageMeta, TensorMetadata, TensorProperties)
+from dcpctl.format.safetensors import SafetensorsTensor, read_safetensors_model
+from dcpctl.format.checkpoint.sharding import RankChunk, shard_dim0_chunks
+from dcpctl.format.torch_save.writer import iter_torch_save_archive
+from dcpctl.format.checkpoint.publishing import CheckpointOutput
+from dcpctl.ops.convert.report import ConvertReport, ProgressCallback, WrittenFile, run_in_order
+from dcpctl.ops.convert.tensor_bytes import torch_dtype
+from dcpctl.pipeline import default_thread_count
+
+if TYPE_CHECKING:
+    import torch
+
+DCP_VERSION = "1.0.0"
+
+
+@dataclass(frozen=True)
+class SourceEntry:
+    """A tensor or object to carry into the checkpoint, with its key path in the state dict.
+    A tensor gives a chunk's row-major bytes through read_chunk; an object is its value."""
+
+    key_path: tuple
+    dtype: DType | None = None
+    shape: tuple[int, ...] = ()
+    read_chunk: Callable[[RankChunk], bytearray] | None = None
+    value: Any = None
+
+    @property
+    def fqn(self) -> str:
+        """The flattened key, as DCP joins a key path."""
+        return ".".join(map(str, self.key_path))
+
+    @property
+    def is_tensor(self) -> bool:
+        """Whether this is a tensor (else a pickled object)."""
+        return self.read_chunk is not None
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One item of a rank's file: an object, or a tensor's chunk."""
+
+    entry: SourceEntry
+    chunk: RankChunk | None
+    chunk_index: int | None
+
+
+def read_source(source: Path, prefix: str) -> tuple[str, list[SourceEntry]]:
+    """The source's format (`safetensors` or `torch`) and its entries, nested under prefix
+    (`model.` puts every key under `model`)."""
+    prefix_path = tuple(part for part in prefix.split(".") if part)
+    if not source.exists():
+        raise DataError(f"{source}: no such file or directory")
+    if source.is_dir() or source.suffix == ".safetensors":
+        return "safetensors", [_safetensors_entry(path, tensor, prefix_path)
+                               for path, tensor in read_safetensors_model(source)]
+    return "torch", _torch_save_entries(source, prefix_path)
+
+
+def _safetensors_entry(path: Path, tensor: SafetensorsTensor, prefix_path: tuple) -> SourceEntry:
+    def read_chunk(chunk: RankChunk) -> bytearray:
+        return _read_rows(path, tensor.start, tensor.dtype, tensor.shape, chunk)
+
+    return SourceEntry(prefix_path + (tensor.name,), tensor.dtype, tensor.shape, read_chunk)
+
+
+def _read_rows(path: Path, start: int, dtype: DType, shape: tuple[int, ...],
+               chunk: RankChunk) -> bytearray:
+    """The bytes of a chunk of whole rows of a row-major tensor stored in a file from byte
+    start."""
+    first_element = chunk.offsets[0] * math.prod(shape[1:]) if chunk.offsets else 0
+    length = math.prod(chunk.sizes) * dtype.itemsize
+    buffer = bytearray(length)
+    with open(path, "rb", buffering=0) as stream:
+        stream.seek(start + first_element * dtype.itemsize)
+        if stream.readinto(buffer) != length:
+            raise DataError(f"{path}: ends inside a tensor at byte {start}")
+    return buffer
+
+
+def _torch_save_entries(path: Path, prefix_path: tuple) -> list[SourceEntry]:
+    """The entries of a torch.save file, flattened as dcp.save flattens a state dict; tensor
+    bytes are read from the file a chunk at a time."""
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from dcpctl.format.torch_save.skeleton import open_torch_save, refuse_tensors_in_object
+
+    state, records = open_torch_save(path)
+    if not isinstance(state, dict):
+        raise UnsupportedLayoutError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    try:
+        flat, key_paths = flatten_state_dict(state)
+    except ValueError as error:  # two keys flatten to one fqn
+        raise DataError(f"{path}: {error}") from None
+    entries = []
+    for fqn, value in flat.items():
+        key_path = prefix_path + tuple(key_paths[fqn])
+        if isinstance(value, torch.Tensor):
+            entries.append(_torch_tensor_entry(path, key_path, value, records))
+        else:
+            refuse_tensors_in_object(path, fqn, value)
+            entries.append(SourceEntry(key_path, value=value))
+    return entries
+
+
+def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
+                        records: dict[int, int]) -> SourceEntry:
+    """A tensor of a torch.save file, from its meta-device placeholder."""
+    import torch
+
+    from dcpctl.ops.convert.tensor_bytes import bytes_of
+    from dcpctl.format.torch_save.skeleton import storage_file_offset
+
+    if type(placeholder) is not torch.Tensor or placeholder.layout != torch.strided:
+        raise UnsupportedLayoutError(f"{path}: {'.'.join(map(str, key_path))!r} is a "
+                                     f"{type(placeholder).__name__} ({placeholder.layout}), "
+                                     "not a plain tensor")
+    dtype = dtype_by_name(str(placeholder.dtype))
+    shape = tuple(placeholder.shape)
+    start = (storage_file_offset(path, placeholder, records)
+             + placeholder.storage_offset() * dtype.itemsize)
+    if placeholder.is_contiguous():
+        def read_chunk(chunk: RankChunk) -> bytearray:
+            return _read_rows(path, start, dtype, shape, chunk)
+    else:  # a view saved with its strides: read the span it covers, then take the rows
+        span = 1 + sum((size - 1) * stride for size, stride
+                       in zip(shape, placeholder.stride())) if placeholder.numel() else 0
+        stride = placeholder.stride()
+
+        def read_chunk(chunk: RankChunk) -> bytearray:
+            whole = _read_rows(path, start, dtype, (span,), RankChunk(0, (0,), (span,)))
+            rows = torch.frombuffer(whole, dtype=torch_dtype(dtype)).as_strided(shape, stride)
+            rows = rows.narrow(0, chunk.offsets[0], chunk.sizes[0]) if chunk.sizes else rows
+            return bytearray(bytes_of(rows))
+    return SourceEntry(key_path, dtype, shape, read_chunk)
+
+
+def plan_items(entries: list[SourceEntry], ranks: int) -> list[list[_Item]]:
+    """Each rank's items in file order: objects (rank 0), then tensor chunks."""
+    items: list[list[_Item]] = [[] for _ in range(ranks)]
+    items[0] = [_Item(entry, None, None) for entry in entries if not entry.is_tensor]
+    for entry in entries:
+        if entry.is_tensor:
+            for index, chunk in enumerate(shard_dim0_chunks(entry.shape, ranks)):
+                items[chunk.rank].append(_Item(entry, chunk, index))
+    return items
+
+
+def _item_bytes(item: _Item) -> Iterator[bytes]:
+    """The item as torch's FileSystemWriter stores it: a torch.save of the chunk or object."""
+    if item.chunk is not None and item.entry.dtype.name in LEGACY_STORAGE_TYPES:
+        yield from iter_torch_save_archive(item.entry.dtype, item.chunk.sizes,
+                                           [item.entry.read_chunk(item.chunk)])
+        return
+    import torch  # objects, and dtypes newer than the archive writer knows
+
+    value = item.entry.value
+    if item.chunk is not None:
+        data = item.entry.read_chunk(item.chunk)
+        dtype = torch_dtype(item.entry.dtype)
+        value = (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+                 ).reshape(item.chunk.sizes)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    yield buffer.getbuffer()
+
+
+def write_dcp(entries: list[SourceEntry], ranks: int, output: CheckpointOutput, threads: int,
+              on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
+    """Write every rank's file and publish the metadata naming them."""
+    storage_data: dict[ItemKey, StorageInfo] = {}
+    files = []
+    total_bytes = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries if e.is_tensor)
+    for rank, items in enumerate(plan_items(entries, ranks)):
+        name = f"__{rank}_0.distcp"
+        writer = output.data_file(name)
+
+        def write(item: _Item, pieces) -> None:
+            start = writer.size_bytes
+            for piece in pieces:
+                writer.write(piece)
+            offsets = None if item.chunk is None else item.chunk.offsets
+            storage_data[ItemKey(item.entry.fqn, offsets, item.chunk_index)] = StorageInfo(
+                name, start, writer.size_bytes - start)
+            if on_progress is not None and item.chunk is not None:
+                on_progress(math.prod(item.chunk.sizes) * item.entry.dtype.itemsize, total_bytes)
+
+        run_in_order(_item_bytes, items, write, threads)
+        files.append(WrittenFile(name, writer.size_bytes,
+                                 sum(item.chunk is not None for item in items)))
+        output.finish_data_file(name)
+    output.publish(_metadata(entries, ranks, storage_data, output.destination))
+    return files
+
+
+def _metadata(entries: list[SourceEntry], ranks: int, storage_data: dict,
+              destination: Path) -> CheckpointMetadata:
+    state_dict_metadata = {}
+    for entry in entries:
+        if entry.is_tensor:
+            chunks = [ChunkMetadata(chunk.offsets, chunk.sizes)
+                      for chunk in shard_dim0_chunks(entry.shape, ranks)]
+            state_dict_metadata[entry.fqn] = TensorMetadata(TensorProperties(entry.dtype),
+                                                            entry.shape, chunks)
+        else:
+            state_dict_metadata[entry.fqn] = BytesMetadata()
+    return CheckpointMetadata(
+        state_dict_metadata, planner_data={entry.fqn: entry.key_path for entry in entries},
+        storage_data=storage_data,
+        storage_meta=StorageMeta(PurePosixPath(os.path.abspath(destination)), str(uuid.uuid4())),
+        version=DCP_VERSION)
+
+
+def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: int = 1,
+                   prefix: str = "", threads: int | None = None, overwrite: bool = False,
+                   on_progress: ProgressCallback | None = None) -> ConvertReport:
+    """Convert safetensors files (a file, or a directory with an index) or a torch.save file
+    into a DCP checkpoint at output, laid out for `ranks` ranks."""
+    started = time.perf_counter()
+    threads = threads or default_thread_count()
+    source_format, entries = read_source(Path(source), prefix)
+    output_path = Path(output)
+    checkpoint_output = CheckpointOutput(output_path, in_place=False, overwrite=overwrite)
+    try:
+        files = write_dcp(entries, ranks, checkpoint_output, threads, on_progress)
+    except BaseException:
+        checkpoint_output.abort()
+        raise
+    report = ConvertReport(str(source), str(output), source_format, "dcp",
+                           objects=sum(not entry.is_tensor for entry in entries), ranks=ranks,
+                           threads=threads, files=files)
+    report.count_tensors(math.prod(entry.shape) * entry.dtype.itemsize
+                         for entry in entries if entry.is_tensor)
+    report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,114 @@
+"""DCP to Hugging Face style safetensors shards, streaming in bounded memory.
+
+Every file's header is computed from the metadata before any data is read; each tensor is then
+assembled from its chunks and written at its place, so memory holds a few chunks (a whole
+tensor only for layouts that are not split by rows), never the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcpctl.format.checkpoint.view import HF_INDEX_FILE_NAME, Checkpoint, open_checkpoint
+from dcpctl.format.dtypes import DType
+from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor,
+                                       encode_header, encode_index, plan_shards,
+                                       shard_file_name)
+from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
+                                   cast_dtype, counted_pieces, run_in_order, sync_and_close)
+from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
+from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes
+from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.staging import StagedOutput
+
+
+@dataclass
+class SafetensorsPlan:
+    """The files to write, each with its tensors in file order, and what is left out."""
+
+    files: list[tuple[str, list[OutputTensor]]]
+    tensors_left_out: int
+    objects_left_out: int
+
+    @property
+    def tensors(self) -> list[OutputTensor]:
+        """Every tensor written, in writing order."""
+        return [tensor for _, tensors in self.files for tensor in tensors]
+
+
+def plan_safetensors(checkpoint: Checkpoint, selection: KeySelection, cast_to: DType | None,
+                     max_shard_bytes: int) -> SafetensorsPlan:
+    """Which tensors go into which file under which name. Shards are filled in checkpoint
+    order; inside a file tensors are sorted by element size, then name, as safetensors does,
+    which keeps every tensor aligned to its element size."""
+    names = select_and_rename([tensor.fqn for tensor in checkpoint.tensors], selection)
+    tensors = [OutputTensor(entry, names[entry.fqn], cast_dtype(entry.dtype, cast_to))
+               for entry in checkpoint.tensors if entry.fqn in names]
+    shards = plan_shards([tensor.nbytes for tensor in tensors], max_shard_bytes)
+    files = []
+    for number, indexes in enumerate(shards, start=1):
+        in_file = sorted((tensors[index] for index in indexes),
+                         key=lambda tensor: (-tensor.dtype.itemsize, tensor.name))
+        files.append((shard_file_name(number, len(shards)), in_file))
+    return SafetensorsPlan(files, len(checkpoint.tensors) - len(tensors), len(checkpoint.objects))
+
+
+def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: Path,
+                      threads: int, on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
+    """Write every planned file (and the index when there are several) into directory."""
+    total_bytes = sum(tensor.nbytes for tensor in plan.tensors)
+    written_files = []
+    for file_name, tensors in plan.files:
+        header = encode_header([SafetensorsTensor(tensor.name, tensor.dtype, tensor.entry.shape,
+                                                  nbytes=tensor.nbytes) for tensor in tensors])
+        with open(directory / file_name, "xb") as stream:
+            stream.write(header)
+
+            def write(tensor: OutputTensor, pieces) -> None:
+                for piece in counted_pieces(str(checkpoint.path), tensor, pieces, on_progress,
+                                            total_bytes):
+                    stream.write(piece)
+
+            run_in_order(lambda tensor: iter_tensor_bytes(checkpoint, tensor.entry, tensor.dtype),
+                         tensors, write, threads)
+            size_bytes = stream.tell()
+            sync_and_close(stream)
+        written_files.append(WrittenFile(file_name, size_bytes, len(tensors)))
+    if len(plan.files) > 1:
+        weight_map = {tensor.name: file_name for file_name, tensors in plan.files
+                      for tensor in tensors}
+        index = encode_index(total_bytes, weight_map)
+        with open(directory / HF_INDEX_FILE_NAME, "xb") as stream:
+            stream.write(index)
+            sync_and_close(stream)
+        written_files.append(WrittenFile(HF_INDEX_FILE_NAME, len(index), 0))
+    return written_files
+
+
+def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
+                           selection: KeySelection, cast_to: DType | None = None,
+                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                           threads: int | None = None, overwrite: bool = False,
+                           on_progress: ProgressCallback | None = None) -> ConvertReport:
+    """Convert the DCP checkpoint at source into safetensors files in the directory output."""
+    started = time.perf_counter()
+    threads = threads or default_thread_count()
+    checkpoint = open_checkpoint(source)
+    plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
+    staged = StagedOutput(Path(output), overwrite)
+    try:
+        files = write_safetensors(plan, checkpoint, staged.path, threads, on_progress)
+        staged.publish()
+    except BaseException:
+        staged.abort()
+        raise
+    report = ConvertReport(str(source), str(output), "dcp", "safetensors",
+                           cast_to=cast_to.name if cast_to else None,
+                           tensors_left_out=plan.tensors_left_out,
+                           objects_left_out=plan.objects_left_out, threads=threads, files=files)
+    report.count_tensors(tensor.nbytes for tensor in plan.tensors)
+    report.seconds = time.perf_counter() - started
+    return report

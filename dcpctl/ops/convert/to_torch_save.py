@@ -1,0 +1,214 @@
+"""DCP to one torch.save file, as torch's `dcp_to_torch_save` writes it, in one streaming pass.
+
+The archive is written front to back the way torch.save lays it out: `data.pkl` (the nested
+state, each tensor pickled as torch pickles it, naming a storage record by key), the small
+format records, then each tensor's storage record, its bytes assembled from the checkpoint's
+chunks on the way and its CRC-32 computed as they pass, then the central directory. Memory
+holds a few chunks, never the state. The nesting follows the checkpoint's planner_data, the
+keys of the state dict that was saved, as `dcp_to_torch_save` nests it.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import os
+import pickle
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry, open_checkpoint
+from dcpctl.format.dtypes import DType
+from dcpctl.format.checkpoint.items import locate_item, read_item
+from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
+from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
+                                   cast_dtype, counted_pieces, run_in_order, sync_and_close)
+from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
+from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes, torch_dtype
+from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
+from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.staging import StagedOutput
+
+_PICKLE_PROTOCOL = 2  # torch.save's default
+
+
+@dataclass
+class TorchSavePlan:
+    """The entries to write, in checkpoint order, each with its key path in the nested dict."""
+
+    tensors: list[OutputTensor]
+    objects: list[ObjectEntry]
+    paths: dict[str, tuple]
+    tensors_left_out: int
+    objects_left_out: int
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles the state as torch.save does, each OutputTensor as a tensor whose storage is the
+    persistent id torch writes ('storage', type, key, 'cpu', size). Keys are numbered in the
+    order the pickle meets the tensors, and `stored` lists the tensors in that order, the order
+    torch writes their records in (torch.load(map_location="meta") relies on it)."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        self.stored: list[OutputTensor] = []
+
+    def reducer_override(self, value):
+        if not isinstance(value, OutputTensor):
+            return NotImplemented
+        dtype, shape = torch_dtype(value.dtype), value.entry.shape
+        stride = tuple(math.prod(shape[dimension + 1:]) for dimension in range(len(shape)))
+        arguments = (_StorageOf(value), 0, shape, stride, False, collections.OrderedDict())
+        if _legacy_storage_type(dtype) is not None:
+            return torch._utils._rebuild_tensor_v2, arguments
+        return torch._utils._rebuild_tensor_v3, arguments + (dtype,)
+
+    def persistent_id(self, value):
+        if not isinstance(value, _StorageOf):
+            return None
+        key = str(len(self.stored))
+        self.stored.append(value.tensor)
+        legacy_type = _legacy_storage_type(torch_dtype(value.tensor.dtype))
+        if legacy_type is not None:
+            return ("storage", legacy_type, key, "cpu", math.prod(value.tensor.entry.shape))
+        return ("storage", torch.storage.UntypedStorage, key, "cpu", value.tensor.nbytes)
+
+
+@dataclass(frozen=True)
+class _StorageOf:
+    """Stands for a tensor's storage in the pickle."""
+
+    tensor: OutputTensor
+
+
+def _legacy_storage_type(dtype: torch.dtype):
+    """The storage class torch.save names for this dtype, None for dtypes newer than them."""
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    return getattr(torch, name) if name else None
+
+
+def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
+                    cast_to: DType | None) -> TorchSavePlan:
+    """What goes into the file; every entry unless selection says otherwise."""
+    order = list(checkpoint.metadata.state_dict_metadata)
+    names = select_and_rename(order, selection)
+    tensors = [OutputTensor(entry, entry.fqn, cast_dtype(entry.dtype, cast_to))
+               for entry in checkpoint.tensors if entry.fqn in names]
+    objects = [entry for entry in checkpoint.objects if entry.fqn in names]
+    planner_data = checkpoint.metadata.planner_data or {}
+    paths = {fqn: tuple(planner_data.get(fqn) or (fqn,)) for fqn in order if fqn in names}
+    return TorchSavePlan(tensors, objects, paths, len(checkpoint.tensors) - len(tensors),
+                         len(checkpoint.objects) - len(objects))
+
+
+def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, stream, threads: int,
+                     on_progress: ProgressCallback | None = None) -> None:
+    """Write the planned entries to stream as one torch.save archive."""
+    stored, state_pickle = _pickle_state(plan, checkpoint)
+    archive = ZipStreamWriter()
+    for name, data in (("data.pkl", state_pickle), (".format_version", b"1"),
+                       (".storage_alignment", b"64"), ("byteorder", b"little")):
+        stream.write(archive.record(ARCHIVE_PREFIX + name, data))
+    total_bytes = sum(tensor.nbytes for tensor in stored)
+
+    def write(task: tuple[int, OutputTensor], pieces) -> None:
+        key, tensor = task
+        stream.write(archive.local_header(f"{ARCHIVE_PREFIX}data/{key}"))
+        crc = 0
+        for piece in counted_pieces(str(checkpoint.path), tensor, pieces, on_progress,
+                                    total_bytes):
+            stream.write(piece)
+            crc = zlib.crc32(piece, crc)
+        archive.position += tensor.nbytes
+        stream.write(archive.data_descriptor(crc, tensor.nbytes))
+
+    run_in_order(lambda task: iter_tensor_bytes(checkpoint, task[1].entry, task[1].dtype),
+                 list(enumerate(stored)), write, threads)
+    stream.write(archive.record(ARCHIVE_PREFIX + "version", b"3\n"))
+    serialization_id = f"{zlib.crc32(state_pickle):040d}".encode()
+    stream.write(archive.record(ARCHIVE_PREFIX + ".data/serialization_id", serialization_id))
+    stream.write(archive.directory())
+
+
+def _pickle_state(plan: TorchSavePlan, checkpoint: Checkpoint) -> tuple[list[OutputTensor], bytes]:
+    """data.pkl for the nested state, and its tensors in storage key order."""
+    values: dict[str, object] = {entry.fqn: _load_object(checkpoint, entry)
+                                 for entry in plan.objects}
+    values.update((tensor.entry.fqn, tensor) for tensor in plan.tensors)
+    state: dict = {}
+    for fqn, key_path in plan.paths.items():
+        set_nested(state, key_path, values[fqn])
+    buffer = io.BytesIO()
+    pickler = _StatePickler(buffer)
+    pickler.dump(state)
+    return pickler.stored, buffer.getvalue()
+
+
+def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
+                          selection: KeySelection, cast_to: DType | None = None,
+                          threads: int | None = None, overwrite: bool = False,
+                          on_progress: ProgressCallback | None = None) -> ConvertReport:
+    """Convert the DCP checkpoint at source into the torch.save file output."""
+    started = time.perf_counter()
+    threads = threads or default_thread_count()
+    checkpoint = open_checkpoint(source)
+    plan = plan_torch_save(checkpoint, selection, cast_to)
+    staged = StagedOutput(Path(output), overwrite, is_directory=False)
+    try:
+        with open(staged.path, "xb") as stream:
+            write_torch_save(plan, checkpoint, stream, threads, on_progress)
+            size_bytes = stream.tell()
+            sync_and_close(stream)
+        staged.publish()
+    except BaseException:
+        staged.abort()
+        raise
+    report = ConvertReport(str(source), str(output), "dcp", "torch",
+                           objects=len(plan.objects),
+                           cast_to=cast_to.name if cast_to else None,
+                           tensors_left_out=plan.tensors_left_out,
+                           objects_left_out=plan.objects_left_out, threads=threads,
+                           files=[WrittenFile(Path(output).name, size_bytes, len(plan.tensors))])
+    report.count_tensors(tensor.nbytes for tensor in plan.tensors)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
+    """A non-tensor entry, unpickled with torch's weights_only loader (no code runs)."""
+    if entry.storage is None:
+        raise DataError(f"{checkpoint.path}: object {entry.fqn!r} has no storage entry")
+    location = locate_item(checkpoint, entry.fqn, entry.storage, is_tensor=False)
+    try:
+        value = torch.load(io.BytesIO(read_item(location)), weights_only=True)
+    except Exception as error:  # the weights_only loader refuses in many ways
+        raise UnsupportedLayoutError(
+            f"{location.path}: object {entry.fqn!r} cannot be loaded with weights_only=True "
+            f"({str(error).splitlines()[0]}); leave it out with --exclude") from None
+    refuse_tensors_in_object(location.path, entry.fqn, value)
+    return value
+
+
+def set_nested(root: dict, key_path: tuple, value) -> None:
+    """Put value at key_path, creating dicts for str keys and lists for int keys (padded with
+    None), as torch's set_element does when dcp_to_torch_save rebuilds a state dict."""
+    container = root
+    for key, next_key in zip(key_path, key_path[1:]):
+        empty = [] if isinstance(next_key, int) else {}
+        if isinstance(container, list):
+            container.extend([None] * (key + 1 - len(container)))
+            if container[key] is None:
+                container[key] = empty
+            container = container[key]
+        else:
+            container = container.setdefault(key, empty)
+    last = key_path[-1]
+    if isinstance(container, list):
+        container.extend([None] * (last + 1 - len(container)))
+    container[last] = value

@@ -1,0 +1,1 @@
+"""`inspect`: what a checkpoint holds, from its metadata and file sizes alone."""

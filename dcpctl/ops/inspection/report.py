@@ -1,0 +1,179 @@
+"""What a checkpoint holds, from its metadata and file sizes alone."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from dcpctl.format.checkpoint.view import Checkpoint, DataFile, ObjectEntry, TensorEntry, \
+    open_checkpoint
+from dcpctl.format.codecs.names import describe_codec
+from dcpctl.cycle_collector import paused_garbage_collection
+from dcpctl.ops.inspection.json_text import inspect_report_json_text
+
+
+@dataclass
+class InspectReport:
+    """Everything `dcpctl inspect` shows; `to_json` gives the stable machine-readable form."""
+
+    path: str
+    version: str | None
+    filter: str | None
+    tensors: list[TensorEntry]
+    objects: list[ObjectEntry]
+    files: list[DataFile]
+    nbytes: int = 0
+    stored_bytes: int = 0
+    nbytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    nbytes_by_top_level_key: dict[str, int] = field(default_factory=dict)
+    stored_bytes_by_top_level_key: dict[str, int] = field(default_factory=dict)
+    compression: dict[str, int] = field(default_factory=dict)
+    codecs_by_file: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict with stable keys."""
+        with paused_garbage_collection():
+            return {**self.summary_json(),
+                    "tensors": [_tensor_json(tensor) for tensor in self.tensors],
+                    "objects": [_object_json(entry) for entry in self.objects],
+                    "files": self.files_json()}
+
+    def to_json_text(self) -> str:
+        """`to_json()` encoded compactly, as `json.dumps(..., separators=(",", ":"))` would."""
+        with paused_garbage_collection():
+            return inspect_report_json_text(self)
+
+    def summary_json(self) -> dict:
+        """The keys of `to_json()` that come before its tensors, objects and files."""
+        return {
+            "path": self.path,
+            "version": self.version,
+            "filter": self.filter,
+            "tensor_count": len(self.tensors),
+            "object_count": len(self.objects),
+            "nbytes": self.nbytes,
+            "stored_bytes": self.stored_bytes,
+            "file_bytes": sum(f.size_bytes or 0 for f in self.files),
+            "nbytes_by_dtype": self.nbytes_by_dtype,
+            "nbytes_by_top_level_key": self.nbytes_by_top_level_key,
+            "stored_bytes_by_top_level_key": self.stored_bytes_by_top_level_key,
+            "compression": self.compression,
+        }
+
+    def files_json(self) -> list[dict]:
+        """The `files` of `to_json()`."""
+        return [{"name": f.name, "bytes": f.size_bytes, "serialization": f.serialization,
+                 "items": f.item_count, "codecs": self.codecs_by_file[f.name]}
+                for f in self.files]
+
+
+def _tensor_json(tensor: TensorEntry) -> dict:
+    chunks = []
+    for chunk in tensor.chunks:
+        storage = chunk.storage
+        chunks.append({
+            "offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
+            "file": storage.relative_path if storage else None,
+            "offset": storage.offset if storage else None,
+            "length": storage.length if storage else None,
+            "transforms": list(storage.transform_descriptors or ()) if storage else [],
+        })
+    return {"fqn": tensor.fqn, "dtype": tensor.dtype.name, "shape": list(tensor.shape),
+            "chunks": chunks, "nbytes": tensor.nbytes, "stored_bytes": tensor.stored_bytes}
+
+
+def _object_json(entry: ObjectEntry) -> dict:
+    storage = entry.storage
+    return {"fqn": entry.fqn, "file": storage.relative_path if storage else None,
+            "stored_bytes": storage.length if storage else 0,
+            "transforms": list(storage.transform_descriptors or ()) if storage else []}
+
+
+def inspect_checkpoint(path: str | os.PathLike, fqn_glob: str | None = None) -> InspectReport:
+    """Summarize a checkpoint; `fqn_glob` keeps only tensors and objects whose fqn matches."""
+    with paused_garbage_collection():
+        return build_inspect_report(open_checkpoint(path), fqn_glob)
+
+
+def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) -> InspectReport:
+    """The InspectReport of an already opened checkpoint."""
+    report = InspectReport(
+        path=str(checkpoint.path), version=checkpoint.metadata.version, filter=fqn_glob,
+        tensors=_matching(checkpoint.tensors, fqn_glob),
+        objects=_matching(checkpoint.objects, fqn_glob),
+        files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
+    )
+    _add_size_totals(report)
+    report.compression = _count_by_codec(_transforms_used(report).items())
+    report.codecs_by_file = _codecs_by_file(checkpoint)
+    return report
+
+
+def _matching(entries: list, fqn_glob: str | None) -> list:
+    if fqn_glob is None:
+        return list(entries)
+    # What fnmatch.fnmatchcase does for each name, with the pattern compiled once.
+    matches = re.compile(fnmatch.translate(fqn_glob)).match
+    return [entry for entry in entries if matches(entry.fqn)]
+
+
+def _add_size_totals(report: InspectReport) -> None:
+    """Logical and stored bytes, in all, by dtype and by top-level key (`model` of
+    `model.layers.0.weight`; objects count 0 logical bytes)."""
+    nbytes_by_dtype: dict[str, int] = {}
+    nbytes_by_key: dict[str, int] = {}
+    stored_bytes_by_key: dict[str, int] = {}
+    for tensor in report.tensors:
+        key, dtype, nbytes = tensor.fqn.partition(".")[0], tensor.dtype.name, tensor.nbytes
+        nbytes_by_key[key] = nbytes_by_key.get(key, 0) + nbytes
+        stored_bytes_by_key[key] = stored_bytes_by_key.get(key, 0) + tensor.stored_bytes
+        nbytes_by_dtype[dtype] = nbytes_by_dtype.get(dtype, 0) + nbytes
+    for entry in report.objects:
+        key = entry.fqn.partition(".")[0]
+        nbytes_by_key.setdefault(key, 0)
+        stored_bytes = entry.storage.length if entry.storage else 0
+        stored_bytes_by_key[key] = stored_bytes_by_key.get(key, 0) + stored_bytes
+    report.nbytes_by_dtype = nbytes_by_dtype
+    report.nbytes_by_top_level_key = nbytes_by_key
+    report.stored_bytes_by_top_level_key = stored_bytes_by_key
+    report.nbytes = sum(nbytes_by_key.values())
+    report.stored_bytes = sum(stored_bytes_by_key.values())
+
+
+def _transforms_used(report: InspectReport) -> Counter[tuple[str, ...] | None]:
+    """How many of the report's items use each list of transform descriptors."""
+    used: Counter[tuple[str, ...] | None] = Counter()
+    for tensor in report.tensors:
+        for chunk in tensor.chunks:
+            if chunk.storage is not None:
+                used[chunk.storage.transform_descriptors] += 1
+    used.update(entry.storage.transform_descriptors
+                for entry in report.objects if entry.storage is not None)
+    return used
+
+
+def _count_by_codec(transforms_counts: Iterable[tuple[tuple[str, ...] | None, int]]
+                    ) -> dict[str, int]:
+    """Item counts by codec name, most used first."""
+    by_codec: Counter[str] = Counter()
+    for transforms, count in transforms_counts:
+        by_codec[describe_codec(transforms)] += count
+    return dict(by_codec.most_common())
+
+
+def _codecs_by_file(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
+    used = Counter((info.relative_path, info.transform_descriptors)
+                   for info in (checkpoint.metadata.storage_data or {}).values())
+    by_file: dict[str, list] = {name: [] for name in checkpoint.files}
+    for (name, transforms), count in used.items():
+        by_file[name].append((transforms, count))
+    return {name: _count_by_codec(counts) for name, counts in by_file.items()}
+
+
+def _natural_order(name: str) -> tuple:
+    """`__10_0.distcp` after `__2_0.distcp`: compare the numbers in a name as numbers."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))

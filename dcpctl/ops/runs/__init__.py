@@ -1,0 +1,1 @@
+"""Run directories: the checkpoints under them (`ls`) and their retention (`prune`)."""

@@ -1,0 +1,1 @@
+"""`verify`: prove a checkpoint whole, or list everything wrong with it."""

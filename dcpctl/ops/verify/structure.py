@@ -1,0 +1,204 @@
+"""What `verify` learns from the metadata and file sizes alone: the structure checks."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry
+from dcpctl.format.metadata.records import ChunkMetadata, StorageInfo
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint: the rule broken, where (file and byte range
+    [start, end), when known) and the fqns affected."""
+
+    rule: str
+    message: str
+    file: str | None = None
+    start: int | None = None
+    end: int | None = None
+    fqns: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """One item of the metadata: an fqn's stored bytes, with its chunk if it is a tensor's."""
+
+    fqn: str
+    storage: StorageInfo
+    tensor: TensorEntry | None = None
+    chunk: ChunkMetadata | None = None
+
+    @property
+    def end(self) -> int:
+        """Offset one past the item's last byte in its file."""
+        return self.storage.offset + self.storage.length
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of the chunk's elements (0 for objects)."""
+        if self.tensor is None or self.chunk is None:
+            return 0
+        return math.prod(self.chunk.sizes) * self.tensor.dtype.itemsize
+
+
+def list_stored_items(checkpoint: Checkpoint) -> list[StoredItem]:
+    """Every item the metadata locates: tensor chunks and objects with storage."""
+    items = [StoredItem(tensor.fqn, chunk.storage, tensor, chunk)
+             for tensor in checkpoint.tensors for chunk in tensor.chunks
+             if chunk.storage is not None]
+    items += [StoredItem(entry.fqn, entry.storage) for entry in checkpoint.objects
+              if entry.storage is not None]
+    return items
+
+
+def is_safetensors_tensor(checkpoint: Checkpoint, item: StoredItem) -> bool:
+    """Whether the item is a tensor inside a SAFETENSORS-serialized file (located through the
+    file's safetensors header, not by its own byte range)."""
+    return (item.tensor is not None
+            and checkpoint.files[item.storage.relative_path].serialization == SAFETENSORS)
+
+
+def check_structure(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
+    """Missing and truncated files, overlapping items, chunks that do not tile their tensor,
+    entries without storage, and stored lengths that contradict dtype and shape."""
+    problems = _file_problems(checkpoint, items)
+    problems += _overlapping_items(checkpoint, items)
+    problems += _storage_link_problems(checkpoint)
+    for tensor in checkpoint.tensors:
+        problems += _chunk_cover_problems(tensor)
+    problems += _stored_length_problems(checkpoint, items)
+    return problems
+
+
+def _file_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
+    by_file: dict[str, list[StoredItem]] = defaultdict(list)
+    for item in items:
+        by_file[item.storage.relative_path].append(item)
+    problems = []
+    for name, file_items in sorted(by_file.items()):
+        size_bytes = checkpoint.files[name].size_bytes
+        if size_bytes is None:
+            problems.append(Problem("missing-file", f"missing data file, named by "
+                                    f"{len(file_items)} items", name,
+                                    fqns=_fqns_of(file_items)))
+            continue
+        past_end = [item for item in file_items if item.end > size_bytes]
+        if past_end:
+            end = max(item.end for item in past_end)
+            problems.append(Problem("truncated", f"file is {size_bytes} bytes, but "
+                                    f"{len(past_end)} items end past it, the last at byte {end}",
+                                    name, size_bytes, end, _fqns_of(past_end)))
+    return problems
+
+
+def _overlapping_items(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
+    by_file: dict[str, list[StoredItem]] = defaultdict(list)
+    for item in items:
+        if item.storage.length and not is_safetensors_tensor(checkpoint, item):
+            by_file[item.storage.relative_path].append(item)
+    problems = []
+    for name, file_items in sorted(by_file.items()):
+        file_items.sort(key=lambda item: item.storage.offset)
+        furthest = file_items[0]
+        for item in file_items[1:]:
+            if item.storage.offset < furthest.end:
+                problems.append(Problem(
+                    "item-overlap", f"items share bytes {item.storage.offset}.."
+                    f"{min(item.end, furthest.end)}", name, item.storage.offset,
+                    min(item.end, furthest.end), (furthest.fqn, item.fqn)))
+            if item.end > furthest.end:
+                furthest = item
+    return problems
+
+
+def _storage_link_problems(checkpoint: Checkpoint) -> list[Problem]:
+    problems = []
+    expected_keys = set()
+    for tensor in checkpoint.tensors:
+        for chunk in tensor.chunks:
+            expected_keys.add((tensor.fqn, chunk.offsets))
+            if chunk.storage is None:
+                problems.append(Problem("no-storage", f"chunk at offsets {list(chunk.offsets)} "
+                                        "has no storage_data entry", fqns=(tensor.fqn,)))
+    for entry in checkpoint.objects:
+        expected_keys.add((entry.fqn, None))
+        if entry.storage is None:
+            problems.append(Problem("no-storage", "object has no storage_data entry",
+                                    fqns=(entry.fqn,)))
+    for key, info in (checkpoint.metadata.storage_data or {}).items():
+        if (key.fqn, key.offset) not in expected_keys:
+            problems.append(Problem(
+                "orphan-storage", f"storage_data entry at offsets {key.offset} matches no chunk "
+                "of the entry", info.relative_path, info.offset, info.offset + info.length,
+                (key.fqn,)))
+    return problems
+
+
+def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
+    """The chunks must tile the tensor: no two overlap, and together they hold every element."""
+    boxes = [(chunk.offsets, chunk.sizes) for chunk in tensor.chunks if math.prod(chunk.sizes)]
+    overlap = find_overlapping_boxes(boxes)
+    if overlap is not None:
+        (offsets_a, sizes_a), (offsets_b, sizes_b) = overlap
+        return [Problem("chunk-overlap", f"chunks at offsets {list(offsets_a)} (sizes "
+                        f"{list(sizes_a)}) and {list(offsets_b)} (sizes {list(sizes_b)}) overlap",
+                        fqns=(tensor.fqn,))]
+    covered = sum(math.prod(sizes) for _, sizes in boxes)
+    volume = math.prod(tensor.shape)
+    if covered != volume:
+        return [Problem("chunk-gap", f"chunks hold {covered} of the {volume} elements of shape "
+                        f"{list(tensor.shape)}", fqns=(tensor.fqn,))]
+    return []
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def find_overlapping_boxes(boxes: list[Box]) -> tuple[Box, Box] | None:
+    """Two boxes (offsets, sizes) that share an element, or None. Sweeps along the dimension
+    with the most distinct offsets, comparing each box only with those still open there, so
+    row, column and grid shardings of k chunks take about k log k steps, not k squared."""
+    if len(boxes) < 2:
+        return None
+    rank = len(boxes[0][0])
+    if rank == 0:
+        return boxes[0], boxes[1]
+    dim = max(range(rank), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+    open_boxes: list[Box] = []
+    for box in sorted(boxes, key=lambda b: b[0][dim]):
+        start = box[0][dim]
+        open_boxes = [other for other in open_boxes if other[0][dim] + other[1][dim] > start]
+        for other in open_boxes:
+            if all(o1 < o2 + s2 and o2 < o1 + s1
+                   for o1, s1, o2, s2 in zip(box[0], box[1], other[0], other[1])):
+                return other, box
+        open_boxes.append(box)
+    return None
+
+
+def _stored_length_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
+    """SAFETENSORS items hold exactly the chunk's bytes; a plain torch.save archive at least."""
+    problems = []
+    for item in items:
+        if item.tensor is None or item.storage.transform_descriptors:
+            continue
+        nbytes = item.chunk_nbytes
+        if is_safetensors_tensor(checkpoint, item):
+            wrong = item.storage.length != nbytes
+        else:
+            wrong = item.storage.length < nbytes
+        if wrong:
+            problems.append(Problem(
+                "stored-length", f"item of {item.storage.length} bytes cannot hold a "
+                f"{item.tensor.dtype.name} chunk of sizes {list(item.chunk.sizes)} "
+                f"({nbytes} bytes)", item.storage.relative_path, item.storage.offset, item.end,
+                (item.fqn,)))
+    return problems
+
+
+def _fqns_of(items: list[StoredItem]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(item.fqn for item in items))

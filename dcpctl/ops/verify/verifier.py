@@ -1,0 +1,142 @@
+"""Prove a checkpoint whole, or list everything wrong with it: structure, checksums, and (deep)
+every item decoded and checked against its CRC-32s and the metadata."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
+from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
+from dcpctl.format.checkpoint.checksums import SHA256SUMS_FILE_NAME, read_sha256sums
+from dcpctl.format.metadata.reading import METADATA_FILE_NAME
+from dcpctl.pipeline import default_thread_count
+from dcpctl.ops.verify.scan import plan_scan, run_scan
+from dcpctl.ops.verify.structure import Problem, StoredItem, check_structure, \
+    is_safetensors_tensor, list_stored_items
+
+OK, DAMAGED, INCOMPLETE = "ok", "damaged", "incomplete"
+
+
+@dataclass
+class VerifyReport:
+    """What `dcpctl verify` found; `to_json` gives the stable machine-readable form."""
+
+    path: str
+    deep: bool
+    status: str = OK
+    checksummed_files: int | None = None
+    """Files listed in SHA256SUMS, or None when there is no (readable) SHA256SUMS."""
+    items_checked: int = 0
+    bytes_read: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when whole, 1 when damaged or incomplete."""
+        return 0 if self.status == OK else 1
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict: counts, then one object per problem."""
+        return {
+            "path": self.path, "status": self.status, "deep": self.deep,
+            "checksummed_files": self.checksummed_files, "items_checked": self.items_checked,
+            "bytes_read": self.bytes_read,
+            "problems": [{"rule": p.rule, "file": p.file, "start": p.start, "end": p.end,
+                          "fqns": list(p.fqns), "message": p.message} for p in self.problems],
+        }
+
+
+def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int | None = None,
+                      on_progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Check a checkpoint directory and report every problem found (see VerifyReport);
+    on_progress(done_bytes, total_bytes) follows the reading."""
+    directory = Path(path)
+    report = VerifyReport(str(directory), deep)
+    try:
+        checkpoint = open_checkpoint(directory, check_files=False)
+    except IncompleteCheckpointError as error:
+        report.status = INCOMPLETE
+        report.problems.append(Problem("incomplete", _without_path(error, directory)))
+        return report
+    except (MetadataError, UnsafePathError) as error:
+        checkpoint = None
+        report.problems.append(Problem(
+            "metadata", _without_path(error, directory, METADATA_FILE_NAME), METADATA_FILE_NAME))
+    try:
+        sums = read_sha256sums(directory)
+    except DataError as error:
+        sums = None
+        report.problems.append(Problem("checksums-file", _without_path(error, directory),
+                                       SHA256SUMS_FILE_NAME))
+    report.checksummed_files = None if sums is None else len(sums)
+    items = list_stored_items(checkpoint) if checkpoint is not None else []
+    if checkpoint is not None:
+        report.problems += check_structure(checkpoint, items)
+    report.problems += _listing_problems(directory, checkpoint, sums, report.problems)
+    archive_items, safetensors_items = _items_to_read(checkpoint, items, deep)
+    units = plan_scan(directory, archive_items, safetensors_items, sums or {})
+    report.problems += run_scan(units, threads or default_thread_count(), on_progress)
+    report.items_checked = len(archive_items) + len(safetensors_items)
+    report.bytes_read = sum(unit.read_bytes for unit in units)
+    report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))
+    if report.problems:
+        report.status = DAMAGED
+    return report
+
+
+def _without_path(error: Exception, directory: Path, file_name: str = "") -> str:
+    """The error's message less the leading path the problem already names."""
+    message = str(error)
+    for prefix in (f"{directory / file_name}: ", f"{directory}/", f"{directory}: "):
+        if message.startswith(prefix):
+            return message[len(prefix):]
+    return message
+
+
+def _items_to_read(checkpoint: Checkpoint | None, items: list[StoredItem],
+                   deep: bool) -> tuple[list[StoredItem], list[StoredItem]]:
+    """For a deep check, the items to read, in two kinds: torch.save items (or raw bytes) that
+    lie whole inside a file that is there, and tensors of SAFETENSORS-serialized files."""
+    archive_items: list[StoredItem] = []
+    safetensors_items: list[StoredItem] = []
+    if not deep or checkpoint is None:
+        return archive_items, safetensors_items
+    for item in items:
+        size_bytes = checkpoint.files[item.storage.relative_path].size_bytes
+        if size_bytes is None:
+            continue
+        if is_safetensors_tensor(checkpoint, item):
+            safetensors_items.append(item)
+        elif item.end <= size_bytes:
+            archive_items.append(item)
+    return archive_items, safetensors_items
+
+
+def _listing_problems(directory: Path, checkpoint: Checkpoint | None, sums: dict[str, str] | None,
+                      problems_so_far: list[Problem]) -> list[Problem]:
+    """Files the metadata does not know; files SHA256SUMS lists that are absent, and files of
+    the checkpoint it does not list."""
+    present = {entry.name for entry in os.scandir(directory)}
+    known = {METADATA_FILE_NAME, *(checkpoint.files if checkpoint is not None else ())}
+    problems = []
+    if checkpoint is not None:
+        for name in sorted(present - known - {SHA256SUMS_FILE_NAME}):
+            problems.append(Problem("unknown-file", "file is not named by the metadata", name))
+    if sums is None:
+        return problems
+    reported_missing = {p.file for p in problems_so_far if p.rule == "missing-file"}
+    for name in sorted(sums):
+        try:
+            exists = resolve_inside(directory, name).exists()
+        except UnsafePathError:
+            problems.append(Problem("checksums-file", f"names {name!r}, a path outside the "
+                                    "checkpoint directory", SHA256SUMS_FILE_NAME))
+            continue
+        if not exists and name not in reported_missing:
+            problems.append(Problem("missing-file", "listed in SHA256SUMS but absent", name))
+    for name in sorted(known & present - set(sums)):
+        problems.append(Problem("not-checksummed", "file is not listed in SHA256SUMS", name))
+    return problems

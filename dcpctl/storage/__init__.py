@@ -1,0 +1,1 @@
+"""Where bytes live: local directories now (atomic writes, staged outputs)."""

@@ -1,0 +1,189 @@
+"""Opening checkpoint directories, and reading their items, on good and bad input."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+from conftest import FIXTURE_NAMES, fixture_path, load_with_torch
+
+from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
+                           MetadataError, UnsafePathError, UnsupportedLayoutError)
+from dcpctl.format.checkpoint.view import SAFETENSORS, open_checkpoint
+from dcpctl.format.checkpoint.items import StoredSpan, iter_item_pieces, locate_item, open_item_stream, \
+    read_item
+from dcpctl.format.metadata.reading import read_metadata
+
+
+def _chunk_of(full: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    return full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_every_item_decodes_to_what_torch_loads(name):
+    checkpoint = open_checkpoint(fixture_path(name))
+    reference = load_with_torch(fixture_path(name)) if name != "safetensors_fsdp2_2ranks" else None
+    for tensor in checkpoint.tensors:
+        for chunk in tensor.chunks:
+            location = locate_item(checkpoint, tensor.fqn, chunk.storage, True)
+            data = read_item(location)
+            if checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS:
+                dtype = getattr(torch, tensor.dtype.name)
+                value = torch.frombuffer(bytearray(data), dtype=dtype).reshape(chunk.sizes)
+                assert value.numel() * dtype.itemsize == len(data)
+                continue
+            value = torch.load(io.BytesIO(data), weights_only=True)
+            assert torch.equal(value, _chunk_of(reference[tensor.fqn], chunk.offsets, chunk.sizes))
+    for entry in checkpoint.objects:
+        data = read_item(locate_item(checkpoint, entry.fqn, entry.storage, False))
+        value = torch.load(io.BytesIO(data), weights_only=False)
+        if reference is not None:
+            assert value == reference[entry.fqn]
+
+
+def test_item_stream_reads_in_small_pieces():
+    checkpoint = open_checkpoint(fixture_path("zstd_fsdp2_2ranks"))
+    tensor = checkpoint.tensors[0]
+    chunk = tensor.chunks[0]
+    location = locate_item(checkpoint, tensor.fqn, chunk.storage, True)
+    whole = read_item(location)
+    assert b"".join(iter_item_pieces(location, piece_bytes=7)) == whole
+    with open_item_stream(location) as stream:
+        assert stream.read(3) + stream.read() == whole
+    assert torch.load(io.BytesIO(whole), weights_only=True).shape == chunk.sizes
+
+
+def test_safetensors_layout_is_detected():
+    checkpoint = open_checkpoint(fixture_path("safetensors_fsdp2_2ranks"))
+    assert {f.serialization for f in checkpoint.files.values()} == {SAFETENSORS}
+    checkpoint = open_checkpoint(fixture_path("zstd_fsdp2_2ranks"))
+    assert {f.serialization for f in checkpoint.files.values()} == {"torch_save"}
+
+
+def test_missing_path_and_file_path(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no such file"):
+        open_checkpoint(tmp_path / "nothing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointNotFoundError, match="not a directory"):
+        open_checkpoint(tmp_path / "file")
+
+
+def test_directory_without_metadata_is_incomplete(copy_fixture, tmp_path):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    (checkpoint / ".metadata").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="incomplete"):
+        open_checkpoint(checkpoint)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(IncompleteCheckpointError, match="not a DCP checkpoint"):
+        open_checkpoint(tmp_path / "empty")
+
+
+def test_hugging_face_layout_is_named(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(UnsupportedLayoutError, match="Hugging Face"):
+        open_checkpoint(tmp_path)
+
+
+def test_empty_metadata(copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    (checkpoint / ".metadata").write_bytes(b"")
+    with pytest.raises(MetadataError, match="empty"):
+        open_checkpoint(checkpoint)
+
+
+def test_missing_data_file(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    (checkpoint / "__1_0.distcp").unlink()
+    with pytest.raises(DataError, match=r"__1_0.distcp: missing data file"):
+        open_checkpoint(checkpoint)
+    assert open_checkpoint(checkpoint, check_files=False).files["__1_0.distcp"].size_bytes is None
+
+
+def test_truncated_data_file(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    data_file = checkpoint / "__2_0.distcp"
+    os.truncate(data_file, data_file.stat().st_size - 100)
+    with pytest.raises(DataError, match=r"__2_0.distcp: truncated") as raised:
+        open_checkpoint(checkpoint)
+    items = [(info.offset + info.length, key.fqn) for key, info in
+             read_metadata(checkpoint).storage_data.items() if info.relative_path == "__2_0.distcp"]
+    end, fqn = max(items, key=lambda item: item[0])  # the first of equal ends
+    assert f"item {fqn!r} ends at byte {end}" in str(raised.value)
+
+
+def test_items_read_as_one_span_are_their_own_bytes_and_a_short_file_names_the_item(
+        copy_fixture):
+    checkpoint_path = copy_fixture("fsdp2_adamw_3ranks")
+    checkpoint = open_checkpoint(checkpoint_path)
+    entries = sorted(((info.offset, key.fqn, info) for key, info in
+                      checkpoint.metadata.storage_data.items()
+                      if info.relative_path == "__2_0.distcp"), key=lambda entry: entry[0])
+    locations = [locate_item(checkpoint, fqn, info, fqn in {t.fqn for t in checkpoint.tensors})
+                 for _, fqn, info in entries]
+    first, last = locations[0], locations[-1]
+    span = StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
+    for location in locations:
+        assert b"".join(iter_item_pieces(location, span=span)) == read_item(location)
+    os.truncate(checkpoint_path / "__2_0.distcp", last.start + 1)
+    short_span = StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
+    with pytest.raises(DataError, match=rf"__2_0.distcp: truncated: item {last.fqn!r} needs "
+                                        rf"bytes {last.start}..{last.start + last.length}, "
+                                        rf"the file ends at {last.start + 1}"):
+        b"".join(iter_item_pieces(last, span=short_span))
+    (checkpoint_path / "__2_0.distcp").unlink()
+    with pytest.raises(DataError, match=rf"__2_0.distcp: missing data file \(item "
+                                        rf"{first.fqn!r}\)"):
+        StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
+
+
+def test_corrupt_zstd_item_names_file_and_item(copy_fixture):
+    checkpoint_dir = copy_fixture("zstd_fsdp2_2ranks")
+    checkpoint = open_checkpoint(checkpoint_dir)
+    tensor = checkpoint.tensors[0]
+    chunk = tensor.chunks[0]
+    path = checkpoint_dir / chunk.storage.relative_path
+    data = bytearray(path.read_bytes())
+    for position in range(chunk.storage.offset + 8, chunk.storage.offset + chunk.storage.length):
+        data[position] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"{chunk.storage.relative_path}.*{tensor.fqn}"):
+        read_item(locate_item(checkpoint, tensor.fqn, chunk.storage, True))
+
+
+def _rewrite_paths(checkpoint_dir, new_path):
+    import pickle
+
+    from conftest import torch_metadata
+
+    metadata = torch_metadata(checkpoint_dir)
+    for info in metadata.storage_data.values():
+        if info.relative_path == "__0_0.distcp":
+            info.relative_path = new_path
+    (checkpoint_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("escape", ["/etc/passwd", "../outside.distcp", "sub/../../x.distcp",
+                                    "..\\x.distcp"])
+def test_paths_that_escape_the_directory_are_refused(copy_fixture, escape):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    _rewrite_paths(checkpoint, escape)
+    with pytest.raises(UnsafePathError, match="not a plain path inside"):
+        open_checkpoint(checkpoint)
+
+
+def test_symlink_out_of_the_directory_is_refused(copy_fixture, tmp_path):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    outside = tmp_path / "elsewhere.distcp"
+    (checkpoint / "__0_0.distcp").rename(outside)
+    (checkpoint / "__0_0.distcp").symlink_to(outside)
+    with pytest.raises(UnsafePathError, match="outside the checkpoint directory"):
+        open_checkpoint(checkpoint)
+
+
+def test_symlink_inside_the_directory_is_fine(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    (checkpoint / "__0_0.distcp").rename(checkpoint / "real.bin")
+    (checkpoint / "__0_0.distcp").symlink_to("real.bin")
+    assert open_checkpoint(checkpoint).files["__0_0.distcp"].size_bytes > 0

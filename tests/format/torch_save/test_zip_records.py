@@ -1,0 +1,126 @@
+"""Reading zip records from the end of an archive agrees with Python's zipfile."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import pytest
+from conftest import FIXTURE_NAMES, fixture_path
+
+from dcpctl.errors import DataError
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.torch_save.zip_records import ZipRecord, read_zip_records
+
+
+def fixture_archives():
+    """(label, bytes) of every plain stored item of the fixtures that is a zip archive."""
+    for name in FIXTURE_NAMES:
+        checkpoint = open_checkpoint(fixture_path(name))
+        for key, info in checkpoint.metadata.storage_data.items():
+            if info.transform_descriptors:
+                continue
+            with open(checkpoint.path / info.relative_path, "rb") as stream:
+                stream.seek(info.offset)
+                data = stream.read(info.length)
+            if data.startswith(b"PK\x03\x04"):
+                yield f"{name}:{key.fqn}:{key.offset}", data
+
+
+def reader_of(data: bytes):
+    def read_range(start: int, count: int) -> bytes:
+        assert 0 <= start and start + count <= len(data), (start, count)
+        return data[start:start + count]
+    return read_range
+
+
+def assert_agrees_with_zipfile(data: bytes, records: list[ZipRecord]) -> None:
+    """records are every record of the archive, as zipfile lists them."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        assert [record.name for record in records] == [info.filename for info in
+                                                        archive.infolist()]
+    for record in records:
+        assert_record_agrees_with_zipfile(data, record)
+
+
+def assert_record_agrees_with_zipfile(data: bytes, record: ZipRecord) -> None:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        info = archive.getinfo(record.name)
+        assert (record.crc32, record.size_bytes, record.compression_method,
+                record.header_offset) == (info.CRC, info.compress_size, info.compress_type,
+                                          info.header_offset)
+        assert data[record.data_offset:record.data_end] == archive.read(info.filename)
+
+
+def test_every_fixture_archive_matches_zipfile():
+    archives = list(fixture_archives())
+    assert len(archives) > 100
+    for label, data in archives:
+        assert_agrees_with_zipfile(data, read_zip_records(reader_of(data), len(data)))
+
+
+def _zip_bytes(members: dict[str, bytes], comment: bytes = b"", **options) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", **options) as archive:
+        for name, body in members.items():
+            archive.writestr(name, body)
+        archive.comment = comment
+    return buffer.getvalue()
+
+
+MEMBERS = {"a/data.pkl": b"pickle bytes", "a/data/0": bytes(range(256)) * 40, "a/empty": b""}
+
+
+def test_zip64_extra_fields_and_end_records(monkeypatch):
+    """With the zip64 limit forced down, zipfile writes 0xFFFFFFFF sizes and offsets with the
+    real values in zip64 extra fields, and a zip64 end record: the layout of a >4 GiB item."""
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 100)
+    monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 2)
+    data = _zip_bytes(MEMBERS)
+    assert b"PK\x06\x06" in data and b"\xff\xff\xff\xff" in data
+    monkeypatch.undo()
+    records = read_zip_records(reader_of(data), len(data))
+    assert_agrees_with_zipfile(data, records)
+    assert [r.size_bytes for r in records] == [len(body) for body in MEMBERS.values()]
+
+
+def test_end_record_after_a_comment_and_inside_a_larger_file():
+    data = _zip_bytes(MEMBERS, comment=b"a long archive comment " * 100)
+    assert_agrees_with_zipfile(data, read_zip_records(reader_of(data), len(data)))
+    # A comment holding the end record's signature (zipfile itself trips over this one).
+    tricky = _zip_bytes(MEMBERS, comment=b"PK\x05\x06 is not the end record here" * 100)
+    assert read_zip_records(reader_of(tricky), len(tricky)) == read_zip_records(
+        reader_of(data), len(data))
+    padded = b"x" * 1000 + data + b"y" * 1000  # an item inside a data file
+
+    def read_item(start: int, count: int) -> bytes:
+        return padded[1000 + start:1000 + start + count]
+
+    assert read_zip_records(read_item, len(data)) == read_zip_records(reader_of(data), len(data))
+
+
+def test_deflated_records_keep_their_method():
+    data = _zip_bytes(MEMBERS, compression=zipfile.ZIP_DEFLATED)
+    records = read_zip_records(reader_of(data), len(data))
+    assert {r.compression_method for r in records} == {zipfile.ZIP_DEFLATED}
+    assert [r.crc32 for r in records] == [zipfile.crc32(b) for b in MEMBERS.values()]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d[:-30], "no zip end of central directory record"),
+    (lambda d: b"", "no zip end of central directory record"),
+    (lambda d: d.replace(b"PK\x01\x02", b"PK\x01\x03", 1), "no zip central directory entry"),
+    (lambda d: b"QQ" + d[2:], "no zip local header"),
+])
+def test_damaged_archives_are_refused(damage, message):
+    data = damage(_zip_bytes(MEMBERS))
+    with pytest.raises(DataError, match=message):
+        read_zip_records(reader_of(data), len(data))
+
+
+def test_record_running_into_the_central_directory_is_refused():
+    data = bytearray(_zip_bytes({"a": b"12345"}))
+    central = data.index(b"PK\x01\x02")
+    data[central + 20:central + 24] = (10_000).to_bytes(4, "little")  # compressed size
+    with pytest.raises(DataError, match="runs past byte"):
+        read_zip_records(reader_of(bytes(data)), len(data))

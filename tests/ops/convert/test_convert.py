@@ -1,0 +1,284 @@
+"""convert: DCP to safetensors and torch.save, and back to DCP, checked against stock torch."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (FIXTURE_NAMES, MANIFEST, REPO_ROOT, TORCH_LOADABLE_FIXTURES, fixture_path,
+                      load_with_torch, torch_metadata)
+from make_fixtures import tensor_sha256
+from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dcpctl.errors import OutputError, SelectionError, UnsupportedLayoutError
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.dtypes import dtype_by_name
+from dcpctl.ops.convert import to_safetensors
+from dcpctl.ops.convert.key_selection import KeySelection, Rename
+from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes
+from dcpctl.ops.convert.to_dcp import convert_to_dcp
+from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
+from dcpctl.ops.convert.to_torch_save import convert_to_torch_save
+
+EVERYTHING = KeySelection(include=("*",))
+WHISPER = REPO_ROOT.parent / "shared" / "data" / "real" / "whisper_tiny_en_fp16.safetensors"
+
+
+def load_safetensors_output(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a converted output, through its index when it has one."""
+    index_path = directory / "model.safetensors.index.json"
+    if not index_path.exists():
+        return load_file(directory / "model.safetensors")
+    tensors = {}
+    for name, file_name in json.loads(index_path.read_text())["weight_map"].items():
+        with safe_open(directory / file_name, "pt") as handle:
+            tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def expected_names(name: str) -> dict[str, str]:
+    """Output name -> fqn by the documented defaults: the `model.` tensors with `model.`
+    stripped when there is an optimizer beside them, else every tensor under its fqn."""
+    fqns = list(MANIFEST[name]["tensors"])
+    if any(fqn.startswith("optim") for fqn in fqns):
+        return {fqn.removeprefix("model."): fqn for fqn in fqns if fqn.startswith("model.")}
+    return {fqn: fqn for fqn in fqns}
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_every_fixture_converts_to_what_dcp_load_gives(name, tmp_path):
+    report = convert_to_safetensors(fixture_path(name), tmp_path / "out",
+                                    KeySelection(strip_prefix="model."), threads=2)
+    converted = load_safetensors_output(tmp_path / "out")
+    names = expected_names(name)
+    assert set(converted) == set(names)
+    reference = load_with_torch(fixture_path(name)) if name in TORCH_LOADABLE_FIXTURES else None
+    for output_name, fqn in names.items():
+        described = MANIFEST[name]["tensors"][fqn]
+        value = converted[output_name]
+        assert str(value.dtype) == f"torch.{described['dtype']}"
+        assert list(value.shape) == described["shape"]
+        assert tensor_sha256(value) == described["sha256"], fqn
+        if reference is not None:
+            assert torch.equal(value, reference[fqn])
+    assert report.tensors == len(names)
+    assert report.tensors_left_out == len(MANIFEST[name]["tensors"]) - len(names)
+    assert report.objects_left_out == len(MANIFEST[name]["objects"])
+
+
+@pytest.mark.parametrize("name", ["objects_2ranks", "mesh2d_4ranks"])
+def test_dtype_casts_floating_tensors_only(name, tmp_path):
+    convert_to_safetensors(fixture_path(name), tmp_path / "out", EVERYTHING,
+                           cast_to=dtype_by_name("bfloat16"))
+    converted = load_safetensors_output(tmp_path / "out")
+    for fqn, value in load_with_torch(fixture_path(name)).items():
+        if isinstance(value, torch.Tensor):
+            expected = value.to(torch.bfloat16) if value.is_floating_point() else value
+            assert converted[fqn].dtype == expected.dtype and torch.equal(converted[fqn], expected)
+
+
+def test_row_split_tensors_stream_a_chunk_at_a_time():
+    checkpoint = open_checkpoint(fixture_path("fsdp2_adamw_3ranks"))
+    embed = next(t for t in checkpoint.tensors if t.fqn == "model.embed.weight")
+    pieces = list(iter_tensor_bytes(checkpoint, embed))
+    assert [len(piece) for piece in pieces] == [4 * 6 * 4, 4 * 6 * 4, 2 * 6 * 4]
+
+
+def test_shards_hold_the_limit_and_the_index_maps_every_tensor(tmp_path):
+    limit = 100
+    report = convert_to_safetensors(fixture_path("fsdp2_adamw_3ranks"), tmp_path / "out",
+                                    EVERYTHING, max_shard_bytes=limit)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shard_names = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    count = len(shard_names)
+    assert count > 2 and shard_names == [f"model-{n:05d}-of-{count:05d}.safetensors"
+                                         for n in range(1, count + 1)]
+    total = 0
+    for shard_name in shard_names:
+        tensors = load_file(tmp_path / "out" / shard_name)
+        data_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert data_bytes <= limit or len(tensors) == 1
+        assert all(index["weight_map"][name] == shard_name for name in tensors)
+        total += data_bytes
+    assert set(index["weight_map"]) == set(MANIFEST["fsdp2_adamw_3ranks"]["tensors"])
+    assert index["metadata"]["total_size"] == total == report.tensor_bytes
+
+
+def test_safetensors_to_dcp_and_back_is_bit_exact(tmp_path):
+    convert_to_safetensors(fixture_path("objects_2ranks"), tmp_path / "first", EVERYTHING)
+    convert_to_dcp(tmp_path / "first", tmp_path / "dcp", ranks=3)
+    convert_to_safetensors(tmp_path / "dcp", tmp_path / "second", EVERYTHING)
+    assert ((tmp_path / "first" / "model.safetensors").read_bytes()
+            == (tmp_path / "second" / "model.safetensors").read_bytes())
+
+
+def test_sharded_safetensors_to_dcp_and_back_keeps_every_tensor(tmp_path):
+    convert_to_safetensors(fixture_path("fsdp2_adamw_3ranks"), tmp_path / "first", EVERYTHING,
+                           max_shard_bytes=100)
+    report = convert_to_dcp(tmp_path / "first", tmp_path / "dcp", ranks=2, prefix="model.")
+    assert report.source_format == "safetensors" and [f.name for f in report.files] == [
+        "__0_0.distcp", "__1_0.distcp"]
+    convert_to_safetensors(tmp_path / "dcp", tmp_path / "second",
+                           KeySelection(strip_prefix="model."), max_shard_bytes=100)
+    first = load_safetensors_output(tmp_path / "first")
+    second = load_safetensors_output(tmp_path / "second")
+    assert {k: tensor_sha256(v) for k, v in first.items()} == {
+        k: tensor_sha256(v) for k, v in second.items()}
+
+
+@pytest.mark.parametrize("name", TORCH_LOADABLE_FIXTURES)
+def test_torch_output_equals_dcp_to_torch_save(name, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    report = convert_to_torch_save(fixture_path(name), tmp_path / "mine.pt", EVERYTHING)
+    dcp_to_torch_save(fixture_path(name), tmp_path / "torch.pt")
+    assert_same_state(torch.load(tmp_path / "mine.pt", weights_only=True),
+                      torch.load(tmp_path / "torch.pt", weights_only=True))
+    with zipfile.ZipFile(tmp_path / "mine.pt") as archive:
+        assert archive.testzip() is None  # every CRC-32 was filled in
+    assert report.objects == len(MANIFEST[name]["objects"])
+
+
+def assert_same_state(mine, theirs, path=()):
+    """Equal nested structure, key order, types and tensor values."""
+    assert type(mine) is type(theirs), path
+    if isinstance(mine, dict):
+        assert list(mine) == list(theirs), path
+        for key in mine:
+            assert_same_state(mine[key], theirs[key], path + (key,))
+    elif isinstance(mine, list):
+        assert len(mine) == len(theirs), path
+        for index, (a, b) in enumerate(zip(mine, theirs)):
+            assert_same_state(a, b, path + (index,))
+    elif isinstance(mine, torch.Tensor):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), path
+    else:
+        assert mine == theirs, path
+
+
+def test_torch_save_to_dcp_lays_out_chunks_as_a_real_fsdp2_save(tmp_path):
+    name = "fsdp2_adamw_3ranks"
+    convert_to_torch_save(fixture_path(name), tmp_path / "state.pt", EVERYTHING)
+    report = convert_to_dcp(tmp_path / "state.pt", tmp_path / "dcp", ranks=3)
+    assert report.source_format == "torch" and report.objects == len(MANIFEST[name]["objects"])
+    mine, real = torch_metadata(tmp_path / "dcp"), torch_metadata(fixture_path(name))
+    assert mine.state_dict_metadata == real.state_dict_metadata
+    assert mine.planner_data == real.planner_data
+    loaded, reference = load_with_torch(tmp_path / "dcp"), load_with_torch(fixture_path(name))
+    assert_same_state(loaded, reference)
+
+
+def test_views_and_odd_dtypes_in_torch_save_files(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {"transposed": base.t(), "row": base[2], "half": torch.randn(5).half(),
+             "flags": torch.tensor([True, False]), "nested": {"list": [torch.ones(2), 3]}}
+    torch.save(state, tmp_path / "views.pt")
+    convert_to_dcp(tmp_path / "views.pt", tmp_path / "dcp", ranks=2, prefix="model.")
+    loaded = load_with_torch(tmp_path / "dcp")
+    assert torch.equal(loaded["model.transposed"], base.t())
+    assert torch.equal(loaded["model.row"], base[2])
+    assert torch.equal(loaded["model.half"], state["half"])
+    assert torch.equal(loaded["model.nested.list.0"], torch.ones(2))
+    assert loaded["model.nested.list.1"] == 3
+
+
+def test_dcp_output_loads_on_its_ranks_into_the_fsdp2_state(tmp_path):
+    name = "fsdp2_adamw_3ranks"
+    convert_to_torch_save(fixture_path(name), tmp_path / "state.pt", EVERYTHING)
+    convert_to_dcp(tmp_path / "state.pt", tmp_path / "dcp", ranks=3)
+    assert_matches_manifest(describe_after_loading_on_ranks(tmp_path / "dcp", name, 3), name)
+
+
+@pytest.mark.skipif(not WHISPER.exists(), reason="the real weights are not here")
+def test_real_weights_go_to_dcp_and_back_unchanged(tmp_path):
+    convert_to_dcp(WHISPER, tmp_path / "dcp", ranks=4, prefix="model.")
+    convert_to_safetensors(tmp_path / "dcp", tmp_path / "hf", KeySelection(strip_prefix="model."),
+                           max_shard_bytes=30 * 10**6)
+    converted = load_safetensors_output(tmp_path / "hf")
+    with safe_open(WHISPER, "pt") as source:
+        assert set(converted) == set(source.keys())
+        for name in source.keys():
+            assert torch.equal(converted[name], source.get_tensor(name)), name
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(SelectionError, match="both renamed"):
+        convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path / "a",
+                               KeySelection(renames=(Rename.parse("^.*$=same"),)))
+    torch.save({"z": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "complex.pt")
+    convert_to_dcp(tmp_path / "complex.pt", tmp_path / "complex")
+    with pytest.raises(UnsupportedLayoutError, match="'z'.*complex128"):
+        convert_to_safetensors(tmp_path / "complex", tmp_path / "b", EVERYTHING)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep").write_text("x")
+    with pytest.raises(OutputError, match="not empty"):
+        convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path / "taken", EVERYTHING)
+    with pytest.raises(OutputError, match="exists"):
+        convert_to_torch_save(fixture_path("mesh2d_4ranks"), tmp_path / "complex.pt", EVERYTHING)
+    assert (tmp_path / "taken" / "keep").read_text() == "x"
+    torch.save({"pair": (torch.ones(1), torch.ones(1))}, tmp_path / "tuple.pt")
+    with pytest.raises(UnsupportedLayoutError, match="'pair' is an object holding tensors"):
+        convert_to_dcp(tmp_path / "tuple.pt", tmp_path / "c")
+    torch.save({"path": Path("x")}, tmp_path / "unsafe.pt")
+    with pytest.raises(UnsupportedLayoutError, match="weights_only"):
+        convert_to_dcp(tmp_path / "unsafe.pt", tmp_path / "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["complex.pt", "complex", "taken", "tuple.pt", "unsafe.pt"])
+
+
+def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
+    def fail_on_second_tensor(checkpoint, tensor, dtype=None):
+        fail_on_second_tensor.calls += 1
+        if fail_on_second_tensor.calls == 2:
+            raise RuntimeError("disk on fire")
+        return iter_tensor_bytes(checkpoint, tensor, dtype)
+
+    fail_on_second_tensor.calls = 0
+    monkeypatch.setattr(to_safetensors, "iter_tensor_bytes", fail_on_second_tensor)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path / "out", EVERYTHING)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_replaces_an_earlier_output(tmp_path):
+    save_file({"old": torch.ones(1)}, tmp_path / "model.safetensors")
+    convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path, EVERYTHING, overwrite=True)
+    assert set(load_file(tmp_path / "model.safetensors")) == {"grid", "bias", "table"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_strided_view_saved_by_dcp_converts_as_its_values(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    dcp.save({"transposed": base.t(), "plain": base}, checkpoint_id=tmp_path / "dcp",
+             no_dist=True)
+    convert_to_safetensors(tmp_path / "dcp", tmp_path / "hf", EVERYTHING)
+    converted = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(converted["transposed"], base.t()) and torch.equal(converted["plain"], base)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_output_with_newer_dtypes_loads_mapped_and_converts_back(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"f8": torch.randn(4, 3).to(torch.float8_e4m3fn),
+             "u16": torch.tensor([1, 2, 60000], dtype=torch.uint16), "empty": torch.zeros(0, 2),
+             "scalar": torch.tensor(3.0), "config": {"sizes": [1, 2], "name": "x"}}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    convert_to_torch_save(tmp_path / "dcp", tmp_path / "state.pt", EVERYTHING)
+    for mmap in (False, True):
+        loaded = torch.load(tmp_path / "state.pt", weights_only=True, mmap=mmap)
+        assert loaded["config"] == state["config"]
+        for name in ("f8", "u16", "empty", "scalar"):
+            assert loaded[name].dtype == state[name].dtype
+            assert tensor_sha256(loaded[name]) == tensor_sha256(state[name]), name
+    convert_to_dcp(tmp_path / "state.pt", tmp_path / "again", ranks=2)
+    again = load_with_torch(tmp_path / "again")
+    assert tensor_sha256(again["f8"]) == tensor_sha256(state["f8"])
+    assert again["config.name"] == "x"

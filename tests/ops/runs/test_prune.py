@@ -1,0 +1,191 @@
+"""Pruning real run directories: each rule, their combination, and the safety rules."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import add_checkpoint, fail_rmtree_part_way, tree_listing
+
+from dcpctl.errors import LockHeldError, UnsafePathError
+from dcpctl.ops.runs.prune import (
+    LOCK_FILE_NAME, RetentionRules, delete_checkpoint_directory, hold_prune_lock,
+    prune_run_directory,
+)
+
+HOUR, DAY = 3600, 86400
+
+
+def _run_dir(tmp_path, steps, age_seconds=30 * DAY):
+    """A run directory of complete checkpoints step-<n>, all aged age_seconds."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for step in steps:
+        add_checkpoint(run_dir, f"step-{step}", age_seconds=age_seconds)
+    return run_dir
+
+
+def _prune(run_dir, dry_run=False, **rules):
+    return prune_run_directory(run_dir, RetentionRules(**rules), dry_run=dry_run)
+
+
+def _deleted(report):
+    return [d.checkpoint.name for d in report.decisions if d.delete]
+
+
+def _remaining(run_dir):
+    return sorted(path.name for path in run_dir.iterdir() if path.name != LOCK_FILE_NAME)
+
+
+def test_keep_last_deletes_the_older_ones_and_frees_their_bytes(tmp_path):
+    run_dir = _run_dir(tmp_path, [100, 200, 300, 400])
+    report = _prune(run_dir, keep_last=2)
+    assert _deleted(report) == ["step-100", "step-200"]
+    assert _remaining(run_dir) == ["step-300", "step-400"]
+    assert [d.status for d in report.decisions] == ["deleted", "deleted", "kept", "kept"]
+    assert report.freed_bytes == report.delete_bytes == sum(
+        d.checkpoint.size_bytes for d in report.decisions[:2]) > 0
+    assert report.decisions[3].reasons == ["newest complete", "one of the last 2 complete"]
+
+
+def test_keep_every_keeps_multiples_of_the_step(tmp_path):
+    run_dir = _run_dir(tmp_path, [1000, 1500, 2000, 2500, 3000])
+    assert _deleted(_prune(run_dir, keep_last=1, keep_every_steps=1000)) == [
+        "step-1500", "step-2500"]
+    assert _remaining(run_dir) == ["step-1000", "step-2000", "step-3000"]
+
+
+def test_keep_glob_keeps_matching_names(tmp_path):
+    run_dir = _run_dir(tmp_path, [100, 200, 300])
+    report = _prune(run_dir, keep_last=1, keep_globs=("step-1*", "nothing-*"))
+    assert _deleted(report) == ["step-200"]
+    assert report.decisions[0].reasons == ["matches --keep 'step-1*'"]
+
+
+def test_older_than_deletes_only_old_checkpoints(tmp_path):
+    run_dir = _run_dir(tmp_path, [100, 200], age_seconds=10 * DAY)
+    add_checkpoint(run_dir, "step-300", age_seconds=HOUR)
+    add_checkpoint(run_dir, "step-400", age_seconds=HOUR)
+    report = _prune(run_dir, keep_last=1, older_than_seconds=7 * DAY)
+    assert _deleted(report) == ["step-100", "step-200"]
+    assert report.decisions[2].reasons == ["changed within --older-than"]
+
+
+def test_rules_combine_a_checkpoint_is_kept_if_any_rule_keeps_it(tmp_path):
+    run_dir = _run_dir(tmp_path, [1000, 1500, 2000, 2500, 3000, 3500, 4000], age_seconds=10 * DAY)
+    add_checkpoint(run_dir, "step-4500", age_seconds=HOUR)
+    add_checkpoint(run_dir, "step-5000", age_seconds=HOUR)
+    report = _prune(run_dir, keep_last=2, keep_every_steps=2000, keep_globs=("*-1500",),
+                    older_than_seconds=DAY)
+    assert _deleted(report) == ["step-1000", "step-2500", "step-3000", "step-3500"]
+    reasons = {d.checkpoint.name: d.reasons for d in report.decisions}
+    assert reasons["step-1500"] == ["matches --keep '*-1500'"]
+    assert reasons["step-2000"] == reasons["step-4000"] == ["step is a multiple of 2000"]
+    assert reasons["step-4500"] == ["one of the last 2 complete", "changed within --older-than"]
+    assert reasons["step-5000"][0] == "newest complete"
+    assert reasons["step-1000"] == ["no rule keeps it"]
+
+
+def test_every_name_style_is_pruned_by_step_and_look_alikes_are_never_touched(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in ("5000", "global_step4000", "checkpoint-3000", "step_2000", "step-1000",
+                 "old-step-3-bak", "step-9000.bak", "step-9999-copy"):
+        add_checkpoint(run_dir, name)
+    _prune(run_dir, keep_last=2)
+    assert _remaining(run_dir) == ["5000", "global_step4000", "old-step-3-bak", "step-9000.bak",
+                                   "step-9999-copy"]
+
+
+def test_incomplete_saves_young_and_old(tmp_path):
+    run_dir = _run_dir(tmp_path, [100, 200])
+    add_checkpoint(run_dir, "step-150", complete=False, age_seconds=3 * DAY)
+    add_checkpoint(run_dir, "step-250", complete=False, age_seconds=3 * DAY)
+    add_checkpoint(run_dir, "step-300", complete=False, age_seconds=60)  # a save in progress
+    without_option = _prune(run_dir, keep_last=1, dry_run=True)
+    assert _deleted(without_option) == ["step-100"]
+    report = _prune(run_dir, keep_last=1, incomplete_older_than_seconds=DAY,
+                    keep_globs=("step-250",))
+    assert _deleted(report) == ["step-100", "step-150"]
+    assert _remaining(run_dir) == ["step-200", "step-250", "step-300"]
+    # Incomplete checkpoints do not count toward --keep-last: step-200 is the newest complete.
+    assert report.decisions[2].reasons == ["newest complete", "one of the last 1 complete"]
+    assert "may be a save in progress" in report.decisions[-1].reasons[0]
+
+
+def test_symlinked_checkpoint_pointing_outside_is_left_alone(tmp_path):
+    run_dir = _run_dir(tmp_path, [200, 300])
+    outside = add_checkpoint(tmp_path, "elsewhere-100")
+    (run_dir / "step-100").symlink_to(outside, target_is_directory=True)
+    # A symlink inside a checkpoint that is deleted: the link goes, its target stays.
+    outside_file = tmp_path / "shared.bin"
+    outside_file.write_bytes(b"keep me")
+    (run_dir / "step-200" / "extra.bin").symlink_to(outside_file)
+    before = tree_listing(outside)
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == ["step-200"]
+    assert (run_dir / "step-100").is_symlink() and tree_listing(outside) == before
+    assert outside_file.read_bytes() == b"keep me"
+    assert [(e.name, e.reason) for e in report.ignored] == [
+        ("step-100", "a symlink: never followed, never deleted")]
+
+
+def test_a_file_where_a_directory_is_expected_is_left_alone(tmp_path):
+    run_dir = _run_dir(tmp_path, [200, 300])
+    (run_dir / "step-100").write_text("not a checkpoint")
+    report = _prune(run_dir, keep_last=1, incomplete_older_than_seconds=1)
+    assert _deleted(report) == ["step-200"]
+    assert (run_dir / "step-100").read_text() == "not a checkpoint"
+    assert [(e.name, e.reason) for e in report.ignored] == [("step-100", "not a directory")]
+
+
+def test_deleting_refuses_an_entry_swapped_for_a_symlink(tmp_path):
+    target = add_checkpoint(tmp_path, "target")
+    (tmp_path / "step-1").symlink_to(target, target_is_directory=True)
+    with pytest.raises(UnsafePathError, match="no longer a real directory"):
+        delete_checkpoint_directory(tmp_path / "step-1")
+    assert (target / ".metadata").exists()
+
+
+def test_permission_denied_on_one_directory_the_rest_is_still_done(tmp_path, monkeypatch):
+    run_dir = _run_dir(tmp_path, [100, 200, 300, 400])
+    fail_rmtree_part_way(monkeypatch, "step-200")
+    report = _prune(run_dir, keep_last=1)
+    assert [d.status for d in report.decisions] == ["deleted", "failed", "deleted", "kept"]
+    assert report.decisions[1].error == f"{run_dir}/step-200/__1_0.distcp: Permission denied"
+    assert _remaining(run_dir) == ["step-200", "step-400"]
+    # `.metadata` went first: what is left of step-200 is an incomplete checkpoint.
+    assert not (run_dir / "step-200" / ".metadata").exists()
+    assert report.freed_bytes == report.decisions[0].checkpoint.size_bytes * 2
+
+
+def test_a_second_prune_fails_while_the_first_holds_the_lock(tmp_path):
+    run_dir = _run_dir(tmp_path, [100, 200])
+    with hold_prune_lock(run_dir):
+        before = tree_listing(run_dir)
+        with pytest.raises(LockHeldError, match=rf"another dcpctl prune \(pid {os.getpid()}\)"):
+            _prune(run_dir, keep_last=1)
+        assert tree_listing(run_dir) == before
+        assert _deleted(_prune(run_dir, keep_last=1, dry_run=True)) == ["step-100"]
+    assert _deleted(_prune(run_dir, keep_last=1)) == ["step-100"]
+    assert _remaining(run_dir) == ["step-200"]
+
+
+def test_dry_run_changes_nothing_and_plans_what_a_real_run_does(tmp_path):
+    run_dir = _run_dir(tmp_path, [100, 200, 300, 400])
+    add_checkpoint(run_dir, "step-250", complete=False, age_seconds=3 * DAY)
+    rules = dict(keep_last=1, keep_every_steps=200, incomplete_older_than_seconds=DAY)
+    before = tree_listing(run_dir)
+    dry = _prune(run_dir, dry_run=True, **rules)
+    assert tree_listing(run_dir) == before  # not even a lock file
+    assert [d.status for d in dry.decisions if d.delete] == ["would delete"] * 3
+    assert dry.freed_bytes == 0 and dry.delete_bytes > 0
+    real = _prune(run_dir, **rules)
+    assert [(d.checkpoint.name, d.delete, d.reasons) for d in dry.decisions] == [
+        (d.checkpoint.name, d.delete, d.reasons) for d in real.decisions]
+    assert real.freed_bytes == dry.delete_bytes
+
+
+def test_keep_last_must_be_at_least_one():
+    with pytest.raises(ValueError):
+        RetentionRules(keep_last=0)

@@ -1,0 +1,333 @@
+"""`verify` finds each injected fault, names it, and passes every clean checkpoint."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+import torch
+from conftest import FIXTURE_NAMES, fixture_path, torch_metadata
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.torch_save.layout import read_torch_save_layout
+from dcpctl.ops.checksum import checksum_checkpoint
+from dcpctl.ops.verify.verifier import verify_checkpoint
+from dcpctl.ops.verify.structure import find_overlapping_boxes
+
+
+def rules(report) -> set[str]:
+    return {problem.rule for problem in report.problems}
+
+
+def only_problem(report, rule):
+    found = [problem for problem in report.problems if problem.rule == rule]
+    assert len(found) == 1, report.problems
+    return found[0]
+
+
+def flip_bit(path, offset: int) -> None:
+    with open(path, "r+b") as stream:
+        stream.seek(offset)
+        byte = stream.read(1)[0]
+        stream.seek(offset)
+        stream.write(bytes([byte ^ 0x04]))
+
+
+def tensor_data_offset(checkpoint_dir, fqn: str) -> tuple[str, int]:
+    """(file, offset in it) of a byte in the middle of the first chunk's tensor data."""
+    checkpoint = open_checkpoint(checkpoint_dir)
+    tensor = next(t for t in checkpoint.tensors if t.fqn == fqn)
+    storage = tensor.chunks[0].storage
+    with open(checkpoint_dir / storage.relative_path, "rb") as stream:
+        def read_range(start, count):
+            stream.seek(storage.offset + start)
+            return stream.read(count)
+        layout = read_torch_save_layout(read_range, storage.length)
+    return storage.relative_path, storage.offset + layout.payload_offset + layout.tensor.nbytes // 2
+
+
+def edit_metadata(checkpoint_dir, edit) -> None:
+    """Rewrite .metadata through torch's own classes."""
+    metadata = torch_metadata(checkpoint_dir)
+    edit(metadata)
+    (checkpoint_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.parametrize("with_sums", [False, True])
+def test_clean_checkpoints_verify(name, with_sums, copy_fixture):
+    checkpoint = copy_fixture(name)
+    if with_sums:
+        checksum_checkpoint(checkpoint)
+    for deep in (True, False):
+        report = verify_checkpoint(checkpoint, deep=deep)
+        assert report.problems == [] and report.status == "ok" and report.exit_code == 0
+        assert report.checksummed_files == (len(report_files(checkpoint)) if with_sums else None)
+    deep_report = verify_checkpoint(checkpoint, threads=1)
+    assert deep_report.items_checked == len(torch_metadata(checkpoint).storage_data)
+
+
+def report_files(checkpoint_dir):
+    return [path for path in checkpoint_dir.iterdir() if path.name != "SHA256SUMS"]
+
+
+def test_flipped_tensor_bit_is_found_by_checksum_and_by_crc(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    checksum_checkpoint(checkpoint)
+    file_name, offset = tensor_data_offset(checkpoint, "model.proj.weight")
+    flip_bit(checkpoint / file_name, offset)
+
+    deep = verify_checkpoint(checkpoint)
+    assert deep.status == "damaged" and rules(deep) == {"checksum-mismatch", "crc-mismatch"}
+    assert only_problem(deep, "checksum-mismatch").file == file_name
+    crc = only_problem(deep, "crc-mismatch")
+    assert crc.fqns == ("model.proj.weight",) and crc.file == file_name
+    assert crc.start <= offset < crc.end and "archive/data/0" in crc.message
+
+    assert rules(verify_checkpoint(checkpoint, deep=False)) == {"checksum-mismatch"}
+    (checkpoint / "SHA256SUMS").unlink()
+    assert rules(verify_checkpoint(checkpoint)) == {"crc-mismatch"}
+
+
+def test_flipped_bit_in_a_zstd_item_is_found(copy_fixture):
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    metadata = open_checkpoint(checkpoint)
+    tensor = next(t for t in metadata.tensors if t.fqn == "model.embed.weight")
+    storage = tensor.chunks[0].storage
+    flip_bit(checkpoint / storage.relative_path, storage.offset + storage.length // 2)
+    report = verify_checkpoint(checkpoint)
+    assert report.status == "damaged"
+    assert rules(report) <= {"decode", "archive", "crc-mismatch"}
+    for problem in report.problems:
+        assert problem.fqns == ("model.embed.weight",)
+        assert (problem.file, problem.start, problem.end) == (
+            storage.relative_path, storage.offset, storage.offset + storage.length)
+
+
+def test_bytes_after_a_zstd_items_frame_are_found(copy_fixture):
+    """decompress refuses them, so verify does too (torch's reader would ignore them)."""
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    storage_data = torch_metadata(checkpoint).storage_data
+    key, last = max(((key, info) for key, info in storage_data.items()
+                     if info.relative_path == "__0_0.distcp"), key=lambda pair: pair[1].offset)
+    with open(checkpoint / last.relative_path, "ab") as stream:
+        stream.write(b"\0" * 16)
+
+    def lengthen(metadata):
+        metadata.storage_data[key].length += 16
+
+    edit_metadata(checkpoint, lengthen)
+    problem = only_problem(verify_checkpoint(checkpoint), "decode")
+    assert "bytes follow the end of the zstd frame" in problem.message
+    assert problem.fqns == (key.fqn,) and problem.end == last.offset + last.length + 16
+
+
+def test_truncated_file(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    path = checkpoint / "__1_0.distcp"
+    path.write_bytes(path.read_bytes()[:20_000])
+    for deep in (True, False):
+        problem = only_problem(verify_checkpoint(checkpoint, deep=deep), "truncated")
+        assert problem.file == "__1_0.distcp" and problem.start == 20_000
+        assert problem.end == 44_661 and len(problem.fqns) > 5
+
+
+def test_missing_and_extra_files(copy_fixture):
+    checkpoint = copy_fixture("objects_2ranks")
+    (checkpoint / "__0_3.distcp").unlink()
+    (checkpoint / "notes.txt").write_text("hello")
+    report = verify_checkpoint(checkpoint)
+    assert rules(report) == {"missing-file", "unknown-file"}
+    missing = only_problem(report, "missing-file")
+    assert missing.file == "__0_3.distcp" and missing.fqns == ("weights.mask",)
+    assert only_problem(report, "unknown-file").file == "notes.txt"
+
+
+def test_overlapping_chunks(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+
+    def overlap(metadata):
+        chunk = metadata.state_dict_metadata["model.embed.weight"].chunks[1]
+        key = next(k for k in metadata.storage_data
+                   if k.fqn == "model.embed.weight" and k.offset == chunk.offsets)
+        chunk.offsets = torch.Size([2, 0])
+        metadata.storage_data[MetadataIndex(key.fqn, chunk.offsets, key.index)] = \
+            metadata.storage_data.pop(key)
+
+    edit_metadata(checkpoint, overlap)
+    report = verify_checkpoint(checkpoint)
+    problem = only_problem(report, "chunk-overlap")
+    assert problem.fqns == ("model.embed.weight",) and "[2, 0]" in problem.message
+    assert rules(report) == {"chunk-overlap"}
+
+
+def test_missing_chunk_leaves_a_gap(copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+
+    def drop_chunk(metadata):
+        chunks = metadata.state_dict_metadata["grid"].chunks
+        dropped = chunks.pop()
+        del metadata.storage_data[next(k for k in metadata.storage_data
+                                       if k.fqn == "grid" and k.offset == dropped.offsets)]
+
+    edit_metadata(checkpoint, drop_chunk)
+    report = verify_checkpoint(checkpoint)
+    assert rules(report) == {"chunk-gap"}
+    assert "33 of the 42 elements" in only_problem(report, "chunk-gap").message
+
+
+def test_dtype_that_contradicts_the_items(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    edit_metadata(checkpoint, lambda metadata: setattr(
+        metadata.state_dict_metadata["model.norm.weight"].properties, "dtype", torch.int32))
+    report = verify_checkpoint(checkpoint)
+    assert rules(report) == {"tensor-mismatch"}
+    assert all(p.fqns == ("model.norm.weight",) for p in report.problems)
+    assert len(report.problems) == 3  # one per rank's chunk
+    assert verify_checkpoint(checkpoint, deep=False).status == "ok"
+
+
+def test_metadata_that_is_not_dcp(copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    checksum_checkpoint(checkpoint)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps({"not": "dcp"}))
+    report = verify_checkpoint(checkpoint)
+    metadata_problem = only_problem(report, "metadata")
+    assert metadata_problem.file == ".metadata" and "not DCP Metadata" in metadata_problem.message
+    # The checksums are still checked, and name .metadata as changed.
+    assert only_problem(report, "checksum-mismatch").file == ".metadata"
+
+
+def test_hostile_metadata_runs_no_code(copy_fixture, tmp_path):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    marker = tmp_path / "ran"
+
+    class Hostile:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Hostile()))
+    problem = only_problem(verify_checkpoint(checkpoint), "metadata")
+    assert "io.open" in problem.message and not marker.exists()
+
+
+def test_incomplete_checkpoint(copy_fixture):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    (checkpoint / ".metadata").unlink()
+    report = verify_checkpoint(checkpoint)
+    assert report.status == "incomplete" and report.exit_code == 1
+    assert "incomplete" in only_problem(report, "incomplete").message
+
+
+def test_sha256sums_that_disagree_with_the_directory(copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    checksum_checkpoint(checkpoint)
+    sums = checkpoint / "SHA256SUMS"
+    lines = sums.read_text().splitlines()
+    sums.write_text("\n".join(lines[:-1] + ["0" * 64 + "  __9_0.distcp"]) + "\n")
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert rules(report) == {"missing-file", "not-checksummed"}
+    assert only_problem(report, "missing-file").file == "__9_0.distcp"
+    assert only_problem(report, "not-checksummed").file == lines[-1].split()[-1]
+    sums.write_bytes(b"\xff\xfe binary")
+    assert rules(verify_checkpoint(checkpoint, deep=False)) == {"checksums-file"}
+
+
+def test_safetensors_header_checked_against_metadata(copy_fixture):
+    checkpoint = copy_fixture("safetensors_fsdp2_2ranks")
+    edit_metadata(checkpoint, lambda metadata: setattr(
+        metadata.state_dict_metadata["model.head.bias"].properties, "dtype", torch.int32))
+    report = verify_checkpoint(checkpoint)
+    assert rules(report) == {"tensor-mismatch"}
+    assert {p.file for p in report.problems} == {"__0_0.distcp", "__1_0.distcp"}
+
+
+@pytest.mark.parametrize("boxes, overlapping", [
+    ([((0,), (4,)), ((4,), (4,)), ((8,), (2,))], False),
+    ([((0,), (4,)), ((3,), (4,))], True),
+    ([((0, 0), (4, 3)), ((0, 3), (4, 3)), ((4, 0), (3, 3)), ((4, 3), (3, 3))], False),
+    ([((0, 0), (4, 3)), ((0, 3), (4, 3)), ((4, 0), (3, 3)), ((3, 5), (3, 1))], True),
+    ([((), ()), ((), ())], True),
+    ([((0, 0), (2, 10)), ((0, 10), (2, 10)), ((0, 5), (2, 1))], True),
+])
+def test_find_overlapping_boxes(boxes, overlapping):
+    assert (find_overlapping_boxes(boxes) is not None) == overlapping
+
+
+def test_find_overlapping_boxes_scales_to_many_chunks():
+    rows = [((4 * index, 0), (4, 8)) for index in range(20_000)]
+    columns = [((0, 4 * index), (8, 4)) for index in range(20_000)]
+    grid = [((8 * i, 8 * j), (8, 8)) for i in range(64) for j in range(64)]
+    start = time.perf_counter()
+    for boxes in (rows, columns, grid):
+        assert find_overlapping_boxes(boxes) is None
+    assert find_overlapping_boxes(rows + [((10, 2), (1, 1))]) is not None
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("name", ["fsdp2_adamw_3ranks", "objects_2ranks", "zstd_fsdp2_2ranks"])
+def test_compress_and_decompress_outputs_verify_with_their_sha256sums(name, tmp_path):
+    """The SHA256SUMS that compress/decompress write as they write check out, and a bit
+    flipped afterwards is caught by both the checksum and the CRC."""
+    from dcpctl.format.codecs.registry import IDENTITY, zstd_codec
+    from dcpctl.ops.transcode import transcode_checkpoint
+
+    for codec in (zstd_codec(), IDENTITY):
+        output = tmp_path / codec.name
+        transcode_checkpoint(fixture_path(name), codec, str(output))
+        report = verify_checkpoint(output)
+        assert report.status == "ok", report.problems
+        assert report.checksummed_files == len(report_files(output))
+    file_name, offset = tensor_data_offset(output, "model.embed.weight" if "fsdp2" in name
+                                           else "weights.dense")
+    flip_bit(output / file_name, offset)
+    assert rules(verify_checkpoint(output)) == {"checksum-mismatch", "crc-mismatch"}
+
+
+def test_progress_reports_every_byte_read(copy_fixture):
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    checksum_checkpoint(checkpoint)
+    calls = []
+    report = verify_checkpoint(checkpoint, threads=2,
+                               on_progress=lambda done, total: calls.append((done, total)))
+    assert sum(done for done, _ in calls) == report.bytes_read == sum(
+        path.stat().st_size for path in report_files(checkpoint))
+    assert {total for _, total in calls} == {report.bytes_read}
+
+
+def _first_key(metadata, fqn):
+    return next(key for key in metadata.storage_data if key.fqn == fqn)
+
+
+def _unknown_transform(metadata):
+    metadata.storage_data[_first_key(metadata, "grid")].transform_descriptors = ["stream.lz4/1"]
+
+
+def _overlapping_items(metadata):
+    metadata.storage_data[_first_key(metadata, "table")].offset -= 100
+
+
+def _storage_under_another_key(metadata):
+    key = _first_key(metadata, "bias")
+    metadata.storage_data[MetadataIndex("bias", torch.Size([1]), key.index)] = \
+        metadata.storage_data.pop(key)
+
+
+def _short_length(metadata):
+    metadata.storage_data[_first_key(metadata, "grid")].length = 40
+
+
+@pytest.mark.parametrize("edit, expected_rules", [
+    (_unknown_transform, {"unsupported-transform"}),
+    (_overlapping_items, {"item-overlap", "archive"}),
+    (_storage_under_another_key, {"no-storage", "orphan-storage"}),
+    (_short_length, {"stored-length", "archive"}),
+])
+def test_metadata_edits_each_break_a_named_rule(edit, expected_rules, copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    edit_metadata(checkpoint, edit)
+    report = verify_checkpoint(checkpoint)
+    assert rules(report) == expected_rules, report.problems
+    assert all(problem.fqns for problem in report.problems)

@@ -1,0 +1,52 @@
+"""Outputs written under a temporary sibling and renamed into place."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcpctl.errors import OutputError
+from dcpctl.storage.staging import StagedOutput
+
+
+def test_a_directory_appears_only_when_published(tmp_path):
+    staged = StagedOutput(tmp_path / "out", overwrite=False)
+    (staged.path / "data").write_text("new")
+    assert not (tmp_path / "out").exists()
+    staged.publish()
+    assert (tmp_path / "out" / "data").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_an_existing_directory_is_replaced_only_with_overwrite(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old").write_text("old")
+    with pytest.raises(OutputError, match="not empty.*--overwrite"):
+        StagedOutput(tmp_path / "out", overwrite=False)
+    staged = StagedOutput(tmp_path / "out", overwrite=True)
+    (staged.path / "new").write_text("new")
+    staged.publish()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["new"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_file_output(tmp_path):
+    target = tmp_path / "model.pt"
+    staged = StagedOutput(target, overwrite=False, is_directory=False)
+    staged.path.write_bytes(b"one")
+    staged.publish()
+    with pytest.raises(OutputError, match="exists.*--overwrite"):
+        StagedOutput(target, overwrite=False, is_directory=False)
+    staged = StagedOutput(target, overwrite=True, is_directory=False)
+    staged.path.write_bytes(b"two")
+    staged.abort()
+    assert target.read_bytes() == b"one"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    with pytest.raises(OutputError, match="is a directory"):
+        StagedOutput(tmp_path, overwrite=True, is_directory=False)
+
+
+def test_abort_removes_the_unfinished_directory(tmp_path):
+    staged = StagedOutput(tmp_path / "out", overwrite=False)
+    (staged.path / "half").write_text("x")
+    staged.abort()
+    assert list(tmp_path.iterdir()) == []
