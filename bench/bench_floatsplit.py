@@ -29,14 +29,15 @@ from pathlib import Path
 import numpy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO_ROOT, dcpctl_command, directory_bytes, drop_directory, measure, \
-    print_table, warm_page_cache  # noqa: E402
+from harness import (REPO_ROOT, dcpctl_command, directory_bytes, drop_directory,  # noqa: E402
+                     measure, print_table, warm_page_cache)
 from real_checkpoint import ENCODER, ONE_GB_UNITS, WHISPER, real_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT))
-from dcpctl.format.codecs.registry import (PayloadHint, floatsplit_codec, iter_decoded,  # noqa: E402
-                                  zstd_codec)
-from dcpctl.format.codecs.floatsplit.encoder import find_payload_start  # noqa: E402
+from dcpctl.format.codecs.base import PayloadHint, iter_decoded  # noqa: E402
+from dcpctl.format.codecs.registry import floatsplit_codec  # noqa: E402
+from dcpctl.format.codecs.registry import zstd_codec
+from dcpctl.format.torch_save.layout import find_payload_start  # noqa: E402
 
 PIECE_BYTES = 4 << 20
 # (exponent bits, sign and mantissa bits) per dtype

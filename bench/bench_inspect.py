@@ -37,8 +37,8 @@ def build_checkpoint(directory: Path, tensor_count: int, ranks: int) -> None:
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta,
-                                                       TensorProperties, TensorStorageMetadata)
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
 
     state, storage, planner = {}, {}, {}
     offsets = [0] * ranks

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from dcpctl.version import __version__
+
+__all__ = ["__version__", "storage_reader"]
 
 
 def storage_reader(path):

@@ -5,7 +5,7 @@ import gc
 
 
 @contextlib.contextmanager
-def paused_garbage_collection():
+def paused_cycle_collector():
     """Building millions of small objects triggers the cycle collector over and over, tripling
     the time; nothing built here forms cycles, so hold it off until done."""
     was_enabled = gc.isenabled()

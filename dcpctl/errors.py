@@ -1,4 +1,14 @@
-"""The one exception hierarchy of dcpctl: every failure a user can cause or meet is one of these."""
+"""The one exception hierarchy of dcpctl: every failure a user can cause or meet is one of these.
+
+An error carries where it happened as fields (`path`, `fqn`, `start`, `end`), apart from what
+went wrong (`message`): code that reports it (verify's problems, say) reads the fields, and
+`str()` joins them into the one line a user sees, `<path>: item '<fqn>' at bytes a..b: <what>`
+(or `<path>: bytes a..b: <what>` where no item is known).
+"""
+
+from __future__ import annotations
+
+import os
 
 
 def describe_os_error(error: OSError) -> str:
@@ -8,9 +18,47 @@ def describe_os_error(error: OSError) -> str:
 
 
 class DcpctlError(Exception):
-    """A failure to report as one line, `Error: <message>`, with exit status 1."""
+    """A failure to report as one line, `Error: <str(error)>`, with exit status `exit_code`."""
 
     exit_code = 1
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None,
+                 fqn: str | None = None, start: int | None = None,
+                 end: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = None if path is None else os.fspath(path)
+        self.fqn = fqn
+        self.start = start
+        self.end = end
+
+    def located(self, *, path: str | os.PathLike | None = None, fqn: str | None = None,
+                start: int | None = None, end: int | None = None) -> DcpctlError:
+        """This error, with the place filled in where it does not say yet (an error raised deep
+        down learns its file and item on the way up)."""
+        if self.path is None and path is not None:
+            self.path = os.fspath(path)
+        if self.fqn is None and fqn is not None:
+            self.fqn = fqn
+            if self.start is None:
+                self.start, self.end = start, end
+        return self
+
+    def __str__(self) -> str:
+        parts = [self.path] if self.path else []
+        span = f"bytes {self.start}..{self.end}" if self.start is not None else None
+        if self.fqn is not None:
+            parts.append(f"item {self.fqn!r}" + (f" at {span}" if span else ""))
+        elif span:
+            parts.append(span)
+        return ": ".join([*parts, self.message])
+
+
+class InvalidOptionError(DcpctlError):
+    """A value given to dcpctl that can never work (a codec it does not know, a zstd level or
+    rank count out of range): a usage error, exit status 2."""
+
+    exit_code = 2
 
 
 class CheckpointNotFoundError(DcpctlError):

@@ -61,18 +61,29 @@ def directory_state(path: Path) -> dict[str, str]:
 
 def assert_plain_items_equal_decoded(original_dir: Path, restored_dir: Path) -> None:
     """Every item of restored_dir is stored plain and equals the decoded item of original_dir."""
+    from dcpctl.format.checkpoint.items import read_item
     from dcpctl.format.checkpoint.view import open_checkpoint
-    from dcpctl.format.checkpoint.items import locate_item, read_item
 
     original = open_checkpoint(original_dir)
     restored = open_checkpoint(restored_dir)
-    tensor_fqns = {tensor.fqn for tensor in original.tensors}
-    for key, info in original.metadata.storage_data.items():
+    for key, location in item_locations(original).items():
         mine = restored.metadata.storage_data[key]
         assert mine.transform_descriptors is None
         restored_bytes = (restored_dir / mine.relative_path).read_bytes()
-        decoded_original = read_item(locate_item(original, key.fqn, info, key.fqn in tensor_fqns))
-        assert restored_bytes[mine.offset:mine.offset + mine.length] == decoded_original
+        assert restored_bytes[mine.offset:mine.offset + mine.length] == read_item(location)
+
+
+def item_locations(checkpoint) -> dict:
+    """MetadataIndex -> ItemLocation of every chunk and object of an opened checkpoint."""
+    from dcpctl.format.checkpoint.items import locate_chunk, locate_object
+    from dcpctl.format.metadata.records import MetadataIndex
+
+    locations = {MetadataIndex(tensor.fqn, tuple(chunk.offsets)):
+                 locate_chunk(checkpoint, tensor, chunk)
+                 for tensor in checkpoint.tensors for chunk in tensor.chunks}
+    locations.update((MetadataIndex(entry.fqn), locate_object(checkpoint, entry))
+                     for entry in checkpoint.objects)
+    return locations
 
 
 @pytest.fixture

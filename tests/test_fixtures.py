@@ -7,8 +7,8 @@ import struct
 
 import pytest
 import torch
-from conftest import FIXTURE_NAMES, FIXTURES_DIR, MANIFEST, TORCH_LOADABLE_FIXTURES, \
-    fixture_path, load_with_torch, torch_metadata
+from conftest import (FIXTURE_NAMES, FIXTURES_DIR, MANIFEST, TORCH_LOADABLE_FIXTURES, fixture_path,
+                      load_with_torch, torch_metadata)
 from make_fixtures import FIXTURES, tensor_sha256
 
 

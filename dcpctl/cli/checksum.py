@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.options import threads_option
+from dcpctl.cli.options import checkpoint_argument, json_option, threads_option
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import echo_json, format_bytes
-from dcpctl.ops.checksum import checksum_checkpoint
+from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.ops.checksum import ChecksumReport, checksum_checkpoint
 
 
 @click.command("checksum")
-@click.argument("checkpoint", type=click.Path(file_okay=True, dir_okay=True))
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document.")
+@checkpoint_argument()
+@json_option
 @threads_option
 def checksum_command(checkpoint: str, as_json: bool, threads: int | None) -> None:
     """Write CHECKPOINT/SHA256SUMS covering `.metadata` and every data file.
@@ -28,8 +28,10 @@ def checksum_command(checkpoint: str, as_json: bool, threads: int | None) -> Non
     """
     with byte_progress("checksum") as progress:
         report = checksum_checkpoint(checkpoint, threads, progress)
-    if as_json:
-        echo_json(report.to_json())
-        return
-    click.echo(f"wrote {report.sums_path}: {len(report.digests)} files, "
-               f"{format_bytes(report.hashed_bytes)}")
+    print_report(report, as_json, render_checksum_report)
+
+
+def render_checksum_report(report: ChecksumReport) -> str:
+    """Where SHA256SUMS went and what it covers, for people."""
+    return (f"wrote {report.sums_path}: {len(report.digests)} files, "
+            f"{format_bytes(report.hashed_bytes)}")

@@ -4,41 +4,37 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.options import threads_option
+from dcpctl.cli.options import (checkpoint_argument, dry_run_option, json_option, output_option,
+                                overwrite_option, threads_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import echo_json, format_bytes
-from dcpctl.format.codecs.names import ZSTD
-from dcpctl.format.codecs.registry import CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY, codec_by_name
-from dcpctl.ops.transcode import TranscodeReport, transcode_checkpoint
+from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL,
+                                  MIN_ZSTD_LEVEL, ZSTD, TranscodeReport, compress_checkpoint,
+                                  decompress_checkpoint)
 
-_checkpoint_argument = click.argument("checkpoint", type=click.Path(exists=False))
-_output_option = click.option(
-    "-o", "--output", type=click.Path(), default=None,
+_output_option = output_option(
+    required=False,
     help="Write the result to this directory instead of rewriting CHECKPOINT in place. It must "
          "not exist or be empty, unless --overwrite.")
-_dry_run_option = click.option("--dry-run", is_flag=True,
-                               help="Report what would change and write nothing.")
-_json_option = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-_overwrite_option = click.option("--overwrite", is_flag=True,
-                                 help="Replace a non-empty --output directory.")
 
 
 @click.command("compress")
-@_checkpoint_argument
+@checkpoint_argument()
 @_output_option
-@click.option("--codec", "codec_name", type=click.Choice(CODEC_NAMES), default=ZSTD,
+@click.option("--codec", "codec_name", type=click.Choice(COMPRESSING_CODEC_NAMES), default=ZSTD,
               show_default=True,
               help="zstd: torch's own `stream.zstd/1`, loads with stock torch. floatsplit: "
                    "dcpctl's `dcpctl.floatsplit/1`, smaller on float weights; loads through "
                    "dcpctl.storage_reader.")
-@click.option("--level", type=click.IntRange(1, 22), default=None,
-              help=f"zstd level, 1-22 (default {DEFAULT_ZSTD_LEVEL}); for floatsplit, the level "
-                   "of its plain zstd parts. Given explicitly, items already in the chosen "
-                   "codec are re-compressed; otherwise they are copied as they are.")
+@click.option("--level", type=click.IntRange(MIN_ZSTD_LEVEL, MAX_ZSTD_LEVEL), default=None,
+              help=f"zstd level, {MIN_ZSTD_LEVEL}-{MAX_ZSTD_LEVEL} (default "
+                   f"{DEFAULT_ZSTD_LEVEL}); for floatsplit, the level of its plain zstd parts. "
+                   "Given explicitly, items already in the chosen codec are re-compressed; "
+                   "otherwise they are copied as they are.")
 @threads_option
-@_dry_run_option
-@_overwrite_option
-@_json_option
+@dry_run_option
+@overwrite_option
+@json_option
 def compress_command(checkpoint: str, output: str | None, codec_name: str, level: int | None,
                      threads: int | None, dry_run: bool, overwrite: bool, as_json: bool) -> None:
     """Compress every item of CHECKPOINT with zstd (torch's own `stream.zstd/1` transform) or
@@ -64,21 +60,19 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
       dcpctl compress ckpt/ --codec floatsplit   # smallest; load with dcpctl.storage_reader
       dcpctl compress ckpt/ --dry-run --json
     """
-    codec = codec_by_name(codec_name, level or DEFAULT_ZSTD_LEVEL)
     with byte_progress("compress") as progress:
-        report = transcode_checkpoint(checkpoint, codec, output, recode_same_codec=level is not None,
-                                      threads=threads, dry_run=dry_run, overwrite=overwrite,
-                                      on_progress=progress)
-    render_transcode_report(report, as_json)
+        report = compress_checkpoint(checkpoint, codec_name, level, output, threads=threads,
+                                     dry_run=dry_run, overwrite=overwrite, on_progress=progress)
+    print_report(report, as_json, render_transcode_report)
 
 
 @click.command("decompress")
-@_checkpoint_argument
+@checkpoint_argument()
 @_output_option
 @threads_option
-@_dry_run_option
-@_overwrite_option
-@_json_option
+@dry_run_option
+@overwrite_option
+@json_option
 def decompress_command(checkpoint: str, output: str | None, threads: int | None,
                        dry_run: bool, overwrite: bool, as_json: bool) -> None:
     """Store every item of CHECKPOINT uncompressed, byte for byte as torch saved it.
@@ -93,27 +87,25 @@ def decompress_command(checkpoint: str, output: str | None, threads: int | None,
       dcpctl decompress ckpt/ -o plain/ --threads 8
     """
     with byte_progress("decompress") as progress:
-        report = transcode_checkpoint(checkpoint, IDENTITY, output, threads=threads,
-                                      dry_run=dry_run, overwrite=overwrite, on_progress=progress)
-    render_transcode_report(report, as_json)
+        report = decompress_checkpoint(checkpoint, output, threads=threads, dry_run=dry_run,
+                                       overwrite=overwrite, on_progress=progress)
+    print_report(report, as_json, render_transcode_report)
 
 
-def render_transcode_report(report: TranscodeReport, as_json: bool) -> None:
-    """Print what a compress or decompress did."""
-    if as_json:
-        echo_json(report.to_json())
-        return
+def render_transcode_report(report: TranscodeReport) -> str:
+    """What a compress or decompress did, for people."""
     where = "in place" if report.in_place else f"into {report.output}"
     verb = "would rewrite" if report.dry_run else "rewrote"
-    click.echo(f"{report.source}: {verb} {report.items} items {where} as {report.codec}"
-               + (f" level {report.level}" if report.level else "")
-               + f" ({report.items_transcoded} re-encoded, {report.items_copied} copied)")
+    lines = [f"{report.source}: {verb} {report.items} items {where} as {report.codec}"
+             + (f" level {report.level}" if report.level else "")
+             + f" ({report.items_transcoded} re-encoded, {report.items_copied} copied)"]
     if report.dry_run:
-        click.echo(f"stored now: {format_bytes(report.stored_bytes_before)}")
-        return
+        return "\n".join(lines + [f"stored now: {format_bytes(report.stored_bytes_before)}"])
     rate = report.stored_bytes_before / report.seconds if report.seconds else 0
-    click.echo(f"stored: {format_bytes(report.stored_bytes_before)} -> "
-               f"{format_bytes(report.stored_bytes_after)} (ratio {report.ratio:.3f}) in "
-               f"{report.seconds:.1f} s, {format_bytes(int(rate))}/s on {report.threads} threads")
-    for name in report.removed_stale_files:
-        click.echo(f"removed {name}, left by an earlier interrupted run")
+    lines.append(f"stored: {format_bytes(report.stored_bytes_before)} -> "
+                 f"{format_bytes(report.stored_bytes_after)} (ratio {report.ratio:.3f}) in "
+                 f"{report.seconds:.1f} s, {format_bytes(int(rate))}/s on {report.threads} "
+                 "threads")
+    lines += [f"removed {name}, left by an earlier interrupted run"
+              for name in report.removed_stale_files]
+    return "\n".join(lines)

@@ -7,23 +7,17 @@ import re
 import click
 from click.core import ParameterSource
 
-from dcpctl.cli.options import threads_option
+from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
+                                threads_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import echo_json, format_bytes, format_table
-from dcpctl.format.dtypes import dtype_by_name
-from dcpctl.format.safetensors import DEFAULT_MAX_SHARD_BYTES
+from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.ops.convert.report import ConvertReport
-from dcpctl.ops.convert.key_selection import MODEL_PREFIX, KeySelection, Rename
+from dcpctl.ops.convert.targets import (CAST_DTYPE_NAMES, DEFAULT_MAX_SHARD_BYTES, MODEL_PREFIX,
+                                        TARGET_OPTIONS, Rename, convert_checkpoint)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, **{f"{unit}b": 1000 ** power for power, unit in enumerate("kmgt", 1)},
                **{f"{unit}ib": 1024 ** power for power, unit in enumerate("kmgt", 1)}}
-# The options each target takes; any other option given explicitly is a usage error.
-_TARGET_OPTIONS = {
-    "safetensors": {"max_shard_size", "dtype", "include", "exclude", "strip_prefix", "renames"},
-    "torch": {"dtype", "include", "exclude"},
-    "dcp": {"ranks", "prefix"},
-}
 
 
 def parse_byte_size(text: str) -> int:
@@ -67,17 +61,17 @@ class RenameRule(click.ParamType):
 
 
 @click.command("convert")
-@click.argument("source", type=click.Path())
-@click.option("--to", "target", type=click.Choice(sorted(_TARGET_OPTIONS)), required=True,
+@checkpoint_argument("source")
+@click.option("--to", "target", type=click.Choice(sorted(TARGET_OPTIONS)), required=True,
               help="The output format.")
-@click.option("-o", "--output", type=click.Path(), required=True,
-              help="Output directory (safetensors, dcp) or file (torch). It must not exist or "
-                   "be empty, unless --overwrite.")
-@click.option("--max-shard-size", type=ByteSize(), default=DEFAULT_MAX_SHARD_BYTES,
+@output_option(required=True, help="Output directory (safetensors, dcp) or file (torch). It "
+                                   "must not exist or be empty, unless --overwrite.")
+@click.option("--max-shard-size", "max_shard_bytes", type=ByteSize(),
+              default=DEFAULT_MAX_SHARD_BYTES,
               show_default="5GB",
               help="safetensors: most tensor bytes per file (5GB is 5*10^9 bytes, 5GiB 5*2^30); "
                    "a tensor larger than this gets a file of its own.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+@click.option("--dtype", type=click.Choice(CAST_DTYPE_NAMES), default=None,
               help="safetensors, torch: cast floating-point tensors to this dtype (integer and "
                    "bool tensors keep theirs).")
 @click.option("--include", multiple=True, metavar="GLOB",
@@ -99,8 +93,8 @@ class RenameRule(click.ParamType):
                    "world size would (dim 0 split like torch.chunk), one file per rank.")
 @click.option("--prefix", default="", help="dcp: nest every key under this one, e.g. `model.`.")
 @threads_option
-@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@overwrite_option
+@json_option
 @click.pass_context
 def convert_command(context: click.Context, source: str, target: str, output: str,
                     as_json: bool, **options) -> None:
@@ -136,37 +130,15 @@ def convert_command(context: click.Context, source: str, target: str, output: st
     """
     _refuse_foreign_options(context, target)
     with byte_progress("convert") as progress:
-        report = _run(source, target, output, options, progress)
-    if as_json:
-        echo_json(report.to_json())
-    else:
-        click.echo(render_convert_report(report))
+        report = convert_checkpoint(source, target, output, on_progress=progress, **options)
+    print_report(report, as_json, render_convert_report)
 
 
 def _refuse_foreign_options(context: click.Context, target: str) -> None:
-    for name in set().union(*_TARGET_OPTIONS.values()) - _TARGET_OPTIONS[target]:
+    for name in set().union(*TARGET_OPTIONS.values()) - TARGET_OPTIONS[target]:
         if context.get_parameter_source(name) != ParameterSource.DEFAULT:
             option = next(p.opts[0] for p in context.command.params if p.name == name)
             raise click.UsageError(f"{option} does not apply to --to {target}", context)
-
-
-def _run(source: str, target: str, output: str, options: dict, progress) -> ConvertReport:
-    common = {"threads": options["threads"], "overwrite": options["overwrite"],
-              "on_progress": progress}
-    if target == "dcp":
-        from dcpctl.ops.convert.to_dcp import convert_to_dcp
-        return convert_to_dcp(source, output, options["ranks"], options["prefix"], **common)
-    cast_to = dtype_by_name(options["dtype"]) if options["dtype"] else None
-    include = options["include"] or None
-    if target == "torch":
-        from dcpctl.ops.convert.to_torch_save import convert_to_torch_save
-        selection = KeySelection(include or ("*",), options["exclude"])
-        return convert_to_torch_save(source, output, selection, cast_to, **common)
-    from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
-    selection = KeySelection(include, options["exclude"], options["strip_prefix"],
-                             tuple(options["renames"]))
-    return convert_to_safetensors(source, output, selection, cast_to,
-                                  options["max_shard_size"], **common)
 
 
 def render_convert_report(report: ConvertReport) -> str:

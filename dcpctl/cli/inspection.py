@@ -6,15 +6,16 @@ from functools import lru_cache
 
 import click
 
+from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.process import end_process_without_teardown
-from dcpctl.cli.render import echo_json_text, format_bytes, format_table
-from dcpctl.cycle_collector import paused_garbage_collection
+from dcpctl.cli.render import format_bytes, format_table, print_report
+from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.ops.inspection.report import InspectReport, inspect_checkpoint
 
 
 @click.command("inspect")
-@click.argument("checkpoint", type=click.Path(file_okay=True, dir_okay=True))
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of tables.")
+@checkpoint_argument()
+@json_option
 @click.option("--filter", "fqn_glob", metavar="GLOB",
               help="Only tensors and objects whose fqn matches GLOB, e.g. 'model.*.weight'.")
 @click.option("--by-file", is_flag=True, help="List the data files instead of the tensors.")
@@ -39,20 +40,12 @@ def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
     # The report is millions of small objects: the cycle collector is held off until they are
     # freed (collecting them would find no cycle), and the dcpctl process ends before freeing
     # them at all.
-    with paused_garbage_collection():
+    with paused_cycle_collector():
         report = inspect_checkpoint(checkpoint, fqn_glob)
-        _show_report(report, as_json, by_file)
+        print_report(report, as_json, lambda report: "\n\n".join(
+            [render_summary(report), render_files(report) if by_file else render_tensors(report)]))
         end_process_without_teardown(context)
         del report
-
-
-def _show_report(report: InspectReport, as_json: bool, by_file: bool) -> None:
-    if as_json:
-        echo_json_text(report.to_json_text())
-        return
-    click.echo(render_summary(report))
-    click.echo()
-    click.echo(render_files(report) if by_file else render_tensors(report))
 
 
 def _ratio(numerator: int, denominator: int) -> str:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.render import echo_json, format_age, format_bytes, format_table
+from dcpctl.cli.options import checkpoint_argument, json_option
+from dcpctl.cli.render import format_age, format_bytes, format_table, print_report
 from dcpctl.ops.runs.listing import CheckpointEntry, IgnoredEntry, ListReport, list_run_directory
 
 CHECKPOINT_HEADERS = ("STEP", "CHECKPOINT", "STATE", "SIZE", "AGE")
 
 
 @click.command("ls")
-@click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of a table.")
+@checkpoint_argument("run_dir")
+@json_option
 def ls_command(run_dir: str, as_json: bool) -> None:
     """List the checkpoint directories directly under RUN_DIR, sorted by step.
 
@@ -32,11 +33,7 @@ def ls_command(run_dir: str, as_json: bool) -> None:
       dcpctl ls runs/exp1/
       dcpctl ls runs/exp1/ --json | jq -r '.checkpoints[] | select(.complete) | .path'
     """
-    report = list_run_directory(run_dir)
-    if as_json:
-        echo_json(report.to_json())
-        return
-    click.echo(render_listing(report))
+    print_report(list_run_directory(run_dir), as_json, render_listing)
 
 
 def checkpoint_cells(entry: CheckpointEntry) -> list[str]:

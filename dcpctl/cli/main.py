@@ -7,11 +7,11 @@ import sys
 
 import click
 
-from dcpctl import __version__
 from dcpctl.allocator import reuse_large_buffers
 from dcpctl.cli.process import RUNS_AS_PROCESS
+from dcpctl.cli.render import escape_control_characters
 from dcpctl.errors import DcpctlError, describe_os_error
-
+from dcpctl.version import __version__
 
 # Each command's module is imported only when that command runs (or help lists it): `inspect`
 # should not pay for the numpy, zstandard and tqdm that other commands import.
@@ -60,7 +60,7 @@ class DcpctlGroup(click.Group):
     def _fail(context: click.Context, message: str, exit_code: int):
         if context.obj and context.obj.get("debug"):
             raise
-        click.echo(f"Error: {message}", err=True)
+        click.echo(f"Error: {escape_control_characters(message)}", err=True)
         sys.exit(exit_code)
 
 

@@ -1,4 +1,9 @@
-"""Generate man/dcpctl.1 from the click commands: `python -m dcpctl.cli.manpage > man/dcpctl.1`."""
+"""Generate man/dcpctl.1 from the click commands: `python -m dcpctl.cli.manpage > man/dcpctl.1`.
+
+The page is built from each command's own parameters (names, metavar, help, default), not from
+click's help formatting, so the same commands give the same page whatever click release is
+installed.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,8 @@ import inspect
 
 import click
 
-from dcpctl import __version__
 from dcpctl.cli.main import cli
+from dcpctl.version import __version__
 
 
 def _escape(text: str) -> str:
@@ -27,15 +32,49 @@ def _paragraphs(help_text: str) -> list[str]:
     return out
 
 
-def _options_section(command: click.Command, context: click.Context) -> list[str]:
+def _metavar(option: click.Option) -> str:
+    """What follows an option's names: its metavar, its choices, or its type's name."""
+    if option.is_flag:
+        return ""
+    if option.metavar:
+        return option.metavar
+    if isinstance(option.type, click.Choice):
+        return "[" + "|".join(map(str, option.type.choices)) + "]"
+    return option.type.name.upper()
+
+
+def _option_help(option: click.Option) -> str:
+    """The option's help, then its default and whether it is required."""
+    parts = [option.help or ""]
+    if isinstance(option.type, click.IntRange):
+        low, high = option.type.min, option.type.max
+        parts.append(f"[{low}<=x<={high}]" if low is not None and high is not None
+                     else f"[x>={low}]" if low is not None else f"[x<={high}]")
+    if isinstance(option.show_default, str):
+        parts.append(f"[default: {option.show_default}]")
+    elif option.show_default and option.default is not None and not option.is_flag:
+        parts.append(f"[default: {option.default}]")
+    if option.required:
+        parts.append("[required]")
+    return " ".join(part for part in parts if part)
+
+
+def _options_section(command: click.Command) -> list[str]:
     lines = []
-    for parameter in command.get_params(context):
-        record = parameter.get_help_record(context)
-        if record is None:
+    for parameter in command.params:
+        if not isinstance(parameter, click.Option) or parameter.hidden:
             continue
-        names, help_text = record
-        lines += [".TP", f"\\fB{_escape(names)}\\fR", _escape(help_text)]
-    return lines
+        names = ", ".join([*parameter.opts, *parameter.secondary_opts])
+        metavar = _metavar(parameter)
+        lines += [".TP", f"\\fB{_escape(names)}\\fR" + (f" {_escape(metavar)}" if metavar else ""),
+                  _escape(_option_help(parameter))]
+    return lines + [".TP", "\\fB\\-h, \\-\\-help\\fR", "Show the help and exit."]
+
+
+def _usage(name: str, command: click.Command) -> str:
+    arguments = [parameter.human_readable_name.upper() for parameter in command.params
+                 if isinstance(parameter, click.Argument)]
+    return " ".join(["dcpctl", name, "[OPTIONS]", *arguments])
 
 
 def render_manpage() -> str:
@@ -51,17 +90,13 @@ def render_manpage() -> str:
     ]
     for paragraph in _paragraphs(cli.help or ""):
         lines += [".PP", paragraph]
-    lines += [".SH OPTIONS", *_options_section(cli, root_context), ".SH COMMANDS"]
+    lines += [".SH OPTIONS", *_options_section(cli), ".SH COMMANDS"]
     for name in cli.list_commands(root_context):
         command = cli.get_command(root_context, name)
-        context = click.Context(command, info_name=name, parent=root_context)
-        usage = " ".join(command.collect_usage_pieces(context))
-        lines += [".SS " + _escape(f"dcpctl {name} {usage}")]
+        lines += [".SS " + _escape(_usage(name, command))]
         for paragraph in _paragraphs(command.help or ""):
             lines += [".PP", paragraph]
-        options = _options_section(command, context)
-        if options:
-            lines += [".PP", "Options:", *options]
+        lines += [".PP", "Options:", *_options_section(command)]
     lines += [".SH EXIT STATUS", "0 on success; 1 when an operation fails (or, for verify, "
               "finds damage); 2 for usage errors.", ".SH SEE ALSO", "README.md in the dcpctl "
               "source tree."]

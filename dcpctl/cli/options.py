@@ -1,10 +1,27 @@
-"""Options that several commands share."""
+"""The arguments and options several commands share, declared once."""
 
 from __future__ import annotations
 
 import click
 
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="Print the report as one JSON document instead of text.")
 threads_option = click.option(
     "--threads", type=click.IntRange(min=1), default=None,
     help="Threads doing the work, each reading, coding, writing and hashing whole items; 1 "
          "runs everything in one thread (default: the cores this process may use).")
+overwrite_option = click.option("--overwrite", is_flag=True,
+                                help="Replace an output that exists and is not empty.")
+dry_run_option = click.option("--dry-run", is_flag=True,
+                              help="Report what would be done; change and write nothing.")
+
+
+def checkpoint_argument(name: str = "checkpoint"):
+    """A checkpoint (or run directory, or conversion source) given as a path."""
+    return click.argument(name, type=click.Path())
+
+
+def output_option(required: bool, help: str):
+    """-o/--output PATH."""
+    return click.option("-o", "--output", type=click.Path(), required=required, default=None,
+                        help=help)

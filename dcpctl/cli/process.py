@@ -17,6 +17,6 @@ def end_process_without_teardown(context: click.Context) -> None:
     objects one by one at shutdown can take longer than the command's own work."""
     if not (context.find_root().obj or {}).get(RUNS_AS_PROCESS):
         return
-    for stream in (click.get_text_stream("stdout"), sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)

@@ -7,7 +7,8 @@ import re
 import click
 
 from dcpctl.cli.ls import CHECKPOINT_HEADERS, checkpoint_cells, render_ignored
-from dcpctl.cli.render import echo_json, format_bytes, format_table
+from dcpctl.cli.options import checkpoint_argument, dry_run_option, json_option
+from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.errors import PartialFailureError
 from dcpctl.ops.runs.prune import DELETED, FAILED, PruneReport, RetentionRules, prune_run_directory
 
@@ -38,7 +39,7 @@ class DurationType(click.ParamType):
 
 
 @click.command("prune")
-@click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
+@checkpoint_argument("run_dir")
 @click.option("--keep-last", metavar="N", type=click.IntRange(min=1), required=True,
               help="Keep the N complete checkpoints with the highest steps.")
 @click.option("--keep-every", "keep_every_steps", metavar="STEPS", type=click.IntRange(min=1),
@@ -52,8 +53,8 @@ class DurationType(click.ParamType):
 @click.option("--incomplete-older-than", metavar="DURATION", type=DurationType(),
               help="Delete incomplete checkpoints (no .metadata) unchanged for longer than "
                    "DURATION. Without it incomplete ones are never deleted.")
-@click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing, write nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of a table.")
+@dry_run_option
+@json_option
 def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
                   keep_globs: tuple[str, ...], older_than: int | None,
                   incomplete_older_than: int | None, dry_run: bool, as_json: bool) -> None:
@@ -94,10 +95,7 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     rules = RetentionRules(keep_last, keep_every_steps, keep_globs, older_than,
                            incomplete_older_than)
     report = prune_run_directory(run_dir, rules, dry_run)
-    if as_json:
-        echo_json(report.to_json())
-    else:
-        click.echo(render_prune(report))
+    print_report(report, as_json, render_prune)
     failed = report.with_status(FAILED)
     if failed:
         raise PartialFailureError(f"{run_dir}: {len(failed)} of {len(report.to_delete)} "

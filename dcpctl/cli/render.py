@@ -1,13 +1,28 @@
-"""Turning reports into text for people: sizes, tables, JSON."""
+"""Turning reports into text for people and JSON for scripts: the one way commands print.
+
+Names in a report come from a checkpoint or a directory that a stranger may have made, and a
+name can hold terminal control sequences (`\\x1b[31m`...). Text for people has every control
+character escaped, so what a checkpoint holds can never rewrite the screen; JSON escapes them
+by its own rules.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
-
-import click
+import sys
+from typing import Any, Callable, Sequence
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+# C0 and C1 control characters, DEL, and the lone surrogates that stand for undecodable bytes
+# in file names: each shown as \\xNN.
+_ESCAPES = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({code: f"\\x{code - 0xDC00:02x}" for code in range(0xDC80, 0xDD00)})
+_ESCAPES_KEEPING_LINES = {code: text for code, text in _ESCAPES.items() if code != ord("\n")}
+
+
+def escape_control_characters(text: str, keep_newlines: bool = False) -> str:
+    """text with every control character written as an escape, `\\x1b` for ESC."""
+    return text.translate(_ESCAPES_KEEPING_LINES if keep_newlines else _ESCAPES)
 
 
 def format_bytes(size_bytes: int | None) -> str:
@@ -32,8 +47,9 @@ def format_age(seconds: float) -> str:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                  right_aligned: Sequence[int] = ()) -> str:
-    """A plain text table with columns padded to their widest cell."""
-    columns = [[header, *map(str, column)]
+    """A plain text table with columns padded to their widest cell, control characters in
+    cells escaped first (so that columns stay aligned)."""
+    columns = [[header, *map(escape_control_characters, map(str, column))]
                for header, column in zip(headers, zip(*rows) if rows else [()] * len(headers))]
     widths = [max(map(len, column)) for column in columns]
     # One %-format pads a whole row (`%-12s` as ljust(12), `%12s` as rjust(12)): tables of a
@@ -43,16 +59,17 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
     return "\n".join(map(str.rstrip, map(row_format.__mod__, zip(*columns))))
 
 
-def echo_json(payload: Any) -> None:
-    """Print a JSON document on stdout, compact (pipe it to `jq` to read it)."""
-    # json.dumps encodes in C; json.dump to a stream takes the pure-Python path, 5x slower.
-    echo_json_text(json.dumps(payload, separators=(",", ":"), default=str))
-
-
-def echo_json_text(text: str) -> None:
-    """Print an already encoded JSON document on stdout."""
-    stdout = click.get_text_stream("stdout")
-    stdout.write(text)
-    stdout.write("\n")
-    stdout.flush()
-
+def print_report(report: Any, as_json: bool, render_text: Callable[[Any], str]) -> None:
+    """Print a command's report on stdout: one compact JSON document (the report's own
+    `to_json_text()` where it writes one, else `to_json()`), or render_text(report) for
+    people."""
+    if as_json:
+        to_json_text = getattr(report, "to_json_text", None)
+        # json.dumps encodes in C; json.dump to a stream takes the pure-Python path, 5x slower.
+        text = to_json_text() if to_json_text is not None else json.dumps(
+            report.to_json(), separators=(",", ":"), default=str)
+    else:
+        text = escape_control_characters(render_text(report), keep_newlines=True)
+    sys.stdout.write(text)
+    sys.stdout.write("\n")
+    sys.stdout.flush()

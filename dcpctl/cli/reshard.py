@@ -4,28 +4,26 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.options import threads_option
+from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
+                                threads_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import echo_json, format_bytes
-from dcpctl.format.codecs.registry import IDENTITY, floatsplit_codec, zstd_codec
-from dcpctl.ops.reshard import ReshardReport, reshard_checkpoint
-
-_CODECS = {"zstd": zstd_codec, "floatsplit": floatsplit_codec, "none": lambda: IDENTITY}
+from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.ops.reshard import CODEC_NAMES, ReshardReport, reshard_checkpoint
 
 
 @click.command("reshard")
-@click.argument("checkpoint", type=click.Path())
+@checkpoint_argument()
 @click.option("--ranks", "world_size", type=click.IntRange(min=1), required=True,
               help="World size of the job that will load the result.")
-@click.option("-o", "--output", type=click.Path(), required=True,
-              help="Directory for the new checkpoint; must not exist or be empty, unless "
-                   "--overwrite.")
-@click.option("--codec", type=click.Choice(sorted(_CODECS)), default=None,
-              help="Codec of the output items (default: the input's, so zstd stays zstd).")
+@output_option(required=True, help="Directory for the new checkpoint; must not exist or be "
+                                   "empty, unless --overwrite.")
+@click.option("--codec", "codec_name", type=click.Choice(CODEC_NAMES), default=None,
+              help="Codec of the output items (default: the input's, so zstd stays zstd); "
+                   "none stores them as they are.")
 @threads_option
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def reshard_command(checkpoint: str, world_size: int, output: str, codec: str | None,
+@overwrite_option
+@json_option
+def reshard_command(checkpoint: str, world_size: int, output: str, codec_name: str | None,
                     threads: int | None, overwrite: bool, as_json: bool) -> None:
     """Write CHECKPOINT laid out for a job of --ranks ranks, one file per rank.
 
@@ -47,20 +45,16 @@ def reshard_command(checkpoint: str, world_size: int, output: str, codec: str | 
       dcpctl reshard ckpt/ --ranks 8 -o out/ --codec zstd --json
     """
     with byte_progress("reshard") as progress:
-        report = reshard_checkpoint(checkpoint, world_size, output,
-                                    codec=_CODECS[codec]() if codec else None, threads=threads,
+        report = reshard_checkpoint(checkpoint, world_size, output, codec_name, threads=threads,
                                     overwrite=overwrite, on_progress=progress)
-    render_reshard_report(report, as_json)
+    print_report(report, as_json, render_reshard_report)
 
 
-def render_reshard_report(report: ReshardReport, as_json: bool) -> None:
-    """Print what a reshard did."""
-    if as_json:
-        echo_json(report.to_json())
-        return
+def render_reshard_report(report: ReshardReport) -> str:
+    """What a reshard did, for people."""
     rate = report.logical_bytes / report.seconds if report.seconds else 0
-    click.echo(f"{report.source} -> {report.output}: {report.tensors} tensors in "
-               f"{report.chunks_written} chunks and {report.objects} objects over "
-               f"{report.world_size} ranks ({report.files} files), codec {report.codec}")
-    click.echo(f"wrote {format_bytes(report.stored_bytes_after)} in {report.seconds:.1f} s "
-               f"({format_bytes(int(rate))}/s of tensor data)")
+    return (f"{report.source} -> {report.output}: {report.tensors} tensors in "
+            f"{report.chunks_written} chunks and {report.objects} objects over "
+            f"{report.world_size} ranks ({report.files} files), codec {report.codec}\n"
+            f"wrote {format_bytes(report.stored_bytes_after)} in {report.seconds:.1f} s "
+            f"({format_bytes(int(rate))}/s of tensor data)")

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.options import threads_option
+from dcpctl.cli.options import checkpoint_argument, json_option, threads_option
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import echo_json, format_bytes
-from dcpctl.ops.verify.verifier import VerifyReport, verify_checkpoint
-from dcpctl.ops.verify.structure import Problem
+from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.ops.verify.verifier import Problem, VerifyReport, verify_checkpoint
 
 _FQNS_SHOWN = 3
 
 
 @click.command("verify")
-@click.argument("checkpoint", type=click.Path(file_okay=True, dir_okay=True))
+@checkpoint_argument()
 @click.option("--quick", is_flag=True,
               help="Check structure and SHA256SUMS only; do not decode the items.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON document.")
+@json_option
 @threads_option
 @click.pass_context
 def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json: bool,
@@ -44,10 +43,7 @@ def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json
     with byte_progress("verify") as progress:
         report = verify_checkpoint(checkpoint, deep=not quick, threads=threads,
                                    on_progress=progress)
-    if as_json:
-        echo_json(report.to_json())
-    else:
-        click.echo(render_report(report))
+    print_report(report, as_json, render_report)
     context.exit(report.exit_code)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -10,14 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.checkpoint.view import HF_INDEX_FILE_NAME
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType
-from dcpctl.format.checkpoint.items import read_safetensors_header
+from dcpctl.format.file_names import HF_INDEX_FILE_NAME
 
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _FILE_METADATA = {"format": "pt"}
 _HEADER_ALIGNMENT = 8
+_MAX_HEADER_BYTES = 100 << 20
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,46 @@ class SafetensorsTensor:
     shape: tuple[int, ...]
     start: int = 0
     nbytes: int = 0
+
+
+@functools.lru_cache(maxsize=64)
+def read_safetensors_header(path: Path, blob_offset: int = 0) -> tuple[dict, int]:
+    """The JSON header of the safetensors blob at blob_offset of a file (a whole safetensors
+    file, or one of a SAFETENSORS-serialized DCP checkpoint), and where its data starts."""
+    where = f"safetensors header at byte {blob_offset}"
+    try:
+        with open(path, "rb") as stream:
+            stream.seek(blob_offset)
+            prefix = stream.read(8)
+            if len(prefix) < 8:
+                raise DataError(f"truncated {where}", path=path)
+            (header_bytes,) = struct.unpack("<Q", prefix)
+            if header_bytes > _MAX_HEADER_BYTES:
+                raise DataError(f"{where} claims {header_bytes} bytes, more than any real "
+                                "header", path=path)
+            header = json.loads(stream.read(header_bytes))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise DataError(f"{where} is not JSON ({error})", path=path) from None
+    except FileNotFoundError:
+        raise DataError("missing data file", path=path) from None
+    if not isinstance(header, dict):
+        raise DataError(f"{where} is not an object", path=path)
+    return header, blob_offset + 8 + header_bytes
+
+
+def safetensors_tensor_range(path: Path, blob_offset: int, name: str) -> tuple[int, int]:
+    """Where in the file the bytes of tensor `name` of the blob at blob_offset start, and how
+    many there are."""
+    header, data_start = read_safetensors_header(path, blob_offset)
+    entry = header.get(name)
+    try:
+        begin, end = entry["data_offsets"]
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise TypeError
+    except (TypeError, KeyError, ValueError):
+        raise DataError("the safetensors header has no valid entry for this tensor",
+                        path=path, fqn=name) from None
+    return data_start + begin, end - begin
 
 
 def shard_file_name(number: int, count: int) -> str:
@@ -96,16 +137,16 @@ def _parse_entry(path: Path, name: str, entry, data_start: int,
         if not all(type(value) is int and value >= 0 for value in [*shape, begin, end]):
             raise TypeError
     except (TypeError, KeyError, ValueError):
-        raise DataError(f"{path}: safetensors header entry {name!r} is not a valid tensor "
-                        "entry (dtype, shape, data_offsets)") from None
+        raise DataError(f"safetensors header entry {name!r} is not a valid tensor entry "
+                        "(dtype, shape, data_offsets)", path=path) from None
     dtype = DTYPES_BY_SAFETENSORS_CODE.get(code)
     if dtype is None:
-        raise UnsupportedLayoutError(f"{path}: tensor {name!r} has safetensors dtype {code!r}, "
-                                     "which dcpctl does not know")
+        raise UnsupportedLayoutError(f"tensor {name!r} has safetensors dtype {code!r}, "
+                                     "which dcpctl does not know", path=path)
     nbytes = math.prod(shape) * dtype.itemsize
     if end - begin != nbytes or data_start + end > file_bytes:
-        raise DataError(f"{path}: tensor {name!r} claims bytes {begin}..{end} of the data, "
-                        f"which do not hold {nbytes} bytes inside the file")
+        raise DataError(f"tensor {name!r} claims bytes {begin}..{end} of the data, which do "
+                        f"not hold {nbytes} bytes inside the file", path=path)
     return SafetensorsTensor(name, dtype, tuple(shape), data_start + begin, nbytes)
 
 
@@ -118,14 +159,14 @@ def read_safetensors_model(source: Path) -> list[tuple[Path, SafetensorsTensor]]
     for path in files:
         for tensor in read_safetensors_file(path):
             if tensor.name in file_of:
-                raise DataError(f"{path}: tensor {tensor.name!r} is also in "
-                                f"{file_of[tensor.name].name}")
+                raise DataError(f"tensor {tensor.name!r} is also in "
+                                f"{file_of[tensor.name].name}", path=path)
             file_of[tensor.name] = path
             tensors.append((path, tensor))
     for name, file_name in (weight_map or {}).items():
         if name not in file_of or file_of[name].name != file_name:
-            raise DataError(f"{source / HF_INDEX_FILE_NAME}: weight_map puts {name!r} in "
-                            f"{file_name}, which does not hold it")
+            raise DataError(f"weight_map puts {name!r} in {file_name}, which does not hold it",
+                            path=source / HF_INDEX_FILE_NAME)
     return tensors
 
 
@@ -138,18 +179,18 @@ def _model_files(source: Path) -> tuple[list[Path], dict | None]:
             weight_map = json.loads(index_path.read_text())["weight_map"]
             names = list(dict.fromkeys(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise DataError(f"{index_path}: not a safetensors index (no weight_map)") from None
+            raise DataError("not a safetensors index (no weight_map)", path=index_path) from None
         return [_file_named_by_index(source, index_path, name) for name in names], weight_map
     if (source / SINGLE_FILE_NAME).is_file():
         return [source / SINGLE_FILE_NAME], None
-    raise DataError(f"{source}: holds neither {HF_INDEX_FILE_NAME} nor {SINGLE_FILE_NAME}")
+    raise DataError(f"holds neither {HF_INDEX_FILE_NAME} nor {SINGLE_FILE_NAME}", path=source)
 
 
 def _file_named_by_index(directory: Path, index_path: Path, name) -> Path:
     if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
-        raise DataError(f"{index_path}: weight_map names file {name!r}, which is not a file "
-                        "name inside the directory")
+        raise DataError(f"weight_map names file {name!r}, which is not a file name inside the "
+                        "directory", path=index_path)
     path = directory / name
     if not path.is_file():
-        raise DataError(f"{path}: missing, though {index_path.name} names it")
+        raise DataError(f"missing, though {index_path.name} names it", path=path)
     return path

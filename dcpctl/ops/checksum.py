@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.checkpoint.checksums import sha256_of_files, write_sha256sums
-from dcpctl.format.metadata.reading import METADATA_FILE_NAME
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.pipeline import default_thread_count
 
 

@@ -14,7 +14,6 @@ import dataclasses
 import math
 import os
 import resource
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -23,19 +22,21 @@ from typing import Callable, Iterator
 
 import numpy
 
-from dcpctl.errors import UnsupportedLayoutError
-from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry, open_checkpoint
-from dcpctl.format.codecs.registry import Codec, PayloadHint, codec_for_descriptors, iter_encoded
-from dcpctl.format.dtypes import DType
-from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces, \
-    iter_stored_pieces, locate_item
-from dcpctl.format.checkpoint.payloads import PayloadReader
-from dcpctl.format.metadata.records import ChunkMetadata, ItemKey, StorageInfo
-from dcpctl.format.checkpoint.sharding import shard_dim0_chunks
-from dcpctl.format.torch_save.writer import iter_torch_save_archive, torch_save_archive
+from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
+from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces,
+                                            iter_stored_pieces, locate_chunk, locate_object)
+from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.format.checkpoint.publishing import CheckpointOutput
-from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, group_into_runs, \
-    produce_run
+from dcpctl.format.checkpoint.sharding import shard_dim0_chunks
+from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry, open_checkpoint
+from dcpctl.format.codecs.base import PayloadHint, iter_encoded
+from dcpctl.format.codecs.registry import CODEC_NAMES, Codec, codec_by_name, codec_for_descriptors
+from dcpctl.format.dtypes import DType
+from dcpctl.format.file_names import rank_file_name
+from dcpctl.format.metadata.records import ChunkMetadata, MetadataIndex, StorageInfo
+from dcpctl.format.torch_save.writer import iter_torch_save_archive, torch_save_archive
+from dcpctl.pipeline import (Pipeline, Run, coalesce, default_thread_count, group_into_runs,
+                             produce_run)
 
 # Pieces smaller than this are joined before they reach the writer: a run's archives come as
 # many small pieces, and per-piece costs (a write and a hash update, each a hand-over of the
@@ -112,16 +113,11 @@ class ReshardReport:
         return dataclasses.asdict(self)
 
 
-def rank_file_name(rank: int) -> str:
-    """The data file of a rank, as torch's FileSystemWriter names it."""
-    return f"__{rank}_0.distcp"
-
-
 def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None
                  ) -> ReshardPlan:
     """Plan the output of a world_size-rank save of the checkpoint's state."""
     if world_size < 1:
-        raise UnsupportedLayoutError(f"--ranks must be at least 1, not {world_size}")
+        raise InvalidOptionError(f"--ranks must be at least 1, not {world_size}")
     codec = codec or _input_codec(checkpoint)
     tasks: list[ChunkTask | ObjectTask] = []
     for tensor in checkpoint.tensors:
@@ -131,11 +127,7 @@ def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = 
                                    sources.overlapping(target.offsets, target.sizes),
                                    rank_file_name(target.rank)))
     for entry in checkpoint.objects:
-        if entry.storage is None:
-            raise UnsupportedLayoutError(f"{checkpoint.path}: object {entry.fqn!r} has no "
-                                         "stored item")
-        tasks.append(ObjectTask(entry.fqn, locate_item(checkpoint, entry.fqn, entry.storage, False),
-                                rank_file_name(0)))
+        tasks.append(ObjectTask(entry.fqn, locate_object(checkpoint, entry), rank_file_name(0)))
     return ReshardPlan(world_size, codec, tasks)
 
 
@@ -143,8 +135,8 @@ def _input_codec(checkpoint: Checkpoint) -> Codec:
     used = Counter(info.transform_descriptors
                    for info in (checkpoint.metadata.storage_data or {}).values())
     if len(used) > 1:
-        raise UnsupportedLayoutError(f"{checkpoint.path}: items use several codecs "
-                                     f"({', '.join(map(str, used))}); pass --codec")
+        raise UnsupportedLayoutError(f"items use several codecs ({', '.join(map(str, used))}); "
+                                     "pass --codec", path=checkpoint.path)
     return codec_for_descriptors(next(iter(used), None))
 
 
@@ -171,14 +163,10 @@ class _SourceChunks:
     def _source(self, index: int, chunk: ChunkMetadata) -> SourceChunk:
         source = self._made.get(index)
         if source is None:
-            checkpoint, fqn = self._checkpoint, self._tensor.fqn
-            if chunk.storage is None:
-                raise UnsupportedLayoutError(f"{checkpoint.path}: chunk {list(chunk.offsets)} "
-                                             f"of {fqn!r} has no stored item")
-            raw = checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS
-            source = self._made[index] = SourceChunk(
-                chunk.offsets, chunk.sizes, locate_item(checkpoint, fqn, chunk.storage, True),
-                raw)
+            location = locate_chunk(self._checkpoint, self._tensor, chunk)
+            raw = (self._checkpoint.files[chunk.storage.relative_path].serialization
+                   == SAFETENSORS)
+            source = self._made[index] = SourceChunk(chunk.offsets, chunk.sizes, location, raw)
         return source
 
 
@@ -202,7 +190,8 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
     itemsize = task.dtype.itemsize
     if not task.offsets:
         source = task.sources[0]
-        reader.read_into(reader.source_of(source.location, source.raw_tensor, itemsize), 0, out)
+        reader.read_into(reader.source_of(source.location, source.raw_tensor, task.dtype, ()),
+                         0, out)
         return
     inner = task.sizes[1:]
     whole_rows = [s for s in task.sources if s.sizes[1:] == inner
@@ -210,8 +199,7 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
     if whole_rows:  # one input chunk holds these rows whole: a single contiguous read
         source = whole_rows[0]
         row_bytes = math.prod(inner) * itemsize
-        payload = reader.source_of(source.location, source.raw_tensor,
-                                   source.sizes[0] * row_bytes)
+        payload = reader.source_of(source.location, source.raw_tensor, task.dtype, source.sizes)
         reader.read_into(payload, (begin - source.offsets[0]) * row_bytes, out)
         return
     block = numpy.frombuffer(out, dtype=numpy.uint8).reshape((end - begin, *inner, itemsize))
@@ -221,8 +209,7 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
         if first >= last:
             continue
         row_bytes = math.prod(source.sizes[1:]) * itemsize
-        payload = reader.source_of(source.location, source.raw_tensor,
-                                   source.sizes[0] * row_bytes)
+        payload = reader.source_of(source.location, source.raw_tensor, task.dtype, source.sizes)
         rows = memoryview(numpy.empty((last - first) * row_bytes, dtype=numpy.uint8))
         reader.read_into(payload, (first - source.offsets[0]) * row_bytes, rows)
         region = (slice(first - begin, last - begin),) + tuple(
@@ -307,13 +294,13 @@ def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
                   storage_by_task: dict[int, StorageInfo]):
     entries = dict(checkpoint.metadata.state_dict_metadata)
     chunks_by_fqn: dict[str, list[ChunkMetadata]] = {}
-    storage_data: dict[ItemKey, StorageInfo] = {}
+    storage_data: dict[MetadataIndex, StorageInfo] = {}
     for index, task in enumerate(plan.tasks):
         if isinstance(task, ChunkTask):
             chunks_by_fqn.setdefault(task.fqn, []).append(ChunkMetadata(task.offsets, task.sizes))
-            storage_data[ItemKey(task.fqn, task.offsets, 0)] = storage_by_task[index]
+            storage_data[MetadataIndex(task.fqn, task.offsets, 0)] = storage_by_task[index]
         else:
-            storage_data[ItemKey(task.fqn)] = storage_by_task[index]
+            storage_data[MetadataIndex(task.fqn)] = storage_by_task[index]
     for fqn, chunks in chunks_by_fqn.items():
         entries[fqn] = dataclasses.replace(entries[fqn], chunks=chunks)
     return dataclasses.replace(checkpoint.metadata, state_dict_metadata=entries,
@@ -321,13 +308,11 @@ def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
 
 
 def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: CheckpointOutput,
-                    spool_directory: Path, threads: int,
-                    on_progress: Callable[[int, int], None] | None = None,
+                    threads: int, on_progress: Callable[[int, int], None] | None = None,
                     piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
     """Write every planned item into output and publish it; returns the stored bytes after."""
     users = Counter(source.location for task in plan.tasks if isinstance(task, ChunkTask)
                     for source in task.sources)
-    reader = PayloadReader(spool_directory, users)
     storage_by_task: dict[int, StorageInfo] = {}
     index_of = {id(task): index for index, task in enumerate(plan.tasks)}
     total = sum(map(_task_bytes, plan.tasks))
@@ -347,13 +332,11 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
         if on_progress is not None:
             on_progress(run.size_bytes, total)
 
-    try:
+    with open_payload_reader(output.destination, users) as reader:
         Pipeline(_produce(plan, reader, piece_bytes), threads=threads,
                  bytes_in_flight=4 * threads * piece_bytes).run(
                      group_tasks_into_runs(plan.tasks, piece_bytes), consume,
                      lane_of=lambda run: run.lane)
-    finally:
-        reader.close()
     output.finish_data_files()
     output.publish(_new_metadata(checkpoint, plan, storage_by_task))
     return sum(info.length for info in storage_by_task.values())
@@ -369,27 +352,26 @@ def _allow_open_files(count: int) -> None:
 
 
 def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: str,
-                       codec: Codec | None = None, threads: int | None = None,
+                       codec_name: str | None = None, threads: int | None = None,
                        overwrite: bool = False,
                        on_progress: Callable[[int, int], None] | None = None,
                        piece_bytes: int = DEFAULT_PIECE_BYTES) -> ReshardReport:
-    """Write the checkpoint at path laid out for world_size ranks into output_path; output
-    chunks are assembled in blocks of about piece_bytes."""
+    """Write the checkpoint at path laid out for world_size ranks into output_path, its items
+    in the codec called codec_name (one of CODEC_NAMES; default: the input's); output chunks
+    are assembled in blocks of about piece_bytes."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
+    codec = codec_by_name(codec_name) if codec_name is not None else None
     checkpoint = open_checkpoint(path)
     plan = plan_reshard(checkpoint, world_size, codec)
     _allow_open_files(world_size + len(checkpoint.files) + 64)
     destination = Path(output_path)
     if destination.exists() and os.path.samefile(destination, checkpoint.path):
-        raise UnsupportedLayoutError(f"{destination}: reshard writes a new checkpoint; the "
-                                     "output must be another directory")
+        raise InvalidOptionError("reshard writes a new checkpoint; the output must be another "
+                                 "directory", path=destination)
     output = CheckpointOutput(destination, in_place=False, overwrite=overwrite)
     try:
-        with tempfile.TemporaryDirectory(dir=output.directory.parent,
-                                         prefix=f".{destination.name}.dcpctl-spool-") as spool:
-            stored = execute_reshard(plan, checkpoint, output, Path(spool), threads, on_progress,
-                                     piece_bytes)
+        stored = execute_reshard(plan, checkpoint, output, threads, on_progress, piece_bytes)
     except BaseException:
         output.abort()
         raise

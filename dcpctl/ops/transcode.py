@@ -1,5 +1,8 @@
 """Re-encode every item of a checkpoint with another codec: compress and decompress are this.
 
+The codec names, zstd levels and defaults that compress takes are named here for the command
+line (COMPRESSING_CODEC_NAMES, MIN_ZSTD_LEVEL..MAX_ZSTD_LEVEL, DEFAULT_ZSTD_LEVEL).
+
 The plan is a pure function of the checkpoint and the target codec: which items, from which
 byte ranges, into which output file and in what order, and whether each is copied as stored or
 decoded and encoded again. Running it streams every item through the shared pipeline.
@@ -16,18 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
 from dcpctl.failpoints import failpoint
+from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan,
+                                            iter_item_pieces, iter_stored_pieces, locate_item)
+from dcpctl.format.checkpoint.publishing import (CheckpointOutput, final_name_of,
+                                                 remove_stale_temporaries, storage_with)
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
-from dcpctl.format.codecs.registry import Codec, PayloadHint, iter_encoded
-from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan, \
-    iter_item_pieces, iter_stored_pieces, locate_item
-from dcpctl.format.metadata.records import ItemKey, StorageInfo
-from dcpctl.format.torch_save.layout import max_tensor_archive_bytes
-from dcpctl.format.checkpoint.publishing import CheckpointOutput, final_name_of, remove_stale_temporaries, \
-    storage_with
-from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, group_into_runs, \
-    produce_run
+from dcpctl.format.codecs.base import PayloadHint, iter_encoded
+from dcpctl.format.codecs.names import ZSTD
+from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
+                                           MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, Codec, codec_by_name)
+from dcpctl.format.metadata.records import MetadataIndex, StorageInfo
+from dcpctl.pipeline import (Pipeline, Run, coalesce, default_thread_count, group_into_runs,
+                             produce_run)
 
 # Called with (bytes just done, total bytes) as work advances.
 ProgressCallback = Callable[[int, int], None]
@@ -37,7 +42,7 @@ ProgressCallback = Callable[[int, int], None]
 class ItemTask:
     """One item to carry into the output: copied as stored, or decoded and encoded again."""
 
-    key: ItemKey
+    key: MetadataIndex
     source: StorageInfo
     """The item's entry in the source metadata, which its new entry copies."""
     location: ItemLocation
@@ -99,21 +104,22 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
     for data_file in checkpoint.files.values():
         if data_file.serialization == SAFETENSORS:
             raise UnsupportedLayoutError(
-                f"{checkpoint.path / data_file.name}: SAFETENSORS-serialized data file; compress "
-                "and decompress rewrite checkpoints saved with the default TORCH_SAVE layout")
-    tensor_fqns = {tensor.fqn for tensor in checkpoint.tensors}
+                "SAFETENSORS-serialized data file; compress and decompress rewrite checkpoints "
+                "saved with the default TORCH_SAVE layout", path=checkpoint.path / data_file.name)
     payloads = _payload_hints(checkpoint)
     storage_data = checkpoint.metadata.storage_data or {}
     ordered = sorted(storage_data.items(),
                      key=lambda item: (item[1].relative_path, item[1].offset))
     tasks = []
     for key, info in ordered:
-        location = locate_item(checkpoint, key.fqn, info, key.fqn in tensor_fqns)
+        payload = payloads.get((key.fqn, key.offset))
+        location = locate_item(checkpoint, key.fqn, info,
+                               payload.payload_bytes if payload is not None else None)
         same_codec = location.codec.descriptors == codec.descriptors
         tasks.append(ItemTask(key, info, location, final_name_of(info.relative_path),
                               transcode=not same_codec or (recode_same_codec and
                                                            bool(codec.descriptors)),
-                              payload=payloads.get((key.fqn, key.offset))))
+                              payload=payload))
     return TranscodePlan(codec, tasks)
 
 
@@ -130,10 +136,8 @@ def _produce(codec: Codec, piece_bytes: int) -> Callable[[Run[ItemTask]], Iterat
             yield from iter_stored_pieces(task.location, piece_bytes, span)
             return
         known_size = task.location.length if not task.location.codec.descriptors else None
-        max_bytes = (max_tensor_archive_bytes(task.payload.payload_bytes)
-                     if task.payload is not None and known_size is None else None)
         yield from iter_encoded(codec.new_encoder(known_size, task.payload),
-                                iter_item_pieces(task.location, piece_bytes, span, max_bytes))
+                                iter_item_pieces(task.location, piece_bytes, span))
 
     def produce(run: Run[ItemTask]) -> Iterator[bytes]:
         first, last = run.tasks[0].location, run.tasks[-1].location
@@ -163,7 +167,7 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
                       threads: int, on_progress: ProgressCallback | None = None,
                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
     """Write every planned item into output and publish it; returns the stored bytes after."""
-    new_storage: dict[ItemKey, StorageInfo] = {}
+    new_storage: dict[MetadataIndex, StorageInfo] = {}
     runs = group_items_into_runs(plan.tasks, piece_bytes)
     last_run_of_file = {run.lane: run for run in runs}
 
@@ -228,3 +232,24 @@ def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str
 def _same_directory(first: Path, second: Path) -> bool:
     return second.exists() and os.path.samefile(first, second)
 
+
+
+def compress_checkpoint(path: str | os.PathLike, codec_name: str = ZSTD,
+                        level: int | None = None, output_path: str | None = None,
+                        **options) -> TranscodeReport:
+    """`dcpctl compress`: every item in the codec called codec_name (COMPRESSING_CODEC_NAMES).
+    Items already in it are copied as they are unless a level is given, which re-codes them
+    at that level. Other options as transcode_checkpoint takes them."""
+    if codec_name not in COMPRESSING_CODEC_NAMES:
+        raise InvalidOptionError(f"compress writes {', '.join(COMPRESSING_CODEC_NAMES)}, not "
+                                 f"{codec_name!r} (decompress stores items as they are)")
+    codec = codec_by_name(codec_name, DEFAULT_ZSTD_LEVEL if level is None else level)
+    return transcode_checkpoint(path, codec, output_path, recode_same_codec=level is not None,
+                                **options)
+
+
+def decompress_checkpoint(path: str | os.PathLike, output_path: str | None = None,
+                          **options) -> TranscodeReport:
+    """`dcpctl decompress`: every item stored as it decodes, byte for byte as torch saved it.
+    Options as transcode_checkpoint takes them."""
+    return transcode_checkpoint(path, IDENTITY, output_path, **options)

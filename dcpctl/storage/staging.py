@@ -10,15 +10,7 @@ from pathlib import Path
 
 from dcpctl.errors import OutputError
 from dcpctl.failpoints import failpoint
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a directory's entries (renames, new files) durable."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+from dcpctl.storage.local import fsync_directory
 
 
 class StagedOutput:
@@ -62,12 +54,12 @@ def check_destination(destination: Path, overwrite: bool, is_directory: bool = T
     """Refuse a destination of the wrong kind, or one holding data, unless overwrite."""
     if is_directory:
         if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
-            raise OutputError(f"{destination}: exists and is not a directory")
+            raise OutputError("exists and is not a directory", path=destination)
         holds_data = destination.exists() and any(destination.iterdir())
     else:
         if destination.is_dir() and not destination.is_symlink():
-            raise OutputError(f"{destination}: is a directory; give a file name")
+            raise OutputError("is a directory; give a file name", path=destination)
         holds_data = destination.exists() or destination.is_symlink()
     if holds_data and not overwrite:
         what = "exists and is not empty" if is_directory else "exists"
-        raise OutputError(f"{destination}: {what} (pass --overwrite to replace it)")
+        raise OutputError(f"{what} (pass --overwrite to replace it)", path=destination)

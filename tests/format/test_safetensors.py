@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.dtypes import dtype_by_name
-from dcpctl.format.safetensors import (SafetensorsTensor, encode_header, encode_index,
-                                       plan_shards, read_safetensors_model, shard_file_name)
+from dcpctl.format.safetensors import (SafetensorsTensor, encode_header, encode_index, plan_shards,
+                                       read_safetensors_model, shard_file_name)
 
 
 def _write_by_hand(path, tensors: dict[str, torch.Tensor]) -> None:

@@ -13,8 +13,8 @@ from conftest import torch_metadata
 from dcpctl.errors import DataError
 from dcpctl.format.codecs.registry import IDENTITY
 from dcpctl.ops.convert.key_selection import KeySelection
-from dcpctl.ops.reshard import reshard_checkpoint
 from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
+from dcpctl.ops.reshard import reshard_checkpoint
 from dcpctl.ops.transcode import transcode_checkpoint
 from dcpctl.ops.verify.verifier import verify_checkpoint
 
@@ -49,4 +49,4 @@ def test_an_item_that_decodes_far_past_its_tensor_is_refused(copy_fixture, tmp_p
                  if tuple(chunk.offsets) == tuple(key.offset))
     chunk_nbytes = math.prod(chunk.sizes) * metadata.state_dict_metadata[
         "model.norm.weight"].properties.dtype.itemsize
-    assert f"more than {chunk_nbytes + 65536} bytes come out" in problems[0].message
+    assert f"decodes to more than {chunk_nbytes + 65536} bytes" in problems[0].message

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import MANIFEST, TORCH_LOADABLE_FIXTURES, assert_plain_items_equal_decoded, \
-    fixture_path, load_with_torch
+from conftest import (MANIFEST, TORCH_LOADABLE_FIXTURES, assert_plain_items_equal_decoded,
+                      fixture_path, load_with_torch)
 from make_fixtures import STATE_BUILDERS, describe_state, run_gloo_job, tensor_sha256
 from rank_loading import assert_matches_manifest
 from safetensors.torch import load_file
@@ -20,12 +20,13 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import dcpctl
 from dcpctl.format.checkpoint.view import open_checkpoint
-from dcpctl.format.codecs.registry import IDENTITY, codec_for_descriptors, floatsplit_codec, zstd_codec
 from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR
-from dcpctl.ops.inspection.report import inspect_checkpoint
+from dcpctl.format.codecs.registry import (IDENTITY, codec_for_descriptors, floatsplit_codec,
+                                           zstd_codec)
 from dcpctl.ops.convert.key_selection import KeySelection
-from dcpctl.ops.reshard import reshard_checkpoint
 from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
+from dcpctl.ops.inspection.report import inspect_checkpoint
+from dcpctl.ops.reshard import reshard_checkpoint
 from dcpctl.ops.transcode import transcode_checkpoint
 from dcpctl.ops.verify.verifier import verify_checkpoint
 

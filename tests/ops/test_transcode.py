@@ -7,15 +7,15 @@ import errno
 import os
 
 import pytest
-from conftest import TORCH_LOADABLE_FIXTURES, assert_plain_items_equal_decoded, directory_state, \
-    fixture_path, load_with_torch
+from conftest import (TORCH_LOADABLE_FIXTURES, assert_plain_items_equal_decoded, directory_state,
+                      fixture_path, load_with_torch)
 from make_fixtures import tensor_sha256
 from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 
 from dcpctl.errors import DataError, OutputError, UnsupportedLayoutError
+from dcpctl.format.checkpoint.publishing import DataFileWriter
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.codecs.registry import IDENTITY, zstd_codec
-from dcpctl.format.checkpoint.publishing import DataFileWriter
 from dcpctl.ops.transcode import group_items_into_runs, plan_transcode, transcode_checkpoint
 
 RANKS_TO_LOAD_ON = {

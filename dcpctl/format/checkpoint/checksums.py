@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
+from dcpctl.format.file_names import SHA256SUMS_FILE_NAME
+from dcpctl.storage.local import write_file_atomically
 
-SHA256SUMS_FILE_NAME = "SHA256SUMS"
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 HASH_PIECE_BYTES = 4 << 20
 
@@ -76,10 +76,5 @@ def read_sha256sums(directory: Path) -> dict[str, str] | None:
 def write_sha256sums(directory: Path, digests: dict[str, str]) -> Path:
     """Write directory/SHA256SUMS atomically (temporary sibling, fsync, rename)."""
     path = Path(directory) / SHA256SUMS_FILE_NAME
-    temporary = path.with_name(f".{SHA256SUMS_FILE_NAME}.tmp")
-    with open(temporary, "w") as stream:
-        stream.write(format_sha256sums(digests))
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
+    write_file_atomically(path, format_sha256sums(digests).encode())
     return path

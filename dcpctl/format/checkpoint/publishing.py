@@ -22,10 +22,12 @@ import secrets
 from pathlib import Path
 
 from dcpctl.failpoints import failpoint
-from dcpctl.format.checkpoint.checksums import SHA256SUMS_FILE_NAME, write_sha256sums
-from dcpctl.format.metadata.reading import METADATA_FILE_NAME, serialize_metadata
+from dcpctl.format.checkpoint.checksums import write_sha256sums
+from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
-from dcpctl.storage.staging import StagedOutput, fsync_directory
+from dcpctl.format.metadata.writing import serialize_metadata
+from dcpctl.storage.local import fsync_directory, write_file_atomically
+from dcpctl.storage.staging import StagedOutput
 
 _TEMPORARY_NAME = re.compile(r"^(?P<final>.+)\.dcpctl-[0-9a-f]{12}\.tmp(\.link)?$")
 
@@ -55,16 +57,6 @@ class DataFileWriter:
     def discard(self) -> None:
         """Close without syncing (after a failure)."""
         self._stream.close()
-
-
-def _write_file_atomically(path: Path, data: bytes) -> str:
-    temporary = path.with_name(f"{path.name}.dcpctl-{secrets.token_hex(6)}.tmp")
-    with open(temporary, "xb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
-    return hashlib.sha256(data).hexdigest()
 
 
 class CheckpointOutput:
@@ -129,7 +121,7 @@ class CheckpointOutput:
             self._staged.abort()
 
     def _publish_new_directory(self, metadata: CheckpointMetadata) -> None:
-        self._digests[METADATA_FILE_NAME] = _write_file_atomically(
+        self._digests[METADATA_FILE_NAME] = write_file_atomically(
             self.directory / METADATA_FILE_NAME, serialize_metadata(metadata))
         write_sha256sums(self.directory, self._digests)
         self._staged.publish()
@@ -138,13 +130,13 @@ class CheckpointOutput:
         directory = self.directory
         (directory / SHA256SUMS_FILE_NAME).unlink(missing_ok=True)  # it describes the old files
         temporary_names = {name: self.data_file_name(name) for name in self._digests}
-        _write_file_atomically(directory / METADATA_FILE_NAME,
+        write_file_atomically(directory / METADATA_FILE_NAME,
                                serialize_metadata(_renamed(metadata, temporary_names)))
         self._metadata_switched = True
         fsync_directory(directory)
         failpoint("after-first-metadata-switch")
         if _give_final_names(directory, temporary_names):
-            metadata_digest = _write_file_atomically(directory / METADATA_FILE_NAME,
+            metadata_digest = write_file_atomically(directory / METADATA_FILE_NAME,
                                                      serialize_metadata(metadata))
             fsync_directory(directory)
             failpoint("after-second-metadata-switch")

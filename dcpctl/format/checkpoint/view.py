@@ -7,23 +7,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dcpctl.errors import (
-    CheckpointNotFoundError,
-    DataError,
-    IncompleteCheckpointError,
-    UnsafePathError,
-    UnsupportedLayoutError,
-)
+from dcpctl.cycle_collector import paused_cycle_collector
+from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
+                           UnsafePathError, UnsupportedLayoutError)
+from dcpctl.format.checkpoint.problems import MISSING_FILE, TRUNCATED, Problem
+from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
-from dcpctl.cycle_collector import paused_garbage_collection
-from dcpctl.format.metadata.reading import METADATA_FILE_NAME, read_metadata
-from dcpctl.format.metadata.records import CheckpointMetadata, ChunkMetadata, StorageInfo, TensorMetadata
+from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
+                                      METADATA_TEMPORARY_FILE_NAME)
+from dcpctl.format.metadata.reading import read_metadata
+from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
+                                            TensorMetadata)
+from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
 
-HF_INDEX_FILE_NAME = "model.safetensors.index.json"
 TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
-_ZIP_MAGIC = b"PK\x03\x04"
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 @dataclass
@@ -85,18 +83,14 @@ def resolve_inside(directory: Path, relative_path: str) -> Path:
     """`directory/relative_path`, refused if it is absolute, climbs out, or links outside."""
     pure = PurePosixPath(relative_path)
     if pure.is_absolute() or ".." in pure.parts or "\\" in relative_path or not pure.parts:
-        raise UnsafePathError(
-            f"{directory}: metadata names data file {relative_path!r}, which is not a plain "
-            "path inside the checkpoint directory"
-        )
+        raise UnsafePathError(f"metadata names data file {relative_path!r}, which is not a "
+                              "plain path inside the checkpoint directory", path=directory)
     candidate = directory / pure
     real_directory = os.path.realpath(directory)
     real_candidate = os.path.realpath(candidate)
     if os.path.commonpath([real_directory, real_candidate]) != real_directory:
-        raise UnsafePathError(
-            f"{candidate}: data file resolves to {real_candidate}, outside the checkpoint "
-            "directory (a symlink out?)"
-        )
+        raise UnsafePathError(f"data file {relative_path!r} resolves to {real_candidate}, "
+                              "outside the checkpoint directory (a symlink out?)", path=directory)
     return candidate
 
 
@@ -105,37 +99,38 @@ def open_checkpoint(path: str | os.PathLike, check_files: bool = True) -> Checkp
     truncated files."""
     directory = Path(path)
     _check_is_checkpoint_directory(directory)
-    with paused_garbage_collection():
+    with paused_cycle_collector():
         checkpoint = Checkpoint(directory, read_metadata(directory))
         _collect_entries(checkpoint)
         _collect_files(checkpoint)
     if check_files:
         problems = find_file_problems(checkpoint)
         if problems:
+            first = problems[0]
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-            raise DataError(problems[0] + more)
+            raise DataError(first.message + more, path=directory / first.file)
     return checkpoint
 
 
 def _check_is_checkpoint_directory(directory: Path) -> None:
     if not directory.exists():
-        raise CheckpointNotFoundError(f"{directory}: no such file or directory")
+        raise CheckpointNotFoundError("no such file or directory", path=directory)
     if not directory.is_dir():
-        raise CheckpointNotFoundError(f"{directory}: not a directory; a DCP checkpoint is a "
-                                      "directory holding .metadata and .distcp files")
+        raise CheckpointNotFoundError("not a directory; a DCP checkpoint is a directory holding "
+                                      ".metadata and .distcp files", path=directory)
     if (directory / METADATA_FILE_NAME).exists():
         return
     if (directory / HF_INDEX_FILE_NAME).exists():
         raise UnsupportedLayoutError(
-            f"{directory}: holds {HF_INDEX_FILE_NAME} but no {METADATA_FILE_NAME}: this is a "
-            "Hugging Face safetensors checkpoint (HuggingFaceStorageWriter), not DCP metadata"
-        )
-    if (directory / f"{METADATA_FILE_NAME}.tmp").exists() or any(directory.glob("*.distcp")):
+            f"holds {HF_INDEX_FILE_NAME} but no {METADATA_FILE_NAME}: this is a Hugging Face "
+            "safetensors checkpoint (HuggingFaceStorageWriter), not DCP metadata", path=directory)
+    if ((directory / METADATA_TEMPORARY_FILE_NAME).exists()
+            or any(directory.glob(f"*{DATA_FILE_SUFFIX}"))):
         raise IncompleteCheckpointError(
-            f"{directory}: incomplete checkpoint: data files but no {METADATA_FILE_NAME} "
-            "(a save still running, or one that died before finishing)"
-        )
-    raise IncompleteCheckpointError(f"{directory}: not a DCP checkpoint: no {METADATA_FILE_NAME}")
+            f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
+            "running, or one that died before finishing)", path=directory)
+    raise IncompleteCheckpointError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}",
+                                    path=directory)
 
 
 def _collect_entries(checkpoint: Checkpoint) -> None:
@@ -186,22 +181,37 @@ def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
     with open(checkpoint.data_path(info.relative_path), "rb") as stream:
         stream.seek(info.offset)
         head = stream.read(9)
-    if head[:4] in (_ZIP_MAGIC, _ZSTD_MAGIC):
+    if head[:4] in (LOCAL_SIGNATURE, ZSTD_MAGIC):
         return TORCH_SAVE
     if len(head) == 9 and head[8:9] == b"{":
         return SAFETENSORS
     return TORCH_SAVE
 
 
-def find_file_problems(checkpoint: Checkpoint) -> list[str]:
-    """Missing data files and item byte ranges that run past the end of their file."""
+def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:
+    """Data files the metadata names that are missing, or end before an item that it places
+    in them does, with the fqns of the items affected."""
     problems = []
     for name, data_file in sorted(checkpoint.files.items()):
-        path = checkpoint.path / name
         if data_file.size_bytes is None:
-            problems.append(f"{path}: missing data file, named by {data_file.item_count} items "
-                            "in the metadata")
+            problems.append(Problem(MISSING_FILE, f"missing data file, named by "
+                                    f"{data_file.item_count} items", name,
+                                    fqns=_distinct(_fqns_in(checkpoint, name))))
         elif data_file.end_bytes > data_file.size_bytes:
-            problems.append(f"{path}: truncated: {data_file.size_bytes} bytes, but item "
-                            f"{data_file.last_fqn!r} ends at byte {data_file.end_bytes}")
+            past_end = _fqns_in(checkpoint, name, past=data_file.size_bytes)
+            problems.append(Problem(TRUNCATED, f"truncated: the file is {data_file.size_bytes} "
+                                    f"bytes, but {len(past_end)} items end past it, the last "
+                                    f"(item {data_file.last_fqn!r}) at byte "
+                                    f"{data_file.end_bytes}", name, data_file.size_bytes,
+                                    data_file.end_bytes, _distinct(past_end)))
     return problems
+
+
+def _fqns_in(checkpoint: Checkpoint, name: str, past: int = -1) -> list[str]:
+    """The fqn of each item in file `name` that ends past byte `past`, in storage order."""
+    return [key.fqn for key, info in checkpoint.metadata.storage_data.items()
+            if info.relative_path == name and info.offset + info.length > past]
+
+
+def _distinct(fqns: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(fqns))

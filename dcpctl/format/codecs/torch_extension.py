@@ -8,9 +8,11 @@ from typing import IO
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
-from dcpctl.format.codecs.registry import floatsplit_codec, iter_decoded
+from dcpctl.format.codecs.base import PieceStream, iter_decoded
 from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME
-from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, PieceStream
+from dcpctl.format.codecs.registry import floatsplit_codec
+
+_READ_BYTES = 4 << 20
 
 
 class FloatSplitExtension(StreamTransformExtension):
@@ -36,7 +38,7 @@ class FloatSplitExtension(StreamTransformExtension):
                                   "--codec floatsplit`, not by torch's writer")
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        stored_pieces = iter(lambda: input.read(DEFAULT_PIECE_BYTES), b"")
+        stored_pieces = iter(lambda: input.read(_READ_BYTES), b"")
         return PieceStream(iter_decoded(floatsplit_codec().new_decoder(), stored_pieces))
 
 

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from dcpctl.errors import DataError
 
-_MAGIC = b"\x28\xb5\x2f\xfd"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _DICTIONARY_ID_BYTES = (0, 1, 2, 4)
 _CONTENT_SIZE_BYTES = (0, 2, 4, 8)
 _RLE = 1
@@ -73,7 +73,7 @@ class ZstdBlockSplitter:
     def _header_size(self, head: memoryview) -> tuple[int, str] | None:
         if len(head) < 5:
             return None
-        if bytes(head[:4]) != _MAGIC:
+        if bytes(head[:4]) != ZSTD_MAGIC:
             raise DataError("stored bytes do not start a zstd frame")
         descriptor = head[4]
         single_segment = bool(descriptor & 0x20)

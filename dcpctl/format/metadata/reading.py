@@ -1,9 +1,8 @@
-"""Safe reading and faithful writing of a DCP `.metadata` file.
+"""Safe reading of a DCP `.metadata` file, without importing torch.
 
-Neither reading nor writing imports torch. Reading never runs code from the file: the pickle is
+Reading never runs code from the file: the pickle is
 loaded with an allowlist that maps each class DCP metadata uses onto a plain record of ours.
-Writing pickles the records under torch's class names (format/torch_pickle.py), so stock
-`torch.distributed.checkpoint` reads them as its own.
+Writing them back is writing.py's job.
 """
 
 from __future__ import annotations
@@ -14,16 +13,15 @@ import pickle
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import MetadataError, UnsafeMetadataError
 from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
-from dcpctl.cycle_collector import paused_garbage_collection
+from dcpctl.format.file_names import METADATA_FILE_NAME
+from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
+                                            MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
+                                            TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
-from dcpctl.format.metadata.records import (
-    BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey, StorageInfo, StorageMeta,
-    TensorMetadata, TensorProperties,
-)
 
-METADATA_FILE_NAME = ".metadata"
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _TORCH_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 _TORCH_LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
@@ -43,7 +41,7 @@ def _layout_by_qualified_name(qualified_name: Any) -> str:
 
 
 _RECORD_CLASSES = frozenset({CheckpointMetadata, TensorMetadata, BytesMetadata, ChunkMetadata,
-                             TensorProperties, ItemKey, StorageMeta, StorageInfo})
+                             TensorProperties, MetadataIndex, StorageMeta, StorageInfo})
 
 
 def _reconstruct_record(cls: Any, base: Any, state: Any) -> Any:
@@ -61,7 +59,7 @@ _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     (_TORCH_METADATA_MODULE, "BytesStorageMetadata"): BytesMetadata,
     (_TORCH_METADATA_MODULE, "ChunkStorageMetadata"): ChunkMetadata,
     (_TORCH_METADATA_MODULE, "TensorProperties"): TensorProperties,
-    (_TORCH_METADATA_MODULE, "MetadataIndex"): ItemKey,
+    (_TORCH_METADATA_MODULE, "MetadataIndex"): MetadataIndex,
     (_TORCH_METADATA_MODULE, "StorageMeta"): StorageMeta,
     (_TORCH_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): int,
     (_TORCH_FILESYSTEM_MODULE, "_StorageInfo"): StorageInfo,
@@ -99,8 +97,8 @@ class _AllowlistUnpickler(pickle.Unpickler):
 def parse_metadata(data: bytes, source: str = METADATA_FILE_NAME) -> CheckpointMetadata:
     """Unpickle `.metadata` bytes with the allowlist and check that they are DCP metadata."""
     if not data:
-        raise MetadataError(f"{source}: file is empty")
-    with paused_garbage_collection():
+        raise MetadataError("file is empty", path=source)
+    with paused_cycle_collector():
         loaded = _load_with_allowlist(data, source)
         check_metadata_structure(loaded, source)
     return loaded
@@ -110,11 +108,10 @@ def _load_with_allowlist(data: bytes, source: str) -> Any:
     try:
         return _AllowlistUnpickler(io.BytesIO(data)).load()
     except UnsafeMetadataError as error:
-        raise UnsafeMetadataError(f"{source}: {error}") from None
+        raise error.located(path=source) from None
     except Exception as error:  # a damaged pickle fails in many ways; all mean the same
-        raise MetadataError(
-            f"{source}: not a readable DCP metadata pickle ({type(error).__name__}: {error})"
-        ) from None
+        raise MetadataError(f"not a readable DCP metadata pickle ({type(error).__name__}: "
+                            f"{error})", path=source) from None
 
 
 def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
@@ -123,12 +120,5 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
     try:
         data = path.read_bytes()
     except OSError as error:
-        raise MetadataError(f"{path}: cannot read ({error.strerror})") from None
+        raise MetadataError(f"cannot read ({error.strerror})", path=path) from None
     return parse_metadata(data, str(path))
-
-
-def serialize_metadata(metadata: CheckpointMetadata) -> bytes:
-    """`.metadata` bytes that torch's DCP reads as this metadata (torch is not imported)."""
-    from dcpctl.format.metadata.writing import pickle_as_torch  # only writers need it
-
-    return pickle_as_torch(metadata)

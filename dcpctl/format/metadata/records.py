@@ -50,7 +50,7 @@ class BytesMetadata:
 
 
 @dataclass(frozen=True)
-class ItemKey:
+class MetadataIndex:
     """torch's MetadataIndex: an fqn, plus a chunk's offsets for tensor items."""
 
     fqn: str
@@ -84,6 +84,6 @@ class CheckpointMetadata:
 
     state_dict_metadata: dict[str, TensorMetadata | BytesMetadata]
     planner_data: Any = None
-    storage_data: dict[ItemKey, StorageInfo] | None = None
+    storage_data: dict[MetadataIndex, StorageInfo] | None = None
     storage_meta: StorageMeta | None = None
     version: str | None = None

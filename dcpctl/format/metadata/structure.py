@@ -15,8 +15,9 @@ from typing import Any, Callable, Iterable
 
 from dcpctl.errors import MetadataError
 from dcpctl.format.dtypes import DType
-from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
-                                   StorageInfo, TensorMetadata, TensorProperties)
+from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
+                                            MetadataIndex, StorageInfo, TensorMetadata,
+                                            TensorProperties)
 
 _INT_TYPE_SET = {int}
 
@@ -27,7 +28,7 @@ def check_metadata_structure(loaded: Any, source: str) -> None:
     """Raise MetadataError unless `loaded` has the shape of DCP metadata; normalizes in place."""
 
     def fail(rule: str) -> MetadataError:
-        return MetadataError(f"{source}: {rule}")
+        return MetadataError(rule, path=source)
 
     try:
         _check_records(loaded, fail)
@@ -103,7 +104,7 @@ def _chunk_lies_inside(offsets: tuple, extents: tuple, size: tuple) -> bool:
 def _storage_looks_sound(storage_data: dict, entries: dict) -> bool:
     fqns, key_offsets, paths, byte_numbers, descriptors = [], [], [], [], []
     for key, info in storage_data.items():
-        if type(key) is not ItemKey or type(info) is not StorageInfo:
+        if type(key) is not MetadataIndex or type(info) is not StorageInfo:
             return False
         fqns.append(key.fqn)
         key_offsets.append(key.offset)
@@ -159,7 +160,7 @@ def _check_tensor_entry(fqn: str, entry: TensorMetadata, fail: Fail) -> None:
 
 
 def _check_storage_entry(key: Any, info: Any, entries: dict, fail: Fail) -> None:
-    if not isinstance(key, ItemKey) or not isinstance(key.fqn, str):
+    if not isinstance(key, MetadataIndex) or not isinstance(key.fqn, str):
         raise fail(f"storage_data key {key!r} is not a MetadataIndex")
     if key.fqn not in entries:
         raise fail(f"storage_data names {key.fqn!r}, which state_dict_metadata lacks")

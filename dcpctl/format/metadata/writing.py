@@ -18,8 +18,9 @@ from typing import Any, Callable
 
 from dcpctl.errors import MetadataError
 from dcpctl.format.dtypes import DType
-from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
-                                   StorageInfo, StorageMeta, TensorMetadata, TensorProperties)
+from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
+                                            MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
+                                            TensorProperties)
 
 _PROTOCOL = 4
 _BATCH = 1000  # items per APPENDS / SETITEMS / ADDITEMS, as the pickle module writes them
@@ -177,7 +178,7 @@ def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
     writer.end_fields()
 
 
-def _write_item_key(writer: _PickleWriter, key: ItemKey) -> None:
+def _write_item_key(writer: _PickleWriter, key: MetadataIndex) -> None:
     writer.begin_fields(_METADATA, "MetadataIndex")
     writer.string("fqn")
     writer.string(key.fqn)
@@ -275,7 +276,7 @@ _VALUE_WRITERS: dict[type, Callable[[_PickleWriter, Any], None]] = {
     PurePosixPath: _write_pure_path,
     PureWindowsPath: _write_pure_path,
     StorageInfo: _write_storage_info,
-    ItemKey: _write_item_key,
+    MetadataIndex: _write_item_key,
     ChunkMetadata: _write_chunk,
     TensorMetadata: _write_tensor,
     TensorProperties: _write_tensor_properties,
@@ -285,8 +286,8 @@ _VALUE_WRITERS: dict[type, Callable[[_PickleWriter, Any], None]] = {
 }
 
 
-def pickle_as_torch(metadata: CheckpointMetadata) -> bytes:
-    """The `.metadata` bytes for these records, loadable by torch's own unpickling."""
+def serialize_metadata(metadata: CheckpointMetadata) -> bytes:
+    """`.metadata` bytes that torch's DCP reads as this metadata (torch is not imported)."""
     writer = _PickleWriter()
     writer.value(metadata)
     writer.out += pickle.STOP

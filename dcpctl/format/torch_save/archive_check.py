@@ -27,10 +27,10 @@ from typing import Callable, ContextManager, Iterable, Iterator
 
 from dcpctl.errors import DataError
 from dcpctl.format.torch_save.crc32 import crc32_of_span
-from dcpctl.format.torch_save.layout import TorchSaveLayout, build_torch_save_layout, \
-    find_pickle_record
-from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE, STORED, ReadRange, ZipRecord, \
-    read_zip_records
+from dcpctl.format.torch_save.layout import (TorchSaveLayout, build_torch_save_layout,
+                                             find_pickle_record)
+from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, STORED, ReadRange, ZipRecord,
+                                                  read_zip_records)
 
 DEFAULT_WINDOW_BYTES = 256 << 10
 _CRC_PIECE_BYTES = 4 << 20

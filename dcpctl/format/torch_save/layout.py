@@ -19,10 +19,12 @@ from typing import Any, Sequence, TypeVar
 
 from dcpctl.errors import DataError
 from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
-from dcpctl.format.torch_save.zip_records import STORED, ReadRange, ZipRecord, locate_record, \
-    read_central_directory
+from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, STORED, ReadRange, ZipRecord,
+                                                  local_record_in, locate_record,
+                                                  read_central_directory)
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
+_FIRST_STORAGE_SUFFIX = "/data/0"
 _RECORDS_ROOM_BYTES = 64 << 10
 _MAX_PICKLE_BYTES = 1 << 20
 _LAYOUT_WINDOW_BYTES = 4096
@@ -76,6 +78,23 @@ class TorchSaveLayout:
     def payload_offset(self) -> int:
         """Offset in the archive of the tensor's first element."""
         return self.storage.data_offset + self.tensor.storage_offset * self.tensor.dtype.itemsize
+
+
+def find_payload_start(head: bytes) -> int | None:
+    """Where the bytes of the first storage record (`<prefix>/data/0`) begin in the head of a
+    torch.save archive read front to back, or None if the head does not show them (yet).
+    torch.save's local headers carry no sizes, so records are walked by name: each record of
+    the head is a local header, found by its signature."""
+    position = head.find(LOCAL_SIGNATURE)
+    while position >= 0:
+        record = local_record_in(head, position)
+        if record is None:
+            return None
+        name, data_offset = record
+        if name.endswith(_FIRST_STORAGE_SUFFIX):
+            return data_offset
+        position = head.find(LOCAL_SIGNATURE, position + len(LOCAL_SIGNATURE))
+    return None
 
 
 def max_tensor_archive_bytes(tensor_nbytes: int) -> int:

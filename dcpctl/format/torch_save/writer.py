@@ -21,6 +21,10 @@ import numpy
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
+from dcpctl.format.torch_save.zip_records import (CENTRAL_SIGNATURE, DATA_DESCRIPTOR_SIGNATURE,
+                                                  END_SIGNATURE, LOCAL_SIGNATURE,
+                                                  ZIP64_END_SIGNATURE, ZIP64_EXTRA_ID,
+                                                  ZIP64_LOCATOR_SIGNATURE)
 
 ARCHIVE_PREFIX = "archive/"
 _ALIGNMENT = 64
@@ -87,7 +91,7 @@ class ZipStreamWriter:
         start = self.position + 30 + len(encoded) + 4
         padding = (-start) % _ALIGNMENT
         extra = struct.pack("<HH", 0x4246, padding) + b"Z" * padding  # "FB" padding field
-        header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0,
+        header = struct.pack("<4sHHHHHIIIHH", LOCAL_SIGNATURE, 0, _FLAGS, 0, 0, 0, 0, 0, 0,
                              len(encoded), len(extra)) + encoded + extra
         self._entries.append((encoded, 0, 0, self.position))
         self.position += len(header)
@@ -98,9 +102,9 @@ class ZipStreamWriter:
         name, _, _, offset = self._entries[-1]
         self._entries[-1] = (name, crc, size, offset)
         if size >= _ZIP64_LIMIT:
-            descriptor = struct.pack("<IIQQ", 0x08074B50, crc, size, size)
+            descriptor = struct.pack("<4sIQQ", DATA_DESCRIPTOR_SIGNATURE, crc, size, size)
         else:
-            descriptor = struct.pack("<IIII", 0x08074B50, crc, size, size)
+            descriptor = struct.pack("<4sIII", DATA_DESCRIPTOR_SIGNATURE, crc, size, size)
         self.position += len(descriptor)
         return descriptor
 
@@ -123,18 +127,18 @@ class ZipStreamWriter:
         for name, crc, size, offset in self._entries:
             zip64 = b""
             if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
-                zip64 = struct.pack("<HHQQQ", 0x0001, 24, size, size, offset)
+                zip64 = struct.pack("<HHQQQ", ZIP64_EXTRA_ID, 24, size, size, offset)
             entries.append(struct.pack(
-                "<IHHHHHHIIIHHHHHII", 0x02014B50, 0x1E03 if zip64 else 0, 45 if zip64 else 0,
+                "<4sHHHHHHIIIHHHHHII", CENTRAL_SIGNATURE, 0x1E03 if zip64 else 0, 45 if zip64 else 0,
                 _FLAGS, 0, 0, 0, crc, min(size, _ZIP64_LIMIT), min(size, _ZIP64_LIMIT),
                 len(name), len(zip64), 0, 0, 0, 0, min(offset, _ZIP64_LIMIT)) + name + zip64)
         directory_bytes = sum(map(len, entries))
         count = len(self._entries)
         end64 = self.position + directory_bytes
-        end = (struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x1E03, 45, 0, 0, count, count,
+        end = (struct.pack("<4sQHHIIQQQQ", ZIP64_END_SIGNATURE, 44, 0x1E03, 45, 0, 0, count, count,
                            directory_bytes, start)
-               + struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
-               + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_bytes,
+               + struct.pack("<4sIQI", ZIP64_LOCATOR_SIGNATURE, 0, end64, 1)
+               + struct.pack("<4sHHHHIIH", END_SIGNATURE, 0, 0, count, count, directory_bytes,
                              min(start, _ZIP64_LIMIT), 0))
         return entries, end
 

@@ -21,17 +21,19 @@ ReadRange = Callable[[int, int], bytes]
 """read_range(start, length) -> exactly `length` bytes of the archive from `start`."""
 
 STORED = 0
-_END_SIGNATURE = b"PK\x05\x06"
-_ZIP64_LOCATOR_SIGNATURE = b"PK\x06\x07"
-_ZIP64_END_SIGNATURE = b"PK\x06\x06"
-_CENTRAL_SIGNATURE = b"PK\x01\x02"
+# The signatures that start each kind of zip record (APPNOTE.TXT, section 4.3).
 LOCAL_SIGNATURE = b"PK\x03\x04"
+DATA_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+CENTRAL_SIGNATURE = b"PK\x01\x02"
+ZIP64_END_SIGNATURE = b"PK\x06\x06"
+ZIP64_LOCATOR_SIGNATURE = b"PK\x06\x07"
+END_SIGNATURE = b"PK\x05\x06"
+ZIP64_EXTRA_ID = 0x0001
 _END = struct.Struct("<4s4H2IH")
 _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_END = struct.Struct("<4sQ2H2I4Q")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
-_ZIP64_EXTRA_ID = 0x0001
 _MAX_COMMENT_BYTES = 0xFFFF
 _FIRST_TAIL_BYTES = 1024
 
@@ -79,7 +81,7 @@ def read_central_directory(read_range: ReadRange,
         raise DataError("zip archive spans several disks")
     if end_offset >= _ZIP64_LOCATOR.size:
         locator = read_range(end_offset - _ZIP64_LOCATOR.size, _ZIP64_LOCATOR.size)
-        if locator.startswith(_ZIP64_LOCATOR_SIGNATURE):
+        if locator.startswith(ZIP64_LOCATOR_SIGNATURE):
             count, size_bytes, offset = _read_zip64_end(read_range, locator, end_offset)
     if offset + size_bytes > end_offset:
         raise DataError(f"zip central directory at bytes {offset}..{offset + size_bytes} runs "
@@ -93,12 +95,12 @@ def _find_end_record(read_range: ReadRange, archive_length: int) -> tuple[int, b
     for tail_length in sorted({min(_FIRST_TAIL_BYTES, longest_tail), longest_tail}):
         tail_start = archive_length - tail_length
         tail = read_range(tail_start, tail_length)
-        position = tail.rfind(_END_SIGNATURE, 0, tail_length - _END.size + 4)
+        position = tail.rfind(END_SIGNATURE, 0, tail_length - _END.size + 4)
         while position >= 0:
             (comment_length,) = struct.unpack_from("<H", tail, position + _END.size - 2)
             if position + _END.size + comment_length == tail_length:
                 return tail_start + position, tail[position:position + _END.size]
-            position = tail.rfind(_END_SIGNATURE, 0, position)
+            position = tail.rfind(END_SIGNATURE, 0, position)
     raise DataError(f"no zip end of central directory record in the last {longest_tail} bytes "
                     "(not a torch.save archive, or cut short)")
 
@@ -108,7 +110,7 @@ def _read_zip64_end(read_range: ReadRange, locator: bytes, end_offset: int) -> t
     if zip64_end_offset + _ZIP64_END.size > end_offset - _ZIP64_LOCATOR.size:
         raise DataError(f"zip64 end record offset {zip64_end_offset} lies past its locator")
     fields = _ZIP64_END.unpack(read_range(zip64_end_offset, _ZIP64_END.size))
-    if fields[0] != _ZIP64_END_SIGNATURE:
+    if fields[0] != ZIP64_END_SIGNATURE:
         raise DataError(f"no zip64 end of central directory record at byte {zip64_end_offset}")
     return fields[7], fields[8], fields[9]
 
@@ -124,7 +126,7 @@ def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> li
         signature, method, header_offset = fields[0], fields[4], fields[16]
         crc32, size_bytes, uncompressed_bytes, name_length, extra_length, comment_length = \
             fields[7:13]
-        if signature != _CENTRAL_SIGNATURE:
+        if signature != CENTRAL_SIGNATURE:
             raise DataError(f"no zip central directory entry at byte {where}")
         name_start = position + _CENTRAL.size
         extra_start = name_start + name_length
@@ -151,7 +153,7 @@ def _apply_zip64_extra(extra: bytes, uncompressed_bytes: int, size_bytes: int,
         field_id, field_length = struct.unpack_from("<HH", extra, position)
         body = extra[position + 4:position + 4 + field_length]
         position += 4 + field_length
-        if field_id != _ZIP64_EXTRA_ID:
+        if field_id != ZIP64_EXTRA_ID:
             continue
         numbers = iter(struct.unpack_from(f"<{len(body) // 8}Q", body))
         for index, needed in enumerate(wanted):
@@ -160,6 +162,22 @@ def _apply_zip64_extra(extra: bytes, uncompressed_bytes: int, size_bytes: int,
         if None not in values:
             return values[1], values[2]
     raise DataError(f"zip record {name!r} lacks the zip64 extra field its sizes call for")
+
+
+def local_record_in(head: bytes, position: int) -> tuple[str, int] | None:
+    """The name and data offset of the local header at `position` of head (the first bytes of
+    an archive), or None when head ends before the name and extra field do."""
+    if position + _LOCAL_HEADER.size > len(head):
+        return None
+    signature, _, _, _, _, _, _, _, _, name_length, extra_length = _LOCAL_HEADER.unpack_from(
+        head, position)
+    if signature != LOCAL_SIGNATURE:
+        raise DataError(f"no zip local header at byte {position}")
+    name_start = position + _LOCAL_HEADER.size
+    data_offset = name_start + name_length + extra_length
+    if data_offset > len(head):
+        return None
+    return head[name_start:name_start + name_length].decode("utf-8", "replace"), data_offset
 
 
 def locate_record(read_range: ReadRange, entry: CentralEntry, data_limit: int) -> ZipRecord:

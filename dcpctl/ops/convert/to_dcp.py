@@ -20,13 +20,15 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
-from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata, ItemKey,
-                                   StorageInfo, StorageMeta, TensorMetadata, TensorProperties)
-from dcpctl.format.safetensors import SafetensorsTensor, read_safetensors_model
-from dcpctl.format.checkpoint.sharding import RankChunk, shard_dim0_chunks
-from dcpctl.format.torch_save.writer import iter_torch_save_archive
 from dcpctl.format.checkpoint.publishing import CheckpointOutput
+from dcpctl.format.checkpoint.sharding import RankChunk, shard_dim0_chunks
+from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
+from dcpctl.format.file_names import rank_file_name
+from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
+                                            MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
+                                            TensorProperties)
+from dcpctl.format.safetensors import SafetensorsTensor, read_safetensors_model
+from dcpctl.format.torch_save.writer import iter_torch_save_archive
 from dcpctl.ops.convert.report import ConvertReport, ProgressCallback, WrittenFile, run_in_order
 from dcpctl.ops.convert.tensor_bytes import torch_dtype
 from dcpctl.pipeline import default_thread_count
@@ -132,8 +134,8 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
     """A tensor of a torch.save file, from its meta-device placeholder."""
     import torch
 
-    from dcpctl.ops.convert.tensor_bytes import bytes_of
     from dcpctl.format.torch_save.skeleton import storage_file_offset
+    from dcpctl.ops.convert.tensor_bytes import bytes_of
 
     if type(placeholder) is not torch.Tensor or placeholder.layout != torch.strided:
         raise UnsupportedLayoutError(f"{path}: {'.'.join(map(str, key_path))!r} is a "
@@ -192,11 +194,11 @@ def _item_bytes(item: _Item) -> Iterator[bytes]:
 def write_dcp(entries: list[SourceEntry], ranks: int, output: CheckpointOutput, threads: int,
               on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
     """Write every rank's file and publish the metadata naming them."""
-    storage_data: dict[ItemKey, StorageInfo] = {}
+    storage_data: dict[MetadataIndex, StorageInfo] = {}
     files = []
     total_bytes = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries if e.is_tensor)
     for rank, items in enumerate(plan_items(entries, ranks)):
-        name = f"__{rank}_0.distcp"
+        name = rank_file_name(rank)
         writer = output.data_file(name)
 
         def write(item: _Item, pieces) -> None:
@@ -204,7 +206,7 @@ def write_dcp(entries: list[SourceEntry], ranks: int, output: CheckpointOutput, 
             for piece in pieces:
                 writer.write(piece)
             offsets = None if item.chunk is None else item.chunk.offsets
-            storage_data[ItemKey(item.entry.fqn, offsets, item.chunk_index)] = StorageInfo(
+            storage_data[MetadataIndex(item.entry.fqn, offsets, item.chunk_index)] = StorageInfo(
                 name, start, writer.size_bytes - start)
             if on_progress is not None and item.chunk is not None:
                 on_progress(math.prod(item.chunk.sizes) * item.entry.dtype.itemsize, total_bytes)

@@ -12,14 +12,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcpctl.format.checkpoint.view import HF_INDEX_FILE_NAME, Checkpoint, open_checkpoint
+from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
+from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.dtypes import DType
-from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor,
-                                       encode_header, encode_index, plan_shards,
-                                       shard_file_name)
-from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                   cast_dtype, counted_pieces, run_in_order, sync_and_close)
+from dcpctl.format.file_names import HF_INDEX_FILE_NAME
+from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor, encode_header,
+                                       encode_index, plan_shards, shard_file_name)
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
+from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
+                                       cast_dtype, counted_pieces, run_in_order, sync_and_close)
 from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.staging import StagedOutput
@@ -56,8 +57,9 @@ def plan_safetensors(checkpoint: Checkpoint, selection: KeySelection, cast_to: D
     return SafetensorsPlan(files, len(checkpoint.tensors) - len(tensors), len(checkpoint.objects))
 
 
-def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: Path,
-                      threads: int, on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
+def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, payloads: PayloadReader,
+                      directory: Path, threads: int,
+                      on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
     """Write every planned file (and the index when there are several) into directory."""
     total_bytes = sum(tensor.nbytes for tensor in plan.tensors)
     written_files = []
@@ -72,7 +74,8 @@ def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: 
                                             total_bytes):
                     stream.write(piece)
 
-            run_in_order(lambda tensor: iter_tensor_bytes(checkpoint, tensor.entry, tensor.dtype),
+            run_in_order(lambda tensor: iter_tensor_bytes(payloads, checkpoint, tensor.entry,
+                                                          tensor.dtype),
                          tensors, write, threads)
             size_bytes = stream.tell()
             sync_and_close(stream)
@@ -100,7 +103,9 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
     staged = StagedOutput(Path(output), overwrite)
     try:
-        files = write_safetensors(plan, checkpoint, staged.path, threads, on_progress)
+        with open_payload_reader(Path(output)) as payloads:
+            files = write_safetensors(plan, checkpoint, payloads, staged.path, threads,
+                                      on_progress)
         staged.publish()
     except BaseException:
         staged.abort()

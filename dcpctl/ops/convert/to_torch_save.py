@@ -22,16 +22,17 @@ from pathlib import Path
 
 import torch
 
-from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.format.checkpoint.items import locate_object, read_item
+from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry, open_checkpoint
 from dcpctl.format.dtypes import DType
-from dcpctl.format.checkpoint.items import locate_item, read_item
-from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
-from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                   cast_dtype, counted_pieces, run_in_order, sync_and_close)
-from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
-from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes, torch_dtype
 from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
+from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
+from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
+from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
+                                       cast_dtype, counted_pieces, run_in_order, sync_and_close)
+from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes, torch_dtype
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.staging import StagedOutput
 
@@ -107,7 +108,8 @@ def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
                          len(checkpoint.objects) - len(objects))
 
 
-def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, stream, threads: int,
+def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, payloads: PayloadReader,
+                     stream, threads: int,
                      on_progress: ProgressCallback | None = None) -> None:
     """Write the planned entries to stream as one torch.save archive."""
     stored, state_pickle = _pickle_state(plan, checkpoint)
@@ -128,7 +130,8 @@ def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, stream, thread
         archive.position += tensor.nbytes
         stream.write(archive.data_descriptor(crc, tensor.nbytes))
 
-    run_in_order(lambda task: iter_tensor_bytes(checkpoint, task[1].entry, task[1].dtype),
+    run_in_order(lambda task: iter_tensor_bytes(payloads, checkpoint, task[1].entry,
+                                                task[1].dtype),
                  list(enumerate(stored)), write, threads)
     stream.write(archive.record(ARCHIVE_PREFIX + "version", b"3\n"))
     serialization_id = f"{zlib.crc32(state_pickle):040d}".encode()
@@ -161,8 +164,8 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     plan = plan_torch_save(checkpoint, selection, cast_to)
     staged = StagedOutput(Path(output), overwrite, is_directory=False)
     try:
-        with open(staged.path, "xb") as stream:
-            write_torch_save(plan, checkpoint, stream, threads, on_progress)
+        with open(staged.path, "xb") as stream, open_payload_reader(Path(output)) as payloads:
+            write_torch_save(plan, checkpoint, payloads, stream, threads, on_progress)
             size_bytes = stream.tell()
             sync_and_close(stream)
         staged.publish()
@@ -182,9 +185,7 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
 
 def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
     """A non-tensor entry, unpickled with torch's weights_only loader (no code runs)."""
-    if entry.storage is None:
-        raise DataError(f"{checkpoint.path}: object {entry.fqn!r} has no storage entry")
-    location = locate_item(checkpoint, entry.fqn, entry.storage, is_tensor=False)
+    location = locate_object(checkpoint, entry)
     try:
         value = torch.load(io.BytesIO(read_item(location)), weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways

@@ -3,21 +3,18 @@
 `json.dumps(report.to_json(), separators=(",", ":"))` is the reference. For a checkpoint of a
 hundred thousand tensors, building that dict takes longer than reading the metadata, so the
 tensors and objects are written here with f-strings, and each distinct shape, offset list,
-file name and dtype is encoded once. tests/ops/test_inspect.py holds both texts to the same
-bytes.
+file name and dtype is encoded once. tests/ops/inspection/test_inspection.py holds both texts to
+the same bytes.
 """
 
 from __future__ import annotations
 
 import json
 from json.encoder import encode_basestring_ascii as json_string  # json.dumps' own, in C
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import Any, Callable, Hashable
 
 from dcpctl.format.checkpoint.view import ObjectEntry, TensorEntry
 from dcpctl.format.metadata.records import ChunkMetadata
-
-if TYPE_CHECKING:
-    from dcpctl.ops.inspection.report import InspectReport
 
 
 def compact_json(value: Any) -> str:
@@ -25,13 +22,13 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), default=str)
 
 
-def inspect_report_json_text(report: InspectReport) -> str:
-    """The compact JSON text of `report.to_json()`, without building that dict."""
-    summary = compact_json(report.summary_json())
-    objects = ",".join([_object_json(entry) for entry in report.objects])
-    return "".join([summary[:-1], ',"tensors":[', _tensors_json(report.tensors),
-                    '],"objects":[', objects, '],"files":', compact_json(report.files_json()),
-                    "}"])
+def inspect_report_json_text(summary: dict, tensors: list[TensorEntry],
+                             objects: list[ObjectEntry], files: list[dict]) -> str:
+    """The compact JSON text of an inspect report's dict (its summary keys, then `tensors`,
+    `objects` and `files`), written from the entries without building their dicts."""
+    objects_text = ",".join([_object_json(entry) for entry in objects])
+    return "".join([compact_json(summary)[:-1], ',"tensors":[', _tensors_json(tensors),
+                    '],"objects":[', objects_text, '],"files":', compact_json(files), "}"])
 
 
 def _tensors_json(tensors: list[TensorEntry]) -> str:

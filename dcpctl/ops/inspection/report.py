@@ -9,10 +9,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from dcpctl.format.checkpoint.view import Checkpoint, DataFile, ObjectEntry, TensorEntry, \
-    open_checkpoint
+from dcpctl.cycle_collector import paused_cycle_collector
+from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, TensorEntry,
+                                           open_checkpoint)
 from dcpctl.format.codecs.names import describe_codec
-from dcpctl.cycle_collector import paused_garbage_collection
 from dcpctl.ops.inspection.json_text import inspect_report_json_text
 
 
@@ -36,7 +36,7 @@ class InspectReport:
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
-        with paused_garbage_collection():
+        with paused_cycle_collector():
             return {**self.summary_json(),
                     "tensors": [_tensor_json(tensor) for tensor in self.tensors],
                     "objects": [_object_json(entry) for entry in self.objects],
@@ -44,8 +44,9 @@ class InspectReport:
 
     def to_json_text(self) -> str:
         """`to_json()` encoded compactly, as `json.dumps(..., separators=(",", ":"))` would."""
-        with paused_garbage_collection():
-            return inspect_report_json_text(self)
+        with paused_cycle_collector():
+            return inspect_report_json_text(self.summary_json(), self.tensors, self.objects,
+                                            self.files_json())
 
     def summary_json(self) -> dict:
         """The keys of `to_json()` that come before its tensors, objects and files."""
@@ -95,7 +96,7 @@ def _object_json(entry: ObjectEntry) -> dict:
 
 def inspect_checkpoint(path: str | os.PathLike, fqn_glob: str | None = None) -> InspectReport:
     """Summarize a checkpoint; `fqn_glob` keeps only tensors and objects whose fqn matches."""
-    with paused_garbage_collection():
+    with paused_cycle_collector():
         return build_inspect_report(open_checkpoint(path), fqn_glob)
 
 

@@ -11,8 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dcpctl.errors import CheckpointNotFoundError, DcpctlError, describe_os_error
-from dcpctl.format.checkpoint.checksums import SHA256SUMS_FILE_NAME
-from dcpctl.format.metadata.reading import METADATA_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.ops.inspection.report import inspect_checkpoint
 
 # A checkpoint name is an optional word (letters, words joined by `_`), an optional `-` or `_`,

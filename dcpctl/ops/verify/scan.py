@@ -12,24 +12,33 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
-from dcpctl.errors import DataError, UnsafePathError, UnsupportedLayoutError
-from dcpctl.format.torch_save.archive_check import ArchiveCheck, ArchiveStreamCheck, spooled_read_range
+from dcpctl.errors import DcpctlError, UnsafePathError
+from dcpctl.format.checkpoint.items import ItemLocation, decode_stored_pieces
+from dcpctl.format.checkpoint.problems import Problem
 from dcpctl.format.checkpoint.view import resolve_inside
-from dcpctl.format.codecs.registry import Codec, codec_for_descriptors
-from dcpctl.format.checkpoint.items import read_safetensors_header
-from dcpctl.format.torch_save.layout import max_tensor_archive_bytes
-from dcpctl.ops.verify.structure import Problem, StoredItem
+from dcpctl.format.safetensors import read_safetensors_header
+from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
+                                                    spooled_read_range)
+from dcpctl.ops.verify.structure import StoredItem
 
 PIECE_BYTES = 4 << 20
 _UNIT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ArchiveItem:
+    """An item read as a torch.save archive (or raw bytes): what the metadata says of it and
+    where and how its bytes are stored."""
+
+    item: StoredItem
+    location: ItemLocation
 
 
 @dataclass
@@ -40,18 +49,18 @@ class ScanUnit:
     name: str
     path: Path
     expected_sha256: str | None = None
-    archive_items: list[StoredItem] = field(default_factory=list)
+    archive_items: list[ArchiveItem] = field(default_factory=list)
     safetensors_items: list[StoredItem] = field(default_factory=list)
     read_bytes: int = 0
 
 
-def plan_scan(directory: Path, archive_items: list[StoredItem],
+def plan_scan(directory: Path, archive_items: list[ArchiveItem],
               safetensors_items: list[StoredItem], sums: dict[str, str]) -> list[ScanUnit]:
     """The units that hash every file listed in `sums` and check the given items, largest
     first. Files that are missing or unsafe to open are left out (reported elsewhere)."""
-    archives_by_file: dict[str, list[StoredItem]] = defaultdict(list)
-    for item in archive_items:
-        archives_by_file[item.storage.relative_path].append(item)
+    archives_by_file: dict[str, list[ArchiveItem]] = defaultdict(list)
+    for archive in archive_items:
+        archives_by_file[archive.item.storage.relative_path].append(archive)
     safetensors_by_file: dict[str, list[StoredItem]] = defaultdict(list)
     for item in safetensors_items:
         safetensors_by_file[item.storage.relative_path].append(item)
@@ -62,24 +71,24 @@ def plan_scan(directory: Path, archive_items: list[StoredItem],
             size_bytes = path.stat().st_size
         except (OSError, UnsafePathError):
             continue
-        items = sorted(archives_by_file[name], key=lambda item: item.storage.offset)
+        archives = sorted(archives_by_file[name], key=lambda archive: archive.location.start)
         if name in sums:
-            units.append(ScanUnit(name, path, sums[name], items, safetensors_by_file[name],
+            units.append(ScanUnit(name, path, sums[name], archives, safetensors_by_file[name],
                                   size_bytes))
             continue
-        units += _split_into_units(name, path, items)
+        units += _split_into_units(name, path, archives)
         if safetensors_by_file[name]:
             units.append(ScanUnit(name, path, safetensors_items=safetensors_by_file[name]))
     return sorted(units, key=lambda unit: -unit.read_bytes)
 
 
-def _split_into_units(name: str, path: Path, items: list[StoredItem]) -> list[ScanUnit]:
+def _split_into_units(name: str, path: Path, archives: list[ArchiveItem]) -> list[ScanUnit]:
     units: list[ScanUnit] = []
-    for item in items:
+    for archive in archives:
         if not units or units[-1].read_bytes >= _UNIT_BYTES:
             units.append(ScanUnit(name, path))
-        units[-1].archive_items.append(item)
-        units[-1].read_bytes += item.storage.length
+        units[-1].archive_items.append(archive)
+        units[-1].read_bytes += archive.location.length
     return units
 
 
@@ -103,8 +112,8 @@ def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
     try:
         with open(unit.path, "rb", buffering=0) as stream:
             cursor = _FileCursor(stream.fileno(), unit.expected_sha256 is not None, advance)
-            for item in unit.archive_items:
-                problems += check_archive_item(item, unit.name, cursor)
+            for archive in unit.archive_items:
+                problems += check_archive_item(archive, unit.name, cursor)
             for item in unit.safetensors_items:
                 problems += check_safetensors_item(item, unit.name, unit.path)
             if unit.expected_sha256 is not None:
@@ -113,7 +122,7 @@ def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
                     problems.append(Problem(
                         "checksum-mismatch", f"SHA-256 is {actual}, SHA256SUMS says "
                         f"{unit.expected_sha256}", unit.name, 0, cursor.position,
-                        tuple(dict.fromkeys(item.fqn for item in unit.archive_items))))
+                        tuple(dict.fromkeys(archive.item.fqn for archive in unit.archive_items))))
     except OSError as error:
         problems.append(Problem("read-error", f"cannot read: {error.strerror or error}",
                                 unit.name))
@@ -130,12 +139,23 @@ class _FileCursor:
         self.position = 0
         self.advance = advance
 
-    def open_range(self, start: int, length: int) -> _RangeReader:
-        """A reader of bytes [start, start + length); hashed in passing when it can be."""
-        sequential = self.digest is not None and start >= self.position
+    def iter_range(self, start: int, length: int, again: bool = False) -> Iterator[bytes]:
+        """Bytes [start, start + length) in pieces, ending early where the file does; hashed
+        in passing when they are next in the file. again: a second read, not counted."""
+        sequential = not again and self.digest is not None and start >= self.position
         if sequential:
             self._hash_until(start)
-        return _RangeReader(self, start, length, sequential)
+        end = start + length
+        while start < end:
+            piece = os.pread(self.descriptor, min(PIECE_BYTES, end - start), start)
+            if not piece:
+                return
+            start += len(piece)
+            if sequential:
+                self._take(piece)
+            elif not again and self.digest is None:
+                self.advance(len(piece))
+            yield piece
 
     def hash_to_end(self) -> str:
         """Hash the rest of the file; its hex SHA-256."""
@@ -148,101 +168,69 @@ class _FileCursor:
             piece = os.pread(self.descriptor, wanted, self.position)
             if not piece:
                 return
-            self.take(piece)
+            self._take(piece)
 
-    def take(self, piece: bytes) -> None:
+    def _take(self, piece: bytes) -> None:
         """Count (and hash) bytes read in order at the current position."""
         self.digest.update(piece)
         self.position += len(piece)
         self.advance(len(piece))
 
 
-class _RangeReader:
-    """`read(size)` over a byte range of the cursor's file."""
-
-    def __init__(self, cursor: _FileCursor, start: int, length: int, sequential: bool) -> None:
-        self._cursor = cursor
-        self._position = start
-        self._end = start + length
-        self._sequential = sequential
-
-    def read(self, size: int = -1) -> bytes:
-        wanted = self._end - self._position
-        if size is not None and 0 <= size < wanted:
-            wanted = size
-        piece = os.pread(self._cursor.descriptor, wanted, self._position) if wanted else b""
-        self._position += len(piece)
-        if len(piece) < wanted:
-            self._end = self._position
-        if self._sequential:
-            self._cursor.take(piece)
-        elif self._cursor.digest is None:
-            self._cursor.advance(len(piece))
-        return piece
-
-
-def check_archive_item(item: StoredItem, file_name: str, cursor: _FileCursor) -> list[Problem]:
+def check_archive_item(archive: ArchiveItem, file_name: str,
+                       cursor: _FileCursor) -> list[Problem]:
     """Decode one torch.save item and check its records and tensor."""
-    storage = item.storage
-    where = dict(file=file_name, start=storage.offset, end=item.end, fqns=(item.fqn,))
-    try:
-        codec = codec_for_descriptors(storage.transform_descriptors)
-    except UnsupportedLayoutError as error:
-        return [Problem("unsupported-transform", f"item cannot be decoded: {error}", **where)]
+    item, location = archive.item, archive.location
+    where = dict(file=file_name, start=location.start, end=location.end, fqns=(item.fqn,))
     stream_check = ArchiveStreamCheck()
-    decoded = codec.open_reader(cursor.open_range(storage.offset, storage.length))
-    max_bytes = max_tensor_archive_bytes(item.chunk_nbytes) \
-        if item.tensor is not None and codec.descriptors else math.inf
-    decoded_bytes = 0
     try:
-        while piece := decoded.read(PIECE_BYTES):
-            decoded_bytes += len(piece)
-            if decoded_bytes > max_bytes:
-                raise DataError(f"more than {max_bytes} bytes come out, more than a torch.save "
-                                "archive of its chunk holds")
+        for piece in decode_stored_pieces(location,
+                                          cursor.iter_range(location.start, location.length)):
             stream_check.update(piece)
-    except DataError as error:
-        return [Problem("decode", f"item does not decode: {error}", **where)]
+    except DcpctlError as error:
+        return [Problem("decode", f"item does not decode: {error.message}", **where)]
     if item.tensor is None and not stream_check.starts_like_zip():
         return []  # raw bytes: nothing more to check
     try:
-        archive = stream_check.finish(item.tensor is not None,
-                                      lambda: _open_random_access(cursor, item, codec))
-    except DataError as error:
-        return [Problem("archive", f"item is not an intact torch.save archive: {error}", **where)]
-    return _archive_problems(item, archive, codec, where)
+        checked = stream_check.finish(item.tensor is not None,
+                                      lambda: _open_random_access(cursor, location))
+    except DcpctlError as error:
+        return [Problem("archive", f"item is not an intact torch.save archive: "
+                        f"{error.message}", **where)]
+    return _archive_problems(archive, checked, where)
 
 
 @contextlib.contextmanager
-def _open_random_access(cursor: _FileCursor, item: StoredItem, codec: Codec):
+def _open_random_access(cursor: _FileCursor, location: ItemLocation):
     """Random reads of the decoded item: straight from the file when stored plainly, else
     decoded once more into a temporary file."""
-    storage = item.storage
-    if not codec.descriptors:
-        yield lambda start, count: os.pread(cursor.descriptor, count, storage.offset + start)
+    if not location.codec.descriptors:
+        yield lambda start, count: os.pread(cursor.descriptor, count, location.start + start)
         return
-    decoded = codec.open_reader(_RangeReader(cursor, storage.offset, storage.length, False))
-    with spooled_read_range(iter(lambda: decoded.read(PIECE_BYTES), b"")) as read_range:
+    decoded = decode_stored_pieces(location, cursor.iter_range(location.start, location.length,
+                                                               again=True))
+    with spooled_read_range(decoded) as read_range:
         yield read_range
 
 
-def _archive_problems(item: StoredItem, archive: ArchiveCheck, codec: Codec,
+def _archive_problems(archive: ArchiveItem, checked: ArchiveCheck,
                       where: dict) -> list[Problem]:
+    item, location = archive.item, archive.location
     problems = []
-    decoded = "decoded " if codec.descriptors else ""
-    for record, actual_crc in archive.crc_mismatches:
+    decoded = "decoded " if location.codec.descriptors else ""
+    for record, actual_crc in checked.crc_mismatches:
         place = dict(where)
-        if not codec.descriptors:
-            place.update(start=item.storage.offset + record.data_offset,
-                         end=item.storage.offset + record.data_end)
+        if not location.codec.descriptors:
+            place.update(start=location.start + record.data_offset,
+                         end=location.start + record.data_end)
         problems.append(Problem(
             "crc-mismatch", f"record {record.name!r} (bytes {record.data_offset}.."
             f"{record.data_end} of the {decoded}item) has CRC-32 {actual_crc:08x}, its archive "
             f"says {record.crc32:08x}", **place))
-    if archive.layout_error is not None:
+    if checked.layout_error is not None:
         problems.append(Problem("archive", f"tensor item is not a torch.save archive of one "
-                                f"tensor: {archive.layout_error}", **where))
-    layout = archive.layout
+                                f"tensor: {checked.layout_error}", **where))
+    layout = checked.layout
     if layout is None or item.tensor is None:
         return problems
     saved, expected_sizes = layout.tensor, tuple(item.chunk.sizes)
@@ -266,8 +254,8 @@ def check_safetensors_item(item: StoredItem, file_name: str, path: Path) -> list
         entry = header.get(item.fqn)
         begin, end = entry["data_offsets"]
         dtype_code, shape = entry["dtype"], tuple(entry["shape"])
-    except DataError as error:
-        return [Problem("safetensors-header", str(error).removeprefix(f"{path}: "), **where)]
+    except DcpctlError as error:
+        return [Problem("safetensors-header", error.message, **where)]
     except (TypeError, KeyError, ValueError):
         return [Problem("safetensors-header", "the safetensors header has no valid entry for "
                         "this fqn", **where)]

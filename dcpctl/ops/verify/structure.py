@@ -6,21 +6,9 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry
+from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry, find_file_problems
 from dcpctl.format.metadata.records import ChunkMetadata, StorageInfo
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a checkpoint: the rule broken, where (file and byte range
-    [start, end), when known) and the fqns affected."""
-
-    rule: str
-    message: str
-    file: str | None = None
-    start: int | None = None
-    end: int | None = None
-    fqns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,33 +53,12 @@ def is_safetensors_tensor(checkpoint: Checkpoint, item: StoredItem) -> bool:
 def check_structure(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
     """Missing and truncated files, overlapping items, chunks that do not tile their tensor,
     entries without storage, and stored lengths that contradict dtype and shape."""
-    problems = _file_problems(checkpoint, items)
+    problems = find_file_problems(checkpoint)
     problems += _overlapping_items(checkpoint, items)
     problems += _storage_link_problems(checkpoint)
     for tensor in checkpoint.tensors:
         problems += _chunk_cover_problems(tensor)
     problems += _stored_length_problems(checkpoint, items)
-    return problems
-
-
-def _file_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
-    by_file: dict[str, list[StoredItem]] = defaultdict(list)
-    for item in items:
-        by_file[item.storage.relative_path].append(item)
-    problems = []
-    for name, file_items in sorted(by_file.items()):
-        size_bytes = checkpoint.files[name].size_bytes
-        if size_bytes is None:
-            problems.append(Problem("missing-file", f"missing data file, named by "
-                                    f"{len(file_items)} items", name,
-                                    fqns=_fqns_of(file_items)))
-            continue
-        past_end = [item for item in file_items if item.end > size_bytes]
-        if past_end:
-            end = max(item.end for item in past_end)
-            problems.append(Problem("truncated", f"file is {size_bytes} bytes, but "
-                                    f"{len(past_end)} items end past it, the last at byte {end}",
-                                    name, size_bytes, end, _fqns_of(past_end)))
     return problems
 
 
@@ -198,7 +165,3 @@ def _stored_length_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> 
                 f"({nbytes} bytes)", item.storage.relative_path, item.storage.offset, item.end,
                 (item.fqn,)))
     return problems
-
-
-def _fqns_of(items: list[StoredItem]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(item.fqn for item in items))

@@ -8,14 +8,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
+from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnsafePathError,
+                           UnsupportedLayoutError)
+from dcpctl.format.checkpoint.checksums import read_sha256sums
+from dcpctl.format.checkpoint.items import locate_item
+from dcpctl.format.checkpoint.problems import Problem
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
-from dcpctl.format.checkpoint.checksums import SHA256SUMS_FILE_NAME, read_sha256sums
-from dcpctl.format.metadata.reading import METADATA_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
+from dcpctl.ops.verify.scan import ArchiveItem, plan_scan, run_scan
+from dcpctl.ops.verify.structure import (StoredItem, check_structure, is_safetensors_tensor,
+                                         list_stored_items)
 from dcpctl.pipeline import default_thread_count
-from dcpctl.ops.verify.scan import plan_scan, run_scan
-from dcpctl.ops.verify.structure import Problem, StoredItem, check_structure, \
-    is_safetensors_tensor, list_stored_items
 
 OK, DAMAGED, INCOMPLETE = "ok", "damaged", "incomplete"
 
@@ -59,27 +62,26 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int |
         checkpoint = open_checkpoint(directory, check_files=False)
     except IncompleteCheckpointError as error:
         report.status = INCOMPLETE
-        report.problems.append(Problem("incomplete", _without_path(error, directory)))
+        report.problems.append(Problem("incomplete", error.message))
         return report
     except (MetadataError, UnsafePathError) as error:
         checkpoint = None
-        report.problems.append(Problem(
-            "metadata", _without_path(error, directory, METADATA_FILE_NAME), METADATA_FILE_NAME))
+        report.problems.append(Problem("metadata", error.message, METADATA_FILE_NAME))
     try:
         sums = read_sha256sums(directory)
     except DataError as error:
         sums = None
-        report.problems.append(Problem("checksums-file", _without_path(error, directory),
-                                       SHA256SUMS_FILE_NAME))
+        report.problems.append(Problem("checksums-file", error.message, SHA256SUMS_FILE_NAME))
     report.checksummed_files = None if sums is None else len(sums)
     items = list_stored_items(checkpoint) if checkpoint is not None else []
     if checkpoint is not None:
         report.problems += check_structure(checkpoint, items)
     report.problems += _listing_problems(directory, checkpoint, sums, report.problems)
-    archive_items, safetensors_items = _items_to_read(checkpoint, items, deep)
+    archive_items, safetensors_items, undecodable = _items_to_read(checkpoint, items, deep)
+    report.problems += undecodable
     units = plan_scan(directory, archive_items, safetensors_items, sums or {})
     report.problems += run_scan(units, threads or default_thread_count(), on_progress)
-    report.items_checked = len(archive_items) + len(safetensors_items)
+    report.items_checked = len(archive_items) + len(safetensors_items) + len(undecodable)
     report.bytes_read = sum(unit.read_bytes for unit in units)
     report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))
     if report.problems:
@@ -87,23 +89,16 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int |
     return report
 
 
-def _without_path(error: Exception, directory: Path, file_name: str = "") -> str:
-    """The error's message less the leading path the problem already names."""
-    message = str(error)
-    for prefix in (f"{directory / file_name}: ", f"{directory}/", f"{directory}: "):
-        if message.startswith(prefix):
-            return message[len(prefix):]
-    return message
-
-
-def _items_to_read(checkpoint: Checkpoint | None, items: list[StoredItem],
-                   deep: bool) -> tuple[list[StoredItem], list[StoredItem]]:
+def _items_to_read(checkpoint: Checkpoint | None, items: list[StoredItem], deep: bool
+                   ) -> tuple[list[ArchiveItem], list[StoredItem], list[Problem]]:
     """For a deep check, the items to read, in two kinds: torch.save items (or raw bytes) that
-    lie whole inside a file that is there, and tensors of SAFETENSORS-serialized files."""
-    archive_items: list[StoredItem] = []
+    lie whole inside a file that is there, and tensors of SAFETENSORS-serialized files; and
+    the problems of items under transforms dcpctl cannot decode."""
+    archive_items: list[ArchiveItem] = []
     safetensors_items: list[StoredItem] = []
+    undecodable: list[Problem] = []
     if not deep or checkpoint is None:
-        return archive_items, safetensors_items
+        return archive_items, safetensors_items, undecodable
     for item in items:
         size_bytes = checkpoint.files[item.storage.relative_path].size_bytes
         if size_bytes is None:
@@ -111,8 +106,16 @@ def _items_to_read(checkpoint: Checkpoint | None, items: list[StoredItem],
         if is_safetensors_tensor(checkpoint, item):
             safetensors_items.append(item)
         elif item.end <= size_bytes:
-            archive_items.append(item)
-    return archive_items, safetensors_items
+            try:
+                location = locate_item(checkpoint, item.fqn, item.storage,
+                                       item.chunk_nbytes if item.tensor is not None else None)
+            except UnsupportedLayoutError as error:
+                undecodable.append(Problem(
+                    "unsupported-transform", f"item cannot be decoded: {error.message}",
+                    item.storage.relative_path, item.storage.offset, item.end, (item.fqn,)))
+                continue
+            archive_items.append(ArchiveItem(item, location))
+    return archive_items, safetensors_items, undecodable
 
 
 def _listing_problems(directory: Path, checkpoint: Checkpoint | None, sums: dict[str, str] | None,

@@ -7,13 +7,14 @@ import os
 
 import pytest
 import torch
-from conftest import FIXTURE_NAMES, fixture_path, load_with_torch
+from conftest import FIXTURE_NAMES, fixture_path, item_locations, load_with_torch
 
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
                            MetadataError, UnsafePathError, UnsupportedLayoutError)
+from dcpctl.format.checkpoint.items import (StoredSpan, iter_item_pieces, locate_chunk,
+                                            locate_object, read_item)
 from dcpctl.format.checkpoint.view import SAFETENSORS, open_checkpoint
-from dcpctl.format.checkpoint.items import StoredSpan, iter_item_pieces, locate_item, open_item_stream, \
-    read_item
+from dcpctl.format.codecs.base import PieceStream
 from dcpctl.format.metadata.reading import read_metadata
 
 
@@ -27,7 +28,7 @@ def test_every_item_decodes_to_what_torch_loads(name):
     reference = load_with_torch(fixture_path(name)) if name != "safetensors_fsdp2_2ranks" else None
     for tensor in checkpoint.tensors:
         for chunk in tensor.chunks:
-            location = locate_item(checkpoint, tensor.fqn, chunk.storage, True)
+            location = locate_chunk(checkpoint, tensor, chunk)
             data = read_item(location)
             if checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS:
                 dtype = getattr(torch, tensor.dtype.name)
@@ -37,7 +38,7 @@ def test_every_item_decodes_to_what_torch_loads(name):
             value = torch.load(io.BytesIO(data), weights_only=True)
             assert torch.equal(value, _chunk_of(reference[tensor.fqn], chunk.offsets, chunk.sizes))
     for entry in checkpoint.objects:
-        data = read_item(locate_item(checkpoint, entry.fqn, entry.storage, False))
+        data = read_item(locate_object(checkpoint, entry))
         value = torch.load(io.BytesIO(data), weights_only=False)
         if reference is not None:
             assert value == reference[entry.fqn]
@@ -47,10 +48,10 @@ def test_item_stream_reads_in_small_pieces():
     checkpoint = open_checkpoint(fixture_path("zstd_fsdp2_2ranks"))
     tensor = checkpoint.tensors[0]
     chunk = tensor.chunks[0]
-    location = locate_item(checkpoint, tensor.fqn, chunk.storage, True)
+    location = locate_chunk(checkpoint, tensor, chunk)
     whole = read_item(location)
     assert b"".join(iter_item_pieces(location, piece_bytes=7)) == whole
-    with open_item_stream(location) as stream:
+    with io.BufferedReader(PieceStream(iter_item_pieces(location, piece_bytes=5))) as stream:
         assert stream.read(3) + stream.read() == whole
     assert torch.load(io.BytesIO(whole), weights_only=True).shape == chunk.sizes
 
@@ -110,31 +111,31 @@ def test_truncated_data_file(copy_fixture):
     items = [(info.offset + info.length, key.fqn) for key, info in
              read_metadata(checkpoint).storage_data.items() if info.relative_path == "__2_0.distcp"]
     end, fqn = max(items, key=lambda item: item[0])  # the first of equal ends
-    assert f"item {fqn!r} ends at byte {end}" in str(raised.value)
+    assert f"(item {fqn!r}) at byte {end}" in str(raised.value)
 
 
 def test_items_read_as_one_span_are_their_own_bytes_and_a_short_file_names_the_item(
         copy_fixture):
     checkpoint_path = copy_fixture("fsdp2_adamw_3ranks")
     checkpoint = open_checkpoint(checkpoint_path)
-    entries = sorted(((info.offset, key.fqn, info) for key, info in
-                      checkpoint.metadata.storage_data.items()
-                      if info.relative_path == "__2_0.distcp"), key=lambda entry: entry[0])
-    locations = [locate_item(checkpoint, fqn, info, fqn in {t.fqn for t in checkpoint.tensors})
-                 for _, fqn, info in entries]
+    by_key = item_locations(checkpoint)
+    locations = [by_key[key] for key in sorted(
+        (key for key, info in checkpoint.metadata.storage_data.items()
+         if info.relative_path == "__2_0.distcp"),
+        key=lambda key: checkpoint.metadata.storage_data[key].offset)]
     first, last = locations[0], locations[-1]
     span = StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
     for location in locations:
         assert b"".join(iter_item_pieces(location, span=span)) == read_item(location)
     os.truncate(checkpoint_path / "__2_0.distcp", last.start + 1)
     short_span = StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
-    with pytest.raises(DataError, match=rf"__2_0.distcp: truncated: item {last.fqn!r} needs "
-                                        rf"bytes {last.start}..{last.start + last.length}, "
-                                        rf"the file ends at {last.start + 1}"):
+    with pytest.raises(DataError, match=rf"__2_0.distcp: item {last.fqn!r} at bytes "
+                                        rf"{last.start}..{last.start + last.length}: truncated: "
+                                        rf"the file ends at byte {last.start + 1}"):
         b"".join(iter_item_pieces(last, span=short_span))
     (checkpoint_path / "__2_0.distcp").unlink()
-    with pytest.raises(DataError, match=rf"__2_0.distcp: missing data file \(item "
-                                        rf"{first.fqn!r}\)"):
+    with pytest.raises(DataError, match=rf"__2_0.distcp: item {first.fqn!r}: missing data "
+                                        rf"file"):
         StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
 
 
@@ -149,7 +150,7 @@ def test_corrupt_zstd_item_names_file_and_item(copy_fixture):
         data[position] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(DataError, match=f"{chunk.storage.relative_path}.*{tensor.fqn}"):
-        read_item(locate_item(checkpoint, tensor.fqn, chunk.storage, True))
+        read_item(locate_chunk(checkpoint, tensor, chunk))
 
 
 def _rewrite_paths(checkpoint_dir, new_path):

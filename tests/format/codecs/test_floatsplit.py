@@ -13,13 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcpctl.errors import DataError
+from dcpctl.format.codecs.base import PayloadHint, iter_decoded
+from dcpctl.format.codecs.floatsplit.planes import (BFLOAT16, FLOAT16, FLOAT32, LAYOUTS_BY_CODE,
+                                                    join_planes, split_planes)
+from dcpctl.format.codecs.floatsplit.stream_format import (END_BLOCK, FLOATS_BLOCK, FLOATS_HEADER,
+                                                           MAGIC, STREAM_HEADER)
 from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR, describe_codec
-from dcpctl.format.codecs.registry import PayloadHint, codec_for_descriptors, floatsplit_codec, \
-    iter_decoded
-from dcpctl.format.codecs.floatsplit.planes import BFLOAT16, FLOAT16, FLOAT32, LAYOUTS_BY_CODE, \
-    join_planes, split_planes
-from dcpctl.format.codecs.floatsplit.encoder import END_BLOCK, FLOATS_BLOCK, FLOATS_HEADER, MAGIC, \
-    STREAM_HEADER, find_payload_start
+from dcpctl.format.codecs.registry import codec_for_descriptors, floatsplit_codec
+from dcpctl.format.torch_save.layout import find_payload_start
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex32,
           torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,

@@ -15,7 +15,8 @@ from conftest import FIXTURE_NAMES, fixture_path, torch_metadata
 
 from dcpctl.errors import MetadataError, UnsafeMetadataError
 from dcpctl.format.dtypes import DTYPES_BY_NAME, DTYPES_BY_SAFETENSORS_CODE, dtype_by_name
-from dcpctl.format.metadata.reading import parse_metadata, read_metadata, serialize_metadata
+from dcpctl.format.metadata.reading import parse_metadata, read_metadata
+from dcpctl.format.metadata.writing import serialize_metadata
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -56,7 +57,8 @@ def test_a_container_that_contains_itself_is_refused():
 
 def test_reading_and_writing_metadata_do_not_import_torch():
     code = ("import sys; from dcpctl.ops.inspection.report import inspect_checkpoint; "
-            "from dcpctl.format.metadata.reading import read_metadata, serialize_metadata; "
+            "from dcpctl.format.metadata.reading import read_metadata; "
+            "from dcpctl.format.metadata.writing import serialize_metadata; "
             f"inspect_checkpoint({str(fixture_path('fsdp2_adamw_3ranks'))!r}); "
             f"serialize_metadata(read_metadata({str(fixture_path('mesh2d_4ranks'))!r})); "
             "print('torch' in sys.modules)")

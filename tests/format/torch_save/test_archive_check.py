@@ -11,9 +11,10 @@ import torch
 from conftest import FIXTURE_NAMES, fixture_path
 from test_zip_records import reader_of
 
-from dcpctl.format.torch_save.archive_check import ArchiveStreamCheck, check_archive, spooled_read_range
+from dcpctl.format.checkpoint.items import locate_chunk, locate_object, read_item
 from dcpctl.format.checkpoint.view import SAFETENSORS, open_checkpoint
-from dcpctl.format.checkpoint.items import locate_item, read_item
+from dcpctl.format.torch_save.archive_check import (ArchiveStreamCheck, check_archive,
+                                                    spooled_read_range)
 
 
 def fixture_items():
@@ -23,10 +24,10 @@ def fixture_items():
         for tensor in checkpoint.tensors:
             for chunk in tensor.chunks:
                 if checkpoint.files[chunk.storage.relative_path].serialization != SAFETENSORS:
-                    location = locate_item(checkpoint, tensor.fqn, chunk.storage, True)
+                    location = locate_chunk(checkpoint, tensor, chunk)
                     yield f"{name}:{tensor.fqn}", read_item(location), True
         for entry in checkpoint.objects:
-            location = locate_item(checkpoint, entry.fqn, entry.storage, False)
+            location = locate_object(checkpoint, entry)
             yield f"{name}:{entry.fqn}", read_item(location), False
 
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dcpctl.errors import OutputError, SelectionError, UnsupportedLayoutError
+from dcpctl.format.checkpoint.payloads import PayloadReader
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.ops.convert import to_safetensors
@@ -82,10 +83,10 @@ def test_dtype_casts_floating_tensors_only(name, tmp_path):
             assert converted[fqn].dtype == expected.dtype and torch.equal(converted[fqn], expected)
 
 
-def test_row_split_tensors_stream_a_chunk_at_a_time():
+def test_row_split_tensors_stream_a_chunk_at_a_time(tmp_path):
     checkpoint = open_checkpoint(fixture_path("fsdp2_adamw_3ranks"))
     embed = next(t for t in checkpoint.tensors if t.fqn == "model.embed.weight")
-    pieces = list(iter_tensor_bytes(checkpoint, embed))
+    pieces = list(iter_tensor_bytes(PayloadReader(tmp_path), checkpoint, embed))
     assert [len(piece) for piece in pieces] == [4 * 6 * 4, 4 * 6 * 4, 2 * 6 * 4]
 
 
@@ -232,11 +233,11 @@ def test_refusals(tmp_path):
 
 
 def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
-    def fail_on_second_tensor(checkpoint, tensor, dtype=None):
+    def fail_on_second_tensor(payloads, checkpoint, tensor, dtype=None):
         fail_on_second_tensor.calls += 1
         if fail_on_second_tensor.calls == 2:
             raise RuntimeError("disk on fire")
-        return iter_tensor_bytes(checkpoint, tensor, dtype)
+        return iter_tensor_bytes(payloads, checkpoint, tensor, dtype)
 
     fail_on_second_tensor.calls = 0
     monkeypatch.setattr(to_safetensors, "iter_tensor_bytes", fail_on_second_tensor)

@@ -8,7 +8,8 @@ import json
 import pytest
 from conftest import FIXTURE_NAMES, MANIFEST, fixture_path, torch_metadata
 
-from dcpctl.format.metadata.reading import read_metadata, serialize_metadata
+from dcpctl.format.metadata.reading import read_metadata
+from dcpctl.format.metadata.writing import serialize_metadata
 from dcpctl.ops.inspection.report import inspect_checkpoint
 
 

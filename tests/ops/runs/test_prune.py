@@ -8,10 +8,8 @@ import pytest
 from conftest import add_checkpoint, fail_rmtree_part_way, tree_listing
 
 from dcpctl.errors import LockHeldError, UnsafePathError
-from dcpctl.ops.runs.prune import (
-    LOCK_FILE_NAME, RetentionRules, delete_checkpoint_directory, hold_prune_lock,
-    prune_run_directory,
-)
+from dcpctl.ops.runs.prune import (LOCK_FILE_NAME, RetentionRules, delete_checkpoint_directory,
+                                   hold_prune_lock, prune_run_directory)
 
 HOUR, DAY = 3600, 86400
 

@@ -10,7 +10,6 @@ stream.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -18,20 +17,17 @@ import numpy
 import zstandard
 
 from dcpctl.errors import DataError
-from dcpctl.format.codecs.floatsplit.planes import LAYOUTS_BY_CODE, FloatLayout, join_planes, scratch_plane
-from dcpctl.format.codecs.floatsplit.encoder import BYTES_BLOCK, END_BLOCK, END_HEADER, FLOATS_BLOCK, \
-    FLOATS_HEADER, MAGIC, MAX_STREAM_BYTES, RAW_CODING, STREAM_HEADER, ZSTD_CODING
+from dcpctl.format.codecs.floatsplit.planes import (LAYOUTS_BY_CODE, FloatLayout, join_planes,
+                                                    scratch_plane)
+from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, END_HEADER,
+                                                           FLOATS_BLOCK, FLOATS_HEADER, MAGIC,
+                                                           MAX_STREAM_BYTES, RAW_CODING,
+                                                           STREAM_HEADER, ZSTD_CODING)
+from dcpctl.format.codecs.per_thread import PerThread
 
 _SMALL_STREAM_BYTES = 64 << 10
-_decompressors = threading.local()
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's zstd decompressor, reused from stream to stream."""
-    decompressor = getattr(_decompressors, "decompressor", None)
-    if decompressor is None:
-        decompressor = _decompressors.decompressor = zstandard.ZstdDecompressor()
-    return decompressor
+# This thread's zstd decompressor, reused from stream to stream.
+_decompressors: PerThread[zstandard.ZstdDecompressor] = PerThread(zstandard.ZstdDecompressor)
 
 
 @dataclass
@@ -206,7 +202,7 @@ class FloatSplitDecoder:
             if claimed not in (-1, stream.decoded_bytes):
                 raise self._damage_at(stream.position, f"a zstd frame claims {claimed} bytes, "
                                                        f"its header {stream.decoded_bytes}")
-            decoded = _decompressor().decompress(stream.stored,
+            decoded = _decompressors.get().decompress(stream.stored,
                                                     max_output_size=stream.decoded_bytes)
         except zstandard.ZstdError as error:
             raise self._undecodable(stream, error) from None
@@ -224,7 +220,7 @@ class FloatSplitDecoder:
 
     def _decompress_into(self, stored: memoryview, target) -> tuple[int, bytes]:
         """Decompress a zstd frame into target; the bytes filled and any beyond it."""
-        reader = _decompressor().stream_reader(stored)
+        reader = _decompressors.get().stream_reader(stored)
         filled = 0
         with memoryview(target) as window:
             while filled < len(window):

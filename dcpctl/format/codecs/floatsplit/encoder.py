@@ -2,69 +2,45 @@
 
 A tensor item is a torch.save archive: some framing, the tensor's raw bytes, more framing. The
 encoder codes the framing with plain zstd and cuts the raw bytes into blocks of whole elements,
-each split into byte planes (float_planes) that are coded on their own (plane_zstd): the
+each split into byte planes (planes.py) that are coded on their own (plane_zstd.py): the
 exponent plane as Huffman-coded zstd literals (which reach the plane's order-0 entropy), the
 sign and mantissa planes the same way, each stored raw where coding does not pay. Blocks are
 independent and small, so both directions stream with bounded memory. The byte layout is
-documented in docs/floatsplit.md; decoding (floatsplit_decoder) needs nothing but the stream.
+documented in docs/floatsplit.md and stream_format.py; decoding (decoder.py) needs nothing but
+the stream.
 """
 
 from __future__ import annotations
 
-import struct
-import threading
-
 import zstandard
 
-from dcpctl.format.codecs.registry import PayloadHint
-from dcpctl.format.codecs.floatsplit.planes import layout_for_block, layout_for_dtype, split_planes
+from dcpctl.format.codecs.base import PayloadHint
 from dcpctl.format.codecs.floatsplit.plane_zstd import plane_compressor
+from dcpctl.format.codecs.floatsplit.planes import layout_for_block, layout_for_dtype, split_planes
+from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, END_HEADER,
+                                                           FLOATS_BLOCK, FLOATS_HEADER, MAGIC,
+                                                           MAX_BLOCK_BYTES, RAW_CODING,
+                                                           STREAM_HEADER, ZSTD_CODING)
+from dcpctl.format.codecs.per_thread import PerThread
+from dcpctl.format.torch_save.layout import find_payload_start
 
-MAGIC = b"DCFS"
-END_BLOCK, BYTES_BLOCK, FLOATS_BLOCK = 0, 1, 2
-RAW_CODING, ZSTD_CODING = 0, 1
-MAX_BLOCK_BYTES = 4 << 20
-MAX_STREAM_BYTES = 16 << 20  # what a decoder accepts; larger claims are damage
 _MIN_BLOCK_BYTES = 1 << 20
 # A stream is stored coded only if that saves this fraction of it: decoding a nearly random
 # mantissa plane costs as much time as decoding the exponent plane, for a fraction of a percent.
 MIN_CODING_GAIN = 0.03
 _MIN_SPLIT_BYTES = 16 << 10
 _HEAD_SEARCH_BYTES = 64 << 10
-STREAM_HEADER = struct.Struct("<BII")  # coding, decoded length, stored length
-FLOATS_HEADER = struct.Struct("<BBI")  # block kind, layout code, element count
-END_HEADER = struct.Struct("<BQ")  # block kind, decoded length of the whole item
-_ZIP_LOCAL_HEADER = b"PK\x03\x04"
-_ZIP_LOCAL_HEADER_BYTES = 30
-_compressors = threading.local()
+# This thread's compressors for plain bytes, by level.
+_compressors: PerThread[dict[int, zstandard.ZstdCompressor]] = PerThread(dict)
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """This thread's compressor for plain bytes at `level`. Reused, as making one costs more
-    than coding a small stream; fetched at each use, as an encoder may move between threads."""
-    cache = getattr(_compressors, "cache", None)
-    if cache is None:
-        cache = _compressors.cache = {}
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
-    return cache[level]
-
-
-def find_payload_start(head: bytes) -> int | None:
-    """Where the bytes of record `<archive>/data/0` begin in the head of a torch.save archive, or
-    None if the head does not show them (yet). Local headers of torch.save carry no sizes, so
-    the record is found by its name."""
-    position = head.find(_ZIP_LOCAL_HEADER)
-    while 0 <= position and position + _ZIP_LOCAL_HEADER_BYTES <= len(head):
-        name_bytes, extra_bytes = struct.unpack_from("<HH", head, position + 26)
-        name_end = position + _ZIP_LOCAL_HEADER_BYTES + name_bytes
-        if name_end > len(head):
-            return None
-        if head[name_end - 7:name_end] == b"/data/0":
-            start = name_end + extra_bytes
-            return start if start <= len(head) else None
-        position = head.find(_ZIP_LOCAL_HEADER, position + 4)
-    return None
+    """This thread's compressor for plain bytes at `level`."""
+    cache = _compressors.get()
+    compressor = cache.get(level)
+    if compressor is None:
+        compressor = cache[level] = zstandard.ZstdCompressor(level=level)
+    return compressor
 
 
 class FloatSplitEncoder:

@@ -14,13 +14,14 @@ zstd frame that records its content size and no checksum.
 
 from __future__ import annotations
 
-import threading
-
 import numpy
 import zstandard
 
+from dcpctl.format.codecs.per_thread import PerThread
+
 try:
-    from zstandard.backend_cffi import ffi as _ffi, lib as _lib
+    from zstandard.backend_cffi import ffi as _ffi
+    from zstandard.backend_cffi import lib as _lib
 except ImportError:  # cffi is not installed, or this zstandard was built without it
     _ffi = _lib = None
 
@@ -36,7 +37,6 @@ SAMPLE_SLICES, MIN_SLICE_BYTES, MAX_SLICE_BYTES = 8, 1 << 10, 4 << 10
 _MIN_MATCH_SAVING = 0.20  # of the sample, for the whole plane to be coded with matches
 # A sample that Huffman coding cannot shrink by 1% is nearly random: it has no runs either.
 _RANDOM_SAMPLE_RATIO = 0.99
-_local = threading.local()
 
 
 class _LiteralCompressor:
@@ -117,10 +117,11 @@ class PlaneCompressor:
         return slices.reshape(-1)
 
 
+_plane_compressors: PerThread[PlaneCompressor] = PerThread(
+    lambda: PlaneCompressor(literal_coding_available()))
+
+
 def plane_compressor() -> PlaneCompressor:
     """This thread's plane compressor, reused: making its contexts costs more than coding a
     small plane."""
-    compressor = getattr(_local, "compressor", None)
-    if compressor is None:
-        compressor = _local.compressor = PlaneCompressor(literal_coding_available())
-    return compressor
+    return _plane_compressors.get()

@@ -9,12 +9,12 @@ reused from block to block: fresh multi-megabyte allocations would cost a page f
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy
 
 from dcpctl.errors import DataError
+from dcpctl.format.codecs.per_thread import PerThread
 
 _BIT_7 = numpy.uint8(0x80)
 _SHIFTED_SLOT, _EXCHANGED_SLOT, _PAIR_SLOTS = 8, 9, 10  # scratch slots 0..7 hold planes
@@ -23,7 +23,8 @@ _WORD_TYPES = {size: numpy.dtype(f"<u{size}") for size in (1, 2, 4, 8)}
 _WIDENED = {size: (_WORD_TYPES[2 * size], _WORD_TYPES[2 * size].type(1 << (8 * size)))
             for size in (1, 2, 4)}
 _SIGN_PROBE_ELEMENTS = 4096
-_scratch = threading.local()
+# This thread's scratch buffers, by slot.
+_scratch: PerThread[dict[int, numpy.ndarray]] = PerThread(dict)
 
 
 @dataclass(frozen=True)
@@ -157,9 +158,7 @@ def _scratch_words(slot: int, count: int, word_type: numpy.dtype) -> numpy.ndarr
 
 
 def _scratch_bytes(slot: int, size_bytes: int) -> numpy.ndarray:
-    buffers = getattr(_scratch, "buffers", None)
-    if buffers is None:
-        buffers = _scratch.buffers = {}
+    buffers = _scratch.get()
     buffer = buffers.get(slot)
     if buffer is None or len(buffer) < size_bytes:
         buffer = buffers[slot] = numpy.empty(size_bytes, dtype=numpy.uint8)

@@ -1,0 +1,17 @@
+"""The names of the files a DCP checkpoint directory holds, and of those beside it."""
+
+from __future__ import annotations
+
+METADATA_FILE_NAME = ".metadata"
+"""The pickled metadata; torch writes it last, so a directory without it is incomplete."""
+METADATA_TEMPORARY_FILE_NAME = f"{METADATA_FILE_NAME}.tmp"
+"""What torch writes `.metadata` as before its atomic rename: a save that is still running."""
+DATA_FILE_SUFFIX = ".distcp"
+SHA256SUMS_FILE_NAME = "SHA256SUMS"
+HF_INDEX_FILE_NAME = "model.safetensors.index.json"
+"""The index of sharded safetensors files (Hugging Face's layout, also torch's HF writer)."""
+
+
+def rank_file_name(rank: int) -> str:
+    """The data file of a rank, as torch's FileSystemWriter names it (one file per rank)."""
+    return f"__{rank}_0{DATA_FILE_SUFFIX}"
