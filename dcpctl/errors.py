@@ -104,3 +104,15 @@ class PartialFailureError(DcpctlError):
 class SelectionError(DcpctlError):
     """A conversion's include/exclude/rename options select nothing or give two entries one
     name."""
+
+
+def missing_file_error(path: str | os.PathLike, fqn: str | None = None) -> DataError:
+    """The error of a read that finds its data file gone."""
+    return DataError("missing data file", path=path, fqn=fqn)
+
+
+def truncated_error(path: str | os.PathLike, fqn: str | None, start: int, end: int,
+                    file_end: int) -> DataError:
+    """The error of a read of bytes [start, end) that finds the file ending at file_end."""
+    return DataError(f"truncated: the file ends at byte {file_end}", path=path, fqn=fqn,
+                     start=start, end=end)

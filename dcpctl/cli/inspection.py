@@ -102,7 +102,8 @@ def _shape_text(shape: tuple[int, ...]) -> str:
 def render_files(report: InspectReport) -> str:
     """One row per data file."""
     rows = [(f.name, format_bytes(f.size_bytes), f.serialization, f.item_count,
-             ", ".join(f"{codec} {count}" for codec, count in report.codecs_by_file[f.name].items()))
+             ", ".join(f"{codec} {count}"
+                       for codec, count in report.codecs_by_file[f.name].items()))
             for f in report.files]
     return format_table(("FILE", "SIZE", "SERIALIZATION", "ITEMS", "COMPRESSION"), rows,
                         right_aligned=(1, 3))

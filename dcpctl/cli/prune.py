@@ -98,8 +98,8 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     print_report(report, as_json, render_prune)
     failed = report.with_status(FAILED)
     if failed:
-        raise PartialFailureError(f"{run_dir}: {len(failed)} of {len(report.to_delete)} "
-                                  f"checkpoint deletions failed; first: {failed[0].error}")
+        raise PartialFailureError(f"{len(failed)} of {len(report.to_delete)} checkpoint "
+                                  f"deletions failed; first: {failed[0].error}", path=run_dir)
 
 
 def render_prune(report: PruneReport) -> str:

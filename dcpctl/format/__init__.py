@@ -1,1 +1,4 @@
-"""The DCP on-disk format: metadata, stored items and stream codecs. Never prints, never uses click."""
+"""The DCP on-disk format: metadata, torch.save archives, stream codecs and the checkpoint view.
+
+Never prints, never uses click.
+"""

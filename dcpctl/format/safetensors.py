@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.errors import DataError, UnsupportedLayoutError, missing_file_error
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
 
@@ -51,7 +51,7 @@ def read_safetensors_header(path: Path, blob_offset: int = 0) -> tuple[dict, int
     except (ValueError, UnicodeDecodeError) as error:
         raise DataError(f"{where} is not JSON ({error})", path=path) from None
     except FileNotFoundError:
-        raise DataError("missing data file", path=path) from None
+        raise missing_file_error(path) from None
     if not isinstance(header, dict):
         raise DataError(f"{where} is not an object", path=path)
     return header, blob_offset + 8 + header_bytes

@@ -1,1 +1,2 @@
-"""The checkpoint view: a directory's metadata joined with its files, items, payloads, sharding, publishing, checksums."""
+"""The checkpoint view: a directory's metadata joined with its files; items, payloads, sharding,
+publishing and checksums."""

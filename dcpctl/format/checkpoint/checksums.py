@@ -69,7 +69,7 @@ def read_sha256sums(directory: Path) -> dict[str, str] | None:
     except FileNotFoundError:
         return None
     except UnicodeDecodeError:
-        raise DataError(f"{path}: not a text file of `sha256sum` lines") from None
+        raise DataError("not a text file of `sha256sum` lines", path=path) from None
     return parse_sha256sums(text, str(path))
 
 

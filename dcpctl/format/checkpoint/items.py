@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from dcpctl.errors import DataError, DcpctlError, UnsupportedLayoutError
-from dcpctl.format.checkpoint.problems import missing_file_error, truncated_error
+from dcpctl.errors import (DataError, DcpctlError, UnsupportedLayoutError, missing_file_error,
+                           truncated_error)
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, ObjectEntry, TensorEntry
 from dcpctl.format.codecs.base import iter_decoded
 from dcpctl.format.codecs.registry import IDENTITY, Codec, codec_for_descriptors

@@ -25,9 +25,8 @@ from typing import Iterable, Iterator
 
 import numpy
 
-from dcpctl.errors import DataError, DcpctlError
+from dcpctl.errors import DataError, DcpctlError, truncated_error
 from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces
-from dcpctl.format.checkpoint.problems import truncated_error
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_layout
 from dcpctl.format.torch_save.zip_records import ReadRange

@@ -1,1 +1,2 @@
-"""Stream codecs keyed by DCP transform descriptor: identity, zstd and floatsplit, and torch extensions."""
+"""Stream codecs keyed by DCP transform descriptor (identity, zstd, floatsplit), and torch
+extensions for them."""

@@ -1,1 +1,2 @@
-"""DCP `.metadata`: its records, safe (allowlisted) reading, structure checks, torch-free writing."""
+"""DCP `.metadata`: its records, safe (allowlisted) reading, structure checks, torch-free
+writing."""

@@ -1,1 +1,2 @@
-"""`torch.save` archives read and written without torch: zip records, tensor layout, CRC-32 checks."""
+"""`torch.save` archives read and written without torch: zip records, tensor layout, CRC-32
+checks."""

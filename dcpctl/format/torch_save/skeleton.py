@@ -24,17 +24,18 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
         try:
             records = read_zip_records(read_range, path.stat().st_size)
         except DataError as error:
-            raise UnsupportedLayoutError(f"{path}: not a torch.save zip archive ({error}; the "
-                                         "legacy format of torch < 1.6 is not supported)") from None
+            raise UnsupportedLayoutError(f"not a torch.save zip archive ({error}; the legacy "
+                                         "format of torch < 1.6 is not supported)",
+                                         path=path) from None
         byteorder = next((r for r in records if r.name.endswith("/byteorder")), None)
         if byteorder and read_range(byteorder.data_offset, byteorder.size_bytes) != b"little":
-            raise UnsupportedLayoutError(f"{path}: saved on a big-endian machine")
+            raise UnsupportedLayoutError("saved on a big-endian machine", path=path)
     try:
         skeleton = torch.load(path, map_location="meta", weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
         raise UnsupportedLayoutError(
-            f"{path}: cannot be loaded with weights_only=True "
-            f"({str(error).splitlines()[0]})") from None
+            f"cannot be loaded with weights_only=True "
+            f"({str(error).splitlines()[0]})", path=path) from None
     storages = {record.data_offset: record.size_bytes for record in records
                 if record.name.partition("/")[2].startswith("data/")}
     return skeleton, storages
@@ -46,9 +47,9 @@ def storage_file_offset(path: Path, placeholder: torch.Tensor, records: dict[int
     offset = getattr(placeholder.untyped_storage(), "_checkpoint_offset", None)
     needed = placeholder.untyped_storage().nbytes()
     if offset is None or records.get(offset, -1) < needed:
-        raise UnsupportedLayoutError(f"{path}: cannot tell where a tensor's bytes lie (torch "
+        raise UnsupportedLayoutError(f"cannot tell where a tensor's bytes lie (torch "
                                      f"points at byte {offset}, where no storage record of "
-                                     f"{needed} bytes starts)")
+                                     f"{needed} bytes starts)", path=path)
     return offset
 
 
@@ -68,5 +69,5 @@ def refuse_tensors_in_object(path: Path, fqn: str, value: Any) -> None:
     """Objects are carried as pickles; one holding tensors is refused, as its tensors would
     come out empty."""
     if next(find_tensors(value), None) is not None:
-        raise UnsupportedLayoutError(f"{path}: {fqn!r} is an object holding tensors, which "
-                                     "dcpctl does not carry inside objects")
+        raise UnsupportedLayoutError(f"{fqn!r} is an object holding tensors, which "
+                                     "dcpctl does not carry inside objects", path=path)

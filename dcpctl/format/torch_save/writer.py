@@ -129,9 +129,10 @@ class ZipStreamWriter:
             if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
                 zip64 = struct.pack("<HHQQQ", ZIP64_EXTRA_ID, 24, size, size, offset)
             entries.append(struct.pack(
-                "<4sHHHHHHIIIHHHHHII", CENTRAL_SIGNATURE, 0x1E03 if zip64 else 0, 45 if zip64 else 0,
-                _FLAGS, 0, 0, 0, crc, min(size, _ZIP64_LIMIT), min(size, _ZIP64_LIMIT),
-                len(name), len(zip64), 0, 0, 0, 0, min(offset, _ZIP64_LIMIT)) + name + zip64)
+                "<4sHHHHHHIIIHHHHHII", CENTRAL_SIGNATURE, 0x1E03 if zip64 else 0,
+                45 if zip64 else 0, _FLAGS, 0, 0, 0, crc, min(size, _ZIP64_LIMIT),
+                min(size, _ZIP64_LIMIT), len(name), len(zip64), 0, 0, 0, 0,
+                min(offset, _ZIP64_LIMIT)) + name + zip64)
         directory_bytes = sum(map(len, entries))
         count = len(self._entries)
         end64 = self.position + directory_bytes

@@ -85,8 +85,8 @@ def counted_pieces(source: str, tensor: OutputTensor, pieces: Iterable[bytes],
             on_progress(len(piece), total_bytes)
         yield piece
     if written != tensor.nbytes:
-        raise DataError(f"{source}: tensor {tensor.entry.fqn!r} gave {written} bytes, not the "
-                        f"{tensor.nbytes} its shape needs")
+        raise DataError(f"tensor {tensor.entry.fqn!r} gave {written} bytes, not the "
+                        f"{tensor.nbytes} its shape needs", path=source)
 
 
 def cast_dtype(dtype: DType, cast_to: DType | None) -> DType:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.errors import DataError, UnsupportedLayoutError, truncated_error
 from dcpctl.format.checkpoint.publishing import CheckpointOutput
 from dcpctl.format.checkpoint.sharding import RankChunk, shard_dim0_chunks
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
@@ -75,7 +75,7 @@ def read_source(source: Path, prefix: str) -> tuple[str, list[SourceEntry]]:
     (`model.` puts every key under `model`)."""
     prefix_path = tuple(part for part in prefix.split(".") if part)
     if not source.exists():
-        raise DataError(f"{source}: no such file or directory")
+        raise DataError("no such file or directory", path=source)
     if source.is_dir() or source.suffix == ".safetensors":
         return "safetensors", [_safetensors_entry(path, tensor, prefix_path)
                                for path, tensor in read_safetensors_model(source)]
@@ -96,10 +96,11 @@ def _read_rows(path: Path, start: int, dtype: DType, shape: tuple[int, ...],
     first_element = chunk.offsets[0] * math.prod(shape[1:]) if chunk.offsets else 0
     length = math.prod(chunk.sizes) * dtype.itemsize
     buffer = bytearray(length)
+    offset = start + first_element * dtype.itemsize
     with open(path, "rb", buffering=0) as stream:
-        stream.seek(start + first_element * dtype.itemsize)
-        if stream.readinto(buffer) != length:
-            raise DataError(f"{path}: ends inside a tensor at byte {start}")
+        count = os.preadv(stream.fileno(), [buffer], offset)
+    if count != length:
+        raise truncated_error(path, None, offset, offset + length, offset + count)
     return buffer
 
 
@@ -113,11 +114,11 @@ def _torch_save_entries(path: Path, prefix_path: tuple) -> list[SourceEntry]:
 
     state, records = open_torch_save(path)
     if not isinstance(state, dict):
-        raise UnsupportedLayoutError(f"{path}: holds a {type(state).__name__}, not a state dict")
+        raise UnsupportedLayoutError(f"holds a {type(state).__name__}, not a state dict", path=path)
     try:
         flat, key_paths = flatten_state_dict(state)
     except ValueError as error:  # two keys flatten to one fqn
-        raise DataError(f"{path}: {error}") from None
+        raise DataError(f"{error}", path=path) from None
     entries = []
     for fqn, value in flat.items():
         key_path = prefix_path + tuple(key_paths[fqn])
@@ -138,9 +139,9 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
     from dcpctl.ops.convert.tensor_bytes import bytes_of
 
     if type(placeholder) is not torch.Tensor or placeholder.layout != torch.strided:
-        raise UnsupportedLayoutError(f"{path}: {'.'.join(map(str, key_path))!r} is a "
+        raise UnsupportedLayoutError(f"{'.'.join(map(str, key_path))!r} is a "
                                      f"{type(placeholder).__name__} ({placeholder.layout}), "
-                                     "not a plain tensor")
+                                     "not a plain tensor", path=path)
     dtype = dtype_by_name(str(placeholder.dtype))
     shape = tuple(placeholder.shape)
     start = (storage_file_offset(path, placeholder, records)

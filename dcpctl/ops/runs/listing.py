@@ -76,11 +76,11 @@ class RunDirectoryScan:
 def check_run_directory(directory: Path) -> None:
     """Refuse a run directory that is missing, not a directory, or itself a checkpoint."""
     if not directory.is_dir():
-        raise CheckpointNotFoundError(f"{directory}: no such directory; give the run directory "
-                                      "that holds the checkpoint directories")
+        raise CheckpointNotFoundError("no such directory; give the run directory "
+                                      "that holds the checkpoint directories", path=directory)
     if (directory / METADATA_FILE_NAME).exists():
-        raise CheckpointNotFoundError(f"{directory}: is a checkpoint itself (holds "
-                                      f"{METADATA_FILE_NAME}); give the run directory above it")
+        raise CheckpointNotFoundError(f"is a checkpoint itself (holds {METADATA_FILE_NAME}); "
+                                      "give the run directory above it", path=directory)
 
 
 def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:

@@ -180,8 +180,8 @@ def delete_checkpoint_directory(path: Path) -> None:
     incomplete checkpoint rather than one that looks complete. Refuses a symlink."""
     # Checked again here, not only when scanning: the entry may have been swapped since.
     if not stat.S_ISDIR(os.lstat(path).st_mode):
-        raise UnsafePathError(f"{path}: no longer a real directory (a symlink or file now?); "
-                              "not deleted")
+        raise UnsafePathError("no longer a real directory (a symlink or file now?); "
+                              "not deleted", path=path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path / METADATA_FILE_NAME)
     # rmtree refuses a symlink given to it and unlinks (never follows) symlinks inside.
@@ -201,8 +201,9 @@ def hold_prune_lock(run_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             stream.seek(0)
             holder = stream.read().strip() or "unknown"
-            raise LockHeldError(f"{path}: another dcpctl prune (pid {holder}) is pruning this "
-                                "run directory; nothing was changed, try again later") from None
+            raise LockHeldError(f"another dcpctl prune (pid {holder}) is pruning this run "
+                                "directory; nothing was changed, try again later",
+                                path=path) from None
         stream.truncate(0)
         stream.write(f"{os.getpid()}\n")
         stream.flush()

@@ -1,1 +1,2 @@
-"""The floatsplit codec (`dcpctl.floatsplit/1`): float payloads split into byte planes, each entropy-coded."""
+"""The floatsplit codec (`dcpctl.floatsplit/1`): float payloads split into byte planes, each
+entropy-coded."""
