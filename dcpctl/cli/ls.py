@@ -6,7 +6,8 @@ import click
 
 from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.render import format_age, format_bytes, format_table, print_report
-from dcpctl.ops.runs.listing import CheckpointEntry, IgnoredEntry, ListReport, list_run_directory
+from dcpctl.ops.runs.listing import ListReport, list_run_directory
+from dcpctl.ops.runs.scan import CheckpointEntry, IgnoredEntry
 
 CHECKPOINT_HEADERS = ("STEP", "CHECKPOINT", "STATE", "SIZE", "AGE")
 

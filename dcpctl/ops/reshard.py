@@ -30,9 +30,9 @@ from dcpctl.format.checkpoint.publishing import CheckpointOutput
 from dcpctl.format.checkpoint.sharding import shard_dim0_chunks
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
-from dcpctl.format.codecs.registry import Codec, codec_by_name, codec_for_descriptors
 # Named here for the command line, which reaches the format only through the operations.
 from dcpctl.format.codecs.registry import CODEC_NAMES  # noqa: F401
+from dcpctl.format.codecs.registry import Codec, codec_by_name, codec_for_descriptors
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import rank_file_name
 from dcpctl.format.metadata.records import ChunkMetadata, MetadataIndex, StorageInfo

@@ -21,8 +21,8 @@ from typing import Iterator
 
 from dcpctl.errors import DcpctlError, LockHeldError, UnsafePathError, describe_os_error
 from dcpctl.format.file_names import METADATA_FILE_NAME
-from dcpctl.ops.runs.listing import (CheckpointEntry, IgnoredEntry, check_run_directory,
-                                     scan_run_directory)
+from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_directory,
+                                  scan_run_directory)
 
 LOCK_FILE_NAME = ".dcpctl-prune.lock"
 KEPT, WOULD_DELETE, DELETED, FAILED = "kept", "would delete", "deleted", "failed"

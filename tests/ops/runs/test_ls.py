@@ -8,7 +8,8 @@ import pytest
 from conftest import add_checkpoint, back_date, fixture_path
 
 from dcpctl.errors import CheckpointNotFoundError
-from dcpctl.ops.runs.listing import list_run_directory, parse_step, scan_run_directory
+from dcpctl.ops.runs.listing import list_run_directory
+from dcpctl.ops.runs.scan import parse_step, scan_run_directory
 
 HOUR = 3600
 
