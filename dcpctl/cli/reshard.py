@@ -8,7 +8,7 @@ from dcpctl.cli.options import (checkpoint_argument, json_option, output_option,
                                 threads_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
-from dcpctl.ops.reshard import CODEC_NAMES, ReshardReport, reshard_checkpoint
+from dcpctl.ops.reshard.execution import CODEC_NAMES, ReshardReport, reshard_checkpoint
 
 
 @click.command("reshard")

@@ -29,8 +29,8 @@ from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoi
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
 # Named here for the command line, which reaches the format only through the operations.
-from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES,  # noqa: F401
-                                           DEFAULT_ZSTD_LEVEL, IDENTITY, MAX_ZSTD_LEVEL,
+from dcpctl.format.codecs.registry import COMPRESSING_CODEC_NAMES  # noqa: F401
+from dcpctl.format.codecs.registry import (DEFAULT_ZSTD_LEVEL, IDENTITY, MAX_ZSTD_LEVEL,
                                            MIN_ZSTD_LEVEL, Codec, codec_by_name)
 from dcpctl.format.metadata.records import MetadataIndex, StorageInfo
 from dcpctl.pipeline import (Pipeline, Run, coalesce, default_thread_count, group_into_runs,

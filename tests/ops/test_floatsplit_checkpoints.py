@@ -26,7 +26,7 @@ from dcpctl.format.codecs.registry import (IDENTITY, codec_for_descriptors, floa
 from dcpctl.ops.convert.key_selection import KeySelection
 from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
 from dcpctl.ops.inspection.report import inspect_checkpoint
-from dcpctl.ops.reshard import reshard_checkpoint
+from dcpctl.ops.reshard.execution import reshard_checkpoint
 from dcpctl.ops.transcode import transcode_checkpoint
 from dcpctl.ops.verify.verifier import verify_checkpoint
 

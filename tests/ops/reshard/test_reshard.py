@@ -14,7 +14,9 @@ from dcpctl.errors import InvalidOptionError, OutputError, UnsupportedLayoutErro
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.codecs.registry import IDENTITY
 from dcpctl.format.dtypes import dtype_by_name
-from dcpctl.ops.reshard import ChunkTask, group_tasks_into_runs, rank_file_name, reshard_checkpoint
+from dcpctl.format.file_names import rank_file_name
+from dcpctl.ops.reshard.execution import reshard_checkpoint
+from dcpctl.ops.reshard.planning import ChunkTask, group_tasks_into_runs
 
 
 def _save_fsdp2(rank: int, world_size: int, path: str) -> None:

@@ -1,0 +1,88 @@
+"""Assembling an output chunk of a reshard from the overlapping rows of its input chunks, read
+straight into place, as the torch.save archive of the chunk: a chunk of up to a piece is built
+whole in one buffer, so its bytes are copied once; a larger one streams in blocks of rows,
+never whole in memory."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy
+
+from dcpctl.format.checkpoint.payloads import PayloadReader
+from dcpctl.format.torch_save.writer import iter_torch_save_archive, torch_save_archive
+from dcpctl.ops.reshard.planning import ChunkTask
+
+
+def _row_blocks(task: ChunkTask, piece_bytes: int) -> Iterator[tuple[int, int]]:
+    """Absolute [first, last) row ranges of at most piece_bytes each (a whole row at least)."""
+    if not task.offsets:
+        yield 0, 1
+        return
+    row_bytes = task.nbytes // task.sizes[0] if task.sizes[0] else 0
+    if not row_bytes:
+        return
+    step = max(1, piece_bytes // row_bytes)
+    first, stop = task.offsets[0], task.offsets[0] + task.sizes[0]
+    for begin in range(first, stop, step):
+        yield begin, min(begin + step, stop)
+
+
+def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
+               out: memoryview) -> None:
+    """Write rows [begin, end) of the output chunk into out, from the overlapping input rows."""
+    itemsize = task.dtype.itemsize
+    if not task.offsets:
+        source = task.sources[0]
+        reader.read_into(reader.source_of(source.location, source.raw_tensor, task.dtype, ()),
+                         0, out)
+        return
+    inner = task.sizes[1:]
+    whole_rows = [s for s in task.sources if s.sizes[1:] == inner
+                  and s.offsets[0] <= begin and end <= s.offsets[0] + s.sizes[0]]
+    if whole_rows:  # one input chunk holds these rows whole: a single contiguous read
+        source = whole_rows[0]
+        row_bytes = math.prod(inner) * itemsize
+        payload = reader.source_of(source.location, source.raw_tensor, task.dtype, source.sizes)
+        reader.read_into(payload, (begin - source.offsets[0]) * row_bytes, out)
+        return
+    block = numpy.frombuffer(out, dtype=numpy.uint8).reshape((end - begin, *inner, itemsize))
+    for source in task.sources:
+        first = max(begin, source.offsets[0])
+        last = min(end, source.offsets[0] + source.sizes[0])
+        if first >= last:
+            continue
+        row_bytes = math.prod(source.sizes[1:]) * itemsize
+        payload = reader.source_of(source.location, source.raw_tensor, task.dtype, source.sizes)
+        rows = memoryview(numpy.empty((last - first) * row_bytes, dtype=numpy.uint8))
+        reader.read_into(payload, (first - source.offsets[0]) * row_bytes, rows)
+        region = (slice(first - begin, last - begin),) + tuple(
+            slice(offset, offset + size) for offset, size in zip(source.offsets[1:],
+                                                                 source.sizes[1:]))
+        block[region] = numpy.frombuffer(rows, dtype=numpy.uint8).reshape(
+            (last - first, *source.sizes[1:], itemsize))
+
+
+def _read_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> memoryview:
+    """Rows [begin, end) of the output chunk, in a buffer of their own."""
+    row_bytes = task.nbytes // task.sizes[0] if task.offsets else task.nbytes  # 0-d: one "row"
+    out = memoryview(numpy.empty((end - begin) * row_bytes, dtype=numpy.uint8))
+    _fill_rows(task, begin, end, reader, out)
+    return out
+
+
+def chunk_archive(task: ChunkTask, reader: PayloadReader, piece_bytes: int
+                   ) -> tuple[Iterator[bytes], int | None]:
+    """The output chunk's torch.save archive as pieces, and its size when known: a chunk of up
+    to piece_bytes comes whole in one buffer, its rows read straight into place."""
+    if task.nbytes <= piece_bytes:
+        first_row = task.offsets[0] if task.offsets else 0
+        last_row = first_row + (task.sizes[0] if task.offsets else 1)
+        archive = torch_save_archive(task.dtype, task.sizes, lambda payload: _fill_rows(
+            task, first_row, last_row, reader, payload))
+        return iter([archive]), len(archive)
+    rows = (_read_rows(task, begin, end, reader) for begin, end in _row_blocks(task, piece_bytes))
+    return iter_torch_save_archive(task.dtype, task.sizes, rows), None
+
+

@@ -1,0 +1,177 @@
+"""Running a reshard plan (planning.py): each output chunk assembled from the overlapping byte
+ranges of the input payloads (assembly.py) goes out through the shared ordered pipeline into
+its rank file; the metadata naming them is published last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from dcpctl.errors import InvalidOptionError
+from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, iter_item_pieces, iter_stored_pieces
+from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
+from dcpctl.format.checkpoint.publishing import CheckpointOutput
+from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
+from dcpctl.format.codecs.base import PayloadHint, iter_encoded
+# Named here for the command line, which reaches the format only through the operations.
+from dcpctl.format.codecs.registry import CODEC_NAMES  # noqa: F401
+from dcpctl.format.codecs.registry import codec_by_name
+from dcpctl.format.metadata.records import ChunkMetadata, MetadataIndex, StorageInfo
+from dcpctl.ops.reshard.assembly import chunk_archive
+from dcpctl.ops.reshard.planning import (ChunkTask, ObjectTask, ReshardPlan, group_tasks_into_runs,
+                                         plan_reshard, task_bytes)
+from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, produce_run
+
+# Pieces smaller than this are joined before they reach the writer: a run's archives come as
+# many small pieces, and per-piece costs (a write and a hash update, each a hand-over of the
+# GIL) add up over many chunks.
+_COALESCE_BYTES = 1 << 20
+
+
+@dataclass
+class ReshardReport:
+    """What a reshard wrote."""
+
+    source: str
+    output: str
+    world_size: int
+    codec: str
+    tensors: int
+    chunks_written: int
+    objects: int
+    files: int
+    logical_bytes: int
+    stored_bytes_after: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+def _produce(plan: ReshardPlan, reader: PayloadReader,
+             piece_bytes: int) -> Callable[[Run[ChunkTask | ObjectTask]], Iterator[bytes]]:
+    def encoded(pieces: Iterator[bytes], size_bytes: int | None,
+                payload: PayloadHint | None) -> Iterator[bytes]:
+        return iter_encoded(plan.codec.new_encoder(size_bytes, payload), pieces)
+
+    def produce(task: ChunkTask | ObjectTask) -> Iterator[bytes]:
+        if isinstance(task, ObjectTask):
+            if task.location.codec.descriptors == plan.codec.descriptors:
+                yield from iter_stored_pieces(task.location, piece_bytes)
+            else:
+                yield from encoded(iter_item_pieces(task.location, piece_bytes), None, None)
+            return
+        try:
+            yield from encoded(*chunk_archive(task, reader, piece_bytes),
+                               PayloadHint(task.dtype.name, task.nbytes))
+        finally:
+            for source in task.sources:
+                reader.release(source.location)
+
+    def produce_run_pieces(run: Run[ChunkTask | ObjectTask]) -> Iterator[bytes]:
+        return coalesce(produce_run(run, produce), _COALESCE_BYTES)
+
+    return produce_run_pieces
+
+
+def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
+                  storage_by_task: dict[int, StorageInfo]):
+    entries = dict(checkpoint.metadata.state_dict_metadata)
+    chunks_by_fqn: dict[str, list[ChunkMetadata]] = {}
+    storage_data: dict[MetadataIndex, StorageInfo] = {}
+    for index, task in enumerate(plan.tasks):
+        if isinstance(task, ChunkTask):
+            chunks_by_fqn.setdefault(task.fqn, []).append(ChunkMetadata(task.offsets, task.sizes))
+            storage_data[MetadataIndex(task.fqn, task.offsets, 0)] = storage_by_task[index]
+        else:
+            storage_data[MetadataIndex(task.fqn)] = storage_by_task[index]
+    for fqn, chunks in chunks_by_fqn.items():
+        entries[fqn] = dataclasses.replace(entries[fqn], chunks=chunks)
+    return dataclasses.replace(checkpoint.metadata, state_dict_metadata=entries,
+                               storage_data=storage_data)
+
+
+def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: CheckpointOutput,
+                    threads: int, on_progress: Callable[[int, int], None] | None = None,
+                    piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
+    """Write every planned item into output and publish it; returns the stored bytes after."""
+    users = Counter(source.location for task in plan.tasks if isinstance(task, ChunkTask)
+                    for source in task.sources)
+    storage_by_task: dict[int, StorageInfo] = {}
+    index_of = {id(task): index for index, task in enumerate(plan.tasks)}
+    total = sum(map(task_bytes, plan.tasks))
+
+    def consume(run: Run[ChunkTask | ObjectTask], pieces: Iterator[bytes]) -> None:
+        writer = output.data_file(run.lane)
+        offset = writer.size_bytes
+        for piece in pieces:
+            writer.write(piece)
+        for task, length in zip(run.tasks, run.produced_bytes, strict=True):
+            keeps_stored = isinstance(task, ObjectTask) and (
+                task.location.codec.descriptors == plan.codec.descriptors)
+            storage_by_task[index_of[id(task)]] = StorageInfo(
+                run.lane, offset, length, (task.location.codec.descriptors if keeps_stored
+                                           else plan.codec.descriptors) or None)
+            offset += length
+        if on_progress is not None:
+            on_progress(run.size_bytes, total)
+
+    with open_payload_reader(output.destination, users) as reader:
+        Pipeline(_produce(plan, reader, piece_bytes), threads=threads,
+                 bytes_in_flight=4 * threads * piece_bytes).run(
+                     group_tasks_into_runs(plan.tasks, piece_bytes), consume,
+                     lane_of=lambda run: run.lane)
+    output.finish_data_files()
+    output.publish(_new_metadata(checkpoint, plan, storage_by_task))
+    return sum(info.length for info in storage_by_task.values())
+
+
+def _allow_open_files(count: int) -> None:
+    """Every rank file stays open while tensors are written in order; lift the soft limit on
+    open files towards the hard one if that many would not fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < count:
+        wanted = count if hard == resource.RLIM_INFINITY else min(count, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: str,
+                       codec_name: str | None = None, threads: int | None = None,
+                       overwrite: bool = False,
+                       on_progress: Callable[[int, int], None] | None = None,
+                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> ReshardReport:
+    """Write the checkpoint at path laid out for world_size ranks into output_path, its items
+    in the codec called codec_name (one of CODEC_NAMES; default: the input's); output chunks
+    are assembled in blocks of about piece_bytes."""
+    started = time.perf_counter()
+    threads = threads or default_thread_count()
+    codec = codec_by_name(codec_name) if codec_name is not None else None
+    checkpoint = open_checkpoint(path)
+    plan = plan_reshard(checkpoint, world_size, codec)
+    _allow_open_files(world_size + len(checkpoint.files) + 64)
+    destination = Path(output_path)
+    if destination.exists() and os.path.samefile(destination, checkpoint.path):
+        raise InvalidOptionError("reshard writes a new checkpoint; the output must be another "
+                                 "directory", path=destination)
+    output = CheckpointOutput(destination, in_place=False, overwrite=overwrite)
+    try:
+        stored = execute_reshard(plan, checkpoint, output, threads, on_progress, piece_bytes)
+    except BaseException:
+        output.abort()
+        raise
+    chunk_tasks = [task for task in plan.tasks if isinstance(task, ChunkTask)]
+    return ReshardReport(
+        source=str(path), output=str(destination), world_size=world_size, codec=plan.codec.name,
+        tensors=len(checkpoint.tensors), chunks_written=len(chunk_tasks),
+        objects=len(plan.tasks) - len(chunk_tasks),
+        files=len({task.output_file for task in plan.tasks}),
+        logical_bytes=sum(task.nbytes for task in chunk_tasks), stored_bytes_after=stored,
+        seconds=time.perf_counter() - started)
