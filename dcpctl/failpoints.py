@@ -1,16 +1,66 @@
 """Named points where a test can have the process killed, to prove that a crash there is safe.
 
-Set DCPCTL_FAILPOINT=<name> in the environment of a dcpctl process and it sends itself SIGKILL
-when it reaches that point. Unset, a failpoint costs one comparison.
+Every point is a member of Failpoint, the one list of them. Set DCPCTL_FAILPOINT=<name> in the
+environment of a dcpctl process and it sends itself SIGKILL the first time it reaches that
+point, or `<name>@<n>` for the n-th time. DCPCTL_FAILPOINT_TRACE=<file> appends the name of
+every point reached to that file, so a test can learn where and how often a command passes,
+then kill it at each of those moments. Unset, a failpoint costs one comparison.
 """
 
+from __future__ import annotations
+
+import enum
 import os
 import signal
+import threading
+from collections import Counter
 
-_ARMED = os.environ.get("DCPCTL_FAILPOINT")
+
+class Failpoint(enum.Enum):
+    """Where dcpctl can be killed on purpose. Data writes come many times a run; the others
+    once or a few times."""
+
+    AFTER_DATA_WRITE = "after-data-write"
+    """The pipeline wrote out one task's bytes (a run of items, a chunk, a tensor)."""
+    AFTER_DATA_FILE = "after-data-file"
+    """An output data file was synced and closed."""
+    BEFORE_ATOMIC_RENAME = "before-atomic-rename"
+    """A small file (`.metadata`, SHA256SUMS) was written beside its name, not renamed yet."""
+    AFTER_FIRST_METADATA_SWITCH = "after-first-metadata-switch"
+    """In place: `.metadata` names the new data files by their temporary names."""
+    AFTER_FINAL_NAME = "after-final-name"
+    """In place: one new data file was given its final name, replacing the old file."""
+    AFTER_SECOND_METADATA_SWITCH = "after-second-metadata-switch"
+    """In place: `.metadata` names the new data files by their final names."""
+    BEFORE_PUBLISH = "before-publish"
+    """A new output (directory or file) is whole under its temporary name."""
 
 
-def failpoint(name: str) -> None:
-    """Die here, as if killed, when DCPCTL_FAILPOINT names this point."""
-    if _ARMED == name:
+def _armed(setting: str | None) -> tuple[str | None, int]:
+    if not setting:
+        return None, 0
+    name, _, hit = setting.partition("@")
+    if name not in {point.value for point in Failpoint} or not (hit or "1").isdigit():
+        raise ValueError(f"DCPCTL_FAILPOINT={setting!r}: not one of "
+                         f"{', '.join(point.value for point in Failpoint)}, with an optional @n")
+    return name, int(hit or 1)
+
+
+_ARMED_NAME, _ARMED_HIT = _armed(os.environ.get("DCPCTL_FAILPOINT"))
+_TRACE_PATH = os.environ.get("DCPCTL_FAILPOINT_TRACE") or None
+_hits: Counter[str] = Counter()
+_lock = threading.Lock()
+
+
+def failpoint(point: Failpoint) -> None:
+    """Die here, as if killed, when DCPCTL_FAILPOINT names this point and this hit of it."""
+    if _ARMED_NAME is None and _TRACE_PATH is None:
+        return
+    with _lock:
+        _hits[point.value] += 1
+        hit = _hits[point.value]
+        if _TRACE_PATH is not None:
+            with open(_TRACE_PATH, "a") as trace:
+                trace.write(f"{point.value}\n")
+    if point.value == _ARMED_NAME and hit == _ARMED_HIT:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, Iterable, Iterator, Sequence, TypeVar
 
+from dcpctl.failpoints import Failpoint, failpoint
+
 Task = TypeVar("Task")
 
 DEFAULT_BYTES_IN_FLIGHT = 64 << 20
@@ -287,3 +289,4 @@ def _consume_all(consume: Callable, task, pieces: Iterator[bytes]) -> None:
     consume(task, pieces)
     for _ in pieces:
         pass
+    failpoint(Failpoint.AFTER_DATA_WRITE)

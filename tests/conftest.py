@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,29 @@ FIXTURE_NAMES = sorted(MANIFEST)
 # with stock `dcp.load` skip that one.
 TORCH_LOADABLE_FIXTURES = [name for name in FIXTURE_NAMES
                            if MANIFEST[name]["writer"].get("serialization") != "safetensors"]
+
+
+def run_dcpctl(*args, failpoint: str | None = None, trace: Path | None = None,
+               **kwargs) -> subprocess.CompletedProcess:
+    """Run `python -m dcpctl` with these arguments in a process of its own, killed at
+    `failpoint` (name or name@n) if given, its failpoints traced into `trace` if given."""
+    env = {**os.environ, "DCPCTL_FAILPOINT": failpoint or "",
+           "DCPCTL_FAILPOINT_TRACE": str(trace or "")}
+    return subprocess.run([sys.executable, "-m", "dcpctl", *map(str, args)], env=env,
+                          capture_output=True, text=True, **kwargs)
+
+
+@pytest.fixture
+def run_cli():
+    """Run a dcpctl command line in this process (click's CliRunner); returns its Result."""
+    from click.testing import CliRunner
+
+    from dcpctl.cli.main import cli
+
+    def run(*args):
+        return CliRunner().invoke(cli, [str(arg) for arg in args])
+
+    return run
 
 
 def fixture_path(name: str) -> Path:

@@ -20,21 +20,24 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
-from dcpctl.failpoints import failpoint
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan,
                                             iter_item_pieces, iter_stored_pieces, locate_item)
-from dcpctl.format.checkpoint.publishing import (CheckpointOutput, final_name_of,
-                                                 remove_stale_temporaries, storage_with)
+from dcpctl.format.checkpoint.publishing import CheckpointOutput, storage_with
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
-# Named here for the command line, which reaches the format only through the operations.
-from dcpctl.format.codecs.registry import COMPRESSING_CODEC_NAMES  # noqa: F401
-from dcpctl.format.codecs.registry import (DEFAULT_ZSTD_LEVEL, IDENTITY, MAX_ZSTD_LEVEL,
-                                           MIN_ZSTD_LEVEL, Codec, codec_by_name)
+from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
+                                           MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, Codec, codec_by_name)
 from dcpctl.format.metadata.records import MetadataIndex, StorageInfo
 from dcpctl.pipeline import (Pipeline, Run, coalesce, default_thread_count, group_into_runs,
                              produce_run)
+from dcpctl.storage.local import final_name_of, remove_stale_temporaries
+
+# The codec names and zstd levels are named here for the command line, which reaches the
+# format only through the operations.
+__all__ = ["COMPRESSING_CODEC_NAMES", "DEFAULT_ZSTD_LEVEL", "MAX_ZSTD_LEVEL", "MIN_ZSTD_LEVEL",
+           "ZSTD", "TranscodeReport", "compress_checkpoint", "decompress_checkpoint",
+           "execute_transcode", "plan_transcode", "transcode_checkpoint"]
 
 # Called with (bytes just done, total bytes) as work advances.
 ProgressCallback = Callable[[int, int], None]
@@ -186,7 +189,6 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
             offset += length
         if last_run_of_file[run.lane] is run:  # files stay few at a time open
             output.finish_data_file(run.lane)
-            failpoint("after-first-data-file")
         if on_progress is not None:
             on_progress(run.size_bytes, plan.stored_bytes)
 

@@ -5,10 +5,50 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import secrets
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+from dcpctl.failpoints import Failpoint, failpoint
+
+# The names dcpctl gives what it writes beside a file before renaming it into place: the final
+# name, a random token and `.tmp` (a hard link made on the way adds `.link`).
+_TEMPORARY_NAME = re.compile(r"^(?P<final>.+)\.dcpctl-[0-9a-f]{12}\.tmp(\.link)?$")
+
+
+def new_token() -> str:
+    """A random token that sets one run's temporary names apart from another's."""
+    return secrets.token_hex(6)
+
+
+def temporary_name(final_name: str, token: str) -> str:
+    """The name a file that will be called final_name has while it is written."""
+    return f"{final_name}.dcpctl-{token}.tmp"
+
+
+def is_temporary_name(name: str) -> bool:
+    """Whether name is one dcpctl gives a file while it is written."""
+    return _TEMPORARY_NAME.match(name) is not None
+
+
+def final_name_of(name: str) -> str:
+    """The name a file will have once in place: a temporary name left by an interrupted run
+    maps back to the name it was standing in for."""
+    match = _TEMPORARY_NAME.match(name)
+    return match.group("final") if match else name
+
+
+def remove_stale_temporaries(directory: Path, keep: set[str]) -> list[str]:
+    """Delete the temporary files an earlier killed run left in directory, but those in keep;
+    returns their names."""
+    removed = []
+    for path in directory.iterdir():
+        if is_temporary_name(path.name) and path.name not in keep:
+            path.unlink()
+            removed.append(path.name)
+    return sorted(removed)
 
 
 def fsync_directory(directory: Path) -> None:
@@ -23,12 +63,13 @@ def fsync_directory(directory: Path) -> None:
 def write_file_atomically(path: Path, data: bytes) -> str:
     """Write data to path through a new temporary sibling, synced, then renamed over path: a
     reader sees the old file or the whole new one. Returns the hex SHA-256 of data."""
-    temporary = path.with_name(f".{path.name}.dcpctl-{secrets.token_hex(6)}.tmp")
+    temporary = path.with_name(temporary_name(path.name, new_token()))
     try:
         with open(temporary, "xb") as stream:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
+        failpoint(Failpoint.BEFORE_ATOMIC_RENAME)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)

@@ -4,13 +4,12 @@ into place at the end, so that a killed run never leaves a half output under the
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 from pathlib import Path
 
 from dcpctl.errors import OutputError
-from dcpctl.failpoints import failpoint
-from dcpctl.storage.local import fsync_directory
+from dcpctl.failpoints import Failpoint, failpoint
+from dcpctl.storage.local import fsync_directory, new_token, temporary_name
 
 
 class StagedOutput:
@@ -21,8 +20,8 @@ class StagedOutput:
         check_destination(destination, overwrite, is_directory)
         self.destination = destination
         self.is_directory = is_directory
-        self.token = secrets.token_hex(6)
-        self.path = destination.parent / f".{destination.name}.dcpctl-{self.token}"
+        self.token = new_token()
+        self.path = destination.parent / temporary_name(f".{destination.name}", self.token)
         if is_directory:
             self.path.mkdir(parents=True)
         else:
@@ -32,9 +31,10 @@ class StagedOutput:
         """Rename the finished output into place, replacing what was there."""
         if self.is_directory:
             fsync_directory(self.path)
-        failpoint(f"before-rename-new-{'directory' if self.is_directory else 'file'}")
+        failpoint(Failpoint.BEFORE_PUBLISH)
         if self.is_directory and self.destination.exists():
-            aside = self.destination.parent / f".{self.destination.name}.dcpctl-old-{self.token}"
+            aside = self.destination.parent / temporary_name(f".{self.destination.name}.old",
+                                                             self.token)
             os.replace(self.destination, aside)
             os.replace(self.path, self.destination)
             shutil.rmtree(aside)

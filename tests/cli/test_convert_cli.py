@@ -6,20 +6,14 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from conftest import fixture_path
 from safetensors.torch import load_file
 
 from dcpctl.cli.convert import parse_byte_size
-from dcpctl.cli.main import cli
 
 
-def run_cli(*args):
-    return CliRunner().invoke(cli, ["convert", *map(str, args)])
-
-
-def test_safetensors_report_says_what_was_left_out(tmp_path):
-    result = run_cli(fixture_path("fsdp2_adamw_3ranks"), "--to", "safetensors", "-o",
+def test_safetensors_report_says_what_was_left_out(run_cli, tmp_path):
+    result = run_cli("convert", fixture_path("fsdp2_adamw_3ranks"), "--to", "safetensors", "-o",
                      tmp_path / "hf", "--dtype", "bfloat16")
     assert result.exit_code == 0, result.output
     assert "wrote 7 tensors" in result.output and "as safetensors" in result.output
@@ -31,24 +25,26 @@ def test_safetensors_report_says_what_was_left_out(tmp_path):
     assert "embed.weight" in loaded and loaded["embed.weight"].dtype == torch.bfloat16
 
 
-def test_json_report_and_the_way_back(tmp_path):
-    result = run_cli(fixture_path("mesh2d_4ranks"), "--to", "safetensors", "-o", tmp_path / "hf",
-                     "--json", "--max-shard-size", "100B", "--rename", "^grid$=matrix")
+def test_json_report_and_the_way_back(run_cli, tmp_path):
+    result = run_cli("convert", fixture_path("mesh2d_4ranks"), "--to", "safetensors", "-o",
+                     tmp_path / "hf", "--json", "--max-shard-size", "100B", "--rename",
+                     "^grid$=matrix")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["target_format"] == "safetensors" and report["tensors"] == 3
     assert report["largest_tensor_bytes"] == 7 * 6 * 4
     assert [f["name"] for f in report["files"]][-1] == "model.safetensors.index.json"
-    result = run_cli(tmp_path / "hf", "--to", "dcp", "-o", tmp_path / "dcp", "--ranks", "2",
-                     "--json")
+    result = run_cli("convert", tmp_path / "hf", "--to", "dcp", "-o", tmp_path / "dcp",
+                     "--ranks", "2", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["ranks"] == 2 and report["source_format"] == "safetensors"
     assert [f["name"] for f in report["files"]] == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def test_torch_target(tmp_path):
-    result = run_cli(fixture_path("objects_2ranks"), "--to", "torch", "-o", tmp_path / "x.pt")
+def test_torch_target(run_cli, tmp_path):
+    result = run_cli("convert", fixture_path("objects_2ranks"), "--to", "torch", "-o",
+                     tmp_path / "x.pt")
     assert result.exit_code == 0, result.output
     assert "5 tensors" in result.output and "5 objects" in result.output
     state = torch.load(tmp_path / "x.pt", weights_only=True)
@@ -63,8 +59,8 @@ def test_torch_target(tmp_path):
     (["--to", "safetensors", "--rename", "no-equals"], "REGEX=REPLACEMENT"),
     (["--to", "onnx"], "Invalid value for '--to'"),
 ])
-def test_usage_errors_exit_2(tmp_path, args, message):
-    result = run_cli(fixture_path("mesh2d_4ranks"), "-o", tmp_path / "out", *args)
+def test_usage_errors_exit_2(run_cli, tmp_path, args, message):
+    result = run_cli("convert", fixture_path("mesh2d_4ranks"), "-o", tmp_path / "out", *args)
     assert result.exit_code == 2 and message in result.output, result.output
 
 
@@ -73,8 +69,8 @@ def test_usage_errors_exit_2(tmp_path, args, message):
     (["--to", "safetensors", "--include", "nothing.*"], "nothing to convert"),
     (["--to", "dcp"], "not a torch.save zip archive"),
 ])
-def test_failures_are_one_line_errors(tmp_path, args, fragment):
-    result = run_cli(fixture_path("mesh2d_4ranks") / ".metadata" if "dcp" in args
+def test_failures_are_one_line_errors(run_cli, tmp_path, args, fragment):
+    result = run_cli("convert", fixture_path("mesh2d_4ranks") / ".metadata" if "dcp" in args
                      else fixture_path("mesh2d_4ranks"), "-o", tmp_path / "out", *args)
     assert result.exit_code == 1, result.output
     assert result.output.startswith("Error: ") and len(result.output.splitlines()) == 1
@@ -82,13 +78,13 @@ def test_failures_are_one_line_errors(tmp_path, args, fragment):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_existing_output_needs_overwrite(tmp_path):
+def test_an_existing_output_needs_overwrite(run_cli, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "file").write_text("x")
     args = [fixture_path("mesh2d_4ranks"), "--to", "safetensors", "-o", tmp_path / "out"]
-    result = run_cli(*args)
+    result = run_cli("convert", *args)
     assert result.exit_code == 1 and "not empty (pass --overwrite" in result.output
-    assert run_cli(*args, "--overwrite").exit_code == 0
+    assert run_cli("convert", *args, "--overwrite").exit_code == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
 
 

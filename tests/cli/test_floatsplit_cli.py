@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import json
 
-from click.testing import CliRunner
 from conftest import fixture_path
 
-from dcpctl.cli.main import cli
 
-
-def run_cli(*args):
-    return CliRunner().invoke(cli, [str(arg) for arg in args])
-
-
-def test_compress_with_floatsplit_then_back_to_zstd(tmp_path):
+def test_compress_with_floatsplit_then_back_to_zstd(run_cli, tmp_path):
     out = tmp_path / "fs"
     result = run_cli("compress", fixture_path("mesh2d_4ranks"), "-o", out, "--codec",
                      "floatsplit", "--json")
@@ -31,7 +24,7 @@ def test_compress_with_floatsplit_then_back_to_zstd(tmp_path):
         "zstd": back["items"]}
 
 
-def test_unknown_codec_is_a_usage_error(tmp_path):
+def test_unknown_codec_is_a_usage_error(run_cli, tmp_path):
     result = run_cli("compress", fixture_path("mesh2d_4ranks"), "-o", tmp_path / "x",
                      "--codec", "lzma")
     assert result.exit_code == 2

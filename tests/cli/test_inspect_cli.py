@@ -6,23 +6,19 @@ import json
 import pickle
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from conftest import FIXTURE_NAMES, fixture_path
+from conftest import FIXTURE_NAMES, fixture_path, torch_metadata
 
 from dcpctl.cli.inspection import render_tensors
-from dcpctl.cli.main import cli
 from dcpctl.cli.render import format_bytes, format_table
 from dcpctl.ops.inspection.report import inspect_checkpoint
 
 
-def run_cli(*args: str):
-    return CliRunner().invoke(cli, [str(arg) for arg in args])
-
-
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_table_names_every_tensor(name):
+def test_table_names_every_tensor(run_cli, name):
     result = run_cli("inspect", fixture_path(name))
     assert result.exit_code == 0, result.output
     report = json.loads(run_cli("inspect", fixture_path(name), "--json").output)
@@ -31,7 +27,7 @@ def test_table_names_every_tensor(name):
     assert f"tensors      {len(report['tensors'])}" in result.output
 
 
-def test_by_file_lists_each_file():
+def test_by_file_lists_each_file(run_cli):
     result = run_cli("inspect", fixture_path("zstd_fsdp2_2ranks"), "--by-file")
     assert result.exit_code == 0
     for name in ("__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"):
@@ -39,7 +35,7 @@ def test_by_file_lists_each_file():
     assert "zstd" in result.output
 
 
-def test_filter_in_json():
+def test_filter_in_json(run_cli):
     result = run_cli("inspect", fixture_path("mesh2d_4ranks"), "--json", "--filter", "g*")
     assert [t["fqn"] for t in json.loads(result.output)["tensors"]] == ["grid"]
 
@@ -53,7 +49,7 @@ def _assert_one_line_error(result, *fragments):
         assert fragment in lines[0]
 
 
-def test_bad_inputs_are_one_line_errors(tmp_path, copy_fixture):
+def test_bad_inputs_are_one_line_errors(run_cli, tmp_path, copy_fixture):
     _assert_one_line_error(run_cli("inspect", tmp_path / "absent"), "absent", "no such file")
     (tmp_path / "empty").mkdir()
     _assert_one_line_error(run_cli("inspect", tmp_path / "empty"), "empty", ".metadata")
@@ -65,20 +61,22 @@ def test_bad_inputs_are_one_line_errors(tmp_path, copy_fixture):
     _assert_one_line_error(run_cli("inspect", truncated), "__1_2.distcp", "truncated")
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    result = CliRunner().invoke(cli, ["--debug", "inspect", str(tmp_path / "absent")])
+def test_debug_shows_the_traceback(run_cli, tmp_path):
+    result = run_cli("--debug", "inspect", str(tmp_path / "absent"))
     assert result.exit_code != 0
     assert result.exception is not None and "no such file" in str(result.exception)
 
 
-def test_usage_error_exits_2():
+def test_usage_error_exits_2(run_cli):
     result = run_cli("inspect")
     assert result.exit_code == 2
     assert run_cli("no-such-command").exit_code == 2
 
 
-def test_python_dash_m_and_console_script():
-    for command in ([sys.executable, "-m", "dcpctl"], ["dcpctl"]):
+def test_python_dash_m_and_console_script(run_cli):
+    # the console script pip installed beside this interpreter, whether or not it is on PATH
+    console_script = str(Path(sysconfig.get_path("scripts")) / "dcpctl")
+    for command in ([sys.executable, "-m", "dcpctl"], [console_script]):
         result = subprocess.run([*command, "inspect", str(fixture_path("mesh2d_4ranks")), "--json"],
                                 capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
@@ -128,3 +126,23 @@ def test_format_table_pads_like_cell_by_cell(rows):
     headers = ("NAME", "N", "NOTE")
     assert format_table(headers, rows, right_aligned=(1,)) == _table_cell_by_cell(
         headers, rows, (1,))
+
+
+def test_names_from_a_checkpoint_cannot_drive_the_terminal(run_cli, copy_fixture):
+    """A hostile checkpoint names a tensor and a data file with escape sequences; what dcpctl
+    prints for people shows them escaped, and JSON keeps the name exact."""
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    metadata = torch_metadata(checkpoint)
+    hostile = "grid\x1b[2J\x1b[31m\r\x07"
+    metadata.state_dict_metadata[hostile] = metadata.state_dict_metadata.pop("grid")
+    for key in [key for key in metadata.storage_data if key.fqn == "grid"]:
+        info = metadata.storage_data.pop(key)
+        metadata.storage_data[type(key)(hostile, key.offset, key.index)] = info
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    for args in (["inspect", checkpoint], ["inspect", checkpoint, "--by-file"],
+                 ["verify", checkpoint], ["inspect", checkpoint / "\x1b[31mmissing"]):
+        result = run_cli(*args)
+        assert not any(character in result.output for character in "\x1b\r\x07"), args
+    assert "grid\\x1b[2J\\x1b[31m\\x0d\\x07" in run_cli("inspect", checkpoint).output
+    document = json.loads(run_cli("inspect", checkpoint, "--json").output)
+    assert hostile in {tensor["fqn"] for tensor in document["tensors"]}

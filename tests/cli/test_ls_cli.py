@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import json
 
-from click.testing import CliRunner
 from conftest import add_checkpoint, back_date
-
-from dcpctl.cli.main import cli
 
 DAY = 86400
 
 
-def run_cli(*args):
-    return CliRunner().invoke(cli, [str(arg) for arg in args])
-
-
-def test_table_has_one_row_per_checkpoint_sorted_by_step(tmp_path):
+def test_table_has_one_row_per_checkpoint_sorted_by_step(run_cli, tmp_path):
     add_checkpoint(tmp_path, "step_2000", fixture="zstd_fsdp2_2ranks", age_seconds=3 * DAY)
     add_checkpoint(tmp_path, "step-1000", age_seconds=3 * DAY)
     add_checkpoint(tmp_path, "step-3000", complete=False, age_seconds=7200)
@@ -37,7 +30,7 @@ def test_table_has_one_row_per_checkpoint_sorted_by_step(tmp_path):
     assert lines[4] == "ignored step-4000: a symlink: never followed, never deleted"
 
 
-def test_json_shape(tmp_path):
+def test_json_shape(run_cli, tmp_path):
     add_checkpoint(tmp_path, "global_step10")
     payload = json.loads(run_cli("ls", tmp_path, "--json").output)
     assert set(payload) == {"run_dir", "checkpoints", "ignored"}
@@ -48,7 +41,7 @@ def test_json_shape(tmp_path):
     assert 3500 < entry["age_seconds"] < 3700 and entry["size_bytes"] > 0
 
 
-def test_empty_run_directory_and_errors(tmp_path):
+def test_empty_run_directory_and_errors(run_cli, tmp_path):
     result = run_cli("ls", tmp_path)
     assert result.exit_code == 0 and "no checkpoint directories" in result.output
     missing = run_cli("ls", tmp_path / "absent")

@@ -1,6 +1,10 @@
+"""Progress bars: a tqdm bar of bytes on a terminal; nothing, and no tqdm, elsewhere."""
+
 import io
 import subprocess
 import sys
+
+import tqdm
 
 from dcpctl.cli.progress import byte_progress
 
@@ -10,14 +14,36 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_a_terminal_gets_a_byte_bar(monkeypatch):
-    terminal = _Terminal()
-    monkeypatch.setattr(sys, "stderr", terminal)
+class _RecordingBar:
+    """Stands in for tqdm, so the test checks what dcpctl asks of it, not how a tqdm release
+    draws a bar."""
+
+    made: list["_RecordingBar"] = []
+
+    def __init__(self, **options) -> None:
+        self.options = options
+        self.updates: list[int] = []
+        self.closed = False
+        _RecordingBar.made.append(self)
+
+    def update(self, count: int) -> None:
+        self.updates.append(count)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_terminal_gets_one_byte_bar_of_the_total(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.setattr(tqdm, "tqdm", _RecordingBar)
+    _RecordingBar.made.clear()
     with byte_progress("compress") as advance:
         advance(512, 2048)
-        advance(512, 2048)
-    shown = terminal.getvalue()
-    assert shown.startswith("\rcompress:") and "/2.00k" in shown  # bytes of the total
+        advance(1024, 2048)
+    (bar,) = _RecordingBar.made
+    assert bar.options["total"] == 2048 and bar.options["unit"] == "B"
+    assert bar.options["desc"] == "compress"
+    assert bar.updates == [512, 1024] and bar.closed
 
 
 def test_no_terminal_no_bar_and_no_tqdm():

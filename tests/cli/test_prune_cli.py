@@ -8,18 +8,12 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 from conftest import add_checkpoint, fail_rmtree_part_way, tree_listing
 
-from dcpctl.cli.main import cli
 from dcpctl.cli.prune import parse_duration
 from dcpctl.ops.runs.prune import hold_prune_lock
 
 DAY = 86400
-
-
-def run_cli(*args):
-    return CliRunner().invoke(cli, [str(arg) for arg in args])
 
 
 @pytest.fixture
@@ -31,7 +25,7 @@ def run_dir(tmp_path):
     return tmp_path
 
 
-def test_table_says_what_was_kept_deleted_and_why(run_dir):
+def test_table_says_what_was_kept_deleted_and_why(run_cli, run_dir):
     result = run_cli("prune", run_dir, "--keep-last", "2", "--incomplete-older-than", "1d")
     assert result.exit_code == 0, result.output
     rows = [line.split(None, 7) for line in result.output.splitlines()]  # SIZE is 2 words
@@ -43,7 +37,7 @@ def test_table_says_what_was_kept_deleted_and_why(run_dir):
     assert result.output.splitlines()[-1].startswith("deleted 3 of 3 checkpoints, freed ")
 
 
-def test_json_shape(run_dir):
+def test_json_shape(run_cli, run_dir):
     result = run_cli("prune", run_dir, "--keep-last", "3", "--keep", "step-1*", "--json")
     assert result.exit_code == 0
     payload = json.loads(result.stdout)
@@ -57,7 +51,7 @@ def test_json_shape(run_dir):
     assert payload["freed_bytes"] == 0 and payload["failed"] == 0  # every one kept
 
 
-def test_dry_run_prints_the_same_plan_and_changes_nothing(run_dir):
+def test_dry_run_prints_the_same_plan_and_changes_nothing(run_cli, run_dir):
     arguments = ["prune", run_dir, "--keep-last", "1", "--keep-every", "200",
                  "--incomplete-older-than", "2d"]
     before = tree_listing(run_dir)
@@ -74,7 +68,7 @@ def test_dry_run_prints_the_same_plan_and_changes_nothing(run_dir):
         real.output)
 
 
-def test_partial_failure_reports_both_and_exits_1(run_dir, monkeypatch):
+def test_partial_failure_reports_both_and_exits_1(run_cli, run_dir, monkeypatch):
     fail_rmtree_part_way(monkeypatch, "step-200")
     result = run_cli("prune", run_dir, "--keep-last", "1", "--json")
     assert result.exit_code == 1
@@ -101,13 +95,13 @@ def test_second_prune_exits_1_with_a_clear_message(run_dir):
     ["--keep-last", "2", "--older-than", "7"], ["--keep-last", "2", "--older-than", "0d"],
     ["--keep-last", "2", "--incomplete-older-than", "1 day"],
 ])
-def test_usage_errors_exit_2_and_delete_nothing(run_dir, arguments):
+def test_usage_errors_exit_2_and_delete_nothing(run_cli, run_dir, arguments):
     before = tree_listing(run_dir)
     assert run_cli("prune", run_dir, *arguments).exit_code == 2
     assert tree_listing(run_dir) == before
 
 
-def test_missing_run_directory_exits_1(tmp_path):
+def test_missing_run_directory_exits_1(run_cli, tmp_path):
     result = run_cli("prune", tmp_path / "absent", "--keep-last", "1")
     assert result.exit_code == 1 and "no such directory" in result.stderr
 

@@ -7,19 +7,12 @@ import shutil
 import subprocess
 
 import pytest
-from click.testing import CliRunner
 from conftest import FIXTURE_NAMES, fixture_path
-
-from dcpctl.cli.main import cli
-
-
-def run_cli(*args):
-    return CliRunner().invoke(cli, [str(arg) for arg in args])
 
 
 @pytest.mark.skipif(shutil.which("sha256sum") is None, reason="needs coreutils sha256sum")
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_sha256sum_checks_what_checksum_writes(name, copy_fixture):
+def test_sha256sum_checks_what_checksum_writes(run_cli, name, copy_fixture):
     checkpoint = copy_fixture(name)
     result = run_cli("checksum", checkpoint, "--threads", 2)
     assert result.exit_code == 0, result.output
@@ -33,7 +26,7 @@ def test_sha256sum_checks_what_checksum_writes(name, copy_fixture):
                             if path.name != "SHA256SUMS")
 
 
-def test_checksum_json_and_refusal(copy_fixture):
+def test_checksum_json_and_refusal(run_cli, copy_fixture):
     checkpoint = copy_fixture("mesh2d_4ranks")
     report = json.loads(run_cli("checksum", checkpoint, "--json").output)
     assert set(report) == {"path", "sums_path", "hashed_bytes", "files"}
@@ -46,14 +39,14 @@ def test_checksum_json_and_refusal(copy_fixture):
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_clean_checkpoint_exits_0(name):
+def test_clean_checkpoint_exits_0(run_cli, name):
     for extra in ([], ["--quick"]):
         result = run_cli("verify", fixture_path(name), *extra)
         assert result.exit_code == 0, result.output
         assert "status      ok" in result.output
 
 
-def test_damage_exits_1_and_names_file_and_fqns(copy_fixture):
+def test_damage_exits_1_and_names_file_and_fqns(run_cli, copy_fixture):
     checkpoint = copy_fixture("objects_2ranks")
     (checkpoint / "__1_2.distcp").write_bytes(b"PK")
     result = run_cli("verify", checkpoint)
@@ -62,7 +55,7 @@ def test_damage_exits_1_and_names_file_and_fqns(copy_fixture):
     assert "truncated  __1_2.distcp  bytes 2..1641  weights.dense" in result.output
 
 
-def test_json_shape(copy_fixture):
+def test_json_shape(run_cli, copy_fixture):
     checkpoint = copy_fixture("mesh2d_4ranks")
     run_cli("checksum", checkpoint)
     (checkpoint / "stray.bin").write_bytes(b"x")
@@ -78,7 +71,7 @@ def test_json_shape(copy_fixture):
                                    "message": "file is not named by the metadata"}]
 
 
-def test_incomplete_checkpoint_exits_1(copy_fixture):
+def test_incomplete_checkpoint_exits_1(run_cli, copy_fixture):
     checkpoint = copy_fixture("mesh2d_4ranks")
     (checkpoint / ".metadata").unlink()
     result = run_cli("verify", checkpoint, "--json")
@@ -87,7 +80,7 @@ def test_incomplete_checkpoint_exits_1(copy_fixture):
     assert "status      incomplete" in run_cli("verify", checkpoint).output
 
 
-def test_bad_paths_are_one_line_errors(tmp_path):
+def test_bad_paths_are_one_line_errors(run_cli, tmp_path):
     (tmp_path / "file").write_text("x")
     for command in ("verify", "checksum"):
         for path, fragment in [(tmp_path / "absent", "no such file"),
@@ -98,7 +91,7 @@ def test_bad_paths_are_one_line_errors(tmp_path):
             assert lines[0].startswith(f"Error: {path}") and fragment in lines[0]
 
 
-def test_usage_errors_exit_2():
+def test_usage_errors_exit_2(run_cli):
     assert run_cli("verify").exit_code == 2
     assert run_cli("verify", fixture_path("mesh2d_4ranks"), "--threads", 0).exit_code == 2
     assert run_cli("checksum", fixture_path("mesh2d_4ranks"), "--bogus").exit_code == 2

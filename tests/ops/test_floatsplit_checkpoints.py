@@ -52,6 +52,7 @@ def _compressed(name: str, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world_size", [("fsdp2_adamw_3ranks", 2), ("objects_2ranks", 3)])
 def test_loads_through_storage_reader_on_other_world_sizes(name, world_size, tmp_path):
     checkpoint = _compressed(name, tmp_path)

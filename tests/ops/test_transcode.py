@@ -26,6 +26,7 @@ RANKS_TO_LOAD_ON = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world_size", [(name, ws) for name, sizes in
                                              RANKS_TO_LOAD_ON.items() for ws in sizes])
 def test_compressed_checkpoint_loads_in_stock_torch_on_any_world_size(name, world_size, tmp_path):

@@ -17,19 +17,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import re
-import secrets
 from pathlib import Path
 
-from dcpctl.failpoints import failpoint
+from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import write_sha256sums
-from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
+from dcpctl.format.file_names import DATA_FILE_SUFFIX, METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
-from dcpctl.storage.local import fsync_directory, write_file_atomically
+from dcpctl.storage.local import (fsync_directory, is_temporary_name, new_token, temporary_name,
+                                  write_file_atomically)
 from dcpctl.storage.staging import StagedOutput
-
-_TEMPORARY_NAME = re.compile(r"^(?P<final>.+)\.dcpctl-[0-9a-f]{12}\.tmp(\.link)?$")
 
 
 class DataFileWriter:
@@ -71,7 +68,7 @@ class CheckpointOutput:
         self._metadata_switched = False
         if in_place:
             self._staged = None
-            self._token = secrets.token_hex(6)
+            self._token = new_token()
             self.directory = destination
         else:
             self._staged = StagedOutput(destination, overwrite)
@@ -80,7 +77,7 @@ class CheckpointOutput:
 
     def data_file_name(self, final_name: str) -> str:
         """The name a data file has in the published metadata's first version."""
-        return f"{final_name}.dcpctl-{self._token}.tmp" if self.in_place else final_name
+        return temporary_name(final_name, self._token) if self.in_place else final_name
 
     def data_file(self, final_name: str) -> DataFileWriter:
         """The data file that will be called final_name, started on first use."""
@@ -94,6 +91,7 @@ class CheckpointOutput:
     def finish_data_file(self, final_name: str) -> None:
         """Sync and close a data file, remembering its checksum."""
         self._digests[final_name] = self._open_writers.pop(final_name).close()
+        failpoint(Failpoint.AFTER_DATA_FILE)
 
     def finish_data_files(self) -> None:
         """Sync and close every data file still open."""
@@ -134,12 +132,12 @@ class CheckpointOutput:
                                serialize_metadata(_renamed(metadata, temporary_names)))
         self._metadata_switched = True
         fsync_directory(directory)
-        failpoint("after-first-metadata-switch")
+        failpoint(Failpoint.AFTER_FIRST_METADATA_SWITCH)
         if _give_final_names(directory, temporary_names):
             metadata_digest = write_file_atomically(directory / METADATA_FILE_NAME,
                                                      serialize_metadata(metadata))
             fsync_directory(directory)
-            failpoint("after-second-metadata-switch")
+            failpoint(Failpoint.AFTER_SECOND_METADATA_SWITCH)
             for temporary in temporary_names.values():
                 (directory / temporary).unlink()
             digests = dict(self._digests)
@@ -148,7 +146,7 @@ class CheckpointOutput:
                 (directory / METADATA_FILE_NAME).read_bytes()).hexdigest()
             digests = {temporary_names[name]: digest for name, digest in self._digests.items()}
         for path in directory.iterdir():
-            is_old_data = path.name.endswith(".distcp") or _TEMPORARY_NAME.match(path.name)
+            is_old_data = path.name.endswith(DATA_FILE_SUFFIX) or is_temporary_name(path.name)
             if is_old_data and path.name not in digests:
                 path.unlink()
         digests[METADATA_FILE_NAME] = metadata_digest
@@ -168,7 +166,7 @@ def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:
                 return False
             raise
         os.replace(link, directory / final_name)
-        failpoint("after-first-final-name")
+        failpoint(Failpoint.AFTER_FINAL_NAME)
     fsync_directory(directory)
     return True
 
@@ -177,24 +175,6 @@ def _renamed(metadata: CheckpointMetadata, names: dict[str, str]) -> CheckpointM
     storage_data = {key: dataclasses.replace(info, relative_path=names[info.relative_path])
                     for key, info in (metadata.storage_data or {}).items()}
     return dataclasses.replace(metadata, storage_data=storage_data)
-
-
-def final_name_of(name: str) -> str:
-    """The name a data file will have once published: a temporary name left by an interrupted
-    in-place rewrite maps back to the name it was standing in for."""
-    match = _TEMPORARY_NAME.match(name)
-    return match.group("final") if match else name
-
-
-def remove_stale_temporaries(directory: Path, referenced: set[str]) -> list[str]:
-    """Delete files an earlier killed in-place rewrite left behind, unless the metadata uses
-    them; returns their names."""
-    removed = []
-    for path in directory.iterdir():
-        if _TEMPORARY_NAME.match(path.name) and path.name not in referenced:
-            path.unlink()
-            removed.append(path.name)
-    return removed
 
 
 def storage_with(info: StorageInfo, relative_path: str, offset: int, length: int,

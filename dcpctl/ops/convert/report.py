@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from dcpctl.errors import DataError
+from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.view import TensorEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.pipeline import Pipeline
@@ -107,3 +108,4 @@ def sync_and_close(stream) -> None:
     stream.flush()
     os.fsync(stream.fileno())
     stream.close()
+    failpoint(Failpoint.AFTER_DATA_FILE)

@@ -1,7 +1,7 @@
 """Safetensors files or a torch.save file to a DCP checkpoint laid out for N ranks.
 
-Each tensor is split by rows as an N-rank FSDP2 save splits it (format/checkpoint/sharding.py) and each
-rank's chunks go into its own file `__{rank}_0.distcp`, every item the torch.save archive of the
+Each tensor is split by rows as an N-rank FSDP2 save splits it (format/checkpoint/sharding.py)
+and each rank's chunks go into its own file `__{rank}_0.distcp`, every item the torch.save of the
 chunk that torch's FileSystemWriter would write (format/torch_save/writer.py); non-tensor
 entries go to rank 0. Sources are read a chunk at a time from the byte ranges their headers name
 (for a torch.save file, found by loading it with every tensor on the meta device), never loaded

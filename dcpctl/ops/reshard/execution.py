@@ -20,14 +20,16 @@ from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.format.checkpoint.publishing import CheckpointOutput
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
-# Named here for the command line, which reaches the format only through the operations.
-from dcpctl.format.codecs.registry import CODEC_NAMES  # noqa: F401
-from dcpctl.format.codecs.registry import codec_by_name
+from dcpctl.format.codecs.registry import CODEC_NAMES, codec_by_name
 from dcpctl.format.metadata.records import ChunkMetadata, MetadataIndex, StorageInfo
 from dcpctl.ops.reshard.assembly import chunk_archive
 from dcpctl.ops.reshard.planning import (ChunkTask, ObjectTask, ReshardPlan, group_tasks_into_runs,
                                          plan_reshard, task_bytes)
 from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, produce_run
+
+# The codec names are named here for the command line, which reaches the format only through
+# the operations.
+__all__ = ["CODEC_NAMES", "ReshardReport", "execute_reshard", "reshard_checkpoint"]
 
 # Pieces smaller than this are joined before they reach the writer: a run's archives come as
 # many small pieces, and per-piece costs (a write and a hash update, each a hand-over of the

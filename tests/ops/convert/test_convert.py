@@ -188,6 +188,7 @@ def test_views_and_odd_dtypes_in_torch_save_files(tmp_path):
     assert loaded["model.nested.list.1"] == 3
 
 
+@pytest.mark.slow
 def test_dcp_output_loads_on_its_ranks_into_the_fsdp2_state(tmp_path):
     name = "fsdp2_adamw_3ranks"
     convert_to_torch_save(fixture_path(name), tmp_path / "state.pt", EVERYTHING)

@@ -10,9 +10,8 @@ from conftest import MANIFEST, directory_state, fixture_path, load_with_torch, t
 from make_fixtures import build_fsdp2_train_state, run_gloo_job, tensor_sha256
 from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 
-from dcpctl.errors import InvalidOptionError, OutputError, UnsupportedLayoutError
+from dcpctl.errors import InvalidOptionError, OutputError
 from dcpctl.format.checkpoint.view import open_checkpoint
-from dcpctl.format.codecs.registry import IDENTITY
 from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.format.file_names import rank_file_name
 from dcpctl.ops.reshard.execution import reshard_checkpoint
@@ -66,6 +65,7 @@ def _files_read_by_rank(rank: int, world_size: int, checkpoint: str, out_dir: st
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"reads": reads, "sharded": sharded}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source_ranks,target_ranks", [(2, 4), (4, 3), (3, 1)])
 def test_chunks_equal_a_real_save_of_that_world_size(real_fsdp2_saves, tmp_path, source_ranks,
                                                      target_ranks):
@@ -79,6 +79,7 @@ def test_chunks_equal_a_real_save_of_that_world_size(real_fsdp2_saves, tmp_path,
             assert info.length > 0
 
 
+@pytest.mark.slow
 def test_each_rank_reads_its_shards_from_its_own_file(tmp_path):
     out = tmp_path / "out"
     reshard_checkpoint(fixture_path("zstd_fsdp2_2ranks"), 4, str(out))
@@ -95,6 +96,7 @@ def test_each_rank_reads_its_shards_from_its_own_file(tmp_path):
         assert shard_files or rank == 3  # rank 3 of 4 holds only empty shards of this model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,target_ranks", [("mesh2d_4ranks", 2), ("objects_2ranks", 3),
                                                ("fsdp2_adamw_3ranks", 2)])
 def test_resharded_checkpoints_load_equal_on_their_new_world_size(name, target_ranks, tmp_path):

@@ -1,0 +1,202 @@
+"""Every command that writes, killed at every failpoint it passes (its first, a middle and its
+last pass of each), leaves what it read untouched and nothing at its output that looks whole;
+run again, it finishes and its output is right.
+
+Each command is first run once with DCPCTL_FAILPOINT_TRACE to learn where it passes and how
+often; each kill is then checked to have happened (the process died of SIGKILL).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from conftest import (MANIFEST, directory_state, fixture_path, load_with_torch, run_dcpctl,
+                      tree_listing)
+from make_fixtures import tensor_sha256
+from safetensors.torch import load_file
+
+from dcpctl.failpoints import Failpoint
+from dcpctl.format.checkpoint.checksums import read_sha256sums, sha256_of_file
+from dcpctl.storage.local import is_temporary_name
+
+pytestmark = pytest.mark.slow
+SOURCE = "fsdp2_adamw_3ranks"
+
+
+def expected_tensors(name: str = SOURCE) -> dict[str, str]:
+    return {fqn: entry["sha256"] for fqn, entry in MANIFEST[name]["tensors"].items()}
+
+
+def loaded_tensors(checkpoint: Path) -> dict[str, str]:
+    return {fqn: tensor_sha256(value) for fqn, value in load_with_torch(checkpoint).items()
+            if isinstance(value, torch.Tensor)}
+
+
+def assert_checksums_hold(directory: Path) -> None:
+    for name, digest in (read_sha256sums(directory) or {}).items():
+        assert sha256_of_file(directory / name) == digest, name
+
+
+@dataclass
+class Scenario:
+    """A command, what it needs before it runs, and what must hold after a kill and after the
+    run that follows it."""
+
+    name: str
+    args: Callable[[Path], list]
+    prepare: Callable[[Path], None]
+    after_kill: Callable[[Path, dict], None]
+    after_rerun: Callable[[Path], None]
+
+
+def copy_source(work: Path) -> None:
+    shutil.copytree(fixture_path(SOURCE), work / "ckpt")
+
+
+def source_untouched_and_no_output(output_name: str) -> Callable[[Path, dict], None]:
+    def check(work: Path, before: dict) -> None:
+        assert directory_state(work / "ckpt") == before["ckpt"]
+        assert not (work / output_name).exists()
+        # what a killed run leaves is hidden: nothing under a name a user would take as whole
+        assert all(name.startswith(".") for name in tree_listing(work)
+                   if "/" not in name and name not in (".", "ckpt", "model.safetensors"))
+    return check
+
+
+def in_place_checkpoint_loads(work: Path, before: dict) -> None:
+    assert loaded_tensors(work / "ckpt") == expected_tensors()
+    assert_checksums_hold(work / "ckpt")
+
+
+def checkpoint_loads(directory: str) -> Callable[[Path], None]:
+    def check(work: Path) -> None:
+        assert loaded_tensors(work / directory) == expected_tensors()
+        assert_checksums_hold(work / directory)
+    return check
+
+
+def in_place_rewrite_is_clean(work: Path) -> None:
+    checkpoint_loads("ckpt")(work)
+    assert not [path.name for path in (work / "ckpt").iterdir() if ".dcpctl-" in path.name]
+
+
+def safetensors_hold_the_model(work: Path) -> None:
+    tensors = {}
+    for path in (work / "hf").glob("*.safetensors"):
+        tensors.update(load_file(path))
+    model = {fqn: digest for fqn, digest in expected_tensors().items()
+             if fqn.startswith("model.")}
+    assert {f"model.{name}": tensor_sha256(value) for name, value in tensors.items()} == model
+
+
+def torch_file_holds_the_state(work: Path) -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(torch.load(work / "model.pt", weights_only=True))
+    assert {fqn: tensor_sha256(value) for fqn, value in flat.items()
+            if isinstance(value, torch.Tensor)} == expected_tensors()
+
+
+def copy_source_and_model(work: Path) -> None:
+    copy_source(work)
+    tensors = {fqn: value.contiguous() for fqn, value in load_with_torch(work / "ckpt").items()
+               if isinstance(value, torch.Tensor)}
+    from safetensors.torch import save_file
+    save_file(tensors, work / "model.safetensors")
+
+
+def checksum_left_alone_or_whole(work: Path, before: dict) -> None:
+    state = {name: digest for name, digest in directory_state(work / "ckpt").items()
+             if name != "SHA256SUMS" and not is_temporary_name(name)}
+    assert state == before["ckpt"]
+    assert_checksums_hold(work / "ckpt")
+
+
+def checksummed_and_clean(work: Path) -> None:
+    assert_checksums_hold(work / "ckpt")
+    assert not [name for name in directory_state(work / "ckpt") if is_temporary_name(name)]
+
+
+SCENARIOS = [
+    Scenario("compress in place", lambda work: ["compress", work / "ckpt"], copy_source,
+             in_place_checkpoint_loads, in_place_rewrite_is_clean),
+    Scenario("decompress in place", lambda work: ["decompress", work / "ckpt"], copy_source,
+             in_place_checkpoint_loads, in_place_rewrite_is_clean),
+    Scenario("compress -o", lambda work: ["compress", work / "ckpt", "-o", work / "out"],
+             copy_source, source_untouched_and_no_output("out"), checkpoint_loads("out")),
+    Scenario("reshard", lambda work: ["reshard", work / "ckpt", "--ranks", "2", "-o",
+                                      work / "out"],
+             copy_source, source_untouched_and_no_output("out"), checkpoint_loads("out")),
+    Scenario("convert to safetensors", lambda work: [
+        "convert", work / "ckpt", "--to", "safetensors", "-o", work / "hf",
+        "--max-shard-size", "200"],
+             copy_source, source_untouched_and_no_output("hf"), safetensors_hold_the_model),
+    Scenario("convert to torch", lambda work: ["convert", work / "ckpt", "--to", "torch", "-o",
+                                               work / "model.pt"],
+             copy_source, source_untouched_and_no_output("model.pt"),
+             torch_file_holds_the_state),
+    Scenario("convert to dcp", lambda work: [
+        "convert", work / "model.safetensors", "--to", "dcp", "-o", work / "out", "--ranks", "2"],
+             copy_source_and_model, source_untouched_and_no_output("out"),
+             checkpoint_loads("out")),
+    Scenario("checksum", lambda work: ["checksum", work / "ckpt"], copy_source,
+             checksum_left_alone_or_whole, checksummed_and_clean),
+]
+
+
+def passes_of(work: Path, scenario: Scenario) -> dict[str, int]:
+    """How often the command passes each failpoint, from one traced run."""
+    trace = work.parent / f"{work.name}.trace"
+    result = run_dcpctl(*scenario.args(work), trace=trace)
+    assert result.returncode == 0, result.stderr
+    names = trace.read_text().split()
+    return {name: names.count(name) for name in dict.fromkeys(names)}
+
+
+def moments(passes: dict[str, int]) -> list[str]:
+    """Each failpoint at its first, a middle and its last pass: `name@n`."""
+    return [f"{name}@{hit}" for name, count in passes.items()
+            for hit in sorted({1, (count + 1) // 2, count})]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda scenario: scenario.name)
+def test_killed_at_every_failpoint_nothing_is_lost(scenario, tmp_path):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    scenario.prepare(probe)
+    for moment in moments(passes_of(probe, scenario)):
+        work = tmp_path / moment.replace("@", "-")
+        work.mkdir()
+        scenario.prepare(work)
+        before = {"ckpt": directory_state(work / "ckpt")}
+        killed = run_dcpctl(*scenario.args(work), failpoint=moment)
+        assert killed.returncode == -signal.SIGKILL, (moment, killed.stderr)
+        scenario.after_kill(work, before)
+        rerun = run_dcpctl(*scenario.args(work))
+        assert rerun.returncode == 0, (moment, rerun.stderr)
+        scenario.after_rerun(work)
+
+
+def test_every_failpoint_is_passed_by_some_command(tmp_path):
+    passed = set()
+    for index, scenario in enumerate(SCENARIOS):
+        work = tmp_path / str(index)
+        work.mkdir()
+        scenario.prepare(work)
+        passed.update(passes_of(work, scenario))
+    assert passed == {point.value for point in Failpoint}
+
+
+def test_an_unknown_failpoint_is_refused(tmp_path):
+    """A misspelt failpoint would never kill, and its test would pass without testing."""
+    copy_source(tmp_path)
+    before = directory_state(tmp_path / "ckpt")
+    result = run_dcpctl("compress", tmp_path / "ckpt", failpoint="after-data-writes")
+    assert result.returncode != 0 and "DCPCTL_FAILPOINT='after-data-writes'" in result.stderr
+    assert directory_state(tmp_path / "ckpt") == before
