@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dcpctl.errors import InvalidOptionError
+
 
 @dataclass(frozen=True)
 class RankChunk:
@@ -14,6 +16,12 @@ class RankChunk:
     sizes: tuple[int, ...]
 
 
+def check_world_size(world_size: int) -> None:
+    """Refuse a world size that no job can have."""
+    if world_size < 1:
+        raise InvalidOptionError(f"--ranks must be at least 1, not {world_size}")
+
+
 def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk]:
     """The chunks an FSDP2 (`fully_shard`, 1-D mesh) save of world_size ranks writes for a
     tensor of this shape: ceil(rows / world_size) rows per rank, later ranks smaller or empty.
@@ -21,8 +29,7 @@ def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk
     share one entry, as DCP deduplicates them, given here to the lowest of those ranks (torch
     gives it to the rank with the least data planned so far). A 0-d tensor is not sharded:
     rank 0 holds it."""
-    if world_size < 1:
-        raise ValueError(f"world size must be at least 1, not {world_size}")
+    check_world_size(world_size)
     if not shape:
         return [RankChunk(0, (), ())]
     rows, rest = shape[0], tuple(shape[1:])

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dcpctl.errors import DataError, UnsupportedLayoutError, truncated_error
 from dcpctl.format.checkpoint.publishing import CheckpointOutput
-from dcpctl.format.checkpoint.sharding import RankChunk, shard_dim0_chunks
+from dcpctl.format.checkpoint.sharding import RankChunk, check_world_size, shard_dim0_chunks
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
 from dcpctl.format.file_names import rank_file_name
 from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
@@ -245,6 +245,7 @@ def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: 
     into a DCP checkpoint at output, laid out for `ranks` ranks."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
+    check_world_size(ranks)
     source_format, entries = read_source(Path(source), prefix)
     output_path = Path(output)
     checkpoint_output = CheckpointOutput(output_path, in_place=False, overwrite=overwrite)

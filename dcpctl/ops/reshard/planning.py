@@ -9,9 +9,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
+from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import ItemLocation, locate_chunk, locate_object
-from dcpctl.format.checkpoint.sharding import shard_dim0_chunks
+from dcpctl.format.checkpoint.sharding import check_world_size, shard_dim0_chunks
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry
 from dcpctl.format.codecs.registry import Codec, codec_for_descriptors
 from dcpctl.format.dtypes import DType
@@ -72,8 +72,7 @@ class ReshardPlan:
 def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None
                  ) -> ReshardPlan:
     """Plan the output of a world_size-rank save of the checkpoint's state."""
-    if world_size < 1:
-        raise InvalidOptionError(f"--ranks must be at least 1, not {world_size}")
+    check_world_size(world_size)
     codec = codec or _input_codec(checkpoint)
     tasks: list[ChunkTask | ObjectTask] = []
     for tensor in checkpoint.tensors:

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from dcpctl.errors import DcpctlError, LockHeldError, UnsafePathError, describe_os_error
+from dcpctl.errors import (DcpctlError, InvalidOptionError, LockHeldError, UnsafePathError,
+                           describe_os_error)
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_directory,
                                   scan_run_directory)
@@ -40,7 +41,8 @@ class RetentionRules:
 
     def __post_init__(self):
         if self.keep_last < 1 or (self.keep_every_steps is not None and self.keep_every_steps < 1):
-            raise ValueError(f"keep_last and keep_every_steps must be at least 1: {self}")
+            raise InvalidOptionError(f"--keep-last and --keep-every must be at least 1, not "
+                                     f"{self.keep_last} and {self.keep_every_steps}")
 
 
 @dataclass

@@ -7,7 +7,7 @@ import os
 import pytest
 from conftest import add_checkpoint, fail_rmtree_part_way, tree_listing
 
-from dcpctl.errors import LockHeldError, UnsafePathError
+from dcpctl.errors import InvalidOptionError, LockHeldError, UnsafePathError
 from dcpctl.ops.runs.prune import (LOCK_FILE_NAME, RetentionRules, delete_checkpoint_directory,
                                    hold_prune_lock, prune_run_directory)
 
@@ -185,5 +185,5 @@ def test_dry_run_changes_nothing_and_plans_what_a_real_run_does(tmp_path):
 
 
 def test_keep_last_must_be_at_least_one():
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidOptionError, match="at least 1"):
         RetentionRules(keep_last=0)
