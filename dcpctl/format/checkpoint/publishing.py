@@ -129,13 +129,13 @@ class CheckpointOutput:
         (directory / SHA256SUMS_FILE_NAME).unlink(missing_ok=True)  # it describes the old files
         temporary_names = {name: self.data_file_name(name) for name in self._digests}
         write_file_atomically(directory / METADATA_FILE_NAME,
-                               serialize_metadata(_renamed(metadata, temporary_names)))
+                              serialize_metadata(_renamed(metadata, temporary_names)))
         self._metadata_switched = True
         fsync_directory(directory)
         failpoint(Failpoint.AFTER_FIRST_METADATA_SWITCH)
         if _give_final_names(directory, temporary_names):
             metadata_digest = write_file_atomically(directory / METADATA_FILE_NAME,
-                                                     serialize_metadata(metadata))
+                                                    serialize_metadata(metadata))
             fsync_directory(directory)
             failpoint(Failpoint.AFTER_SECOND_METADATA_SWITCH)
             for temporary in temporary_names.values():

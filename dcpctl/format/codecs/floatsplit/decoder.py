@@ -203,7 +203,7 @@ class FloatSplitDecoder:
                 raise self._damage_at(stream.position, f"a zstd frame claims {claimed} bytes, "
                                                        f"its header {stream.decoded_bytes}")
             decoded = _decompressors.get().decompress(stream.stored,
-                                                    max_output_size=stream.decoded_bytes)
+                                                      max_output_size=stream.decoded_bytes)
         except zstandard.ZstdError as error:
             raise self._undecodable(stream, error) from None
         self._check_length(stream, len(decoded), b"")
