@@ -222,7 +222,7 @@ def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str
     if in_place:
         referenced = {info.relative_path for info in checkpoint.metadata.storage_data.values()}
         report.removed_stale_files = remove_stale_temporaries(checkpoint.path, referenced)
-    output = CheckpointOutput(Path(report.output), in_place=in_place, overwrite=overwrite)
+    output = CheckpointOutput(Path(report.output), in_place, checkpoint.path, overwrite)
     try:
         report.stored_bytes_after = execute_transcode(plan, checkpoint, output, threads,
                                                       on_progress)

@@ -13,10 +13,13 @@ from dcpctl.storage.local import fsync_directory, new_token, temporary_name
 
 
 class StagedOutput:
-    """Where an output is written (`path`) before `publish` renames it to `destination`; an
-    existing destination is refused unless overwrite (an empty directory is always taken)."""
+    """Where an output is written (`path`) before `publish` renames it to `destination`. A
+    destination that is, holds or lies inside the source is refused; an existing one is
+    refused unless overwrite (an empty directory is always taken)."""
 
-    def __init__(self, destination: Path, overwrite: bool, is_directory: bool = True) -> None:
+    def __init__(self, destination: Path, overwrite: bool, source: Path,
+                 is_directory: bool = True) -> None:
+        refuse_overlap(source, destination)
         check_destination(destination, overwrite, is_directory)
         self.destination = destination
         self.is_directory = is_directory
@@ -48,6 +51,24 @@ class StagedOutput:
             shutil.rmtree(self.path, ignore_errors=True)
         else:
             self.path.unlink(missing_ok=True)
+
+
+def refuse_overlap(source: Path, destination: Path) -> None:
+    """Refuse an output that is the input, holds it, or lies inside it, whatever --overwrite
+    says: replacing it would delete the input, and writing inside it would change it."""
+    source_real, destination_real = os.path.realpath(source), os.path.realpath(destination)
+    if destination_real == source_real:
+        raise OutputError(f"is the input {source}; give another output", path=destination)
+    if _lies_within(source_real, destination_real):
+        raise OutputError(f"holds the input {source}: replacing it would delete the input; "
+                          "give another output", path=destination)
+    if _lies_within(destination_real, source_real):
+        raise OutputError(f"lies inside the input {source}; give an output outside it",
+                          path=destination)
+
+
+def _lies_within(inner: str, outer: str) -> bool:
+    return os.path.commonpath([inner, outer]) == outer and inner != outer
 
 
 def check_destination(destination: Path, overwrite: bool, is_directory: bool = True) -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dcpctl.errors import OutputError
 from dcpctl.storage.staging import StagedOutput
 
+SOURCE = Path("/nonexistent/source")
+
 
 def test_a_directory_appears_only_when_published(tmp_path):
-    staged = StagedOutput(tmp_path / "out", overwrite=False)
+    staged = StagedOutput(tmp_path / "out", overwrite=False, source=SOURCE)
     (staged.path / "data").write_text("new")
     assert not (tmp_path / "out").exists()
     staged.publish()
@@ -21,8 +25,8 @@ def test_an_existing_directory_is_replaced_only_with_overwrite(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "old").write_text("old")
     with pytest.raises(OutputError, match="not empty.*--overwrite"):
-        StagedOutput(tmp_path / "out", overwrite=False)
-    staged = StagedOutput(tmp_path / "out", overwrite=True)
+        StagedOutput(tmp_path / "out", overwrite=False, source=SOURCE)
+    staged = StagedOutput(tmp_path / "out", overwrite=True, source=SOURCE)
     (staged.path / "new").write_text("new")
     staged.publish()
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["new"]
@@ -31,22 +35,35 @@ def test_an_existing_directory_is_replaced_only_with_overwrite(tmp_path):
 
 def test_a_file_output(tmp_path):
     target = tmp_path / "model.pt"
-    staged = StagedOutput(target, overwrite=False, is_directory=False)
+    staged = StagedOutput(target, overwrite=False, source=SOURCE, is_directory=False)
     staged.path.write_bytes(b"one")
     staged.publish()
     with pytest.raises(OutputError, match="exists.*--overwrite"):
-        StagedOutput(target, overwrite=False, is_directory=False)
-    staged = StagedOutput(target, overwrite=True, is_directory=False)
+        StagedOutput(target, overwrite=False, source=SOURCE, is_directory=False)
+    staged = StagedOutput(target, overwrite=True, source=SOURCE, is_directory=False)
     staged.path.write_bytes(b"two")
     staged.abort()
     assert target.read_bytes() == b"one"
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
     with pytest.raises(OutputError, match="is a directory"):
-        StagedOutput(tmp_path, overwrite=True, is_directory=False)
+        StagedOutput(tmp_path, overwrite=True, source=SOURCE, is_directory=False)
 
 
 def test_abort_removes_the_unfinished_directory(tmp_path):
-    staged = StagedOutput(tmp_path / "out", overwrite=False)
+    staged = StagedOutput(tmp_path / "out", overwrite=False, source=SOURCE)
     (staged.path / "half").write_text("x")
     staged.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["source", "source/..", "source/inner", "source/link/.."])
+def test_an_output_that_is_holds_or_lies_inside_the_input_is_refused(tmp_path, where):
+    source = tmp_path / "run" / "source"
+    source.mkdir(parents=True)
+    (source / "data").write_text("keep")
+    (source / "link").symlink_to(source)
+    destination = tmp_path / "run" / where
+    with pytest.raises(OutputError, match="the input"):
+        StagedOutput(destination, overwrite=True, source=source)
+    assert (source / "data").read_text() == "keep"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["source"]

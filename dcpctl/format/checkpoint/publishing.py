@@ -59,7 +59,8 @@ class DataFileWriter:
 class CheckpointOutput:
     """Where a rewritten checkpoint goes; see the module docstring for the two ways."""
 
-    def __init__(self, destination: Path, in_place: bool, overwrite: bool = False) -> None:
+    def __init__(self, destination: Path, in_place: bool, source: Path,
+                 overwrite: bool = False) -> None:
         self.destination = destination
         self.in_place = in_place
         self._digests: dict[str, str] = {}
@@ -71,7 +72,7 @@ class CheckpointOutput:
             self._token = new_token()
             self.directory = destination
         else:
-            self._staged = StagedOutput(destination, overwrite)
+            self._staged = StagedOutput(destination, overwrite, source)
             self._token = self._staged.token
             self.directory = self._staged.path
 

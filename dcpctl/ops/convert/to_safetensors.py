@@ -101,7 +101,7 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     threads = threads or default_thread_count()
     checkpoint = open_checkpoint(source)
     plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
-    staged = StagedOutput(Path(output), overwrite)
+    staged = StagedOutput(Path(output), overwrite, checkpoint.path)
     try:
         with open_payload_reader(Path(output)) as payloads:
             files = write_safetensors(plan, checkpoint, payloads, staged.path, threads,

@@ -162,7 +162,7 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     threads = threads or default_thread_count()
     checkpoint = open_checkpoint(source)
     plan = plan_torch_save(checkpoint, selection, cast_to)
-    staged = StagedOutput(Path(output), overwrite, is_directory=False)
+    staged = StagedOutput(Path(output), overwrite, checkpoint.path, is_directory=False)
     try:
         with open(staged.path, "xb") as stream, open_payload_reader(Path(output)) as payloads:
             write_torch_save(plan, checkpoint, payloads, stream, threads, on_progress)

@@ -160,10 +160,7 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     plan = plan_reshard(checkpoint, world_size, codec)
     _allow_open_files(world_size + len(checkpoint.files) + 64)
     destination = Path(output_path)
-    if destination.exists() and os.path.samefile(destination, checkpoint.path):
-        raise InvalidOptionError("reshard writes a new checkpoint; the output must be another "
-                                 "directory", path=destination)
-    output = CheckpointOutput(destination, in_place=False, overwrite=overwrite)
+    output = CheckpointOutput(destination, False, checkpoint.path, overwrite)
     try:
         stored = execute_reshard(plan, checkpoint, output, threads, on_progress, piece_bytes)
     except BaseException:

@@ -129,7 +129,7 @@ def test_codec_can_be_changed(tmp_path):
 
 
 def test_bad_outputs_are_refused(tmp_path):
-    with pytest.raises(InvalidOptionError, match="another directory"):
+    with pytest.raises(OutputError, match="is the input"):
         reshard_checkpoint(fixture_path("mesh2d_4ranks"), 2, str(fixture_path("mesh2d_4ranks")))
     out = tmp_path / "out"
     out.mkdir()

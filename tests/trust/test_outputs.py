@@ -1,0 +1,45 @@
+"""No output may hold, be or lie inside its input, whatever --overwrite says: replacing it
+would delete the input (and its siblings), writing inside it would change it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import directory_state, fixture_path, tree_listing
+
+SOURCE = "fsdp2_adamw_3ranks"
+
+
+def _run_directory(tmp_path):
+    run = tmp_path / "run"
+    for step in ("step-1", "step-2"):
+        shutil.copytree(fixture_path(SOURCE), run / step)
+    return run
+
+
+@pytest.mark.parametrize("command", [
+    ["compress", "{ckpt}", "-o", "{run}"],
+    ["decompress", "{ckpt}", "-o", "{tmp}"],
+    ["compress", "{ckpt}", "-o", "{ckpt}/inner"],
+    ["reshard", "{ckpt}", "--ranks", "2", "-o", "{run}"],
+    ["reshard", "{ckpt}", "--ranks", "2", "-o", "{ckpt}"],
+    ["convert", "{ckpt}", "--to", "safetensors", "-o", "{run}"],
+    ["convert", "{ckpt}", "--to", "safetensors", "-o", "{ckpt}/hf"],
+    ["convert", "{ckpt}", "--to", "torch", "-o", "{ckpt}"],
+    ["convert", "{run}/model.safetensors", "--to", "dcp", "-o", "{run}"],
+])
+def test_an_output_holding_or_inside_its_input_is_refused(run_cli, tmp_path, command):
+    run = _run_directory(tmp_path)
+    import torch
+    from safetensors.torch import save_file
+    save_file({"w": torch.ones(2)}, run / "model.safetensors")
+    before = tree_listing(tmp_path)
+    states = {step: directory_state(run / step) for step in ("step-1", "step-2")}
+    args = [part.format(ckpt=run / "step-1", run=run, tmp=tmp_path) for part in command]
+    result = run_cli(*args, "--overwrite")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: ") and "the input" in result.output
+    assert len(result.output.splitlines()) == 1
+    assert {step: directory_state(run / step) for step in states} == states
+    assert tree_listing(tmp_path) == before
