@@ -155,16 +155,27 @@ def tree_listing(path: Path) -> dict[str, tuple[int, int]]:
     return listing
 
 
-def fail_rmtree_part_way(monkeypatch, failing_name):
-    """Make shutil.rmtree fail with EACCES part-way through the checkpoint named failing_name,
-    after removing one of its files, as a file the user may not remove would. Injected
-    because the tests run as root, where chmod cannot produce EACCES."""
-    real_rmtree = shutil.rmtree
+def fail_deletion_part_way(monkeypatch, failing_name):
+    """Make prune's deletion fail with EACCES part-way through the checkpoint named
+    failing_name, after removing one of its files, as a file the user may not remove would.
+    Injected because the tests run as root, where chmod cannot produce EACCES."""
+    from dcpctl.ops.runs import prune
 
-    def rmtree(path, *args, **kwargs):
-        if str(path).endswith(failing_name):
+    real_empty_directory = prune.empty_directory
+
+    def empty_directory(descriptor):
+        path = Path(os.readlink(f"/proc/self/fd/{descriptor}"))
+        if path.name == failing_name:
             (path / "__0_0.distcp").unlink()
             raise PermissionError(errno.EACCES, "Permission denied", str(path / "__1_0.distcp"))
-        return real_rmtree(path, *args, **kwargs)
+        return real_empty_directory(descriptor)
 
-    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(prune, "empty_directory", empty_directory)
+
+
+@pytest.fixture
+def another_prune():
+    """Hold the lock a running `dcpctl prune` holds on a run directory, in this process."""
+    from dcpctl.storage.locks import locked_directory
+
+    return lambda run_dir: locked_directory(run_dir, exclusive=True, what="held by the test")

@@ -77,6 +77,28 @@ def write_file_atomically(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def open_directory_at(parent_descriptor: int, name: str) -> int:
+    """A descriptor of directory `name` of an open directory; never follows a symlink there
+    (OSError ELOOP or ENOTDIR instead)."""
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   dir_fd=parent_descriptor)
+
+
+def empty_directory(descriptor: int) -> None:
+    """Delete everything in the open directory, through descriptors only: a path swapped for
+    a symlink meanwhile is never followed, whatever it points to."""
+    for entry in os.scandir(descriptor):
+        if entry.is_dir(follow_symlinks=False):
+            inner = open_directory_at(descriptor, entry.name)
+            try:
+                empty_directory(inner)
+            finally:
+                os.close(inner)
+            os.rmdir(entry.name, dir_fd=descriptor)
+        else:
+            os.unlink(entry.name, dir_fd=descriptor)
+
+
 @contextlib.contextmanager
 def scratch_directory_beside(path: Path) -> Iterator[Path]:
     """A new hidden directory beside path for temporary files (on the output's file system,

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import add_checkpoint, fail_rmtree_part_way, tree_listing
+from conftest import add_checkpoint, fail_deletion_part_way, tree_listing
 
 from dcpctl.cli.prune import parse_duration
-from dcpctl.ops.runs.prune import hold_prune_lock
 
 DAY = 86400
 
@@ -69,7 +67,7 @@ def test_dry_run_prints_the_same_plan_and_changes_nothing(run_cli, run_dir):
 
 
 def test_partial_failure_reports_both_and_exits_1(run_cli, run_dir, monkeypatch):
-    fail_rmtree_part_way(monkeypatch, "step-200")
+    fail_deletion_part_way(monkeypatch, "step-200")
     result = run_cli("prune", run_dir, "--keep-last", "1", "--json")
     assert result.exit_code == 1
     statuses = {c["name"]: c["status"] for c in json.loads(result.stdout)["checkpoints"]}
@@ -79,14 +77,13 @@ def test_partial_failure_reports_both_and_exits_1(run_cli, run_dir, monkeypatch)
                              f"{run_dir}/step-200/__1_0.distcp: Permission denied\n")
 
 
-def test_second_prune_exits_1_with_a_clear_message(run_dir):
-    with hold_prune_lock(run_dir):
+def test_second_prune_exits_1_with_a_clear_message(run_dir, another_prune):
+    with another_prune(run_dir):
         result = subprocess.run([sys.executable, "-m", "dcpctl", "prune", str(run_dir),
                                  "--keep-last", "1"], capture_output=True, text=True)
     assert result.returncode == 1 and not result.stdout
-    assert result.stderr == (f"Error: {run_dir}/.dcpctl-prune.lock: another dcpctl prune "
-                             f"(pid {os.getpid()}) is pruning this run directory; nothing was "
-                             "changed, try again later\n")
+    assert result.stderr == (f"Error: {run_dir}: another dcpctl prune is pruning this run "
+                             "directory; nothing was changed, try again later\n")
     assert (run_dir / "step-100").exists()
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dcpctl.errors import InvalidOptionError
 from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, iter_item_pieces, iter_stored_pieces
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.format.checkpoint.publishing import CheckpointOutput

@@ -10,22 +10,19 @@ it changed for longer than that, and no `keep_globs` pattern matches it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import fnmatch
 import os
-import shutil
-import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
-from dcpctl.errors import (DcpctlError, InvalidOptionError, LockHeldError, UnsafePathError,
-                           describe_os_error)
+from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_directory,
                                   scan_run_directory)
+from dcpctl.storage.local import empty_directory, open_directory_at
+from dcpctl.storage.locks import lock_descriptor, locked_directory
 
-LOCK_FILE_NAME = ".dcpctl-prune.lock"
 KEPT, WOULD_DELETE, DELETED, FAILED = "kept", "would delete", "deleted", "failed"
 
 
@@ -150,25 +147,33 @@ def _delete_reason(entry: CheckpointEntry) -> str:
 
 def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
                         dry_run: bool = False) -> PruneReport:
-    """Delete the checkpoints under run_dir that no rule keeps; with dry_run, plan only and
-    change nothing (no lock file either). Deletion failures are recorded, not raised."""
+    """Delete the checkpoints under run_dir that no rule keeps, holding a lock on run_dir; with
+    dry_run, plan only and change nothing. Deletion failures are recorded, not raised."""
     directory = Path(run_dir)
     check_run_directory(directory)
-    with contextlib.nullcontext() if dry_run else hold_prune_lock(directory):
-        scan = scan_run_directory(directory)
-        report = PruneReport(str(directory), rules, dry_run, plan_prune(scan.checkpoints, rules),
-                             scan.ignored)
+    if dry_run:
+        return _planned(directory, rules, dry_run=True)
+    with locked_directory(directory, exclusive=True,
+                          what="another dcpctl prune is pruning this run directory"
+                          ) as run_descriptor:
+        report = _planned(directory, rules, dry_run=False)
         for decision in report.to_delete:
-            _carry_out(decision, dry_run)
+            _carry_out(decision, run_descriptor)
     return report
 
 
-def _carry_out(decision: PruneDecision, dry_run: bool) -> None:
-    if dry_run:
+def _planned(directory: Path, rules: RetentionRules, dry_run: bool) -> PruneReport:
+    scan = scan_run_directory(directory)
+    report = PruneReport(str(directory), rules, dry_run, plan_prune(scan.checkpoints, rules),
+                         scan.ignored)
+    for decision in report.to_delete:
         decision.status = WOULD_DELETE
-        return
+    return report
+
+
+def _carry_out(decision: PruneDecision, run_descriptor: int) -> None:
     try:
-        delete_checkpoint_directory(decision.checkpoint.path)
+        delete_checkpoint_directory(run_descriptor, decision.checkpoint)
     except OSError as error:
         decision.status, decision.error = FAILED, describe_os_error(error)
     except DcpctlError as error:
@@ -177,36 +182,29 @@ def _carry_out(decision: PruneDecision, dry_run: bool) -> None:
         decision.status = DELETED
 
 
-def delete_checkpoint_directory(path: Path) -> None:
-    """Remove a checkpoint directory, `.metadata` first, so that a deletion cut short leaves an
-    incomplete checkpoint rather than one that looks complete. Refuses a symlink."""
-    # Checked again here, not only when scanning: the entry may have been swapped since.
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-        raise UnsafePathError("no longer a real directory (a symlink or file now?); "
-                              "not deleted", path=path)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path / METADATA_FILE_NAME)
-    # rmtree refuses a symlink given to it and unlinks (never follows) symlinks inside.
-    shutil.rmtree(path)
-
-
-@contextlib.contextmanager
-def hold_prune_lock(run_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on run_dir/.dcpctl-prune.lock; fail at once if another process
-    holds it. The kernel drops the lock when the process dies, so no lock is ever stale."""
-    path = run_dir / LOCK_FILE_NAME
-    # The file stays after we are done: removing it would let a waiting process lock a file
-    # that a third one can no longer see.
-    with open(path, "a+") as stream:
-        try:
-            fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            stream.seek(0)
-            holder = stream.read().strip() or "unknown"
-            raise LockHeldError(f"another dcpctl prune (pid {holder}) is pruning this run "
-                                "directory; nothing was changed, try again later",
-                                path=path) from None
-        stream.truncate(0)
-        stream.write(f"{os.getpid()}\n")
-        stream.flush()
-        yield
+def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> None:
+    """Delete a checkpoint directory of the run directory open as run_descriptor, `.metadata`
+    first, so that a deletion cut short leaves an incomplete checkpoint rather than one that
+    looks complete. Everything goes through descriptors: the entry must still be the directory
+    the scan saw (not a symlink, not another directory swapped in), and no other dcpctl may
+    be using it."""
+    try:
+        descriptor = open_directory_at(run_descriptor, entry.name)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError("no longer a real directory (a symlink or file now?); not "
+                                  "deleted", path=entry.path) from None
+        raise
+    try:
+        status = os.fstat(descriptor)
+        if (status.st_dev, status.st_ino) != entry.identity:
+            raise UnsafePathError("is no longer the directory that was scanned; not deleted",
+                                  path=entry.path)
+        lock_descriptor(descriptor, exclusive=True, path=entry.path,
+                        what="another dcpctl is using this checkpoint; not deleted")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(METADATA_FILE_NAME, dir_fd=descriptor)
+        empty_directory(descriptor)
+    finally:
+        os.close(descriptor)
+    os.rmdir(entry.name, dir_fd=run_descriptor)

@@ -41,6 +41,8 @@ class CheckpointEntry:
     modified_at: float
     age_seconds: float
     has_sha256sums: bool
+    identity: tuple[int, int] = (0, 0)
+    """The directory's device and inode when scanned: what a deletion checks it still is."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
@@ -122,12 +124,14 @@ def _reason_not_a_checkpoint(path: Path) -> str | None:
 
 
 def _describe_checkpoint(path: Path, step: int, now: float) -> CheckpointEntry:
+    status = os.lstat(path)
     size_bytes, modified_at = _measure_directory(path)
     return CheckpointEntry(
         name=path.name, path=path, step=step,
         complete=(path / METADATA_FILE_NAME).is_file(), size_bytes=size_bytes,
         modified_at=modified_at, age_seconds=max(0.0, now - modified_at),
-        has_sha256sums=(path / SHA256SUMS_FILE_NAME).is_file())
+        has_sha256sums=(path / SHA256SUMS_FILE_NAME).is_file(),
+        identity=(status.st_dev, status.st_ino))
 
 
 def _measure_directory(path: Path) -> tuple[int, float]:

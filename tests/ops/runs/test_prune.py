@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import add_checkpoint, fail_rmtree_part_way, tree_listing
+from conftest import add_checkpoint, fail_deletion_part_way, tree_listing
 
 from dcpctl.errors import InvalidOptionError, LockHeldError, UnsafePathError
-from dcpctl.ops.runs.prune import (LOCK_FILE_NAME, RetentionRules, delete_checkpoint_directory,
-                                   hold_prune_lock, prune_run_directory)
+from dcpctl.ops.runs.prune import RetentionRules, delete_checkpoint_directory, prune_run_directory
+from dcpctl.ops.runs.scan import scan_run_directory
 
 HOUR, DAY = 3600, 86400
 
@@ -32,7 +32,7 @@ def _deleted(report):
 
 
 def _remaining(run_dir):
-    return sorted(path.name for path in run_dir.iterdir() if path.name != LOCK_FILE_NAME)
+    return sorted(path.name for path in run_dir.iterdir())
 
 
 def test_keep_last_deletes_the_older_ones_and_frees_their_bytes(tmp_path):
@@ -137,17 +137,33 @@ def test_a_file_where_a_directory_is_expected_is_left_alone(tmp_path):
     assert [(e.name, e.reason) for e in report.ignored] == [("step-100", "not a directory")]
 
 
-def test_deleting_refuses_an_entry_swapped_for_a_symlink(tmp_path):
-    target = add_checkpoint(tmp_path, "target")
-    (tmp_path / "step-1").symlink_to(target, target_is_directory=True)
-    with pytest.raises(UnsafePathError, match="no longer a real directory"):
-        delete_checkpoint_directory(tmp_path / "step-1")
-    assert (target / ".metadata").exists()
+@pytest.mark.parametrize("swap", ["symlink", "another directory"])
+def test_deleting_refuses_an_entry_swapped_after_the_scan(tmp_path, swap):
+    """Between prune's scan and its deletion, step-1 is renamed away and replaced by a symlink
+    to a checkpoint outside the run directory, or by another directory: nothing of either is
+    deleted."""
+    run_dir = tmp_path / "run"
+    add_checkpoint(run_dir, "step-1")
+    outside = add_checkpoint(tmp_path, "outside")
+    (entry,) = scan_run_directory(run_dir).checkpoints
+    (run_dir / "step-1").rename(tmp_path / "moved")
+    if swap == "symlink":
+        (run_dir / "step-1").symlink_to(outside, target_is_directory=True)
+    else:
+        add_checkpoint(run_dir, "step-1")
+    before = tree_listing(tmp_path)
+    run_descriptor = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(UnsafePathError, match="no longer|scanned"):
+            delete_checkpoint_directory(run_descriptor, entry)
+    finally:
+        os.close(run_descriptor)
+    assert tree_listing(tmp_path) == before
 
 
 def test_permission_denied_on_one_directory_the_rest_is_still_done(tmp_path, monkeypatch):
     run_dir = _run_dir(tmp_path, [100, 200, 300, 400])
-    fail_rmtree_part_way(monkeypatch, "step-200")
+    fail_deletion_part_way(monkeypatch, "step-200")
     report = _prune(run_dir, keep_last=1)
     assert [d.status for d in report.decisions] == ["deleted", "failed", "deleted", "kept"]
     assert report.decisions[1].error == f"{run_dir}/step-200/__1_0.distcp: Permission denied"
@@ -157,11 +173,11 @@ def test_permission_denied_on_one_directory_the_rest_is_still_done(tmp_path, mon
     assert report.freed_bytes == report.decisions[0].checkpoint.size_bytes * 2
 
 
-def test_a_second_prune_fails_while_the_first_holds_the_lock(tmp_path):
+def test_a_second_prune_fails_while_the_first_holds_the_lock(tmp_path, another_prune):
     run_dir = _run_dir(tmp_path, [100, 200])
-    with hold_prune_lock(run_dir):
+    with another_prune(run_dir):
         before = tree_listing(run_dir)
-        with pytest.raises(LockHeldError, match=rf"another dcpctl prune \(pid {os.getpid()}\)"):
+        with pytest.raises(LockHeldError, match="another dcpctl prune is pruning"):
             _prune(run_dir, keep_last=1)
         assert tree_listing(run_dir) == before
         assert _deleted(_prune(run_dir, keep_last=1, dry_run=True)) == ["step-100"]
