@@ -13,6 +13,7 @@ from pathlib import Path
 from dcpctl.errors import DataError, UnsupportedLayoutError, missing_file_error
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
+from dcpctl.storage.local import open_for_reading, read_file
 
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -38,7 +39,7 @@ def read_safetensors_header(path: Path, blob_offset: int = 0) -> tuple[dict, int
     file, or one of a SAFETENSORS-serialized DCP checkpoint), and where its data starts."""
     where = f"safetensors header at byte {blob_offset}"
     try:
-        with open(path, "rb") as stream:
+        with open_for_reading(path) as stream:
             stream.seek(blob_offset)
             prefix = stream.read(8)
             if len(prefix) < 8:
@@ -176,7 +177,7 @@ def _model_files(source: Path) -> tuple[list[Path], dict | None]:
     index_path = source / HF_INDEX_FILE_NAME
     if index_path.is_file():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            weight_map = json.loads(read_file(index_path))["weight_map"]
             names = list(dict.fromkeys(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise DataError("not a safetensors index (no weight_map)", path=index_path) from None

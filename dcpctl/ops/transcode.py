@@ -196,7 +196,8 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
                         bytes_in_flight=4 * threads * piece_bytes)
     pipeline.run(runs, consume, lane_of=lambda run: run.lane)
     in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
-    output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order))
+    output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order),
+                   replaced_files=frozenset(checkpoint.files))
     return sum(info.length for info in new_storage.values())
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
 import secrets
+import stat
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from dcpctl.failpoints import Failpoint, failpoint
 
@@ -49,6 +51,31 @@ def remove_stale_temporaries(directory: Path, keep: set[str]) -> list[str]:
             path.unlink()
             removed.append(path.name)
     return sorted(removed)
+
+
+def open_regular_file(path: str | os.PathLike) -> int:
+    """A descriptor for reading a regular file; anything else (a FIFO, a device, a directory)
+    is refused with an OSError naming it, before a read could block forever."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        os.set_blocking(descriptor, True)
+        return descriptor
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def open_for_reading(path: str | os.PathLike) -> BinaryIO:
+    """An unbuffered binary stream of a regular file (see open_regular_file)."""
+    return os.fdopen(open_regular_file(path), "rb", buffering=0)
+
+
+def read_file(path: str | os.PathLike) -> bytes:
+    """The whole of a regular file (see open_for_reading)."""
+    with open_for_reading(path) as stream:
+        return stream.readall()
 
 
 def fsync_directory(directory: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
 from dcpctl.format.file_names import SHA256SUMS_FILE_NAME
-from dcpctl.storage.local import write_file_atomically
+from dcpctl.storage.local import open_for_reading, read_file, write_file_atomically
 
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 HASH_PIECE_BYTES = 4 << 20
@@ -20,7 +20,7 @@ def sha256_of_file(path: Path, piece_bytes: int = HASH_PIECE_BYTES,
                    on_progress: Callable[[int], None] | None = None) -> str:
     """The hex SHA-256 of a file, read in pieces; on_progress gets the size of each piece."""
     digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as stream:
+    with open_for_reading(path) as stream:
         while piece := stream.read(piece_bytes):
             digest.update(piece)
             if on_progress is not None:
@@ -65,7 +65,7 @@ def read_sha256sums(directory: Path) -> dict[str, str] | None:
     """The digests recorded in directory/SHA256SUMS, or None when there is no such file."""
     path = Path(directory) / SHA256SUMS_FILE_NAME
     try:
-        text = path.read_text()
+        text = read_file(path).decode()
     except FileNotFoundError:
         return None
     except UnicodeDecodeError:

@@ -21,6 +21,7 @@ from dcpctl.format.codecs.registry import IDENTITY, Codec, codec_for_descriptors
 from dcpctl.format.metadata.records import ChunkMetadata, StorageInfo
 from dcpctl.format.safetensors import safetensors_tensor_range
 from dcpctl.format.torch_save.layout import max_tensor_archive_bytes
+from dcpctl.storage.local import open_for_reading
 
 DEFAULT_PIECE_BYTES = 4 << 20
 
@@ -91,7 +92,7 @@ class StoredSpan:
         self.path = path
         self.start = start
         try:
-            with open(path, "rb", buffering=0) as stream:
+            with open_for_reading(path) as stream:
                 self._data = memoryview(os.pread(stream.fileno(), end - start, start))
         except FileNotFoundError:
             raise missing_file_error(path, first_fqn) from None
@@ -116,7 +117,7 @@ def iter_stored_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_
         yield span.stored_bytes(location)
         return
     try:
-        with open(location.path, "rb", buffering=0) as stream:
+        with open_for_reading(location.path) as stream:
             position = location.start
             while position < location.end:
                 piece = os.pread(stream.fileno(), min(piece_bytes, location.end - position),

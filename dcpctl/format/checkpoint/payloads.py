@@ -30,7 +30,7 @@ from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, ItemLocation, it
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_layout
 from dcpctl.format.torch_save.zip_records import ReadRange
-from dcpctl.storage.local import scratch_directory_beside
+from dcpctl.storage.local import open_regular_file, scratch_directory_beside
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class PayloadReader:
         with self._lock:
             descriptor = self._descriptors.get(path)
             if descriptor is None:
-                descriptor = self._descriptors[path] = os.open(path, os.O_RDONLY)
+                descriptor = self._descriptors[path] = open_regular_file(path)
             return descriptor
 
     def _forget(self, spool_path: Path) -> None:

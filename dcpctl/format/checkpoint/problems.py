@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MISSING_FILE, TRUNCATED = "missing-file", "truncated"
+MISSING_FILE, NOT_REGULAR_FILE, TRUNCATED = "missing-file", "not-regular-file", "truncated"
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,10 @@ from pathlib import Path
 
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import write_sha256sums
-from dcpctl.format.file_names import DATA_FILE_SUFFIX, METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
-from dcpctl.storage.local import (fsync_directory, is_temporary_name, new_token, temporary_name,
-                                  write_file_atomically)
+from dcpctl.storage.local import fsync_directory, new_token, temporary_name, write_file_atomically
 from dcpctl.storage.staging import StagedOutput
 
 
@@ -99,10 +98,13 @@ class CheckpointOutput:
         for final_name in sorted(self._open_writers):
             self.finish_data_file(final_name)
 
-    def publish(self, metadata: CheckpointMetadata) -> None:
-        """Write `.metadata` (whose storage_data names final file names) and SHA256SUMS."""
+    def publish(self, metadata: CheckpointMetadata, replaced_files: frozenset[str] = frozenset()
+                ) -> None:
+        """Write `.metadata` (whose storage_data names final file names) and SHA256SUMS. In
+        place, the data files the old metadata named (replaced_files) go once no longer used;
+        no other file of the directory is touched."""
         if self.in_place:
-            self._publish_in_place(metadata)
+            self._publish_in_place(metadata, replaced_files)
         else:
             self._publish_new_directory(metadata)
 
@@ -125,7 +127,8 @@ class CheckpointOutput:
         write_sha256sums(self.directory, self._digests)
         self._staged.publish()
 
-    def _publish_in_place(self, metadata: CheckpointMetadata) -> None:
+    def _publish_in_place(self, metadata: CheckpointMetadata, replaced_files: frozenset[str]
+                          ) -> None:
         directory = self.directory
         (directory / SHA256SUMS_FILE_NAME).unlink(missing_ok=True)  # it describes the old files
         temporary_names = {name: self.data_file_name(name) for name in self._digests}
@@ -146,10 +149,8 @@ class CheckpointOutput:
             metadata_digest = hashlib.sha256(
                 (directory / METADATA_FILE_NAME).read_bytes()).hexdigest()
             digests = {temporary_names[name]: digest for name, digest in self._digests.items()}
-        for path in directory.iterdir():
-            is_old_data = path.name.endswith(DATA_FILE_SUFFIX) or is_temporary_name(path.name)
-            if is_old_data and path.name not in digests:
-                path.unlink()
+        for name in replaced_files - set(digests):
+            (directory / name).unlink(missing_ok=True)
         digests[METADATA_FILE_NAME] = metadata_digest
         write_sha256sums(directory, digests)
         fsync_directory(directory)

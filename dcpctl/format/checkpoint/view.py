@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
                            UnsafePathError, UnsupportedLayoutError)
-from dcpctl.format.checkpoint.problems import MISSING_FILE, TRUNCATED, Problem
+from dcpctl.format.checkpoint.problems import MISSING_FILE, NOT_REGULAR_FILE, TRUNCATED, Problem
 from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
-                                      METADATA_TEMPORARY_FILE_NAME)
+                                      METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
 from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
 from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
+from dcpctl.storage.local import open_for_reading
 
 TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
@@ -54,6 +56,9 @@ class DataFile:
 
     name: str
     size_bytes: int | None
+    """None when the file is missing."""
+    regular: bool = True
+    """False for a FIFO, a device or a directory where a data file should be."""
     serialization: str = TORCH_SAVE
     item_count: int = 0
     end_bytes: int = 0
@@ -72,17 +77,29 @@ class Checkpoint:
     _checked_paths: dict[str, Path] = field(default_factory=dict, repr=False)
 
     def data_path(self, relative_path: str) -> Path:
-        """The path of a data file named in the metadata, refused if it escapes the directory."""
+        """The path of a data file named in the metadata, refused if it escapes the directory
+        or is one of the checkpoint's own files (`.metadata`, SHA256SUMS)."""
         path = self._checked_paths.get(relative_path)
         if path is None:
+            if PurePosixPath(relative_path).parts[:1] in _NOT_DATA_FILE_PATHS:
+                raise UnsafePathError(f"metadata names data file {relative_path!r}, which is one "
+                                      "of the checkpoint's own files, not a data file",
+                                      path=self.path)
             path = self._checked_paths[relative_path] = resolve_inside(self.path, relative_path)
         return path
 
 
+# What no data file may be called: the checkpoint's own files, whose bytes are not items.
+_NOT_DATA_FILE_PATHS = frozenset({(METADATA_FILE_NAME,), (METADATA_TEMPORARY_FILE_NAME,),
+                                  (SHA256SUMS_FILE_NAME,)})
+
+
 def resolve_inside(directory: Path, relative_path: str) -> Path:
-    """`directory/relative_path`, refused if it is absolute, climbs out, or links outside."""
+    """`directory/relative_path`, refused if it is absolute, climbs out, links outside, or
+    holds a NUL, a newline or `\\`."""
     pure = PurePosixPath(relative_path)
-    if pure.is_absolute() or ".." in pure.parts or "\\" in relative_path or not pure.parts:
+    if (pure.is_absolute() or ".." in pure.parts or not pure.parts
+            or any(character in relative_path for character in "\\\0\n")):
         raise UnsafePathError(f"metadata names data file {relative_path!r}, which is not a "
                               "plain path inside the checkpoint directory", path=directory)
     candidate = directory / pure
@@ -158,11 +175,12 @@ def _collect_files(checkpoint: Checkpoint) -> None:
         if data_file is None:
             path = checkpoint.data_path(info.relative_path)
             try:
-                size_bytes = path.stat().st_size
+                status = path.stat()
             except FileNotFoundError:
-                size_bytes = None
-            data_file = checkpoint.files[info.relative_path] = DataFile(info.relative_path,
-                                                                        size_bytes)
+                status = None
+            data_file = checkpoint.files[info.relative_path] = DataFile(
+                info.relative_path, status and status.st_size,
+                status is None or stat.S_ISREG(status.st_mode))
         data_file.item_count += 1
         end = info.offset + info.length
         if end > data_file.end_bytes:
@@ -176,9 +194,10 @@ def _collect_files(checkpoint: Checkpoint) -> None:
 def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
     """torch.save items start with a zip (or zstd) header; SAFETENSORS files with a header length
     followed by JSON."""
-    if checkpoint.files[info.relative_path].size_bytes is None:
+    data_file = checkpoint.files[info.relative_path]
+    if data_file.size_bytes is None or not data_file.regular:
         return TORCH_SAVE
-    with open(checkpoint.data_path(info.relative_path), "rb") as stream:
+    with open_for_reading(checkpoint.data_path(info.relative_path)) as stream:
         stream.seek(info.offset)
         head = stream.read(9)
     if head[:4] in (LOCAL_SIGNATURE, ZSTD_MAGIC):
@@ -196,6 +215,10 @@ def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:
         if data_file.size_bytes is None:
             problems.append(Problem(MISSING_FILE, f"missing data file, named by "
                                     f"{data_file.item_count} items", name,
+                                    fqns=_distinct(_fqns_in(checkpoint, name))))
+        elif not data_file.regular:
+            problems.append(Problem(NOT_REGULAR_FILE, "not a regular file (a FIFO, a device or "
+                                    "a directory) where a data file should be", name,
                                     fqns=_distinct(_fqns_in(checkpoint, name))))
         elif data_file.end_bytes > data_file.size_bytes:
             past_end = _fqns_in(checkpoint, name, past=data_file.size_bytes)

@@ -21,6 +21,7 @@ from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, C
                                             MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
                                             TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
+from dcpctl.storage.local import read_file
 
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _TORCH_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -118,7 +119,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
     """Read and check `checkpoint_dir/.metadata` without importing torch."""
     path = Path(checkpoint_dir) / METADATA_FILE_NAME
     try:
-        data = path.read_bytes()
+        data = read_file(path)
     except OSError as error:
         raise MetadataError(f"cannot read ({error.strerror})", path=path) from None
     return parse_metadata(data, str(path))

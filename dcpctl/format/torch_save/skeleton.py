@@ -10,13 +10,14 @@ import torch
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.torch_save.zip_records import read_zip_records
+from dcpctl.storage.local import open_for_reading
 
 
 def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
     """The file's contents with every tensor on the meta device (no tensor bytes are read),
     unpickled with torch's weights_only loader so that no code from the file runs, and the data
     offset -> size of each of its storage records (`<prefix>/data/<key>`)."""
-    with open(path, "rb") as stream:
+    with open_for_reading(path) as stream:
         def read_range(start: int, length: int) -> bytes:
             stream.seek(start)
             return stream.read(length)

@@ -32,6 +32,7 @@ from dcpctl.format.torch_save.writer import iter_torch_save_archive
 from dcpctl.ops.convert.report import ConvertReport, ProgressCallback, WrittenFile, run_in_order
 from dcpctl.ops.convert.tensor_bytes import torch_dtype
 from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.local import open_for_reading
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +98,7 @@ def _read_rows(path: Path, start: int, dtype: DType, shape: tuple[int, ...],
     length = math.prod(chunk.sizes) * dtype.itemsize
     buffer = bytearray(length)
     offset = start + first_element * dtype.itemsize
-    with open(path, "rb", buffering=0) as stream:
+    with open_for_reading(path) as stream:
         count = os.preadv(stream.fileno(), [buffer], offset)
     if count != length:
         raise truncated_error(path, None, offset, offset + length, offset + count)

@@ -27,6 +27,7 @@ from dcpctl.format.safetensors import read_safetensors_header
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     spooled_read_range)
 from dcpctl.ops.verify.structure import StoredItem
+from dcpctl.storage.local import open_for_reading
 
 PIECE_BYTES = 4 << 20
 _UNIT_BYTES = 64 << 20
@@ -110,7 +111,7 @@ def run_scan(units: list[ScanUnit], threads: int,
 def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
     problems = []
     try:
-        with open(unit.path, "rb", buffering=0) as stream:
+        with open_for_reading(unit.path) as stream:
             cursor = _FileCursor(stream.fileno(), unit.expected_sha256 is not None, advance)
             for archive in unit.archive_items:
                 problems += check_archive_item(archive, unit.name, cursor)
