@@ -23,7 +23,8 @@ class Failpoint(enum.Enum):
     AFTER_DATA_WRITE = "after-data-write"
     """The pipeline wrote out one task's bytes (a run of items, a chunk, a tensor)."""
     AFTER_DATA_FILE = "after-data-file"
-    """An output data file was synced and closed."""
+    """An output file (data, safetensors, or the new `.metadata` or SHA256SUMS beside its name)
+    was synced and closed."""
     BEFORE_ATOMIC_RENAME = "before-atomic-rename"
     """A small file (`.metadata`, SHA256SUMS) was written beside its name, not renamed yet."""
     AFTER_FIRST_METADATA_SWITCH = "after-first-metadata-switch"

@@ -53,6 +53,57 @@ def remove_stale_temporaries(directory: Path, keep: set[str]) -> list[str]:
     return sorted(removed)
 
 
+@contextlib.contextmanager
+def naming_failures(path: str | os.PathLike) -> Iterator[None]:
+    """Let an OSError raised without a file name (a write on a full disk says only "No space
+    left on device") name path."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            raise OSError(error.errno, error.strerror, os.fspath(path)) from None
+        raise
+
+
+class OutputFile:
+    """A new file being written: created exclusively (never an existing file, nor the target of
+    a symlink planted under its name), its write failures naming it, synced when finished."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._stream = open(self.path, "xb")
+
+    def write(self, data) -> None:
+        """Append data."""
+        with naming_failures(self.path):
+            self._stream.write(data)
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self._stream.tell()
+
+    def finish(self) -> None:
+        """Flush and sync the file to disk, then close it."""
+        with naming_failures(self.path):
+            self._stream.flush()
+            os.fsync(self._stream.fileno())
+            self._stream.close()
+        failpoint(Failpoint.AFTER_DATA_FILE)
+
+    def discard(self) -> None:
+        """Close without syncing, after a failure (which what is still buffered would only
+        repeat); the file itself is its owner's to remove."""
+        with contextlib.suppress(OSError):
+            self._stream.close()
+
+    def __enter__(self) -> OutputFile:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        if not self._stream.closed:
+            self.discard()
+
+
 def open_regular_file(path: str | os.PathLike) -> int:
     """A descriptor for reading a regular file; anything else (a FIFO, a device, a directory)
     is refused with an OSError naming it, before a read could block forever."""
@@ -92,10 +143,9 @@ def write_file_atomically(path: Path, data: bytes) -> str:
     reader sees the old file or the whole new one. Returns the hex SHA-256 of data."""
     temporary = path.with_name(temporary_name(path.name, new_token()))
     try:
-        with open(temporary, "xb") as stream:
+        with OutputFile(temporary) as stream:
             stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
+            stream.finish()
         failpoint(Failpoint.BEFORE_ATOMIC_RENAME)
         os.replace(temporary, path)
     except BaseException:

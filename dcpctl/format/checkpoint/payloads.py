@@ -30,7 +30,7 @@ from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, ItemLocation, it
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_layout
 from dcpctl.format.torch_save.zip_records import ReadRange
-from dcpctl.storage.local import open_regular_file, scratch_directory_beside
+from dcpctl.storage.local import naming_failures, open_regular_file, scratch_directory_beside
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ class PayloadReader:
     def _spool(self, pieces: Iterable[bytes]) -> Path:
         handle, name = tempfile.mkstemp(dir=self._spool_directory, suffix=".item")
         try:
-            with os.fdopen(handle, "wb") as stream:
+            with os.fdopen(handle, "wb") as stream, naming_failures(name):
                 for piece in pieces:
                     stream.write(piece)
         except BaseException:

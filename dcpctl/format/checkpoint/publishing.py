@@ -24,7 +24,8 @@ from dcpctl.format.checkpoint.checksums import write_sha256sums
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
-from dcpctl.storage.local import fsync_directory, new_token, temporary_name, write_file_atomically
+from dcpctl.storage.local import (OutputFile, fsync_directory, new_token, temporary_name,
+                                  write_file_atomically)
 from dcpctl.storage.staging import StagedOutput
 
 
@@ -35,24 +36,22 @@ class DataFileWriter:
         self.path = path
         self.size_bytes = 0
         self._digest = hashlib.sha256()
-        self._stream = open(path, "xb")
+        self._file = OutputFile(path)
 
     def write(self, piece: bytes) -> None:
         """Append a piece of bytes."""
-        self._stream.write(piece)
+        self._file.write(piece)
         self._digest.update(piece)
         self.size_bytes += len(piece)
 
     def close(self) -> str:
         """Flush to disk; returns the hex SHA-256 of the file."""
-        self._stream.flush()
-        os.fsync(self._stream.fileno())
-        self._stream.close()
+        self._file.finish()
         return self._digest.hexdigest()
 
     def discard(self) -> None:
         """Close without syncing (after a failure)."""
-        self._stream.close()
+        self._file.discard()
 
 
 class CheckpointOutput:
@@ -91,7 +90,6 @@ class CheckpointOutput:
     def finish_data_file(self, final_name: str) -> None:
         """Sync and close a data file, remembering its checksum."""
         self._digests[final_name] = self._open_writers.pop(final_name).close()
-        failpoint(Failpoint.AFTER_DATA_FILE)
 
     def finish_data_files(self) -> None:
         """Sync and close every data file still open."""

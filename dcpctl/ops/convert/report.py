@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from dcpctl.errors import DataError
-from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.view import TensorEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.pipeline import Pipeline
@@ -101,11 +99,3 @@ def run_in_order(produce: Callable, tasks: list, write: Callable[[object, Iterat
     with the bytes waiting in between bounded."""
     Pipeline(produce, threads=threads, bytes_in_flight=PIECE_BUDGET_BYTES * threads).run(
         tasks, write)
-
-
-def sync_and_close(stream) -> None:
-    """Flush a written file to disk and close it."""
-    stream.flush()
-    os.fsync(stream.fileno())
-    stream.close()
-    failpoint(Failpoint.AFTER_DATA_FILE)

@@ -20,9 +20,10 @@ from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTenso
                                        encode_index, plan_shards, shard_file_name)
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                       cast_dtype, counted_pieces, run_in_order, sync_and_close)
+                                       cast_dtype, counted_pieces, run_in_order)
 from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes
 from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.local import OutputFile
 from dcpctl.storage.staging import StagedOutput
 
 
@@ -66,7 +67,7 @@ def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, payloads: P
     for file_name, tensors in plan.files:
         header = encode_header([SafetensorsTensor(tensor.name, tensor.dtype, tensor.entry.shape,
                                                   nbytes=tensor.nbytes) for tensor in tensors])
-        with open(directory / file_name, "xb") as stream:
+        with OutputFile(directory / file_name) as stream:
             stream.write(header)
 
             def write(tensor: OutputTensor, pieces) -> None:
@@ -78,15 +79,15 @@ def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, payloads: P
                                                           tensor.dtype),
                          tensors, write, threads)
             size_bytes = stream.tell()
-            sync_and_close(stream)
+            stream.finish()
         written_files.append(WrittenFile(file_name, size_bytes, len(tensors)))
     if len(plan.files) > 1:
         weight_map = {tensor.name: file_name for file_name, tensors in plan.files
                       for tensor in tensors}
         index = encode_index(total_bytes, weight_map)
-        with open(directory / HF_INDEX_FILE_NAME, "xb") as stream:
+        with OutputFile(directory / HF_INDEX_FILE_NAME) as stream:
             stream.write(index)
-            sync_and_close(stream)
+            stream.finish()
         written_files.append(WrittenFile(HF_INDEX_FILE_NAME, len(index), 0))
     return written_files
 

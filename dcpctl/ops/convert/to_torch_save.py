@@ -31,9 +31,10 @@ from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
 from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                       cast_dtype, counted_pieces, run_in_order, sync_and_close)
+                                       cast_dtype, counted_pieces, run_in_order)
 from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes, torch_dtype
 from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.local import OutputFile
 from dcpctl.storage.staging import StagedOutput
 
 _PICKLE_PROTOCOL = 2  # torch.save's default
@@ -164,10 +165,10 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     plan = plan_torch_save(checkpoint, selection, cast_to)
     staged = StagedOutput(Path(output), overwrite, checkpoint.path, is_directory=False)
     try:
-        with open(staged.path, "xb") as stream, open_payload_reader(Path(output)) as payloads:
+        with OutputFile(staged.path) as stream, open_payload_reader(Path(output)) as payloads:
             write_torch_save(plan, checkpoint, payloads, stream, threads, on_progress)
             size_bytes = stream.tell()
-            sync_and_close(stream)
+            stream.finish()
         staged.publish()
     except BaseException:
         staged.abort()

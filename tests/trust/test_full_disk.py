@@ -1,0 +1,83 @@
+"""A write that fails (a full disk, a file size limit) stops the command with one line naming
+the file it was writing; nothing is published and nothing of the run is left behind."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import directory_state, fixture_path, tree_listing
+
+
+def entries(path):
+    """Every path under path with its size (directory times change as entries come and go)."""
+    return {name: size for name, (size, _) in tree_listing(path).items()}
+
+SOURCE = "fsdp2_adamw_3ranks"
+
+
+def _run_with_file_size_limit(limit_bytes: int, *args) -> subprocess.CompletedProcess:
+    """dcpctl in a process whose writes past limit_bytes in one file fail with EFBIG (Python
+    ignores SIGXFSZ), as writes on a full disk fail with ENOSPC."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return subprocess.run([sys.executable, "-m", "dcpctl", *map(str, args)],
+                          capture_output=True, text=True, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("command, limit_bytes", [
+    (["compress", "{ckpt}", "-o", "{out}"], 4_000),
+    (["compress", "{ckpt}"], 4_000),
+    (["decompress", "{ckpt}"], 4_000),
+    (["reshard", "{ckpt}", "--ranks", "2", "-o", "{out}"], 4_000),
+    (["convert", "{ckpt}", "--to", "safetensors", "-o", "{out}", "--include", "*"], 2_000),
+    (["convert", "{ckpt}", "--to", "torch", "-o", "{out}.pt"], 4_000),
+    (["checksum", "{ckpt}"], 100),
+])
+def test_a_failed_write_names_its_file_and_leaves_nothing(tmp_path, command, limit_bytes):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(fixture_path(SOURCE), checkpoint)
+    before = entries(tmp_path)
+    state = directory_state(checkpoint)
+    args = [part.format(ckpt=checkpoint, out=tmp_path / "out") for part in command]
+    result = _run_with_file_size_limit(limit_bytes, *args)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {tmp_path}/"), result.stderr
+    assert lines[0].endswith(": File too large")
+    assert directory_state(checkpoint) == state
+    assert entries(tmp_path) == before
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A 256 KiB tmpfs, where writes run out of space for real (needs root to mount)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs",
+                              str(mount_point)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_full_disk_names_the_file_being_written(small_file_system, tmp_path):
+    checkpoint = small_file_system / "ckpt"
+    shutil.copytree(fixture_path("mesh2d_4ranks"), checkpoint)
+    space = os.statvfs(small_file_system)
+    (small_file_system / "filler").write_bytes(b"\1" * (space.f_bavail * space.f_frsize - 8192))
+    before = entries(small_file_system)
+    result = subprocess.run([sys.executable, "-m", "dcpctl", "decompress", checkpoint, "-o",
+                             small_file_system / "out"], capture_output=True, text=True)
+    if result.returncode == 0:
+        pytest.skip("the output fitted")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"Error: {small_file_system}/")
+    assert "No space left on device" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert entries(small_file_system) == before
