@@ -17,6 +17,7 @@ from dcpctl.storage.local import open_for_reading, read_file
 
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+METADATA_KEY = "__metadata__"
 _FILE_METADATA = {"format": "pt"}
 _HEADER_ALIGNMENT = 8
 _MAX_HEADER_BYTES = 100 << 20
@@ -94,12 +95,27 @@ def plan_shards(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
     return shards if shards[0] else []
 
 
+def check_tensor_name(name: str) -> None:
+    """Refuse a name a safetensors file cannot hold and give back: not UTF-8 (a lone surrogate),
+    or the header's own `__metadata__` key."""
+    if name == METADATA_KEY:
+        raise UnsupportedLayoutError(f"a tensor cannot be called {METADATA_KEY!r} in a "
+                                     "safetensors file (rename it with --rename)")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedLayoutError(f"tensor name {name!r} is not valid UTF-8, which a "
+                                     "safetensors header must be (rename it with --rename, or "
+                                     "leave it out with --exclude)") from None
+
+
 def encode_header(tensors: list[SafetensorsTensor]) -> bytes:
     """The header of a file holding these tensors' data back to back in this order: 8-byte
     length, then JSON padded with spaces so that the data starts 8-byte aligned."""
-    entries: dict = {"__metadata__": _FILE_METADATA}
+    entries: dict = {METADATA_KEY: _FILE_METADATA}
     offset = 0
     for tensor in tensors:
+        check_tensor_name(tensor.name)
         if tensor.dtype.safetensors_code is None:
             raise UnsupportedLayoutError(
                 f"tensor {tensor.name!r} has dtype torch.{tensor.dtype.name}, which safetensors "
@@ -125,7 +141,7 @@ def read_safetensors_file(path: Path) -> list[SafetensorsTensor]:
     file_bytes = path.stat().st_size
     tensors = []
     for name, entry in header.items():
-        if name == "__metadata__":
+        if name == METADATA_KEY:
             continue
         tensors.append(_parse_entry(path, name, entry, data_start, file_bytes))
     return tensors

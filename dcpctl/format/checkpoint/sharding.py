@@ -16,10 +16,15 @@ class RankChunk:
     sizes: tuple[int, ...]
 
 
+MAX_WORLD_SIZE = 1 << 20
+"""The most ranks a checkpoint is laid out for: far past any job, short of a runaway."""
+
+
 def check_world_size(world_size: int) -> None:
     """Refuse a world size that no job can have."""
-    if world_size < 1:
-        raise InvalidOptionError(f"--ranks must be at least 1, not {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidOptionError(f"--ranks must be from 1 to {MAX_WORLD_SIZE}, not "
+                                 f"{world_size}")
 
 
 def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk]:
@@ -34,10 +39,11 @@ def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk
         return [RankChunk(0, (), ())]
     rows, rest = shape[0], tuple(shape[1:])
     rows_per_rank = -(-rows // world_size) if rows else 0
-    chunks: dict[tuple, RankChunk] = {}
-    for rank in range(world_size):
-        start = min(rank * rows_per_rank, rows)
-        stop = min(start + rows_per_rank, rows)
-        offsets, sizes = (start,) + (0,) * len(rest), (stop - start,) + rest
-        chunks.setdefault((offsets, sizes), RankChunk(rank, offsets, sizes))
-    return list(chunks.values())
+    ranks_with_rows = -(-rows // rows_per_rank) if rows else 0
+    zeros = (0,) * len(rest)
+    chunks = [RankChunk(rank, (rank * rows_per_rank,) + zeros,
+                        (min(rows_per_rank, rows - rank * rows_per_rank),) + rest)
+              for rank in range(ranks_with_rows)]
+    if ranks_with_rows < world_size:  # every later rank holds the same empty chunk
+        chunks.append(RankChunk(ranks_with_rows, (rows,) + zeros, (0,) + rest))
+    return chunks

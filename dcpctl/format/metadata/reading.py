@@ -10,8 +10,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, Callable
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import MetadataError, UnsafeMetadataError
@@ -41,6 +42,20 @@ def _layout_by_qualified_name(qualified_name: Any) -> str:
     return name
 
 
+_MAX_PATH_PARTS, _MAX_PATH_CHARACTERS = 256, 4096
+
+
+def _pure_path(path_class: type) -> Any:
+    """Stands in for a pathlib class: builds the pure path, if it is of a sane size (a memoized
+    long string repeated as parts would join into gigabytes)."""
+    def make(*parts: Any) -> PurePosixPath | PureWindowsPath:
+        if (len(parts) > _MAX_PATH_PARTS or not all(type(part) is str for part in parts)
+                or sum(map(len, parts)) > _MAX_PATH_CHARACTERS):
+            raise UnsafeMetadataError("holds a path that is not a few short strings")
+        return path_class(*parts)
+    return make
+
+
 _RECORD_CLASSES = frozenset({CheckpointMetadata, TensorMetadata, BytesMetadata, ChunkMetadata,
                              TensorProperties, MetadataIndex, StorageMeta, StorageInfo})
 
@@ -64,15 +79,19 @@ _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     (_TORCH_METADATA_MODULE, "StorageMeta"): StorageMeta,
     (_TORCH_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): int,
     (_TORCH_FILESYSTEM_MODULE, "_StorageInfo"): StorageInfo,
-    ("torch", "Size"): tuple,
+    # What these stand for must not copy their arguments: a short pickle could make each
+    # rebuild a long memoized string or list into a fresh object, hundreds of times. torch.Size
+    # of a tuple is that tuple (`().__add__` returns it, in C, and refuses anything else); an
+    # OrderedDict starts empty (`{}.copy` takes no arguments) and SETITEMS fills it.
+    ("torch", "Size"): ().__add__,
     ("torch.serialization", "_get_layout"): _layout_by_qualified_name,
-    ("collections", "OrderedDict"): dict,
+    ("collections", "OrderedDict"): {}.copy,
     ("copyreg", "_reconstructor"): _reconstruct_record,
     ("builtins", "object"): object,
     # Pure paths only: building one touches no file system.
-    **{(module, name): PurePosixPath
+    **{(module, name): _pure_path(PurePosixPath)
        for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")},
-    **{(module, name): PureWindowsPath
+    **{(module, name): _pure_path(PureWindowsPath)
        for module in ("pathlib", "pathlib._local") for name in ("WindowsPath", "PureWindowsPath")},
     **{("torch", name): _make_dtype(name) for name in [*DTYPES_BY_NAME, *DTYPE_ALIASES]},
     **{("torch", name): name for name in _TORCH_LAYOUTS},
@@ -100,8 +119,15 @@ def parse_metadata(data: bytes, source: str = METADATA_FILE_NAME) -> CheckpointM
     if not data:
         raise MetadataError("file is empty", path=source)
     with paused_cycle_collector():
-        loaded = _load_with_allowlist(data, source)
+        return _run_with_stack_for(data, lambda: _load_and_check(data, source))
+
+
+def _load_and_check(data: bytes, source: str) -> CheckpointMetadata:
+    loaded = _load_with_allowlist(data, source)
+    try:
         check_metadata_structure(loaded, source)
+    except RecursionError:
+        raise MetadataError("nests deeper than any DCP metadata does", path=source) from None
     return loaded
 
 
@@ -110,9 +136,47 @@ def _load_with_allowlist(data: bytes, source: str) -> Any:
         return _AllowlistUnpickler(io.BytesIO(data)).load()
     except UnsafeMetadataError as error:
         raise error.located(path=source) from None
+    except RecursionError:
+        raise MetadataError("nests deeper than any DCP metadata does", path=source) from None
     except Exception as error:  # a damaged pickle fails in many ways; all mean the same
         raise MetadataError(f"not a readable DCP metadata pickle ({type(error).__name__}: "
                             f"{error})", path=source) from None
+
+
+# A tuple nested a million deep, used as a dict key, is hashed by recursion in C, without
+# Python's recursion limit: on the main thread's 8 MiB stack that is a segmentation fault.
+# Each level costs at most about 64 bytes of stack and one byte of pickle, so the unpickler
+# runs on a thread whose stack holds as many levels as the pickle has bytes (reserved, not
+# used, unless the pickle nests that deep), up to 2 GiB: pickles up to 16 MiB cannot crash it.
+_STACK_BYTES_PER_PICKLE_BYTE = 128
+_MIN_STACK_BYTES, _MAX_STACK_BYTES = 8 << 20, 2 << 30
+_stack_size_lock = threading.Lock()
+
+
+def _run_with_stack_for(data: bytes, function: Callable[[], Any]) -> Any:
+    """function(), on a thread with a stack sized for unpickling data; raises what it raised."""
+    stack_bytes = min(max(len(data) * _STACK_BYTES_PER_PICKLE_BYTE, _MIN_STACK_BYTES),
+                      _MAX_STACK_BYTES)
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, function()))
+        except BaseException as error:  # handed to the calling thread
+            outcome.append((False, error))
+
+    with _stack_size_lock:
+        previous = threading.stack_size(stack_bytes)
+        try:
+            thread = threading.Thread(target=run, name="dcpctl-metadata-unpickler")
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    succeeded, result = outcome[0]
+    if not succeeded:
+        raise result
+    return result
 
 
 def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:

@@ -9,8 +9,10 @@ walk the entries again one by one, to name the entry and the rule.
 from __future__ import annotations
 
 import operator
+import reprlib
 from itertools import chain, starmap
 from operator import add, gt
+from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, Callable, Iterable
 
 from dcpctl.errors import MetadataError
@@ -22,6 +24,13 @@ from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, C
 _INT_TYPE_SET = {int}
 
 Fail = Callable[[str], MetadataError]
+# Values named in messages come from the file: shown shortened, and never recursed into deeply.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxtuple, _REPR.maxlist = 2, 80, 80, 8, 8
+
+
+def _shown(value: Any) -> str:
+    return _REPR.repr(value)
 
 
 def check_metadata_structure(loaded: Any, source: str) -> None:
@@ -44,6 +53,7 @@ def _check_records(loaded: Any, fail: Fail) -> None:
     entries = loaded.state_dict_metadata
     if not isinstance(entries, dict):
         raise fail("state_dict_metadata is not a dict")
+    _refuse_shared_entries(entries, fail)
     if not _entries_look_sound(entries):
         _check_entries_one_by_one(entries, fail)
     if loaded.storage_data is None:
@@ -55,6 +65,56 @@ def _check_records(loaded: Any, fail: Fail) -> None:
         for key, info in storage_data.items():
             _check_storage_entry(key, info, entries, fail)
     _normalize_transforms(storage_data.values())
+    if not _planner_data_looks_sound(loaded.planner_data):
+        _check_plain_value(loaded.planner_data, "planner_data", fail)
+    _check_plain_value(loaded.storage_meta and vars(loaded.storage_meta), "storage_meta", fail)
+
+
+def _refuse_shared_entries(entries: dict, fail: Fail) -> None:
+    """A pickle can hand one record to many keys at no cost (a memo reference each): a
+    million fqns sharing a tensor entry of a million chunks would cost a trillion steps to
+    check and as much to write back. DCP metadata never shares them, so it is refused: what is
+    left to look at grows with the file."""
+    tensors = [entry for entry in entries.values() if type(entry) is TensorMetadata]
+    if (len(set(map(id, tensors))) != len(tensors)
+            or len({id(tensor.chunks) for tensor in tensors}) != len(tensors)):
+        raise fail("gives several fqns one tensor entry or chunk list, which DCP metadata "
+                   "never does")
+
+
+_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes, DType, PurePosixPath, PureWindowsPath)
+_PLAIN_CONTAINERS = (tuple, list, dict, set, frozenset)
+_MAX_PLAIN_DEPTH = 32
+
+
+def _planner_data_looks_sound(planner_data: Any) -> bool:
+    """The planner_data torch writes, checked in C: fqn -> a key path of strings and ints."""
+    if type(planner_data) is not dict:
+        return planner_data is None
+    paths = planner_data.values()
+    return (_only(planner_data, str) and set(map(type, paths)) <= {tuple, list}
+            and set(map(type, chain.from_iterable(paths))) <= {str, int}
+            and len(set(map(id, paths))) == len(paths))
+
+
+def _check_plain_value(value: Any, what: str, fail: Fail) -> None:
+    """Refuse, in `what`, anything but plain data nested at most _MAX_PLAIN_DEPTH deep, and a
+    container met twice (writing shared containers back would repeat each at every use)."""
+    seen: set[int] = set()
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        kind = type(item)
+        if kind in _PLAIN_SCALARS:
+            continue
+        if kind not in _PLAIN_CONTAINERS:
+            raise fail(f"{what} holds a {kind.__name__}, which is not plain data")
+        if depth >= _MAX_PLAIN_DEPTH or id(item) in seen:
+            raise fail(f"{what} nests deeper than {_MAX_PLAIN_DEPTH} levels or holds one "
+                       "container twice")
+        seen.add(id(item))
+        members = [*item.keys(), *item.values()] if kind is dict else item
+        pending += [(member, depth + 1) for member in members]
 
 
 def _only(values: Iterable, kind: type) -> bool:
@@ -124,62 +184,65 @@ def _storage_looks_sound(storage_data: dict, entries: dict) -> bool:
 def _check_entries_one_by_one(entries: dict, fail: Fail) -> None:
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
-            raise fail(f"state_dict_metadata key {fqn!r} is not a string")
+            raise fail(f"state_dict_metadata key {_shown(fqn)} is not a string")
         if isinstance(entry, TensorMetadata):
             _check_tensor_entry(fqn, entry, fail)
         elif not isinstance(entry, BytesMetadata):
-            raise fail(f"entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
+            raise fail(f"entry {_shown(fqn)} is a {type(entry).__name__}, not tensor or bytes "
+                       "metadata")
 
 
 def _check_tensor_entry(fqn: str, entry: TensorMetadata, fail: Fail) -> None:
     properties = entry.properties
     if type(properties) is not TensorProperties or type(properties.dtype) is not DType:
-        raise fail(f"tensor {fqn!r} has no dtype")
+        raise fail(f"tensor {_shown(fqn)} has no dtype")
     size = entry.size
     if type(size) is not tuple:
-        raise fail(f"tensor {fqn!r} has size {size!r}, not a tuple of sizes")
+        raise fail(f"tensor {_shown(fqn)} has size {_shown(size)}, not a tuple of sizes")
     rank = len(size)
     chunks = entry.chunks
     if type(chunks) is not list:
-        raise fail(f"tensor {fqn!r} has no chunk list")
+        raise fail(f"tensor {_shown(fqn)} has no chunk list")
     numbers = list(size)
     for chunk in chunks:
         if (type(chunk) is not ChunkMetadata or type(chunk.offsets) is not tuple
                 or type(chunk.sizes) is not tuple or len(chunk.offsets) != rank
                 or len(chunk.sizes) != rank):
-            raise fail(f"tensor {fqn!r} has a chunk that is not {rank}-d offsets and sizes")
+            raise fail(f"tensor {_shown(fqn)} has a chunk that is not {rank}-d offsets and sizes")
         numbers += chunk.offsets
         numbers += chunk.sizes
     if numbers and (not set(map(type, numbers)) <= _INT_TYPE_SET or min(numbers) < 0):
-        raise fail(f"tensor {fqn!r} has a size, offset or chunk size that is not a "
+        raise fail(f"tensor {_shown(fqn)} has a size, offset or chunk size that is not a "
                    "non-negative integer")
     for chunk in chunks:
         if any(map(operator.gt, map(operator.add, chunk.offsets, chunk.sizes), size)):
-            raise fail(f"tensor {fqn!r}: chunk at {list(chunk.offsets)} of size "
+            raise fail(f"tensor {_shown(fqn)}: chunk at {list(chunk.offsets)} of size "
                        f"{list(chunk.sizes)} lies outside the tensor's size {list(size)}")
 
 
 def _check_storage_entry(key: Any, info: Any, entries: dict, fail: Fail) -> None:
     if not isinstance(key, MetadataIndex) or not isinstance(key.fqn, str):
-        raise fail(f"storage_data key {key!r} is not a MetadataIndex")
+        raise fail(f"storage_data key {_shown(key)} is not a MetadataIndex")
     if key.fqn not in entries:
-        raise fail(f"storage_data names {key.fqn!r}, which state_dict_metadata lacks")
+        raise fail(f"storage_data names {_shown(key.fqn)}, which state_dict_metadata lacks")
     if key.offset is not None and (type(key.offset) is not tuple
                                    or not all(type(number) is int for number in key.offset)):
-        raise fail(f"storage_data key for {key.fqn!r} has offset {key.offset!r}, not a tuple "
-                   "of integers")
+        raise fail(f"storage_data key for {_shown(key.fqn)} has offset {_shown(key.offset)}, "
+                   "not a tuple of integers")
     if not isinstance(info, StorageInfo):
-        raise fail(f"storage_data for {key.fqn!r} is a {type(info).__name__}, not _StorageInfo")
+        raise fail(f"storage_data for {_shown(key.fqn)} is a {type(info).__name__}, not "
+                   "_StorageInfo")
     if not isinstance(info.relative_path, str) or not info.relative_path:
-        raise fail(f"storage_data for {key.fqn!r} has no file name")
+        raise fail(f"storage_data for {_shown(key.fqn)} has no file name")
     if type(info.offset) is not int or type(info.length) is not int or min(
             info.offset, info.length) < 0:
-        raise fail(f"storage_data for {key.fqn!r} has byte range "
-                   f"offset={info.offset!r} length={info.length!r}, not two non-negative integers")
+        raise fail(f"storage_data for {_shown(key.fqn)} has byte range "
+                   f"offset={_shown(info.offset)} length={_shown(info.length)}, not two "
+                   "non-negative integers")
     descriptors = info.transform_descriptors
     if descriptors is not None and (not isinstance(descriptors, (list, tuple)) or not all(
             isinstance(name, str) for name in descriptors)):
-        raise fail(f"storage_data for {key.fqn!r} has transforms {descriptors!r}, "
+        raise fail(f"storage_data for {_shown(key.fqn)} has transforms {_shown(descriptors)}, "
                    "not a list of names")
 
 

@@ -24,14 +24,22 @@ class Rename:
     @classmethod
     def parse(cls, text: str) -> "Rename":
         """Split at the last `=` (a regex may hold `=`, as in `(?=...)`; replacements rarely
-        do); raise ValueError when there is none or the regex does not compile."""
+        do); raise ValueError when there is none, the regex does not compile, or the
+        replacement names a group the regex lacks (re.sub would fail only at the first name
+        that matches)."""
         pattern, separator, replacement = text.rpartition("=")
         if not separator or not pattern:
             raise ValueError(f"{text!r} is not REGEX=REPLACEMENT")
         try:
-            return cls(re.compile(pattern), replacement)
+            compiled = re.compile(pattern)
         except re.error as error:
             raise ValueError(f"{pattern!r} is not a regular expression ({error})") from None
+        try:  # a match of the same groups, all empty, expands the replacement as a match would
+            re.compile(f"(?:{pattern})|", compiled.flags).match("").expand(replacement)
+        except (re.error, IndexError) as error:
+            raise ValueError(f"{replacement!r} is not a replacement for {pattern!r} "
+                             f"({error})") from None
+        return cls(compiled, replacement)
 
 
 @dataclass(frozen=True)

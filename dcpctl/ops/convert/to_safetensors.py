@@ -16,8 +16,9 @@ from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
-from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor, encode_header,
-                                       encode_index, plan_shards, shard_file_name)
+from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor,
+                                       check_tensor_name, encode_header, encode_index, plan_shards,
+                                       shard_file_name)
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype, counted_pieces, run_in_order)
@@ -47,6 +48,8 @@ def plan_safetensors(checkpoint: Checkpoint, selection: KeySelection, cast_to: D
     order; inside a file tensors are sorted by element size, then name, as safetensors does,
     which keeps every tensor aligned to its element size."""
     names = select_and_rename([tensor.fqn for tensor in checkpoint.tensors], selection)
+    for name in names.values():
+        check_tensor_name(name)
     tensors = [OutputTensor(entry, names[entry.fqn], cast_dtype(entry.dtype, cast_to))
                for entry in checkpoint.tensors if entry.fqn in names]
     shards = plan_shards([tensor.nbytes for tensor in tensors], max_shard_bytes)

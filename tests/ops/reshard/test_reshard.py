@@ -136,7 +136,7 @@ def test_bad_outputs_are_refused(tmp_path):
     (out / "x").write_text("x")
     with pytest.raises(OutputError, match="not empty"):
         reshard_checkpoint(fixture_path("mesh2d_4ranks"), 2, str(out))
-    with pytest.raises(InvalidOptionError, match="at least 1"):
+    with pytest.raises(InvalidOptionError, match="from 1 to 1048576, not 0"):
         reshard_checkpoint(fixture_path("mesh2d_4ranks"), 0, str(tmp_path / "zero"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
