@@ -1,0 +1,131 @@
+"""A `.metadata` from a stranger can make the unpickler build what it likes. What it builds is
+bounded by what the file can honestly describe: no crash, no runaway memory or time, a one-line
+error naming the file."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import fixture_path, torch_metadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+MARKER = "__dcpctl_test_marker__"
+
+
+def _write_metadata(checkpoint, metadata) -> None:
+    # protocol 2 has no frames, whose declared lengths a splice would break
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata, protocol=2))
+
+
+def _splice(checkpoint, opcodes: bytes) -> None:
+    """Put raw pickle opcodes where the pickled MARKER string stands (the memo slot it is put
+    in after stays, now holding what the opcodes built)."""
+    data = (checkpoint / ".metadata").read_bytes()
+    pickled_marker = b"X" + struct.pack("<I", len(MARKER)) + MARKER.encode()  # BINUNICODE
+    assert data.count(pickled_marker) == 1
+    (checkpoint / ".metadata").write_bytes(data.replace(pickled_marker, opcodes))
+
+
+def _inspect_in_a_process(checkpoint) -> tuple[subprocess.CompletedProcess, float, int]:
+    """`dcpctl inspect` run apart (a crash must show as a crash), its seconds and peak RSS."""
+    code = ("import resource, sys\nfrom dcpctl.cli.main import main\nsys.argv = ['dcpctl', "
+            f"'inspect', {str(checkpoint)!r}]\ntry:\n    main()\nfinally:\n    print("
+            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = result.stderr.splitlines()
+    peak_kib = int(lines[-1]) if lines and lines[-1].isdigit() else -1
+    return result, time.perf_counter() - started, peak_kib
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(fixture_path("mesh2d_4ranks"), path)
+    return path
+
+
+def _refused(result, words: str) -> None:
+    assert result.returncode == 1, (result.returncode, result.stderr[-300:])
+    assert result.stderr.startswith("Error: ") and ".metadata" in result.stderr
+    assert words in result.stderr, result.stderr[:300]
+    assert len(result.stderr.splitlines()) == 2  # the error, then the peak RSS line
+
+
+def test_a_deeply_nested_tuple_used_as_a_key_is_refused_not_a_crash(checkpoint):
+    metadata = torch_metadata(checkpoint)
+    metadata.planner_data = {MARKER: ("x",)}
+    _write_metadata(checkpoint, metadata)
+    _splice(checkpoint, b")" + b"\x85" * 2_000_000)  # ((((),),),) two million deep
+    result, seconds, peak_kib = _inspect_in_a_process(checkpoint)
+    _refused(result, "planner_data")
+
+
+def test_a_deeply_nested_list_is_refused_not_an_internal_error(checkpoint):
+    metadata = torch_metadata(checkpoint)
+    metadata.planner_data = {"grid": MARKER}
+    _write_metadata(checkpoint, metadata)
+    _splice(checkpoint, b"]" * 200_000 + b"a" * 199_999)
+    result, _, _ = _inspect_in_a_process(checkpoint)
+    _refused(result, "nests deeper")
+
+
+class _Rebuilt:
+    """Pickles as `callable(*arguments)`: what a hostile file can ask the unpickler to run."""
+
+    def __init__(self, callable_, *arguments) -> None:
+        self.reduced = (callable_, arguments)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+@pytest.mark.parametrize("attack", ["size of a long string", "ordered dict of many pairs",
+                                    "long path"])
+def test_memoized_values_rebuilt_many_times_cost_nothing(checkpoint, attack):
+    """A 1 MiB string (or 100,000 pairs) pickled once and handed 400 times to a constructor
+    that would copy it: 400 MiB (or 40 million entries) built from a file of about 1 MiB."""
+    import collections
+    import pathlib
+
+    metadata = torch_metadata(checkpoint)
+    grid = metadata.state_dict_metadata["grid"]
+    long_text = "7" * (1 << 20)
+    pairs = [(str(index), index) for index in range(100_000)]
+    for index in range(400):
+        if attack == "size of a long string":
+            rebuilt = _Rebuilt(torch.Size, long_text)
+        elif attack == "ordered dict of many pairs":
+            rebuilt = _Rebuilt(collections.OrderedDict, pairs)
+        else:
+            rebuilt = _Rebuilt(pathlib.PurePosixPath, *[long_text] * 4)
+        metadata.state_dict_metadata[f"copy{index}"] = TensorStorageMetadata(
+            grid.properties, rebuilt, [])
+    _write_metadata(checkpoint, metadata)
+    assert (checkpoint / ".metadata").stat().st_size < 3 << 20
+    result, seconds, peak_kib = _inspect_in_a_process(checkpoint)
+    assert result.returncode == 1 and result.stderr.startswith("Error: "), result.stderr[-300:]
+    assert peak_kib < 400 * 1024, peak_kib
+
+
+def test_one_tensor_entry_shared_by_many_fqns_is_refused_at_once(checkpoint):
+    """A thousand fqns, one tensor entry of 100,000 chunks: a hundred million chunks to
+    check from a file of a few MB."""
+    metadata = torch_metadata(checkpoint)
+    chunks = [ChunkStorageMetadata(torch.Size([index]), torch.Size([1]))
+              for index in range(100_000)]
+    shared = TensorStorageMetadata(metadata.state_dict_metadata["grid"].properties,
+                                   torch.Size([100_000]), chunks)
+    for index in range(1000):
+        metadata.state_dict_metadata[f"copy{index}"] = shared
+    _write_metadata(checkpoint, metadata)
+    result, seconds, _ = _inspect_in_a_process(checkpoint)
+    _refused(result, "one tensor entry or chunk list")
+    assert seconds < 30
