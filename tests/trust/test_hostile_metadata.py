@@ -35,9 +35,10 @@ def _splice(checkpoint, opcodes: bytes) -> None:
 
 def _inspect_in_a_process(checkpoint) -> tuple[subprocess.CompletedProcess, float, int]:
     """`dcpctl inspect` run apart (a crash must show as a crash), its seconds and peak RSS."""
-    code = ("import resource, sys\nfrom dcpctl.cli.main import main\nsys.argv = ['dcpctl', "
-            f"'inspect', {str(checkpoint)!r}]\ntry:\n    main()\nfinally:\n    print("
-            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+    # VmHWM, not ru_maxrss: that one keeps the high-water mark of the forking parent
+    code = ("import re, sys\nfrom dcpctl.cli.main import main\nsys.argv = ['dcpctl', "
+            f"'inspect', {str(checkpoint)!r}]\ntry:\n    main()\nfinally:\n    print(re.search("
+            "r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1), file=sys.stderr)")
     started = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     lines = result.stderr.splitlines()

@@ -24,6 +24,7 @@ from dcpctl.format.torch_save.layout import max_tensor_archive_bytes
 from dcpctl.storage.local import open_for_reading
 
 DEFAULT_PIECE_BYTES = 4 << 20
+MAX_ITEM_IN_MEMORY_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -150,5 +151,14 @@ def iter_item_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_BY
 
 
 def read_item(location: ItemLocation) -> bytes:
-    """The whole decoded item; for small items such as pickled objects."""
-    return b"".join(iter_item_pieces(location))
+    """The whole decoded item, for small items such as pickled objects: one that decodes past
+    MAX_ITEM_IN_MEMORY_BYTES is refused (a few KiB of zstd can decode to gigabytes)."""
+    pieces, held = [], 0
+    for piece in iter_item_pieces(location):
+        held += len(piece)
+        if held > MAX_ITEM_IN_MEMORY_BYTES:
+            raise DataError(f"decodes to more than {MAX_ITEM_IN_MEMORY_BYTES} bytes, more than "
+                            "dcpctl holds in memory for one item", path=location.path,
+                            fqn=location.fqn, start=location.start, end=location.end)
+        pieces.append(piece)
+    return b"".join(pieces)

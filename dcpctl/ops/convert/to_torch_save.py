@@ -104,7 +104,11 @@ def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
                for entry in checkpoint.tensors if entry.fqn in names]
     objects = [entry for entry in checkpoint.objects if entry.fqn in names]
     planner_data = checkpoint.metadata.planner_data or {}
+    if not isinstance(planner_data, dict):
+        raise UnsupportedLayoutError("planner_data is not a mapping of fqns to key paths, so the "
+                                     "nesting of the state is unknown", path=checkpoint.path)
     paths = {fqn: tuple(planner_data.get(fqn) or (fqn,)) for fqn in order if fqn in names}
+    check_key_paths(paths, checkpoint.path)
     return TorchSavePlan(tensors, objects, paths, len(checkpoint.tensors) - len(tensors),
                          len(checkpoint.objects) - len(objects))
 
@@ -195,6 +199,36 @@ def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
             f"({str(error).splitlines()[0]}); leave it out with --exclude") from None
     refuse_tensors_in_object(location.path, entry.fqn, value)
     return value
+
+
+def check_key_paths(paths: dict[str, tuple], source: Path) -> None:
+    """Refuse key paths that cannot all hold their values in one nested state: a path that is
+    another's, or runs through another's value, a container both a dict (str keys) and a list
+    (int keys), a key that is neither, a list index past the number of entries (an honest
+    list holds each of its elements' entries), or a root that is not a dict."""
+    def refuse(fqn: str, rule: str) -> UnsupportedLayoutError:
+        return UnsupportedLayoutError(f"planner_data gives {fqn!r} the key path "
+                                      f"{list(paths[fqn])[:8]}, which {rule}", path=source)
+
+    root: dict = {}
+    kinds = {id(root): str}
+    for fqn, path in paths.items():
+        node = root
+        for depth, key in enumerate(path):
+            if type(key) not in (str, int) or (type(key) is int and not 0 <= key < len(paths)):
+                raise refuse(fqn, f"holds key {key!r}, not a name or an index below "
+                                  f"{len(paths)}")
+            if type(key) is not kinds.setdefault(id(node), type(key)):
+                raise refuse(fqn, "makes one container both a dict and a list")
+            child = node.get(key)
+            if depth == len(path) - 1:
+                if child is not None:
+                    raise refuse(fqn, "another entry's value is at or under")
+                node[key] = fqn
+            elif isinstance(child, str):
+                raise refuse(fqn, f"runs through the value of {child!r}")
+            else:
+                node = node.setdefault(key, {})
 
 
 def set_nested(root: dict, key_path: tuple, value) -> None:
