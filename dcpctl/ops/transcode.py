@@ -23,7 +23,8 @@ from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan,
                                             iter_item_pieces, iter_stored_pieces, locate_item)
 from dcpctl.format.checkpoint.publishing import CheckpointOutput, storage_with
-from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
+from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
 from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
@@ -208,7 +209,7 @@ def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str
     """Rewrite the checkpoint at path with every item in `codec`, into output_path or in place."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_checked_checkpoint(path)
     plan = plan_transcode(checkpoint, codec, recode_same_codec)
     in_place = output_path is None or _same_directory(Path(path), Path(output_path))
     report = TranscodeReport(

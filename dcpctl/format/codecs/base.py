@@ -31,6 +31,17 @@ class Decoder(Protocol):
     def finish(self) -> None: ...
 
 
+MAX_EXPANSION = 1 << 15
+"""No codec dcpctl reads decodes to more bytes than this per stored byte: zstd's densest block,
+run-length, is 4 bytes for 128 KiB (floatsplit's sub-streams are zstd frames or raw)."""
+_EXPANSION_SLACK_BYTES = 1 << 20
+
+
+def max_decoded_bytes(stored_bytes: int) -> int:
+    """The most bytes an item of stored_bytes under any codec can honestly decode to."""
+    return stored_bytes * MAX_EXPANSION + _EXPANSION_SLACK_BYTES
+
+
 @dataclass(frozen=True)
 class PayloadHint:
     """Where a tensor item's raw bytes are: what the encoder splits. The tensor's dtype (torch's

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
-from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
+from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
 from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor,
@@ -103,7 +104,7 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into safetensors files in the directory output."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
-    checkpoint = open_checkpoint(source)
+    checkpoint = open_checked_checkpoint(source)
     plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
     staged = StagedOutput(Path(output), overwrite, checkpoint.path)
     try:

@@ -25,7 +25,8 @@ import torch
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import locate_object, read_item
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
-from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry, open_checkpoint
+from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
 from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
@@ -165,7 +166,7 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into the torch.save file output."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
-    checkpoint = open_checkpoint(source)
+    checkpoint = open_checked_checkpoint(source)
     plan = plan_torch_save(checkpoint, selection, cast_to)
     staged = StagedOutput(Path(output), overwrite, checkpoint.path, is_directory=False)
     try:

@@ -22,11 +22,11 @@ from typing import Callable, Iterator
 from dcpctl.errors import DcpctlError, UnsafePathError
 from dcpctl.format.checkpoint.items import ItemLocation, decode_stored_pieces
 from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.structure import StoredItem
 from dcpctl.format.checkpoint.view import resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     spooled_read_range)
-from dcpctl.ops.verify.structure import StoredItem
 from dcpctl.storage.local import open_for_reading
 
 PIECE_BYTES = 4 << 20

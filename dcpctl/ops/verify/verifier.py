@@ -13,11 +13,11 @@ from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, 
 from dcpctl.format.checkpoint.checksums import read_sha256sums
 from dcpctl.format.checkpoint.items import locate_item
 from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.structure import (StoredItem, check_structure, is_safetensors_tensor,
+                                                list_stored_items)
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.ops.verify.scan import ArchiveItem, plan_scan, run_scan
-from dcpctl.ops.verify.structure import (StoredItem, check_structure, is_safetensors_tensor,
-                                         list_stored_items)
 from dcpctl.pipeline import default_thread_count
 
 OK, DAMAGED, INCOMPLETE = "ok", "damaged", "incomplete"

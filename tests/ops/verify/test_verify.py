@@ -9,10 +9,10 @@ import torch
 from conftest import FIXTURE_NAMES, fixture_path, torch_metadata
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from dcpctl.format.checkpoint.structure import find_overlapping_boxes
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.torch_save.layout import read_torch_save_layout
 from dcpctl.ops.checksum import checksum_checkpoint
-from dcpctl.ops.verify.structure import find_overlapping_boxes
 from dcpctl.ops.verify.verifier import verify_checkpoint
 
 

@@ -1,13 +1,23 @@
-"""What `verify` learns from the metadata and file sizes alone: the structure checks."""
+"""What the metadata and the file sizes alone show to be wrong: the structure checks.
+
+`verify` lists every problem they find; every command that moves data opens a checkpoint with
+open_checked_checkpoint, which refuses one that has any (what `verify --quick` calls damaged):
+nothing is planned from metadata that cannot be right.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
+from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.problems import Problem
-from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry, find_file_problems
+from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry, find_file_problems,
+                                           open_checkpoint)
+from dcpctl.format.codecs.base import max_decoded_bytes
 from dcpctl.format.metadata.records import ChunkMetadata, StorageInfo
 
 
@@ -48,6 +58,26 @@ def is_safetensors_tensor(checkpoint: Checkpoint, item: StoredItem) -> bool:
     file's safetensors header, not by its own byte range)."""
     return (item.tensor is not None
             and checkpoint.files[item.storage.relative_path].serialization == SAFETENSORS)
+
+
+def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open a checkpoint to move its data, refusing it if the metadata and file sizes already
+    show it damaged (what `verify --quick` reports, SHA256SUMS aside)."""
+    checkpoint = open_checkpoint(path)
+    problems = check_structure(checkpoint, list_stored_items(checkpoint))
+    if problems:
+        raise damage_error(checkpoint.path, problems)
+    return checkpoint
+
+
+def damage_error(directory: Path, problems: list[Problem]) -> DataError:
+    """One error for the first of problems found in the checkpoint at directory."""
+    first = problems[0]
+    more = f" (and {len(problems) - 1} more problems; see dcpctl verify)" if problems[1:] else ""
+    return DataError(f"{first.rule}: {first.message}{more}",
+                     path=directory / first.file if first.file else directory,
+                     fqn=first.fqns[0] if len(first.fqns) == 1 else None,
+                     start=first.start, end=first.end)
 
 
 def check_structure(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
@@ -148,13 +178,16 @@ def find_overlapping_boxes(boxes: list[Box]) -> tuple[Box, Box] | None:
 
 
 def _stored_length_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
-    """SAFETENSORS items hold exactly the chunk's bytes; a plain torch.save archive at least."""
+    """SAFETENSORS items hold exactly the chunk's bytes; a plain torch.save archive at least;
+    an item under a codec no more than the codec can decode its stored bytes to."""
     problems = []
     for item in items:
-        if item.tensor is None or item.storage.transform_descriptors:
+        if item.tensor is None:
             continue
         nbytes = item.chunk_nbytes
-        if is_safetensors_tensor(checkpoint, item):
+        if item.storage.transform_descriptors:
+            wrong = nbytes > max_decoded_bytes(item.storage.length)
+        elif is_safetensors_tensor(checkpoint, item):
             wrong = item.storage.length != nbytes
         else:
             wrong = item.storage.length < nbytes
