@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dcpctl.format.checkpoint.checksums import sha256_of_files, write_sha256sums
-from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import remove_stale_temporaries
@@ -33,12 +33,13 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
     """Hash `.metadata` and every data file the metadata names, in parallel, and write
     CKPT/SHA256SUMS. Refuses a checkpoint with missing or truncated data files.
     on_progress(done_bytes, total_bytes) follows the hashing."""
-    checkpoint = open_checked_checkpoint(path)
-    remove_stale_temporaries(checkpoint.path, set(checkpoint.files))
-    names = [METADATA_FILE_NAME, *checkpoint.files]
-    total_bytes = sum((checkpoint.path / name).stat().st_size for name in names)
-    advance = None if on_progress is None else lambda done: on_progress(done, total_bytes)
-    digests = sha256_of_files(checkpoint.path, names, threads or default_thread_count(), advance)
-    sums_path = write_sha256sums(checkpoint.path, digests)
+    with checked_checkpoint(path, exclusive=True) as checkpoint:
+        remove_stale_temporaries(checkpoint.path, set(checkpoint.files))
+        names = [METADATA_FILE_NAME, *checkpoint.files]
+        total_bytes = sum((checkpoint.path / name).stat().st_size for name in names)
+        advance = None if on_progress is None else lambda done: on_progress(done, total_bytes)
+        digests = sha256_of_files(checkpoint.path, names, threads or default_thread_count(),
+                                  advance)
+        sums_path = write_sha256sums(checkpoint.path, digests)
     return ChecksumReport(str(checkpoint.path), str(sums_path), dict(sorted(digests.items())),
                           total_bytes)

@@ -23,7 +23,7 @@ from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan,
                                             iter_item_pieces, iter_stored_pieces, locate_item)
 from dcpctl.format.checkpoint.publishing import CheckpointOutput, storage_with
-from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
@@ -206,12 +206,21 @@ def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str
                          recode_same_codec: bool = False, threads: int | None = None,
                          dry_run: bool = False, overwrite: bool = False,
                          on_progress: ProgressCallback | None = None) -> TranscodeReport:
-    """Rewrite the checkpoint at path with every item in `codec`, into output_path or in place."""
+    """Rewrite the checkpoint at path with every item in `codec`, into output_path or in place
+    (holding the checkpoint: exclusively in place, shared otherwise)."""
+    in_place = output_path is None or _same_directory(Path(path), Path(output_path))
+    with checked_checkpoint(path, exclusive=in_place and not dry_run) as checkpoint:
+        return _transcode(checkpoint, codec, output_path, in_place, recode_same_codec, threads,
+                          dry_run, overwrite, on_progress)
+
+
+def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in_place: bool,
+               recode_same_codec: bool, threads: int | None, dry_run: bool, overwrite: bool,
+               on_progress: ProgressCallback | None) -> TranscodeReport:
     started = time.perf_counter()
     threads = threads or default_thread_count()
-    checkpoint = open_checked_checkpoint(path)
+    path = checkpoint.path
     plan = plan_transcode(checkpoint, codec, recode_same_codec)
-    in_place = output_path is None or _same_directory(Path(path), Path(output_path))
     report = TranscodeReport(
         source=str(path), output=str(path if in_place else output_path), in_place=in_place,
         codec=codec.name, level=codec.level, dry_run=dry_run, threads=threads,

@@ -36,6 +36,25 @@ def locked_directory(path: Path, exclusive: bool, what: str) -> Iterator[int]:
         os.close(descriptor)
 
 
+@contextlib.contextmanager
+def locked_checkpoint(path: str | os.PathLike, exclusive: bool) -> Iterator[None]:
+    """Hold a checkpoint directory: exclusively to change it (another dcpctl reading or
+    changing it makes this fail at once), shared to read its data (another dcpctl changing it
+    makes this fail at once). A path that is not a directory is left to the caller to refuse."""
+    what = ("another dcpctl is reading or changing this checkpoint" if exclusive
+            else "another dcpctl is changing this checkpoint")
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        yield
+        return
+    try:
+        lock_descriptor(descriptor, exclusive, Path(path), what)
+        yield
+    finally:
+        os.close(descriptor)
+
+
 def lock_descriptor(descriptor: int, exclusive: bool, path: Path, what: str) -> None:
     """Lock an open directory (released when the descriptor is closed)."""
     try:

@@ -7,11 +7,13 @@ nothing is planned from metadata that cannot be right.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.problems import Problem
@@ -19,6 +21,7 @@ from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry,
                                            open_checkpoint)
 from dcpctl.format.codecs.base import max_decoded_bytes
 from dcpctl.format.metadata.records import ChunkMetadata, StorageInfo
+from dcpctl.storage.locks import locked_checkpoint
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,15 @@ def is_safetensors_tensor(checkpoint: Checkpoint, item: StoredItem) -> bool:
     file's safetensors header, not by its own byte range)."""
     return (item.tensor is not None
             and checkpoint.files[item.storage.relative_path].serialization == SAFETENSORS)
+
+
+@contextlib.contextmanager
+def checked_checkpoint(path: str | os.PathLike, exclusive: bool = False
+                       ) -> Iterator[Checkpoint]:
+    """open_checked_checkpoint(path), the checkpoint held while the block runs: exclusively to
+    change it, shared to read its data (storage/locks.py)."""
+    with locked_checkpoint(path, exclusive):
+        yield open_checked_checkpoint(path)
 
 
 def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
-from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
@@ -104,17 +104,17 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into safetensors files in the directory output."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
-    checkpoint = open_checked_checkpoint(source)
-    plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
-    staged = StagedOutput(Path(output), overwrite, checkpoint.path)
-    try:
-        with open_payload_reader(Path(output)) as payloads:
-            files = write_safetensors(plan, checkpoint, payloads, staged.path, threads,
-                                      on_progress)
-        staged.publish()
-    except BaseException:
-        staged.abort()
-        raise
+    with checked_checkpoint(source) as checkpoint:
+        plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
+        staged = StagedOutput(Path(output), overwrite, checkpoint.path)
+        try:
+            with open_payload_reader(Path(output)) as payloads:
+                files = write_safetensors(plan, checkpoint, payloads, staged.path, threads,
+                                          on_progress)
+            staged.publish()
+        except BaseException:
+            staged.abort()
+            raise
     report = ConvertReport(str(source), str(output), "dcp", "safetensors",
                            cast_to=cast_to.name if cast_to else None,
                            tensors_left_out=plan.tensors_left_out,

@@ -25,7 +25,7 @@ import torch
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import locate_object, read_item
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
-from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
@@ -166,18 +166,19 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into the torch.save file output."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
-    checkpoint = open_checked_checkpoint(source)
-    plan = plan_torch_save(checkpoint, selection, cast_to)
-    staged = StagedOutput(Path(output), overwrite, checkpoint.path, is_directory=False)
-    try:
-        with OutputFile(staged.path) as stream, open_payload_reader(Path(output)) as payloads:
-            write_torch_save(plan, checkpoint, payloads, stream, threads, on_progress)
-            size_bytes = stream.tell()
-            stream.finish()
-        staged.publish()
-    except BaseException:
-        staged.abort()
-        raise
+    with checked_checkpoint(source) as checkpoint:
+        plan = plan_torch_save(checkpoint, selection, cast_to)
+        staged = StagedOutput(Path(output), overwrite, checkpoint.path, is_directory=False)
+        try:
+            with (OutputFile(staged.path) as stream,
+                  open_payload_reader(Path(output)) as payloads):
+                write_torch_save(plan, checkpoint, payloads, stream, threads, on_progress)
+                size_bytes = stream.tell()
+                stream.finish()
+            staged.publish()
+        except BaseException:
+            staged.abort()
+            raise
     report = ConvertReport(str(source), str(output), "dcp", "torch",
                            objects=len(plan.objects),
                            cast_to=cast_to.name if cast_to else None,

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, iter_item_pieces, iter_stored_pieces
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.format.checkpoint.publishing import CheckpointOutput
-from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.registry import CODEC_NAMES, codec_by_name
@@ -156,16 +156,17 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     started = time.perf_counter()
     threads = threads or default_thread_count()
     codec = codec_by_name(codec_name) if codec_name is not None else None
-    checkpoint = open_checked_checkpoint(path)
-    plan = plan_reshard(checkpoint, world_size, codec)
-    _allow_open_files(world_size + len(checkpoint.files) + 64)
     destination = Path(output_path)
-    output = CheckpointOutput(destination, False, checkpoint.path, overwrite)
-    try:
-        stored = execute_reshard(plan, checkpoint, output, threads, on_progress, piece_bytes)
-    except BaseException:
-        output.abort()
-        raise
+    with checked_checkpoint(path) as checkpoint:
+        plan = plan_reshard(checkpoint, world_size, codec)
+        _allow_open_files(world_size + len(checkpoint.files) + 64)
+        output = CheckpointOutput(destination, False, checkpoint.path, overwrite)
+        try:
+            stored = execute_reshard(plan, checkpoint, output, threads, on_progress,
+                                     piece_bytes)
+        except BaseException:
+            output.abort()
+            raise
     chunk_tasks = [task for task in plan.tasks if isinstance(task, ChunkTask)]
     return ReshardReport(
         source=str(path), output=str(destination), world_size=world_size, codec=plan.codec.name,

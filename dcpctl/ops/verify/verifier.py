@@ -19,6 +19,7 @@ from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_i
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.ops.verify.scan import ArchiveItem, plan_scan, run_scan
 from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.locks import locked_checkpoint
 
 OK, DAMAGED, INCOMPLETE = "ok", "damaged", "incomplete"
 
@@ -56,7 +57,12 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int |
                       on_progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check a checkpoint directory and report every problem found (see VerifyReport);
     on_progress(done_bytes, total_bytes) follows the reading."""
-    directory = Path(path)
+    with locked_checkpoint(path, exclusive=False):
+        return _verify(Path(path), deep, threads, on_progress)
+
+
+def _verify(directory: Path, deep: bool, threads: int | None,
+            on_progress: Callable[[int, int], None] | None) -> VerifyReport:
     report = VerifyReport(str(directory), deep)
     try:
         checkpoint = open_checkpoint(directory, check_files=False)
