@@ -99,7 +99,7 @@ def assert_plain_items_equal_decoded(original_dir: Path, restored_dir: Path) -> 
 
 def item_locations(checkpoint) -> dict:
     """MetadataIndex -> ItemLocation of every chunk and object of an opened checkpoint."""
-    from dcpctl.format.checkpoint.items import locate_chunk, locate_object
+    from dcpctl.format.checkpoint.locations import locate_chunk, locate_object
     from dcpctl.format.metadata.records import MetadataIndex
 
     locations = {MetadataIndex(tensor.fqn, tuple(chunk.offsets)):

@@ -1,4 +1,5 @@
-"""Write SHA256SUMS for a checkpoint: the SHA-256 of `.metadata` and of every data file."""
+"""Write SHA256SUMS for a checkpoint: the SHA-256 of `.metadata` and of every data file, once
+each item is checked."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from dcpctl.format.checkpoint.checksums import sha256_of_files, write_sha256sums
-from dcpctl.format.checkpoint.structure import checked_checkpoint
+from dcpctl.format.checkpoint.checksums import read_sha256sums, write_sha256sums
+from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.structure import checked_checkpoint, damage_error, list_stored_items
 from dcpctl.format.file_names import METADATA_FILE_NAME
+from dcpctl.ops.verify.scan import items_to_check, plan_scan, run_scan
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import remove_stale_temporaries
 
@@ -31,15 +34,26 @@ class ChecksumReport:
 def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
                         on_progress: Callable[[int, int], None] | None = None) -> ChecksumReport:
     """Hash `.metadata` and every data file the metadata names, in parallel, and write
-    CKPT/SHA256SUMS. Refuses a checkpoint with missing or truncated data files.
-    on_progress(done_bytes, total_bytes) follows the hashing."""
-    with checked_checkpoint(path, exclusive=True) as checkpoint:
+    CKPT/SHA256SUMS, holding the checkpoint. It is not certified damaged: as the files are read,
+    every item is checked as `verify` checks it, and any SHA256SUMS already there must hold;
+    a checkpoint with any problem is refused, nothing written. on_progress(done_bytes,
+    total_bytes) follows the reading."""
+    with checked_checkpoint(path, exclusive=True, check_sums=False) as checkpoint:
         remove_stale_temporaries(checkpoint.path, set(checkpoint.files))
+        old_sums = read_sha256sums(checkpoint.path) or {}
         names = [METADATA_FILE_NAME, *checkpoint.files]
-        total_bytes = sum((checkpoint.path / name).stat().st_size for name in names)
-        advance = None if on_progress is None else lambda done: on_progress(done, total_bytes)
-        digests = sha256_of_files(checkpoint.path, names, threads or default_thread_count(),
-                                  advance)
+        archive_items, safetensors_items, problems = items_to_check(
+            checkpoint, list_stored_items(checkpoint))
+        units = plan_scan(checkpoint.path, archive_items, safetensors_items,
+                          {name: old_sums.get(name) for name in names})
+        problems += run_scan(units, threads or default_thread_count(), on_progress)
+        if problems:
+            raise damage_error(checkpoint.path, sorted(problems, key=_problem_order))
+        digests = {unit.name: unit.sha256 for unit in units if unit.hashing}
         sums_path = write_sha256sums(checkpoint.path, digests)
     return ChecksumReport(str(checkpoint.path), str(sums_path), dict(sorted(digests.items())),
-                          total_bytes)
+                          sum(unit.read_bytes for unit in units if unit.hashing))
+
+
+def _problem_order(problem: Problem) -> tuple:
+    return problem.file or "", problem.start or 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,8 +19,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
-from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, ItemLocation, StoredSpan,
-                                            iter_item_pieces, iter_stored_pieces, locate_item)
+from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, StoredSpan,
+                                            iter_checked_stored_pieces, iter_item_pieces,
+                                            iter_stored_pieces)
+from dcpctl.format.checkpoint.locations import ExpectedTensor, ItemLocation, locate_item
 from dcpctl.format.checkpoint.publishing import CheckpointOutput, storage_with
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint
@@ -54,8 +55,13 @@ class ItemTask:
     location: ItemLocation
     output_file: str
     transcode: bool
-    payload: PayloadHint | None = None
-    """For tensor items: the dtype and size of the tensor's bytes, for codecs that split them."""
+
+    @property
+    def payload(self) -> PayloadHint | None:
+        """For tensor items: the dtype and size of the tensor's bytes, for codecs that split
+        them."""
+        expected = self.location.expected
+        return None if expected is None else PayloadHint(expected.dtype.name, expected.nbytes)
 
 
 @dataclass
@@ -112,34 +118,26 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
             raise UnsupportedLayoutError(
                 "SAFETENSORS-serialized data file; compress and decompress rewrite checkpoints "
                 "saved with the default TORCH_SAVE layout", path=checkpoint.path / data_file.name)
-    payloads = _payload_hints(checkpoint)
+    expected = {(tensor.fqn, tuple(chunk.offsets)): ExpectedTensor(tensor.dtype, tuple(chunk.sizes))
+                for tensor in checkpoint.tensors for chunk in tensor.chunks}
     storage_data = checkpoint.metadata.storage_data or {}
     ordered = sorted(storage_data.items(),
                      key=lambda item: (item[1].relative_path, item[1].offset))
     tasks = []
     for key, info in ordered:
-        payload = payloads.get((key.fqn, key.offset))
-        location = locate_item(checkpoint, key.fqn, info,
-                               payload.payload_bytes if payload is not None else None)
+        location = locate_item(checkpoint, key.fqn, info, expected.get((key.fqn, key.offset)))
         same_codec = location.codec.descriptors == codec.descriptors
         tasks.append(ItemTask(key, info, location, final_name_of(info.relative_path),
                               transcode=not same_codec or (recode_same_codec and
-                                                           bool(codec.descriptors)),
-                              payload=payload))
+                                                           bool(codec.descriptors))))
     return TranscodePlan(codec, tasks)
-
-
-def _payload_hints(checkpoint: Checkpoint) -> dict[tuple, PayloadHint]:
-    """The dtype and byte count of every tensor chunk, keyed like storage items."""
-    return {(tensor.fqn, tuple(chunk.offsets)):
-            PayloadHint(tensor.dtype.name, math.prod(chunk.sizes) * tensor.dtype.itemsize)
-            for tensor in checkpoint.tensors for chunk in tensor.chunks}
 
 
 def _produce(codec: Codec, piece_bytes: int) -> Callable[[Run[ItemTask]], Iterator[bytes]]:
     def item_pieces(task: ItemTask, span: StoredSpan | None) -> Iterator[bytes]:
         if not task.transcode:
-            yield from iter_stored_pieces(task.location, piece_bytes, span)
+            yield from iter_checked_stored_pieces(
+                task.location, iter_stored_pieces(task.location, piece_bytes, span))
             return
         known_size = task.location.length if not task.location.codec.descriptors else None
         yield from iter_encoded(codec.new_encoder(known_size, task.payload),

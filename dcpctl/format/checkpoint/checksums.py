@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
-from dcpctl.format.file_names import SHA256SUMS_FILE_NAME
+from dcpctl.format.checkpoint.view import Checkpoint
+from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
+from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import open_for_reading, read_file, write_file_atomically
 
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
@@ -38,6 +40,20 @@ def sha256_of_files(directory: Path, names: Iterable[str], threads: int,
         futures = {name: pool.submit(sha256_of_file, directory / name, on_progress=on_progress)
                    for name in by_size}
         return {name: future.result() for name, future in futures.items()}
+
+
+def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = None) -> None:
+    """When the checkpoint holds SHA256SUMS, hash `.metadata` and the data files it lists, on
+    `threads` threads, and raise DataError naming the first that does not match or is gone."""
+    sums = read_sha256sums(checkpoint.path)
+    if sums is None:
+        return
+    listed = [name for name in (METADATA_FILE_NAME, *checkpoint.files) if name in sums]
+    digests = sha256_of_files(checkpoint.path, listed, threads or default_thread_count())
+    for name in sorted(listed):
+        if digests[name] != sums[name]:
+            raise DataError(f"checksum-mismatch: SHA-256 is {digests[name]}, SHA256SUMS says "
+                            f"{sums[name]}", path=checkpoint.path / name)
 
 
 def format_sha256sums(digests: dict[str, str]) -> str:

@@ -1,88 +1,27 @@
-"""Read one stored item: its raw byte range, decoded through its transforms, piece by piece.
+"""Read one stored item: its raw byte range, decoded through its transforms, piece by piece,
+and checked as it goes.
 
-Every decode of an item goes through `decode_stored_pieces`, which stops a tensor item under a
+Every decode of an item goes through `iter_decoded_item`, which stops a tensor item under a
 codec once it decodes past what its chunk can hold (a few stored bytes can decode to
-terabytes) and names the file, item and byte range in whatever error it meets.
+terabytes) and names the file, item and byte range in whatever error it meets; every command
+reads items through `decode_stored_pieces` or `iter_checked_stored_pieces`, which also check
+what the bytes form (item_check.py).
 """
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from dcpctl.errors import (DataError, DcpctlError, UnsupportedLayoutError, missing_file_error,
-                           truncated_error)
-from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, ObjectEntry, TensorEntry
+from dcpctl.errors import DataError, DcpctlError, missing_file_error, truncated_error
+from dcpctl.format.checkpoint.item_check import ItemCheck
+from dcpctl.format.checkpoint.locations import ItemLocation
 from dcpctl.format.codecs.base import iter_decoded
-from dcpctl.format.codecs.registry import IDENTITY, Codec, codec_for_descriptors
-from dcpctl.format.metadata.records import ChunkMetadata, StorageInfo
-from dcpctl.format.safetensors import safetensors_tensor_range
-from dcpctl.format.torch_save.layout import max_tensor_archive_bytes
 from dcpctl.storage.local import open_for_reading
 
 DEFAULT_PIECE_BYTES = 4 << 20
 MAX_ITEM_IN_MEMORY_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class ItemLocation:
-    """Where an item's stored bytes are, how to decode them, and the most bytes they may
-    decode to (None: no bound known, as for objects)."""
-
-    fqn: str
-    path: Path
-    start: int
-    length: int
-    codec: Codec
-    max_decoded_bytes: int | None = None
-
-    @property
-    def end(self) -> int:
-        """Offset one past the item's last stored byte in its file."""
-        return self.start + self.length
-
-
-def locate_item(checkpoint: Checkpoint, fqn: str, storage: StorageInfo,
-                chunk_nbytes: int | None = None) -> ItemLocation:
-    """The byte range and codec of one item: a tensor chunk of chunk_nbytes bytes of elements,
-    or (None) an object. In SAFETENSORS-serialized files, tensor items live inside one
-    safetensors blob per file and are found through its header."""
-    path = checkpoint.data_path(storage.relative_path)
-    is_tensor = chunk_nbytes is not None
-    if checkpoint.files[storage.relative_path].serialization == SAFETENSORS and is_tensor:
-        if storage.transform_descriptors:
-            raise UnsupportedLayoutError(
-                f"combines SAFETENSORS serialization with transforms "
-                f"{list(storage.transform_descriptors)}, which torch cannot read back either",
-                path=path, fqn=fqn)
-        start, length = safetensors_tensor_range(path, storage.offset, fqn)
-        return ItemLocation(fqn, path, start, length, IDENTITY)
-    try:
-        codec = codec_for_descriptors(storage.transform_descriptors)
-    except DcpctlError as error:
-        raise error.located(path=path, fqn=fqn) from None
-    bound = max_tensor_archive_bytes(chunk_nbytes) if is_tensor and codec.descriptors else None
-    return ItemLocation(fqn, path, storage.offset, storage.length, codec, bound)
-
-
-def locate_chunk(checkpoint: Checkpoint, tensor: TensorEntry, chunk: ChunkMetadata) -> ItemLocation:
-    """Where a tensor chunk is stored; raises DataError if the metadata gives it no storage."""
-    if chunk.storage is None:
-        raise DataError(f"chunk at {list(chunk.offsets)} has no storage entry in the metadata",
-                        path=checkpoint.path, fqn=tensor.fqn)
-    return locate_item(checkpoint, tensor.fqn, chunk.storage,
-                       math.prod(chunk.sizes) * tensor.dtype.itemsize)
-
-
-def locate_object(checkpoint: Checkpoint, entry: ObjectEntry) -> ItemLocation:
-    """Where a non-tensor entry is stored; raises DataError if the metadata gives it none."""
-    if entry.storage is None:
-        raise DataError("object has no storage entry in the metadata", path=checkpoint.path,
-                        fqn=entry.fqn)
-    return locate_item(checkpoint, entry.fqn, entry.storage)
 
 
 class StoredSpan:
@@ -132,16 +71,49 @@ def iter_stored_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_
         raise missing_file_error(location.path, location.fqn) from None
 
 
-def decode_stored_pieces(location: ItemLocation, stored_pieces: Iterable[bytes]
-                         ) -> Iterator[bytes]:
-    """The item's decoded bytes from its stored bytes, however they were read; raises a
-    DcpctlError naming the item if they do not decode or pass what the item can hold."""
+def iter_decoded_item(location: ItemLocation, stored_pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The item's decoded bytes from its stored bytes, however they were read, stopped once
+    they pass what the item can hold; a DcpctlError they raise names the item. The one path
+    by which an item is decoded: decode_stored_pieces checks what it gives, verify reports it."""
     try:
         yield from iter_decoded(location.codec.new_decoder(), stored_pieces,
                                 location.max_decoded_bytes)
     except DcpctlError as error:
         raise error.located(path=location.path, fqn=location.fqn, start=location.start,
                             end=location.end) from None
+
+
+def decode_stored_pieces(location: ItemLocation, stored_pieces: Iterable[bytes]
+                         ) -> Iterator[bytes]:
+    """The item's decoded bytes (iter_decoded_item), checked as they go by (item_check.py):
+    once the last is out, raises DataError naming the item if they are not what it must hold
+    (a record that fails its CRC-32, another dtype or shape than its chunk's)."""
+    check = ItemCheck(location)
+    for piece in iter_decoded_item(location, stored_pieces):
+        check.feed(piece)
+        yield piece
+    check.raise_problems(lambda: iter_decoded_item(location, iter_stored_pieces(location)))
+
+
+def iter_checked_stored_pieces(location: ItemLocation, stored_pieces: Iterable[bytes]
+                               ) -> Iterator[bytes]:
+    """The item's stored bytes, passed on as they are (an item copied unchanged), while they
+    are decoded and checked alongside as decode_stored_pieces checks them."""
+    waiting: list = []
+
+    def remembered() -> Iterator[bytes]:
+        for piece in stored_pieces:
+            waiting.append(piece)
+            yield piece
+
+    for _ in decode_stored_pieces(location, remembered()):
+        yield from _drained(waiting)
+    yield from _drained(waiting)
+
+
+def _drained(waiting: list) -> Iterator[bytes]:
+    while waiting:
+        yield waiting.pop(0)
 
 
 def iter_item_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_BYTES,

@@ -1,24 +1,30 @@
 """The raw row-major bytes of stored tensor chunks, read at random, whatever their codec or
-stored layout: the one reader of chunk payloads, so every command accepts the same inputs.
+stored layout, and checked: the one reader of chunk payloads, so every command accepts the same
+inputs and passes on no damage.
 
 A plain TORCH_SAVE item is read in place: its torch.save layout (found from the archive's end,
-without reading the data) says where the payload starts. An item under a stream codec such as
-zstd can only be read front to back, so it is decoded once and read from there: in memory when
+without reading the data) says where the payload starts. The ranges read of it are CRC'd as
+they are read; once its last user is done, the CRC-32s of the ranges (and of any bytes of its
+storage record nobody read) combine into the record's, which must match the archive's.
+
+An item under a stream codec such as zstd can only be read front to back, so it is decoded once
+(and checked whole as it is: items.decode_stored_pieces) and read from there: in memory when
 its chunk is small (a piece at most), else from a spool file on disk. A chunk saved as a dense
 view with strides of its own (torch keeps a tensor's memory format when it saves it: a
-channels_last weight, a transposed one) is laid out row-major once, the same way. Either goes
-when the last reader that needs it is done. SAFETENSORS items are raw bytes already. Every item
-must hold the dtype and shape the metadata gives its chunk.
+channels_last weight, a transposed one) is laid out row-major once, the same way, its storage
+record checked as it is read. Either goes when the last reader that needs it is done.
+SAFETENSORS items are raw bytes already, with no CRC of their own. Every item must hold the
+dtype and shape the metadata gives its chunk.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import tempfile
 import threading
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -26,22 +32,68 @@ from typing import Iterable, Iterator
 import numpy
 
 from dcpctl.errors import DataError, DcpctlError, truncated_error
-from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, ItemLocation, iter_item_pieces
-from dcpctl.format.dtypes import DType
+from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, iter_item_pieces
+from dcpctl.format.checkpoint.locations import ItemLocation
+from dcpctl.format.torch_save.crc32 import shift_crc32
 from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_layout
 from dcpctl.format.torch_save.zip_records import ReadRange
 from dcpctl.storage.local import naming_failures, open_regular_file, scratch_directory_beside
 
 
+class RecordCrc:
+    """The CRC-32 of a storage record [start, start + size) of a file, from the ranges of it
+    read, in any order, on any thread."""
+
+    def __init__(self, start: int, size: int, expected: int) -> None:
+        self.start, self.size, self.expected = start, size, expected
+        self._ranges: list[tuple[int, int, int]] = []  # start, length, CRC-32
+        self._lock = threading.Lock()
+
+    def add(self, start: int, data) -> None:
+        """Take bytes read from the file at start."""
+        crc = zlib.crc32(data)
+        with self._lock:
+            self._ranges.append((start, len(data), crc))
+
+    def matches(self, read_range: ReadRange) -> bool:
+        """Whether the record's CRC-32 is the archive's; bytes of it not read so far are read
+        now with read_range(start, length)."""
+        position, crc = self.start, 0
+        for start, length, range_crc in sorted(self._ranges):
+            if start < position:  # read twice: its ranges overlap, so read it whole
+                return self._crc_of(self.start, self.size, read_range) == self.expected
+            crc = _joined(crc, self._crc_of(position, start - position, read_range),
+                          start - position)
+            crc, position = _joined(crc, range_crc, length), start + length
+        end = self.start + self.size
+        crc = _joined(crc, self._crc_of(position, end - position, read_range), end - position)
+        return crc == self.expected
+
+    @staticmethod
+    def _crc_of(start: int, length: int, read_range: ReadRange) -> int:
+        crc = 0
+        for offset in range(start, start + length, DEFAULT_PIECE_BYTES):
+            crc = zlib.crc32(read_range(offset, min(DEFAULT_PIECE_BYTES, start + length - offset)),
+                             crc)
+        return crc
+
+
+def _joined(crc: int, next_crc: int, next_length: int) -> int:
+    """The CRC-32 of A + B from those of A and of B (B being next_length bytes)."""
+    return shift_crc32(crc, next_length) ^ next_crc if next_length else crc
+
+
 @dataclass(frozen=True)
 class PayloadSource:
     """Where a chunk's raw row-major bytes are: at offset in the file at path, read with
-    os.pread, or, for bytes held in memory, in `data` (path None)."""
+    os.pread, or, for bytes held in memory, in `data` (path None); and the CRC of the storage
+    record they are read from, when it is to be checked as they are."""
 
     path: Path | None
     offset: int
     nbytes: int
     data: memoryview | None = None
+    crc: RecordCrc | None = None
 
 
 class _ItemState:
@@ -56,13 +108,14 @@ class _ItemState:
 
 
 class PayloadReader:
-    """Finds and reads the payload of stored chunks; safe to share between threads."""
+    """Finds, reads and checks the payload of stored chunks; safe to share between threads."""
 
     def __init__(self, spool_directory: Path, users_by_item: dict[ItemLocation, int] | None = None,
                  memory_item_bytes: int = DEFAULT_PIECE_BYTES) -> None:
         """Payloads that must be decoded or laid out again are held in memory up to
         memory_item_bytes, in spool_directory above. An item has the users users_by_item
-        gives it (one if it is not there): its payload goes once that many have released it."""
+        gives it (one if it is not there): its payload is checked and goes once that many
+        have released it."""
         self._spool_directory = spool_directory
         self._memory_item_bytes = memory_item_bytes
         # One state per known item, made up front: each use then costs one lookup, no lock.
@@ -71,21 +124,19 @@ class PayloadReader:
         self._lock = threading.Lock()
         self._descriptors: dict[Path, int] = {}
 
-    def source_of(self, location: ItemLocation, raw_tensor: bool, dtype: DType,
-                  sizes: tuple[int, ...]) -> PayloadSource:
-        """The payload of the chunk of this dtype and sizes stored at location (raw_tensor:
-        SAFETENSORS bytes); raises DataError if the item holds anything else."""
+    def source_of(self, location: ItemLocation) -> PayloadSource:
+        """The payload of the tensor chunk stored at location; raises DataError if the item
+        holds anything but what location.expected says."""
         item = self._state(location)
         source = item.source
         if source is None:
             with item.lock:
                 source = item.source
                 if source is None:
-                    source = item.source = self._locate(location, raw_tensor, dtype, sizes)
-        expected_nbytes = math.prod(sizes) * dtype.itemsize
-        if source.nbytes != expected_nbytes:
+                    source = item.source = self._locate(location)
+        if source.nbytes != location.expected.nbytes:
             raise DataError(f"holds {source.nbytes} bytes of tensor data, the metadata implies "
-                            f"{expected_nbytes}", path=location.path, fqn=location.fqn,
+                            f"{location.expected.nbytes}", path=location.path, fqn=location.fqn,
                             start=location.start, end=location.end)
         return source
 
@@ -101,20 +152,25 @@ class PayloadReader:
         count = os.preadv(self._descriptor(source.path), [out], start)
         if count != len(out):
             raise truncated_error(source.path, None, start, start + len(out), start + count)
+        if source.crc is not None:
+            source.crc.add(start, out)
 
-    def read_chunk(self, location: ItemLocation, raw_tensor: bool, dtype: DType,
-                   sizes: tuple[int, ...]) -> bytearray:
+    def read_chunk(self, location: ItemLocation) -> bytearray:
         """The whole payload of the chunk at location, for one user, who is then done."""
         try:
-            source = self.source_of(location, raw_tensor, dtype, sizes)
+            source = self.source_of(location)
             data = bytearray(source.nbytes)
             self.read_into(source, 0, memoryview(data))
-            return data
-        finally:
-            self.release(location)
+        except BaseException:
+            self.release(location, completed=False)
+            raise
+        self.release(location)
+        return data
 
-    def release(self, location: ItemLocation) -> None:
-        """One user of the item is done; what was decoded for it goes with the last one."""
+    def release(self, location: ItemLocation, completed: bool = True) -> None:
+        """One user of the item is done; the last one checks what was read of a plain item
+        against its CRC-32 (raising DataError if it does not match), unless completed is
+        False (it failed, and its error says why), and frees what was decoded for it."""
         item = self._state(location)
         with item.lock:
             item.users_left -= 1
@@ -123,6 +179,12 @@ class PayloadReader:
             source, item.source = item.source, None
         if source.path is not None and source.path.parent == self._spool_directory:
             self._forget(source.path)
+        elif completed and source.crc is not None:
+            descriptor = self._descriptor(source.path)
+            if not source.crc.matches(lambda start, length: os.pread(descriptor, length, start)):
+                raise DataError("crc-mismatch: the tensor's storage record does not match its "
+                                "CRC-32", path=location.path, fqn=location.fqn,
+                                start=location.start, end=location.end)
 
     def close(self) -> None:
         """Close every file this reader opened."""
@@ -152,29 +214,20 @@ class PayloadReader:
             os.close(descriptor)
         spool_path.unlink(missing_ok=True)
 
-    def _locate(self, location: ItemLocation, raw_tensor: bool, dtype: DType,
-                sizes: tuple[int, ...]) -> PayloadSource:
-        if raw_tensor:  # SAFETENSORS files store the bare bytes, never under a codec
+    def _locate(self, location: ItemLocation) -> PayloadSource:
+        if location.raw:  # SAFETENSORS files store the bare bytes, never under a codec
             return PayloadSource(location.path, location.start, location.length)
         if not location.codec.descriptors:
-            descriptor = self._descriptor(location.path)
-            layout = _checked_layout(location, lambda offset, size: os.pread(
-                descriptor, size, location.start + offset), location.length, dtype, sizes)
-            if layout.tensor.is_contiguous:
-                return PayloadSource(location.path, location.start + layout.payload_offset,
-                                     layout.tensor.nbytes)
-            return self._row_major(layout, _file_bytes(
-                location.path, location.start + layout.storage.data_offset,
-                layout.storage.size_bytes))
-        decoded = self._decode(location, math.prod(sizes) * dtype.itemsize)
+            return self._locate_in_place(location)
+        decoded = self._decode(location)
         if isinstance(decoded, Path):
             try:
-                return self._locate_in_spool(location, decoded, dtype, sizes)
+                return self._locate_in_spool(location, decoded)
             except BaseException:
                 self._forget(decoded)
                 raise
         layout = _checked_layout(location, lambda offset, size: bytes(
-            decoded[offset:offset + size]), len(decoded), dtype, sizes)
+            decoded[offset:offset + size]), len(decoded))
         start = layout.payload_offset
         if layout.tensor.is_contiguous:
             return PayloadSource(None, start, layout.tensor.nbytes,
@@ -183,11 +236,26 @@ class PayloadReader:
         return self._row_major(layout, numpy.frombuffer(
             decoded[storage.data_offset:storage.data_end], dtype=numpy.uint8))
 
-    def _locate_in_spool(self, location: ItemLocation, spool_path: Path, dtype: DType,
-                         sizes: tuple[int, ...]) -> PayloadSource:
+    def _locate_in_place(self, location: ItemLocation) -> PayloadSource:
+        descriptor = self._descriptor(location.path)
+        layout = _checked_layout(location, lambda offset, size: os.pread(
+            descriptor, size, location.start + offset), location.length)
+        storage = layout.storage
+        crc = RecordCrc(location.start + storage.data_offset, storage.size_bytes, storage.crc32)
+        if layout.tensor.is_contiguous:
+            return PayloadSource(location.path, location.start + layout.payload_offset,
+                                 layout.tensor.nbytes, crc=crc if storage.crc32 else None)
+        record = _file_bytes(location.path, crc.start, storage.size_bytes)
+        if storage.crc32 and zlib.crc32(record) != storage.crc32:
+            raise DataError("crc-mismatch: the tensor's storage record does not match its "
+                            "CRC-32", path=location.path, fqn=location.fqn,
+                            start=location.start, end=location.end)
+        return self._row_major(layout, record)
+
+    def _locate_in_spool(self, location: ItemLocation, spool_path: Path) -> PayloadSource:
         descriptor = self._descriptor(spool_path)
         layout = _checked_layout(location, lambda offset, size: os.pread(
-            descriptor, size, offset), spool_path.stat().st_size, dtype, sizes)
+            descriptor, size, offset), spool_path.stat().st_size)
         if layout.tensor.is_contiguous:
             return PayloadSource(spool_path, layout.payload_offset, layout.tensor.nbytes)
         source = self._row_major(layout, _file_bytes(spool_path, layout.storage.data_offset,
@@ -195,11 +263,12 @@ class PayloadReader:
         self._forget(spool_path)  # the row-major copy stands in for it
         return source
 
-    def _decode(self, location: ItemLocation, nbytes: int) -> memoryview | Path:
-        """The item's decoded bytes (capped by the location at what its chunk can hold): in
-        memory for a chunk of at most memory_item_bytes, else in a spool file."""
+    def _decode(self, location: ItemLocation) -> memoryview | Path:
+        """The item's decoded bytes, checked whole as they come (capped by the location at
+        what its chunk can hold): in memory for a chunk of at most memory_item_bytes, else in
+        a spool file."""
         pieces = iter_item_pieces(location)
-        if nbytes > self._memory_item_bytes:
+        if location.expected.nbytes > self._memory_item_bytes:
             return self._spool(pieces)
         held = io.BytesIO()
         for piece in pieces:
@@ -248,19 +317,21 @@ def open_payload_reader(output: Path, users_by_item: dict[ItemLocation, int] | N
             reader.close()
 
 
-def _checked_layout(location: ItemLocation, read_range: ReadRange, length: int, dtype: DType,
-                    sizes: tuple[int, ...]) -> TorchSaveLayout:
-    """The item's torch.save layout, which must hold a tensor of this dtype and shape."""
+def _checked_layout(location: ItemLocation, read_range: ReadRange, length: int
+                    ) -> TorchSaveLayout:
+    """The item's torch.save layout, which must hold a tensor of the expected dtype and
+    shape."""
     try:
         layout = read_torch_save_layout(read_range, length)
     except DcpctlError as error:
         raise error.located(path=location.path, fqn=location.fqn, start=location.start,
                             end=location.end) from None
-    saved = layout.tensor
-    if saved.dtype != dtype or saved.shape != tuple(sizes):
+    saved, expected = layout.tensor, location.expected
+    if saved.dtype != expected.dtype or saved.shape != expected.sizes:
         raise DataError(f"holds a {saved.dtype.name} tensor of shape {list(saved.shape)}, the "
-                        f"metadata says {dtype.name} {list(sizes)}", path=location.path,
-                        fqn=location.fqn, start=location.start, end=location.end)
+                        f"metadata says {expected.dtype.name} {list(expected.sizes)}",
+                        path=location.path, fqn=location.fqn, start=location.start,
+                        end=location.end)
     return layout
 
 

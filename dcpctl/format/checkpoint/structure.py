@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 from dcpctl.errors import DataError
+from dcpctl.format.checkpoint.checksums import refuse_sha256sums_mismatch
+from dcpctl.format.checkpoint.locations import ExpectedTensor
 from dcpctl.format.checkpoint.problems import Problem
 from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry, find_file_problems,
                                            open_checkpoint)
@@ -37,6 +39,13 @@ class StoredItem:
     def end(self) -> int:
         """Offset one past the item's last byte in its file."""
         return self.storage.offset + self.storage.length
+
+    @property
+    def expected(self) -> ExpectedTensor | None:
+        """What a tensor item must hold; None for an object."""
+        if self.tensor is None or self.chunk is None:
+            return None
+        return ExpectedTensor(self.tensor.dtype, tuple(self.chunk.sizes))
 
     @property
     def chunk_nbytes(self) -> int:
@@ -64,12 +73,17 @@ def is_safetensors_tensor(checkpoint: Checkpoint, item: StoredItem) -> bool:
 
 
 @contextlib.contextmanager
-def checked_checkpoint(path: str | os.PathLike, exclusive: bool = False
-                       ) -> Iterator[Checkpoint]:
+def checked_checkpoint(path: str | os.PathLike, exclusive: bool = False,
+                       check_sums: bool = True) -> Iterator[Checkpoint]:
     """open_checked_checkpoint(path), the checkpoint held while the block runs: exclusively to
-    change it, shared to read its data (storage/locks.py)."""
+    change it, shared to read its data (storage/locks.py). With check_sums, when it holds
+    SHA256SUMS, every file it lists is hashed first and must match (a file of a few bytes whose
+    CRC-32 happens to hold is caught, and so are the bytes no CRC covers)."""
     with locked_checkpoint(path, exclusive):
-        yield open_checked_checkpoint(path)
+        checkpoint = open_checked_checkpoint(path)
+        if check_sums:
+            refuse_sha256sums_mismatch(checkpoint)
+        yield checkpoint
 
 
 def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -15,16 +15,17 @@ _idle_compressors: PerThread[dict[tuple[int, bool], list]] = PerThread(dict)
 
 
 class ZstdEncoder:
-    """One zstd frame, coded with a compressor borrowed from this thread's idle ones: making
-    one per item would cost more than coding a small item, under the GIL. An item given whole
-    in one piece is coded in one call, which spares zstd's streaming buffers."""
+    """One zstd frame, carrying zstd's own checksum of its content (what torch or any zstd
+    reader checks as it decodes), coded with a compressor borrowed from this thread's idle
+    ones: making one per item would cost more than coding a small item, under the GIL. An item
+    given whole in one piece is coded in one call, which spares zstd's streaming buffers."""
 
     def __init__(self, level: int, size_bytes: int | None) -> None:
         self._key = (level, size_bytes is not None)
         self._size_bytes = size_bytes
         idle = _idle_compressors.get().setdefault(self._key, [])
         self._compressor = idle.pop() if idle else zstandard.ZstdCompressor(
-            level=level, write_content_size=size_bytes is not None)
+            level=level, write_content_size=size_bytes is not None, write_checksum=True)
         self._stream = None
         self._coded_whole = False
 

@@ -14,6 +14,7 @@ import functools
 import io
 import math
 import pickle
+import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
@@ -108,12 +109,14 @@ def max_tensor_archive_bytes(tensor_nbytes: int) -> int:
 def read_torch_save_layout(read_range: ReadRange, item_length: int) -> TorchSaveLayout:
     """The tensor of a torch.save archive of `item_length` bytes and where it lies. Reads only
     the archive's last and first few KiB (central directory, the two local headers it needs,
-    data.pkl), never the tensor data."""
+    data.pkl, whose CRC-32 it checks), never the tensor data."""
     read_cached = cache_ends(read_range, item_length, _LAYOUT_WINDOW_BYTES)
     directory_offset, entries = read_central_directory(read_cached, item_length)
     pickle_record = locate_record(read_cached, find_pickle_record(entries), directory_offset)
-    tensor = _tensor_of_pickle_record(
-        pickle_record, read_cached(pickle_record.data_offset, pickle_record.size_bytes))
+    pickle_bytes = read_cached(pickle_record.data_offset, pickle_record.size_bytes)
+    if pickle_record.crc32 and zlib.crc32(pickle_bytes) != pickle_record.crc32:
+        raise DataError(f"record {pickle_record.name!r} does not match its CRC-32")
+    tensor = _tensor_of_pickle_record(pickle_record, pickle_bytes)
     storage_entry = next((entry for entry in entries if entry.name == tensor.storage_record),
                          None)
     return _join_storage(tensor, storage_entry and locate_record(read_cached, storage_entry,

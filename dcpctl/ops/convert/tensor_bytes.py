@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Iterator
 import numpy
 
 from dcpctl.errors import DataError
-from dcpctl.format.checkpoint.items import locate_chunk
+from dcpctl.format.checkpoint.locations import locate_chunk
 from dcpctl.format.checkpoint.payloads import PayloadReader
-from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry
+from dcpctl.format.checkpoint.view import Checkpoint, TensorEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.format.metadata.records import ChunkMetadata
 
@@ -36,9 +36,7 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 def read_chunk_bytes(payloads: PayloadReader, checkpoint: Checkpoint, tensor: TensorEntry,
                      chunk: ChunkMetadata) -> bytearray:
     """One stored chunk's raw row-major bytes."""
-    location = locate_chunk(checkpoint, tensor, chunk)
-    raw = checkpoint.files[chunk.storage.relative_path].serialization == SAFETENSORS
-    return payloads.read_chunk(location, raw, tensor.dtype, tuple(chunk.sizes))
+    return payloads.read_chunk(locate_chunk(checkpoint, tensor, chunk))
 
 
 def bytes_of(values: torch.Tensor) -> bytearray | memoryview:

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from dcpctl.errors import UnsupportedLayoutError
-from dcpctl.format.checkpoint.items import locate_object, read_item
+from dcpctl.format.checkpoint.items import read_item
+from dcpctl.format.checkpoint.locations import locate_object
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry

@@ -35,8 +35,7 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
     itemsize = task.dtype.itemsize
     if not task.offsets:
         source = task.sources[0]
-        reader.read_into(reader.source_of(source.location, source.raw_tensor, task.dtype, ()),
-                         0, out)
+        reader.read_into(reader.source_of(source.location), 0, out)
         return
     inner = task.sizes[1:]
     whole_rows = [s for s in task.sources if s.sizes[1:] == inner
@@ -44,7 +43,7 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
     if whole_rows:  # one input chunk holds these rows whole: a single contiguous read
         source = whole_rows[0]
         row_bytes = math.prod(inner) * itemsize
-        payload = reader.source_of(source.location, source.raw_tensor, task.dtype, source.sizes)
+        payload = reader.source_of(source.location)
         reader.read_into(payload, (begin - source.offsets[0]) * row_bytes, out)
         return
     block = numpy.frombuffer(out, dtype=numpy.uint8).reshape((end - begin, *inner, itemsize))
@@ -54,7 +53,7 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
         if first >= last:
             continue
         row_bytes = math.prod(source.sizes[1:]) * itemsize
-        payload = reader.source_of(source.location, source.raw_tensor, task.dtype, source.sizes)
+        payload = reader.source_of(source.location)
         rows = memoryview(numpy.empty((last - first) * row_bytes, dtype=numpy.uint8))
         reader.read_into(payload, (first - source.offsets[0]) * row_bytes, rows)
         region = (slice(first - begin, last - begin),) + tuple(

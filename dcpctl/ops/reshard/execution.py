@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, iter_item_pieces, iter_stored_pieces
+from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_stored_pieces,
+                                            iter_item_pieces, iter_stored_pieces)
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.format.checkpoint.publishing import CheckpointOutput
 from dcpctl.format.checkpoint.structure import checked_checkpoint
@@ -67,16 +68,20 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
     def produce(task: ChunkTask | ObjectTask) -> Iterator[bytes]:
         if isinstance(task, ObjectTask):
             if task.location.codec.descriptors == plan.codec.descriptors:
-                yield from iter_stored_pieces(task.location, piece_bytes)
+                yield from iter_checked_stored_pieces(
+                    task.location, iter_stored_pieces(task.location, piece_bytes))
             else:
                 yield from encoded(iter_item_pieces(task.location, piece_bytes), None, None)
             return
         try:
             yield from encoded(*chunk_archive(task, reader, piece_bytes),
                                PayloadHint(task.dtype.name, task.nbytes))
-        finally:
+        except BaseException:
             for source in task.sources:
-                reader.release(source.location)
+                reader.release(source.location, completed=False)
+            raise
+        for source in task.sources:  # the last user of an input item checks its CRC-32
+            reader.release(source.location)
 
     def produce_run_pieces(run: Run[ChunkTask | ObjectTask]) -> Iterator[bytes]:
         return coalesce(produce_run(run, produce), _COALESCE_BYTES)

@@ -10,9 +10,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcpctl.errors import UnsupportedLayoutError
-from dcpctl.format.checkpoint.items import ItemLocation, locate_chunk, locate_object
+from dcpctl.format.checkpoint.locations import ItemLocation, locate_chunk, locate_object
 from dcpctl.format.checkpoint.sharding import check_world_size, shard_dim0_chunks
-from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, TensorEntry
+from dcpctl.format.checkpoint.view import Checkpoint, TensorEntry
 from dcpctl.format.codecs.registry import Codec, codec_for_descriptors
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import rank_file_name
@@ -31,7 +31,6 @@ class SourceChunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     location: ItemLocation
-    raw_tensor: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +118,7 @@ class _SourceChunks:
         source = self._made.get(index)
         if source is None:
             location = locate_chunk(self._checkpoint, self._tensor, chunk)
-            raw = (self._checkpoint.files[chunk.storage.relative_path].serialization
-                   == SAFETENSORS)
-            source = self._made[index] = SourceChunk(chunk.offsets, chunk.sizes, location, raw)
+            source = self._made[index] = SourceChunk(chunk.offsets, chunk.sizes, location)
         return source
 
 

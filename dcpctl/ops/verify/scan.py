@@ -10,7 +10,7 @@ pieces of at most 4 MiB, so memory is bounded by threads, not by checkpoint size
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import hashlib
 import os
 from collections import defaultdict
@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dcpctl.errors import DcpctlError, UnsafePathError
-from dcpctl.format.checkpoint.items import ItemLocation, decode_stored_pieces
+from dcpctl.errors import DcpctlError, UnsafePathError, UnsupportedLayoutError
+from dcpctl.format.checkpoint.item_check import ItemCheck
+from dcpctl.format.checkpoint.items import iter_decoded_item
+from dcpctl.format.checkpoint.locations import ItemLocation, locate_item
 from dcpctl.format.checkpoint.problems import Problem
-from dcpctl.format.checkpoint.structure import StoredItem
-from dcpctl.format.checkpoint.view import resolve_inside
+from dcpctl.format.checkpoint.structure import StoredItem, is_safetensors_tensor
+from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
-from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
-                                                    spooled_read_range)
 from dcpctl.storage.local import open_for_reading
 
 PIECE_BYTES = 4 << 20
@@ -44,21 +44,24 @@ class ArchiveItem:
 
 @dataclass
 class ScanUnit:
-    """One thread's work: items of one file (sorted by offset), and the file's expected SHA-256
-    when the whole file is to be hashed."""
+    """One thread's work: items of one file (sorted by offset); whether the whole file is
+    hashed, and the SHA-256 it must have (None: none known). The scan fills in `sha256`."""
 
     name: str
     path: Path
+    hashing: bool = False
     expected_sha256: str | None = None
     archive_items: list[ArchiveItem] = field(default_factory=list)
     safetensors_items: list[StoredItem] = field(default_factory=list)
     read_bytes: int = 0
+    sha256: str | None = None
 
 
 def plan_scan(directory: Path, archive_items: list[ArchiveItem],
-              safetensors_items: list[StoredItem], sums: dict[str, str]) -> list[ScanUnit]:
-    """The units that hash every file listed in `sums` and check the given items, largest
-    first. Files that are missing or unsafe to open are left out (reported elsewhere)."""
+              safetensors_items: list[StoredItem], sums: dict[str, str | None]) -> list[ScanUnit]:
+    """The units that hash every file named in `sums` (against the digest given, if any) and
+    check the given items, largest first. Files that are missing or unsafe to open are left
+    out (reported elsewhere)."""
     archives_by_file: dict[str, list[ArchiveItem]] = defaultdict(list)
     for archive in archive_items:
         archives_by_file[archive.item.storage.relative_path].append(archive)
@@ -74,13 +77,41 @@ def plan_scan(directory: Path, archive_items: list[ArchiveItem],
             continue
         archives = sorted(archives_by_file[name], key=lambda archive: archive.location.start)
         if name in sums:
-            units.append(ScanUnit(name, path, sums[name], archives, safetensors_by_file[name],
-                                  size_bytes))
+            units.append(ScanUnit(name, path, True, sums[name], archives,
+                                  safetensors_by_file[name], size_bytes))
             continue
         units += _split_into_units(name, path, archives)
         if safetensors_by_file[name]:
             units.append(ScanUnit(name, path, safetensors_items=safetensors_by_file[name]))
     return sorted(units, key=lambda unit: -unit.read_bytes)
+
+
+def items_to_check(checkpoint: Checkpoint | None, items: list[StoredItem], deep: bool = True
+                   ) -> tuple[list[ArchiveItem], list[StoredItem], list[Problem]]:
+    """For a deep check, the items to read, in two kinds: torch.save items (or raw bytes) that
+    lie whole inside a file that is there, and tensors of SAFETENSORS-serialized files; and
+    the problems of items under transforms dcpctl cannot decode."""
+    archive_items: list[ArchiveItem] = []
+    safetensors_items: list[StoredItem] = []
+    undecodable: list[Problem] = []
+    if not deep or checkpoint is None:
+        return archive_items, safetensors_items, undecodable
+    for item in items:
+        size_bytes = checkpoint.files[item.storage.relative_path].size_bytes
+        if size_bytes is None:
+            continue
+        if is_safetensors_tensor(checkpoint, item):
+            safetensors_items.append(item)
+        elif item.end <= size_bytes:
+            try:
+                location = locate_item(checkpoint, item.fqn, item.storage, item.expected)
+            except UnsupportedLayoutError as error:
+                undecodable.append(Problem(
+                    "unsupported-transform", f"item cannot be decoded: {error.message}",
+                    item.storage.relative_path, item.storage.offset, item.end, (item.fqn,)))
+                continue
+            archive_items.append(ArchiveItem(item, location))
+    return archive_items, safetensors_items, undecodable
 
 
 def _split_into_units(name: str, path: Path, archives: list[ArchiveItem]) -> list[ScanUnit]:
@@ -112,14 +143,14 @@ def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
     problems = []
     try:
         with open_for_reading(unit.path) as stream:
-            cursor = _FileCursor(stream.fileno(), unit.expected_sha256 is not None, advance)
+            cursor = _FileCursor(stream.fileno(), unit.hashing, advance)
             for archive in unit.archive_items:
                 problems += check_archive_item(archive, unit.name, cursor)
             for item in unit.safetensors_items:
                 problems += check_safetensors_item(item, unit.name, unit.path)
-            if unit.expected_sha256 is not None:
-                actual = cursor.hash_to_end()
-                if actual != unit.expected_sha256:
+            if unit.hashing:
+                actual = unit.sha256 = cursor.hash_to_end()
+                if unit.expected_sha256 is not None and actual != unit.expected_sha256:
                     problems.append(Problem(
                         "checksum-mismatch", f"SHA-256 is {actual}, SHA256SUMS says "
                         f"{unit.expected_sha256}", unit.name, 0, cursor.position,
@@ -180,71 +211,19 @@ class _FileCursor:
 
 def check_archive_item(archive: ArchiveItem, file_name: str,
                        cursor: _FileCursor) -> list[Problem]:
-    """Decode one torch.save item and check its records and tensor."""
+    """Decode one torch.save item and check it as every command does (item_check.py)."""
     item, location = archive.item, archive.location
-    where = dict(file=file_name, start=location.start, end=location.end, fqns=(item.fqn,))
-    stream_check = ArchiveStreamCheck()
+    check = ItemCheck(location)
     try:
-        for piece in decode_stored_pieces(location,
-                                          cursor.iter_range(location.start, location.length)):
-            stream_check.update(piece)
+        for piece in iter_decoded_item(location,
+                                       cursor.iter_range(location.start, location.length)):
+            check.feed(piece)
     except DcpctlError as error:
-        return [Problem("decode", f"item does not decode: {error.message}", **where)]
-    if item.tensor is None and not stream_check.starts_like_zip():
-        return []  # raw bytes: nothing more to check
-    try:
-        checked = stream_check.finish(item.tensor is not None,
-                                      lambda: _open_random_access(cursor, location))
-    except DcpctlError as error:
-        return [Problem("archive", f"item is not an intact torch.save archive: "
-                        f"{error.message}", **where)]
-    return _archive_problems(archive, checked, where)
-
-
-@contextlib.contextmanager
-def _open_random_access(cursor: _FileCursor, location: ItemLocation):
-    """Random reads of the decoded item: straight from the file when stored plainly, else
-    decoded once more into a temporary file."""
-    if not location.codec.descriptors:
-        yield lambda start, count: os.pread(cursor.descriptor, count, location.start + start)
-        return
-    decoded = decode_stored_pieces(location, cursor.iter_range(location.start, location.length,
-                                                               again=True))
-    with spooled_read_range(decoded) as read_range:
-        yield read_range
-
-
-def _archive_problems(archive: ArchiveItem, checked: ArchiveCheck,
-                      where: dict) -> list[Problem]:
-    item, location = archive.item, archive.location
-    problems = []
-    decoded = "decoded " if location.codec.descriptors else ""
-    for record, actual_crc in checked.crc_mismatches:
-        place = dict(where)
-        if not location.codec.descriptors:
-            place.update(start=location.start + record.data_offset,
-                         end=location.start + record.data_end)
-        problems.append(Problem(
-            "crc-mismatch", f"record {record.name!r} (bytes {record.data_offset}.."
-            f"{record.data_end} of the {decoded}item) has CRC-32 {actual_crc:08x}, its archive "
-            f"says {record.crc32:08x}", **place))
-    if checked.layout_error is not None:
-        problems.append(Problem("archive", f"tensor item is not a torch.save archive of one "
-                                f"tensor: {checked.layout_error}", **where))
-    layout = checked.layout
-    if layout is None or item.tensor is None:
-        return problems
-    saved, expected_sizes = layout.tensor, tuple(item.chunk.sizes)
-    if saved.dtype != item.tensor.dtype or saved.shape != expected_sizes:
-        problems.append(Problem(
-            "tensor-mismatch", f"item holds a {saved.dtype.name} tensor of shape "
-            f"{list(saved.shape)}; the metadata says {item.tensor.dtype.name} "
-            f"{list(expected_sizes)}", **where))
-    elif layout.storage.size_bytes != item.chunk_nbytes:
-        problems.append(Problem(
-            "stored-length", f"storage record {layout.storage.name!r} holds "
-            f"{layout.storage.size_bytes} bytes; the chunk has {item.chunk_nbytes}", **where))
-    return problems
+        return [Problem("decode", f"item does not decode: {error.message}", file_name,
+                        location.start, location.end, (item.fqn,))]
+    problems = check.problems(lambda: iter_decoded_item(
+        location, cursor.iter_range(location.start, location.length, again=True)))
+    return [dataclasses.replace(problem, file=file_name) for problem in problems]
 
 
 def check_safetensors_item(item: StoredItem, file_name: str, path: Path) -> list[Problem]:

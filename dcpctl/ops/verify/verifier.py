@@ -8,16 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnsafePathError,
-                           UnsupportedLayoutError)
+from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
 from dcpctl.format.checkpoint.checksums import read_sha256sums
-from dcpctl.format.checkpoint.items import locate_item
 from dcpctl.format.checkpoint.problems import Problem
-from dcpctl.format.checkpoint.structure import (StoredItem, check_structure, is_safetensors_tensor,
-                                                list_stored_items)
+from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
-from dcpctl.ops.verify.scan import ArchiveItem, plan_scan, run_scan
+from dcpctl.ops.verify.scan import items_to_check, plan_scan, run_scan
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.locks import locked_checkpoint
 
@@ -83,7 +80,7 @@ def _verify(directory: Path, deep: bool, threads: int | None,
     if checkpoint is not None:
         report.problems += check_structure(checkpoint, items)
     report.problems += _listing_problems(directory, checkpoint, sums, report.problems)
-    archive_items, safetensors_items, undecodable = _items_to_read(checkpoint, items, deep)
+    archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
     units = plan_scan(directory, archive_items, safetensors_items, sums or {})
     report.problems += run_scan(units, threads or default_thread_count(), on_progress)
@@ -93,35 +90,6 @@ def _verify(directory: Path, deep: bool, threads: int | None,
     if report.problems:
         report.status = DAMAGED
     return report
-
-
-def _items_to_read(checkpoint: Checkpoint | None, items: list[StoredItem], deep: bool
-                   ) -> tuple[list[ArchiveItem], list[StoredItem], list[Problem]]:
-    """For a deep check, the items to read, in two kinds: torch.save items (or raw bytes) that
-    lie whole inside a file that is there, and tensors of SAFETENSORS-serialized files; and
-    the problems of items under transforms dcpctl cannot decode."""
-    archive_items: list[ArchiveItem] = []
-    safetensors_items: list[StoredItem] = []
-    undecodable: list[Problem] = []
-    if not deep or checkpoint is None:
-        return archive_items, safetensors_items, undecodable
-    for item in items:
-        size_bytes = checkpoint.files[item.storage.relative_path].size_bytes
-        if size_bytes is None:
-            continue
-        if is_safetensors_tensor(checkpoint, item):
-            safetensors_items.append(item)
-        elif item.end <= size_bytes:
-            try:
-                location = locate_item(checkpoint, item.fqn, item.storage,
-                                       item.chunk_nbytes if item.tensor is not None else None)
-            except UnsupportedLayoutError as error:
-                undecodable.append(Problem(
-                    "unsupported-transform", f"item cannot be decoded: {error.message}",
-                    item.storage.relative_path, item.storage.offset, item.end, (item.fqn,)))
-                continue
-            archive_items.append(ArchiveItem(item, location))
-    return archive_items, safetensors_items, undecodable
 
 
 def _listing_problems(directory: Path, checkpoint: Checkpoint | None, sums: dict[str, str] | None,

@@ -15,7 +15,8 @@ import zstandard
 from conftest import fixture_path
 
 from dcpctl.errors import DataError
-from dcpctl.format.checkpoint.items import ItemLocation, locate_chunk, read_item
+from dcpctl.format.checkpoint.items import read_item
+from dcpctl.format.checkpoint.locations import ExpectedTensor, ItemLocation, locate_chunk
 from dcpctl.format.checkpoint.payloads import PayloadReader
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.codecs.registry import zstd_codec
@@ -24,23 +25,18 @@ from dcpctl.format.torch_save.layout import max_tensor_archive_bytes
 
 
 def first_tensor_item(name: str):
-    """The location of a chunk of more than one element, its dtype and its sizes."""
+    """The location of a chunk of more than one element."""
     checkpoint = open_checkpoint(fixture_path(name))
     tensor = next(t for t in checkpoint.tensors if math.prod(t.chunks[0].sizes) > 1)
-    chunk = tensor.chunks[0]
-    return locate_chunk(checkpoint, tensor, chunk), tensor.dtype, tuple(chunk.sizes)
-
-
-def nbytes_of(dtype, sizes) -> int:
-    return math.prod(sizes) * dtype.itemsize
+    return locate_chunk(checkpoint, tensor, tensor.chunks[0])
 
 
 @pytest.mark.parametrize("name", ["fsdp2_adamw_3ranks", "zstd_fsdp2_2ranks"])
 def test_payload_equals_what_torch_loads(tmp_path, name):
-    location, dtype, sizes = first_tensor_item(name)
-    nbytes = nbytes_of(dtype, sizes)
+    location = first_tensor_item(name)
+    nbytes = location.expected.nbytes
     reader = PayloadReader(tmp_path, {location: 1})
-    source = reader.source_of(location, False, dtype, sizes)
+    source = reader.source_of(location)
     data = bytearray(nbytes)
     reader.read_into(source, 0, memoryview(data))
     loaded = torch.load(io.BytesIO(bytes(read_item(location))), weights_only=True)
@@ -50,10 +46,10 @@ def test_payload_equals_what_torch_loads(tmp_path, name):
 
 
 def test_small_item_under_a_codec_is_decoded_in_memory(tmp_path):
-    location, dtype, sizes = first_tensor_item("zstd_fsdp2_2ranks")
-    nbytes = nbytes_of(dtype, sizes)
+    location = first_tensor_item("zstd_fsdp2_2ranks")
+    nbytes = location.expected.nbytes
     reader = PayloadReader(tmp_path, {location: 1})
-    source = reader.source_of(location, False, dtype, sizes)
+    source = reader.source_of(location)
     assert source.path is None and len(source.data) == nbytes
     assert list(tmp_path.iterdir()) == []
     data = bytearray(nbytes)
@@ -71,22 +67,23 @@ def test_item_that_decodes_to_far_more_than_its_tensor_is_refused(tmp_path, memo
     stored = zstandard.ZstdCompressor().compress(archive.getvalue())
     (tmp_path / "data.distcp").write_bytes(stored)
     location = ItemLocation("view", tmp_path / "data.distcp", 0, len(stored), zstd_codec(),
+                            ExpectedTensor(dtype_by_name("float32"), (4,)),
                             max_decoded_bytes=max_tensor_archive_bytes(16))
     spool = tmp_path / "spool"
     spool.mkdir()
     reader = PayloadReader(spool, {location: 1}, memory_item_bytes)
     with pytest.raises(DataError, match=f"data.distcp: item 'view' at bytes 0..{len(stored)}: "
                                         f"decodes to more than {16 + 65536} bytes"):
-        reader.source_of(location, False, dtype_by_name("float32"), (4,))
+        reader.source_of(location)
     assert list(spool.iterdir()) == []  # no spool file left behind
     reader.close()
 
 
 def test_spool_file_goes_with_the_last_user(tmp_path):
-    location, dtype, sizes = first_tensor_item("zstd_fsdp2_2ranks")
+    location = first_tensor_item("zstd_fsdp2_2ranks")
     reader = PayloadReader(tmp_path, {location: 2}, memory_item_bytes=0)
-    first = reader.source_of(location, False, dtype, sizes)
-    assert reader.source_of(location, False, dtype, sizes) == first  # decoded once
+    first = reader.source_of(location)
+    assert reader.source_of(location) == first  # decoded once
     assert list(tmp_path.iterdir()) == [first.path]
     reader.release(location)
     assert first.path.exists()
@@ -96,27 +93,29 @@ def test_spool_file_goes_with_the_last_user(tmp_path):
 
 
 def test_payload_of_another_dtype_or_shape_than_the_metadata_gives_is_refused(tmp_path):
-    location, dtype, sizes = first_tensor_item("fsdp2_adamw_3ranks")
-    reader = PayloadReader(tmp_path, {location: 3})
+    location = first_tensor_item("fsdp2_adamw_3ranks")
+    dtype, sizes = location.expected.dtype, location.expected.sizes
+    reader = PayloadReader(tmp_path)
     other_shape = (sizes[0] + 1, *sizes[1:])
     with pytest.raises(DataError, match=re.escape(
             f"holds a {dtype.name} tensor of shape {list(sizes)}, the metadata says "
             f"{dtype.name} {list(other_shape)}")):
-        reader.source_of(location, False, dtype, other_shape)
+        reader.source_of(dataclasses.replace(location,
+                                             expected=ExpectedTensor(dtype, other_shape)))
     same_width = dtype_by_name("int32" if dtype.itemsize == 4 else "int16")
     with pytest.raises(DataError, match=f"the metadata says {same_width.name}"):
-        reader.source_of(location, False, same_width, sizes)
+        reader.source_of(dataclasses.replace(location, expected=ExpectedTensor(same_width, sizes)))
     reader.close()
 
 
 def test_payload_cut_short_is_refused_naming_where(tmp_path):
-    location, dtype, sizes = first_tensor_item("fsdp2_adamw_3ranks")
-    nbytes = nbytes_of(dtype, sizes)
+    location = first_tensor_item("fsdp2_adamw_3ranks")
+    nbytes = location.expected.nbytes
     copy = tmp_path / "data.distcp"
     copy.write_bytes(location.path.read_bytes())
     location = dataclasses.replace(location, path=copy)
     reader = PayloadReader(tmp_path / "spool", {location: 1})
-    source = reader.source_of(location, False, dtype, sizes)
+    source = reader.source_of(location)
     cut = source.offset + nbytes // 2
     os.truncate(copy, cut)
     with pytest.raises(DataError, match=f"{copy}: bytes {source.offset}..{source.offset + nbytes}"
@@ -153,8 +152,7 @@ def test_strided_views_read_as_row_major_bytes(tmp_path, memory_item_bytes, comp
     reader = PayloadReader(spool, memory_item_bytes=memory_item_bytes)
     for tensor in checkpoint.tensors:
         chunk = tensor.chunks[0]
-        data = reader.read_chunk(locate_chunk(checkpoint, tensor, chunk), False, tensor.dtype,
-                                 tuple(chunk.sizes))
+        data = reader.read_chunk(locate_chunk(checkpoint, tensor, chunk))
         expected = STRIDED_VIEWS[tensor.fqn].contiguous().view(torch.uint8).numpy().tobytes()
         assert bytes(data) == expected, tensor.fqn
     assert list(spool.iterdir()) == []  # what was laid out went with its one user

@@ -11,8 +11,8 @@ from conftest import FIXTURE_NAMES, fixture_path, item_locations, load_with_torc
 
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
                            MetadataError, UnsafePathError, UnsupportedLayoutError)
-from dcpctl.format.checkpoint.items import (StoredSpan, iter_item_pieces, locate_chunk,
-                                            locate_object, read_item)
+from dcpctl.format.checkpoint.items import StoredSpan, iter_item_pieces, read_item
+from dcpctl.format.checkpoint.locations import locate_chunk, locate_object
 from dcpctl.format.checkpoint.view import SAFETENSORS, open_checkpoint
 from dcpctl.format.codecs.base import PieceStream
 from dcpctl.format.metadata.reading import read_metadata

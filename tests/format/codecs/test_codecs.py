@@ -105,8 +105,10 @@ def test_zstd_encoder_makes_one_frame_whole_or_in_pieces(size_bytes, given_whole
             pieces = ([data] if given_whole else
                       [data[start:start + 7000] for start in range(0, size_bytes, 7000)])
             frame = b"".join([encoder.encode(piece) for piece in pieces] + [encoder.finish()])
-            assert zstandard.get_frame_parameters(frame).content_size == (
+            parameters = zstandard.get_frame_parameters(frame)
+            assert parameters.content_size == (
                 size_bytes if known_size is not None else zstandard.CONTENTSIZE_UNKNOWN)
+            assert parameters.has_checksum  # any zstd reader checks what it decodes
             assert zstandard.ZstdDecompressor().decompressobj().decompress(frame) == data
 
 

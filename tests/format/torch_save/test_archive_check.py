@@ -11,7 +11,8 @@ import torch
 from conftest import FIXTURE_NAMES, fixture_path
 from test_zip_records import reader_of
 
-from dcpctl.format.checkpoint.items import locate_chunk, locate_object, read_item
+from dcpctl.format.checkpoint.items import read_item
+from dcpctl.format.checkpoint.locations import locate_chunk, locate_object
 from dcpctl.format.checkpoint.view import SAFETENSORS, open_checkpoint
 from dcpctl.format.torch_save.archive_check import (ArchiveStreamCheck, check_archive,
                                                     spooled_read_range)

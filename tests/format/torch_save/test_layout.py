@@ -130,12 +130,30 @@ def test_object_archives_are_not_tensors():
         read_torch_save_layout(reader_of(data), len(data))
 
 
+def saved_without_crcs(tensor: torch.Tensor) -> bytes:
+    """torch.save with its CRC-32s turned off (all zero), as it can be asked to."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        return saved(tensor)
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
 def test_storage_record_of_the_wrong_size_is_refused():
-    data = saved(torch.arange(4.0))
+    """The CRC-32 of data.pkl would catch the edit first: the archive carries none here, as
+    torch.save writes it with CRC-32s turned off, so the record sizes are what refuse it."""
+    data = saved_without_crcs(torch.arange(4.0))
     pickle_start = data.index(b"\x80\x02")
     damaged = data.replace(b"K\x04t", b"K\x05t", 1)  # storage numel 4 -> 5 in data.pkl
     assert damaged != data and damaged.index(b"\x80\x02") == pickle_start
     with pytest.raises(DataError, match="holds 16 bytes, but data.pkl says 5 elements"):
+        read_torch_save_layout(reader_of(damaged), len(damaged))
+
+
+def test_a_data_pkl_that_fails_its_crc_is_refused():
+    data = saved(torch.arange(4.0))
+    damaged = data.replace(b"K\x04t", b"K\x05t", 1)
+    with pytest.raises(DataError, match="data.pkl' does not match its CRC-32"):
         read_torch_save_layout(reader_of(damaged), len(damaged))
 
 

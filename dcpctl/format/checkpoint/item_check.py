@@ -1,0 +1,120 @@
+"""Checking an item as its decoded bytes go by, the one check every command makes of what it
+reads: the torch.save archive the bytes form is whole (every record matches its CRC-32), and a
+tensor item holds the dtype and shape of its chunk. A non-tensor item that is not an archive
+(raw bytes) is only decoded.
+
+Memory stays at two windows of the archive (torch_save/archive_check.py); the rare archive
+whose records lie outside them is read again, through `reread`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterable, Iterator
+
+from dcpctl.errors import DataError, DcpctlError
+from dcpctl.format.checkpoint.locations import ItemLocation
+from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
+                                                    spooled_read_range)
+from dcpctl.format.torch_save.zip_records import ReadRange
+from dcpctl.storage.local import open_regular_file
+
+Reread = Callable[[], Iterable[bytes]]
+"""The item's decoded bytes once more, from the start."""
+
+
+class ItemCheck:
+    """Fed an item's decoded bytes in order, finds what is wrong with them (see the module)."""
+
+    def __init__(self, location: ItemLocation) -> None:
+        self.location = location
+        self._archive = ArchiveStreamCheck()
+
+    def feed(self, piece: bytes) -> None:
+        """Take the next decoded piece."""
+        self._archive.update(piece)
+
+    def problems(self, reread: Reread) -> list[Problem]:
+        """What is wrong with the item fed, as problems without a file name (the item's own
+        byte range and fqn)."""
+        location = self.location
+        if location.raw:  # a tensor's bare bytes (SAFETENSORS): only their count to check
+            if self._archive.length_bytes != location.expected.nbytes:
+                return [self._problem("stored-length", f"holds {self._archive.length_bytes} "
+                                      f"bytes; the chunk has {location.expected.nbytes}")]
+            return []
+        if location.expected is None and not self._archive.starts_like_zip():
+            return []  # raw bytes: nothing more to check
+        try:
+            checked = self._archive.finish(location.expected is not None,
+                                           lambda: _random_access(location, reread))
+        except DcpctlError as error:
+            return [self._problem("archive", "item is not an intact torch.save archive: "
+                                             f"{error.message}")]
+        return self._archive_problems(checked)
+
+    def raise_problems(self, reread: Reread) -> None:
+        """Raise the first problem as a DataError naming the file, item and byte range."""
+        problems = self.problems(reread)
+        if problems:
+            first = problems[0]
+            raise DataError(f"{first.rule}: {first.message}", path=self.location.path,
+                            fqn=self.location.fqn, start=first.start, end=first.end)
+
+    def _problem(self, rule: str, message: str, start: int | None = None,
+                 end: int | None = None) -> Problem:
+        location = self.location
+        return Problem(rule, message, None, location.start if start is None else start,
+                       location.end if end is None else end, (location.fqn,))
+
+    def _archive_problems(self, checked: ArchiveCheck) -> list[Problem]:
+        location, expected = self.location, self.location.expected
+        plain = not location.codec.descriptors
+        problems = []
+        for record, actual_crc in checked.crc_mismatches:
+            where = ((location.start + record.data_offset, location.start + record.data_end)
+                     if plain else (None, None))
+            problems.append(self._problem(
+                "crc-mismatch", f"record {record.name!r} (bytes {record.data_offset}.."
+                f"{record.data_end} of the {'' if plain else 'decoded '}item) has CRC-32 "
+                f"{actual_crc:08x}, its archive says {record.crc32:08x}", *where))
+        if checked.layout_error is not None:
+            problems.append(self._problem("archive", "tensor item is not a torch.save archive "
+                                                     f"of one tensor: {checked.layout_error}"))
+        if checked.layout is None or expected is None:
+            return problems
+        saved, storage = checked.layout.tensor, checked.layout.storage
+        if saved.dtype != expected.dtype or saved.shape != expected.sizes:
+            problems.append(self._problem(
+                "tensor-mismatch", f"item holds a {saved.dtype.name} tensor of shape "
+                f"{list(saved.shape)}; the metadata says {expected.dtype.name} "
+                f"{list(expected.sizes)}"))
+        elif storage.size_bytes != expected.nbytes:
+            problems.append(self._problem(
+                "stored-length", f"storage record {storage.name!r} holds {storage.size_bytes} "
+                f"bytes; the chunk has {expected.nbytes}"))
+        return problems
+
+
+@contextlib.contextmanager
+def _random_access(location: ItemLocation, reread: Reread) -> Iterator[ReadRange]:
+    """Random reads of the decoded item: straight from its file when stored plainly, else
+    decoded once more into a temporary file."""
+    if not location.codec.descriptors:
+        with open_item_file(location) as read_at:
+            yield lambda start, count: read_at(location.start + start, count)
+        return
+    with spooled_read_range(reread()) as read_range:
+        yield read_range
+
+
+@contextlib.contextmanager
+def open_item_file(location: ItemLocation) -> Iterator[ReadRange]:
+    """pread on the item's file, open for the block."""
+    descriptor = open_regular_file(location.path)
+    try:
+        yield lambda start, count: os.pread(descriptor, count, start)
+    finally:
+        os.close(descriptor)

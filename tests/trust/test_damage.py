@@ -1,0 +1,143 @@
+"""Damage in what a command reads is never passed on as good data: a flipped bit or a zeroed
+hole in a tensor's payload (stored plain, inside a zstd frame, inside a floatsplit plane), or an
+item that holds another shape than its chunk, stops every command that moves data, naming the
+file and item; nothing is published and the source is left as it was. With SHA256SUMS in the
+source, the mismatch is named before anything is read for the output."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import directory_state, run_dcpctl
+
+from dcpctl.format.checkpoint.locations import locate_chunk
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.torch_save.layout import read_torch_save_layout
+
+COMMANDS = [["compress", "--level", "5"], ["decompress"], ["checksum"],
+            ["compress", "-o", "{out}"], ["compress", "--codec", "floatsplit", "-o", "{out}"],
+            ["reshard", "--ranks", "3", "-o", "{out}"],
+            ["convert", "--to", "safetensors", "-o", "{out}"],
+            ["convert", "--to", "torch", "-o", "{out}.pt"]]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Plain, zstd and floatsplit copies of a checkpoint of a few 64 KiB bfloat16 tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("saved")
+    torch.manual_seed(5)
+    state = {f"layer{index}.weight": torch.randn(256, 128).to(torch.bfloat16)
+             for index in range(3)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(root / "plain"), no_dist=True)
+    for codec in ("zstd", "floatsplit"):
+        result = run_dcpctl("compress", root / "plain", "--codec", codec, "-o", root / codec)
+        assert result.returncode == 0, result.stderr
+    return root
+
+
+def _payload_range(checkpoint, fqn: str) -> tuple[str, int, int]:
+    """(file, start, end) of the stored bytes of fqn's item: its tensor data when plain."""
+    opened = open_checkpoint(checkpoint)
+    tensor = next(tensor for tensor in opened.tensors if tensor.fqn == fqn)
+    location = locate_chunk(opened, tensor, tensor.chunks[0])
+    if location.codec.descriptors:
+        return location.path.name, location.start, location.end
+    with open(location.path, "rb") as stream:
+        def read_range(start, count):
+            stream.seek(location.start + start)
+            return stream.read(count)
+        layout = read_torch_save_layout(read_range, location.length)
+    start = location.start + layout.payload_offset
+    return location.path.name, start, start + layout.tensor.nbytes
+
+
+def _flip_a_bit(path, offset: int) -> None:
+    with open(path, "r+b") as stream:
+        stream.seek(offset)
+        byte = stream.read(1)[0]
+        stream.seek(offset)
+        stream.write(bytes([byte ^ 0x10]))
+
+
+def _zero_a_hole(path, offset: int, length: int = 4096) -> None:
+    with open(path, "r+b") as stream:
+        stream.seek(offset)
+        stream.write(bytes(length))
+
+
+def _damaged_copy(saved, tmp_path, codec: str, damage: str):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(saved / codec, checkpoint)
+    # without SHA256SUMS: the checks of each item as it is read must find the damage
+    (checkpoint / "SHA256SUMS").unlink(missing_ok=True)
+    name, start, end = _payload_range(checkpoint, "layer1.weight")
+    middle = (start + end) // 2
+    if damage == "a flipped bit":
+        _flip_a_bit(checkpoint / name, middle)
+    else:
+        _zero_a_hole(checkpoint / name, middle - 2048, min(4096, end - start - 64))
+    return checkpoint
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda command: " ".join(command[:3]))
+@pytest.mark.parametrize("codec", ["plain", "zstd", "floatsplit"])
+@pytest.mark.parametrize("damage", ["a flipped bit", "a zeroed hole"])
+def test_damage_stops_the_command_and_nothing_is_published(saved, tmp_path, command, codec,
+                                                           damage):
+    checkpoint = _damaged_copy(saved, tmp_path, codec, damage)
+    before = directory_state(checkpoint)
+    args = [part.format(out=tmp_path / "out") for part in command]
+    result = run_dcpctl(args[0], checkpoint, *args[1:])
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stderr.startswith(f"Error: {checkpoint}/") and len(
+        result.stderr.splitlines()) == 1, result.stderr
+    assert "'layer1.weight'" in result.stderr, result.stderr
+    assert directory_state(checkpoint) == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda command: " ".join(command[:3]))
+def test_a_file_that_no_longer_matches_sha256sums_is_named_first(saved, tmp_path, command):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(saved / "plain", checkpoint)
+    assert run_dcpctl("checksum", checkpoint).returncode == 0
+    name, start, end = _payload_range(checkpoint, "layer1.weight")
+    _flip_a_bit(checkpoint / name, (start + end) // 2)
+    before = directory_state(checkpoint)
+    args = [part.format(out=tmp_path / "out") for part in command]
+    result = run_dcpctl(args[0], checkpoint, *args[1:])
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"Error: {checkpoint}/{name}: ")
+    assert "checksum-mismatch: SHA-256 is" in result.stderr
+    assert directory_state(checkpoint) == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_an_item_holding_another_shape_than_its_chunk_is_refused(run_cli, tmp_path):
+    """A 10 x 6 tensor saved whole, its metadata claiming 6 x 10: as many bytes, so only
+    reading the item shows it."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from conftest import torch_metadata
+
+    checkpoint = tmp_path / "ckpt"
+    dcp.save({"weight": torch.arange(60.0).reshape(10, 6)},
+             storage_writer=dcp.FileSystemWriter(checkpoint), no_dist=True)
+    metadata = torch_metadata(checkpoint)
+    entry = metadata.state_dict_metadata["weight"]
+    entry.size = torch.Size([6, 10])
+    entry.chunks[0].sizes = torch.Size([6, 10])
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    before = directory_state(checkpoint)
+    for command in COMMANDS:
+        args = [part.format(out=tmp_path / "out") for part in command]
+        result = run_cli(args[0], checkpoint, *args[1:])
+        assert result.exit_code == 1, (command, result.output)
+        assert "float32 tensor of shape [10, 6]" in result.output, (command, result.output)
+        assert directory_state(checkpoint) == before
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
