@@ -16,6 +16,7 @@ from dcpctl.format.checkpoint.locations import locate_chunk
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.torch_save.layout import read_torch_save_layout
 
+pytestmark = pytest.mark.slow  # a process per case
 COMMANDS = [["compress", "--level", "5"], ["decompress"], ["checksum"],
             ["compress", "-o", "{out}"], ["compress", "--codec", "floatsplit", "-o", "{out}"],
             ["reshard", "--ranks", "3", "-o", "{out}"],

@@ -108,7 +108,7 @@ class ArchiveStreamCheck:
             return
         self.length_bytes += len(piece)
         if self._head_bytes < self._window_bytes:
-            kept = piece[:self._window_bytes - self._head_bytes]
+            kept = memoryview(piece)[:self._window_bytes - self._head_bytes]  # no copy
             self._head.append(kept)
             self._head_bytes += len(kept)
         self._tail.append(piece)
@@ -121,11 +121,13 @@ class ArchiveStreamCheck:
 
     def starts_like_zip(self) -> bool:
         """Whether what was fed so far begins with a zip local header."""
-        return b"".join(self._head)[:len(LOCAL_SIGNATURE)] == LOCAL_SIGNATURE
+        return bytes(_joined(self._head)[:len(LOCAL_SIGNATURE)]) == LOCAL_SIGNATURE
 
     def finish(self, expect_tensor: bool, open_random_access: RandomAccessOpener) -> ArchiveCheck:
         """Check what was fed: records, the tensor when expected, every CRC-32."""
-        head, tail = b"".join(self._head), b"".join(self._tail)
+        head = _joined(self._head)
+        # an archive the head holds whole (most items) needs no tail of its own
+        tail = head if self._head_bytes == self.length_bytes else _joined(self._tail)
         read_window = self._window_reader(head, tail)
         try:
             records = tuple(read_zip_records(read_window, self.length_bytes))
@@ -135,17 +137,17 @@ class ArchiveStreamCheck:
             with open_random_access() as read_range:
                 return check_archive(read_range, self.length_bytes, expect_tensor)
 
-    def _window_reader(self, head: bytes, tail: bytes) -> ReadRange:
+    def _window_reader(self, head: memoryview, tail: memoryview) -> ReadRange:
         def read_window(start: int, count: int) -> bytes:
             if start + count <= len(head):
-                return head[start:start + count]
+                return bytes(head[start:start + count])
             if self._tail_start <= start and start + count <= self.length_bytes:
-                return tail[start - self._tail_start:start - self._tail_start + count]
+                return bytes(tail[start - self._tail_start:start - self._tail_start + count])
             raise _OutsideWindows
 
         return read_window
 
-    def _record_crc(self, record: ZipRecord, head: bytes, tail: bytes) -> int:
+    def _record_crc(self, record: ZipRecord, head: memoryview, tail: memoryview) -> int:
         start, end, tail_start = record.data_offset, record.data_end, self._tail_start
         if end <= len(head):
             return zlib.crc32(head[start:end])
@@ -156,6 +158,13 @@ class ArchiveStreamCheck:
         crc_before = zlib.crc32(head[:start])
         crc_through = zlib.crc32(tail[:end - tail_start], self._crc_before_tail)
         return crc32_of_span(crc_before, crc_through, end - start)
+
+
+def _joined(parts) -> memoryview:
+    """The parts as one buffer: the one part itself when there is one, uncopied."""
+    if len(parts) == 1:
+        return memoryview(parts[0]).cast("B")
+    return memoryview(b"".join(parts))
 
 
 @contextlib.contextmanager
