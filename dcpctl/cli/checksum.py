@@ -19,7 +19,9 @@ def checksum_command(checkpoint: str, as_json: bool, threads: int | None) -> Non
 
     The file is in the coreutils format, so `cd CHECKPOINT && sha256sum -c SHA256SUMS`
     checks the checkpoint with no dcpctl installed, and `dcpctl verify` checks it too. Files
-    are hashed in parallel. A checkpoint with missing or truncated data files is refused.
+    are hashed in parallel, and every item is checked as `dcpctl verify` checks it: a
+    damaged checkpoint, or one whose SHA256SUMS already disagrees, is refused and nothing is
+    written (remove SHA256SUMS first to certify files changed on purpose).
 
     \b
     Examples:

@@ -49,8 +49,9 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
     fails with "Unknown extension". `compress --codec zstd` or `decompress` makes it loadable
     by stock torch again. Without -o the checkpoint is rewritten in place, atomically: new
     files are written beside the old ones, `.metadata` switches to them with a rename, the old
-    files go last; a run killed at any moment leaves a checkpoint that loads. SHA256SUMS is
-    written for the result.
+    files go last; a run killed at any moment leaves a checkpoint that loads. Every item is
+    checked as it is read (see `dcpctl verify`): damage stops the run, naming the file and
+    item, and nothing is published. SHA256SUMS is written for the result.
 
     \b
     Examples:

@@ -78,9 +78,12 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
 
     DURATION is a whole number and a unit: s, m, h, d or w (30m, 12h, 7d, 2w).
 
-    A real run holds a lock, RUN_DIR/.dcpctl-prune.lock (left in place; the lock dies with
-    its process). A second prune of the same RUN_DIR does not wait: it fails at once with
-    exit status 1 and changes nothing. --dry-run takes no lock and prints the same plan.
+    A real run locks RUN_DIR itself (flock; no file is created, and the lock dies with its
+    process). A second prune of the same RUN_DIR does not wait: it fails at once with exit
+    status 1 and changes nothing. A checkpoint another dcpctl command is using is not
+    deleted. Deletions go through directory handles opened once, so a checkpoint swapped
+    for a symlink mid-run deletes nothing outside RUN_DIR. --dry-run takes no lock and
+    prints the same plan.
 
     Exit status: 0 done (or nothing to delete); 1 when another prune holds the lock, RUN_DIR
     cannot be read, or some deletions failed (the others are still done, and the report

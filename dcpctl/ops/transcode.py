@@ -246,7 +246,6 @@ def _same_directory(first: Path, second: Path) -> bool:
     return second.exists() and os.path.samefile(first, second)
 
 
-
 def compress_checkpoint(path: str | os.PathLike, codec_name: str = ZSTD,
                         level: int | None = None, output_path: str | None = None,
                         **options) -> TranscodeReport:

@@ -120,7 +120,7 @@ def _corrupt_first_zstd_item(checkpoint):
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_corrupt_item_fails_naming_it_and_leaves_the_source_untouched(copy_fixture, tmp_path,
-                                                                     in_place):
+                                                                      in_place):
     checkpoint = copy_fixture("zstd_fsdp2_2ranks")
     fqn, file_name = _corrupt_first_zstd_item(checkpoint)
     before = directory_state(checkpoint)

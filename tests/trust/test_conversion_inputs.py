@@ -34,7 +34,7 @@ def _with_planner_data(checkpoint, edit) -> None:
     ({"history": ["config", 0]}, "both a dict and a list"),
 ])
 def test_key_paths_that_cannot_all_hold_their_values_are_refused(run_cli, tmp_path, checkpoint,
-                                                                  paths, words):
+                                                                 paths, words):
     """objects_2ranks nests `step`, `config.lr`, `config.nested.depth`, `history`...: key
     paths are made to clash. Without the check, torch's way keeps one and drops the other."""
     _with_planner_data(checkpoint, lambda metadata: metadata.planner_data.update(paths))
@@ -51,7 +51,7 @@ def test_planner_data_that_is_not_a_mapping_is_refused(run_cli, tmp_path, checkp
 
 
 def test_an_object_that_decodes_to_gigabytes_is_refused_in_bounded_memory(run_cli, tmp_path,
-                                                                         checkpoint):
+                                                                          checkpoint):
     bomb = zstandard.ZstdCompressor().compress(bytes(1 << 30))
     metadata = torch_metadata(checkpoint)
     key = next(key for key in metadata.storage_data if key.offset is None)

@@ -17,6 +17,7 @@ def entries(path):
     """Every path under path with its size (directory times change as entries come and go)."""
     return {name: size for name, (size, _) in tree_listing(path).items()}
 
+
 SOURCE = "fsdp2_adamw_3ranks"
 
 

@@ -33,7 +33,7 @@ def _renamed_file(checkpoint, old: str, new: str) -> None:
 @pytest.mark.parametrize("command", [["checksum"], ["compress"], ["decompress"], ["inspect"],
                                      ["reshard", "--ranks", "2", "-o", "{out}"]])
 def test_a_data_file_named_like_the_checkpoints_own_files_is_refused(run_cli, tmp_path, name,
-                                                                    rule, command):
+                                                                     rule, command):
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(fixture_path(SOURCE), checkpoint)
     _renamed_file(checkpoint, "__0_0.distcp", name)

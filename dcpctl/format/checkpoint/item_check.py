@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator
 
 from dcpctl.errors import DataError, DcpctlError
 from dcpctl.format.checkpoint.locations import ItemLocation
-from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     spooled_read_range)
 from dcpctl.format.torch_save.zip_records import ReadRange
@@ -42,7 +42,7 @@ class ItemCheck:
         location = self.location
         if location.raw:  # a tensor's bare bytes (SAFETENSORS): only their count to check
             if self._archive.length_bytes != location.expected.nbytes:
-                return [self._problem("stored-length", f"holds {self._archive.length_bytes} "
+                return [self._problem(Rule.STORED_LENGTH, f"holds {self._archive.length_bytes} "
                                       f"bytes; the chunk has {location.expected.nbytes}")]
             return []
         if location.expected is None and not self._archive.starts_like_zip():
@@ -51,8 +51,8 @@ class ItemCheck:
             checked = self._archive.finish(location.expected is not None,
                                            lambda: _random_access(location, reread))
         except DcpctlError as error:
-            return [self._problem("archive", "item is not an intact torch.save archive: "
-                                             f"{error.message}")]
+            return [self._problem(Rule.ARCHIVE, "item is not an intact torch.save archive: "
+                                  f"{error.message}")]
         return self._archive_problems(checked)
 
     def raise_problems(self, reread: Reread) -> None:
@@ -77,23 +77,23 @@ class ItemCheck:
             where = ((location.start + record.data_offset, location.start + record.data_end)
                      if plain else (None, None))
             problems.append(self._problem(
-                "crc-mismatch", f"record {record.name!r} (bytes {record.data_offset}.."
+                Rule.CRC_MISMATCH, f"record {record.name!r} (bytes {record.data_offset}.."
                 f"{record.data_end} of the {'' if plain else 'decoded '}item) has CRC-32 "
                 f"{actual_crc:08x}, its archive says {record.crc32:08x}", *where))
         if checked.layout_error is not None:
-            problems.append(self._problem("archive", "tensor item is not a torch.save archive "
-                                                     f"of one tensor: {checked.layout_error}"))
+            problems.append(self._problem(Rule.ARCHIVE, "tensor item is not a torch.save "
+                                          f"archive of one tensor: {checked.layout_error}"))
         if checked.layout is None or expected is None:
             return problems
         saved, storage = checked.layout.tensor, checked.layout.storage
         if saved.dtype != expected.dtype or saved.shape != expected.sizes:
             problems.append(self._problem(
-                "tensor-mismatch", f"item holds a {saved.dtype.name} tensor of shape "
+                Rule.TENSOR_MISMATCH, f"item holds a {saved.dtype.name} tensor of shape "
                 f"{list(saved.shape)}; the metadata says {expected.dtype.name} "
                 f"{list(expected.sizes)}"))
         elif storage.size_bytes != expected.nbytes:
             problems.append(self._problem(
-                "stored-length", f"storage record {storage.name!r} holds {storage.size_bytes} "
+                Rule.STORED_LENGTH, f"storage record {storage.name!r} holds {storage.size_bytes} "
                 f"bytes; the chunk has {expected.nbytes}"))
         return problems
 

@@ -6,7 +6,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MISSING_FILE, NOT_REGULAR_FILE, TRUNCATED = "missing-file", "not-regular-file", "truncated"
+
+class Rule:
+    """The rules a checkpoint can break, named as `verify` reports them (the README lists them)."""
+
+    INCOMPLETE = "incomplete"
+    METADATA = "metadata"
+    CHECKSUMS_FILE = "checksums-file"
+    MISSING_FILE = "missing-file"
+    NOT_REGULAR_FILE = "not-regular-file"
+    TRUNCATED = "truncated"
+    ITEM_OVERLAP = "item-overlap"
+    NO_STORAGE = "no-storage"
+    ORPHAN_STORAGE = "orphan-storage"
+    CHUNK_OVERLAP = "chunk-overlap"
+    CHUNK_GAP = "chunk-gap"
+    STORED_LENGTH = "stored-length"
+    UNKNOWN_FILE = "unknown-file"
+    NOT_CHECKSUMMED = "not-checksummed"
+    CHECKSUM_MISMATCH = "checksum-mismatch"
+    UNSUPPORTED_TRANSFORM = "unsupported-transform"
+    DECODE = "decode"
+    ARCHIVE = "archive"
+    CRC_MISMATCH = "crc-mismatch"
+    TENSOR_MISMATCH = "tensor-mismatch"
+    SAFETENSORS_HEADER = "safetensors-header"
+    READ_ERROR = "read-error"
+
+
+ALL_RULES = tuple(value for name, value in vars(Rule).items() if name.isupper())
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Iterator
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.checksums import refuse_sha256sums_mismatch
 from dcpctl.format.checkpoint.locations import ExpectedTensor
-from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry, find_file_problems,
                                            open_checkpoint)
 from dcpctl.format.codecs.base import max_decoded_bytes
@@ -130,7 +130,7 @@ def _overlapping_items(checkpoint: Checkpoint, items: list[StoredItem]) -> list[
         for item in file_items[1:]:
             if item.storage.offset < furthest.end:
                 problems.append(Problem(
-                    "item-overlap", f"items share bytes {item.storage.offset}.."
+                    Rule.ITEM_OVERLAP, f"items share bytes {item.storage.offset}.."
                     f"{min(item.end, furthest.end)}", name, item.storage.offset,
                     min(item.end, furthest.end), (furthest.fqn, item.fqn)))
             if item.end > furthest.end:
@@ -145,17 +145,17 @@ def _storage_link_problems(checkpoint: Checkpoint) -> list[Problem]:
         for chunk in tensor.chunks:
             expected_keys.add((tensor.fqn, chunk.offsets))
             if chunk.storage is None:
-                problems.append(Problem("no-storage", f"chunk at offsets {list(chunk.offsets)} "
+                problems.append(Problem(Rule.NO_STORAGE, f"chunk at offsets {list(chunk.offsets)} "
                                         "has no storage_data entry", fqns=(tensor.fqn,)))
     for entry in checkpoint.objects:
         expected_keys.add((entry.fqn, None))
         if entry.storage is None:
-            problems.append(Problem("no-storage", "object has no storage_data entry",
+            problems.append(Problem(Rule.NO_STORAGE, "object has no storage_data entry",
                                     fqns=(entry.fqn,)))
     for key, info in (checkpoint.metadata.storage_data or {}).items():
         if (key.fqn, key.offset) not in expected_keys:
             problems.append(Problem(
-                "orphan-storage", f"storage_data entry at offsets {key.offset} matches no chunk "
+                Rule.ORPHAN_STORAGE, f"storage_data entry at offsets {key.offset} matches no chunk "
                 "of the entry", info.relative_path, info.offset, info.offset + info.length,
                 (key.fqn,)))
     return problems
@@ -167,13 +167,13 @@ def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
     overlap = find_overlapping_boxes(boxes)
     if overlap is not None:
         (offsets_a, sizes_a), (offsets_b, sizes_b) = overlap
-        return [Problem("chunk-overlap", f"chunks at offsets {list(offsets_a)} (sizes "
+        return [Problem(Rule.CHUNK_OVERLAP, f"chunks at offsets {list(offsets_a)} (sizes "
                         f"{list(sizes_a)}) and {list(offsets_b)} (sizes {list(sizes_b)}) overlap",
                         fqns=(tensor.fqn,))]
     covered = sum(math.prod(sizes) for _, sizes in boxes)
     volume = math.prod(tensor.shape)
     if covered != volume:
-        return [Problem("chunk-gap", f"chunks hold {covered} of the {volume} elements of shape "
+        return [Problem(Rule.CHUNK_GAP, f"chunks hold {covered} of the {volume} elements of shape "
                         f"{list(tensor.shape)}", fqns=(tensor.fqn,))]
     return []
 
@@ -219,7 +219,7 @@ def _stored_length_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> 
             wrong = item.storage.length < nbytes
         if wrong:
             problems.append(Problem(
-                "stored-length", f"item of {item.storage.length} bytes cannot hold a "
+                Rule.STORED_LENGTH, f"item of {item.storage.length} bytes cannot hold a "
                 f"{item.tensor.dtype.name} chunk of sizes {list(item.chunk.sizes)} "
                 f"({nbytes} bytes)", item.storage.relative_path, item.storage.offset, item.end,
                 (item.fqn,)))

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
                            UnsafePathError, UnsupportedLayoutError)
-from dcpctl.format.checkpoint.problems import MISSING_FILE, NOT_REGULAR_FILE, TRUNCATED, Problem
+from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
@@ -213,18 +213,18 @@ def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:
     problems = []
     for name, data_file in sorted(checkpoint.files.items()):
         if data_file.size_bytes is None:
-            problems.append(Problem(MISSING_FILE, f"missing data file, named by "
+            problems.append(Problem(Rule.MISSING_FILE, f"missing data file, named by "
                                     f"{data_file.item_count} items", name,
                                     fqns=_distinct(_fqns_in(checkpoint, name))))
         elif not data_file.regular:
-            problems.append(Problem(NOT_REGULAR_FILE, "not a regular file (a FIFO, a device or "
-                                    "a directory) where a data file should be", name,
+            problems.append(Problem(Rule.NOT_REGULAR_FILE, "not a regular file (a FIFO, a device "
+                                    "or a directory) where a data file should be", name,
                                     fqns=_distinct(_fqns_in(checkpoint, name))))
         elif data_file.end_bytes > data_file.size_bytes:
             past_end = _fqns_in(checkpoint, name, past=data_file.size_bytes)
-            problems.append(Problem(TRUNCATED, f"truncated: the file is {data_file.size_bytes} "
-                                    f"bytes, but {len(past_end)} items end past it, the last "
-                                    f"(item {data_file.last_fqn!r}) at byte "
+            problems.append(Problem(Rule.TRUNCATED, f"truncated: the file is "
+                                    f"{data_file.size_bytes} bytes, but {len(past_end)} items end "
+                                    f"past it, the last (item {data_file.last_fqn!r}) at byte "
                                     f"{data_file.end_bytes}", name, data_file.size_bytes,
                                     data_file.end_bytes, _distinct(past_end)))
     return problems

@@ -32,7 +32,7 @@ _LAYOUT_WINDOW_BYTES = 4096
 
 RecordT = TypeVar("RecordT")
 _DTYPES_BY_LEGACY_STORAGE = {storage: DTYPES_BY_NAME[name]
-                              for name, storage in LEGACY_STORAGE_TYPES.items()}
+                             for name, storage in LEGACY_STORAGE_TYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def _read_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> 
 
 
 def chunk_archive(task: ChunkTask, reader: PayloadReader, piece_bytes: int
-                   ) -> tuple[Iterator[bytes], int | None]:
+                  ) -> tuple[Iterator[bytes], int | None]:
     """The output chunk's torch.save archive as pieces, and its size when known: a chunk of up
     to piece_bytes comes whole in one buffer, its rows read straight into place."""
     if task.nbytes <= piece_bytes:
@@ -83,5 +83,3 @@ def chunk_archive(task: ChunkTask, reader: PayloadReader, piece_bytes: int
         return iter([archive]), len(archive)
     rows = (_read_rows(task, begin, end, reader) for begin, end in _row_blocks(task, piece_bytes))
     return iter_torch_save_archive(task.dtype, task.sizes, rows), None
-
-

@@ -143,5 +143,3 @@ def group_tasks_into_runs(tasks: list[ChunkTask | ObjectTask], max_bytes: int,
             window, gathered = [], 0
     ordered += sorted(window, key=lambda task: task.output_file)
     return group_into_runs(ordered, lambda task: task.output_file, task_bytes, max_bytes)
-
-

@@ -23,7 +23,7 @@ from dcpctl.errors import DcpctlError, UnsafePathError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.item_check import ItemCheck
 from dcpctl.format.checkpoint.items import iter_decoded_item
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_item
-from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.structure import StoredItem, is_safetensors_tensor
 from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
@@ -107,7 +107,7 @@ def items_to_check(checkpoint: Checkpoint | None, items: list[StoredItem], deep:
                 location = locate_item(checkpoint, item.fqn, item.storage, item.expected)
             except UnsupportedLayoutError as error:
                 undecodable.append(Problem(
-                    "unsupported-transform", f"item cannot be decoded: {error.message}",
+                    Rule.UNSUPPORTED_TRANSFORM, f"item cannot be decoded: {error.message}",
                     item.storage.relative_path, item.storage.offset, item.end, (item.fqn,)))
                 continue
             archive_items.append(ArchiveItem(item, location))
@@ -152,11 +152,11 @@ def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
                 actual = unit.sha256 = cursor.hash_to_end()
                 if unit.expected_sha256 is not None and actual != unit.expected_sha256:
                     problems.append(Problem(
-                        "checksum-mismatch", f"SHA-256 is {actual}, SHA256SUMS says "
+                        Rule.CHECKSUM_MISMATCH, f"SHA-256 is {actual}, SHA256SUMS says "
                         f"{unit.expected_sha256}", unit.name, 0, cursor.position,
                         tuple(dict.fromkeys(archive.item.fqn for archive in unit.archive_items))))
     except OSError as error:
-        problems.append(Problem("read-error", f"cannot read: {error.strerror or error}",
+        problems.append(Problem(Rule.READ_ERROR, f"cannot read: {error.strerror or error}",
                                 unit.name))
     return problems
 
@@ -219,7 +219,7 @@ def check_archive_item(archive: ArchiveItem, file_name: str,
                                        cursor.iter_range(location.start, location.length)):
             check.feed(piece)
     except DcpctlError as error:
-        return [Problem("decode", f"item does not decode: {error.message}", file_name,
+        return [Problem(Rule.DECODE, f"item does not decode: {error.message}", file_name,
                         location.start, location.end, (item.fqn,))]
     problems = check.problems(lambda: iter_decoded_item(
         location, cursor.iter_range(location.start, location.length, again=True)))
@@ -235,17 +235,17 @@ def check_safetensors_item(item: StoredItem, file_name: str, path: Path) -> list
         begin, end = entry["data_offsets"]
         dtype_code, shape = entry["dtype"], tuple(entry["shape"])
     except DcpctlError as error:
-        return [Problem("safetensors-header", error.message, **where)]
+        return [Problem(Rule.SAFETENSORS_HEADER, error.message, **where)]
     except (TypeError, KeyError, ValueError):
-        return [Problem("safetensors-header", "the safetensors header has no valid entry for "
+        return [Problem(Rule.SAFETENSORS_HEADER, "the safetensors header has no valid entry for "
                         "this fqn", **where)]
     expected_sizes = tuple(item.chunk.sizes)
     if dtype_code != item.tensor.dtype.safetensors_code or shape != expected_sizes:
-        return [Problem("tensor-mismatch", f"header gives {dtype_code} {list(shape)}; the "
+        return [Problem(Rule.TENSOR_MISMATCH, f"header gives {dtype_code} {list(shape)}; the "
                         f"metadata says {item.tensor.dtype.name} {list(expected_sizes)}", **where)]
     file_bytes = path.stat().st_size
     if end - begin != item.chunk_nbytes or data_start + end > file_bytes:
-        return [Problem("stored-length", f"header places the tensor at bytes "
+        return [Problem(Rule.STORED_LENGTH, f"header places the tensor at bytes "
                         f"{data_start + begin}..{data_start + end} for a chunk of "
                         f"{item.chunk_nbytes} bytes in a file of {file_bytes}", **where)]
     return []

@@ -10,7 +10,7 @@ from typing import Callable
 
 from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
 from dcpctl.format.checkpoint.checksums import read_sha256sums
-from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
@@ -65,16 +65,16 @@ def _verify(directory: Path, deep: bool, threads: int | None,
         checkpoint = open_checkpoint(directory, check_files=False)
     except IncompleteCheckpointError as error:
         report.status = INCOMPLETE
-        report.problems.append(Problem("incomplete", error.message))
+        report.problems.append(Problem(Rule.INCOMPLETE, error.message))
         return report
     except (MetadataError, UnsafePathError) as error:
         checkpoint = None
-        report.problems.append(Problem("metadata", error.message, METADATA_FILE_NAME))
+        report.problems.append(Problem(Rule.METADATA, error.message, METADATA_FILE_NAME))
     try:
         sums = read_sha256sums(directory)
     except DataError as error:
         sums = None
-        report.problems.append(Problem("checksums-file", error.message, SHA256SUMS_FILE_NAME))
+        report.problems.append(Problem(Rule.CHECKSUMS_FILE, error.message, SHA256SUMS_FILE_NAME))
     report.checksummed_files = None if sums is None else len(sums)
     items = list_stored_items(checkpoint) if checkpoint is not None else []
     if checkpoint is not None:
@@ -101,19 +101,19 @@ def _listing_problems(directory: Path, checkpoint: Checkpoint | None, sums: dict
     problems = []
     if checkpoint is not None:
         for name in sorted(present - known - {SHA256SUMS_FILE_NAME}):
-            problems.append(Problem("unknown-file", "file is not named by the metadata", name))
+            problems.append(Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name))
     if sums is None:
         return problems
-    reported_missing = {p.file for p in problems_so_far if p.rule == "missing-file"}
+    reported_missing = {p.file for p in problems_so_far if p.rule == Rule.MISSING_FILE}
     for name in sorted(sums):
         try:
             exists = resolve_inside(directory, name).exists()
         except UnsafePathError:
-            problems.append(Problem("checksums-file", f"names {name!r}, a path outside the "
+            problems.append(Problem(Rule.CHECKSUMS_FILE, f"names {name!r}, a path outside the "
                                     "checkpoint directory", SHA256SUMS_FILE_NAME))
             continue
         if not exists and name not in reported_missing:
-            problems.append(Problem("missing-file", "listed in SHA256SUMS but absent", name))
+            problems.append(Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name))
     for name in sorted(known & present - set(sums)):
-        problems.append(Problem("not-checksummed", "file is not listed in SHA256SUMS", name))
+        problems.append(Problem(Rule.NOT_CHECKSUMMED, "file is not listed in SHA256SUMS", name))
     return problems

@@ -38,7 +38,7 @@ def assert_agrees_with_zipfile(data: bytes, records: list[ZipRecord]) -> None:
     """records are every record of the archive, as zipfile lists them."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         assert [record.name for record in records] == [info.filename for info in
-                                                        archive.infolist()]
+                                                       archive.infolist()]
     for record in records:
         assert_record_agrees_with_zipfile(data, record)
 

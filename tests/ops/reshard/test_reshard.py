@@ -157,4 +157,3 @@ def test_runs_group_each_windows_tasks_by_rank_file_in_plan_order():
     for rank in range(3):  # each file gets its tasks in plan order: the same bytes as before
         assert [task for run in runs if run.lane == rank_file_name(rank) for task in run.tasks
                 ] == [task for task in tasks if task.output_file == rank_file_name(rank)]
-

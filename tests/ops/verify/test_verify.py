@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
-from conftest import FIXTURE_NAMES, fixture_path, torch_metadata
+from conftest import FIXTURE_NAMES, REPO_ROOT, fixture_path, torch_metadata
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from dcpctl.format.checkpoint.problems import ALL_RULES
 from dcpctl.format.checkpoint.structure import find_overlapping_boxes
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.torch_save.layout import read_torch_save_layout
@@ -354,3 +356,9 @@ def test_metadata_edits_each_break_a_named_rule(edit, expected_rules, copy_fixtu
     report = verify_checkpoint(checkpoint)
     assert rules(report) == expected_rules, report.problems
     assert all(problem.fqns for problem in report.problems)
+
+
+def test_the_readme_lists_every_rule_verify_reports():
+    readme = (REPO_ROOT / "README.md").read_text()
+    listing = readme[readme.index("The rules:"):].split("\n\n", 1)[0]
+    assert re.findall(r"`([a-z-]+)`", listing) == list(ALL_RULES)

@@ -214,9 +214,9 @@ class FloatSplitDecoder:
 
     def _check_length(self, stream: _Stream, filled: int, surplus: bytes) -> None:
         if filled != stream.decoded_bytes or surplus:
-            raise self._damage_at(stream.position, f"a stream decodes to "
-                                                f"{'more than ' if surplus else ''}{filled} "
-                                                f"bytes, its header says {stream.decoded_bytes}")
+            more = "more than " if surplus else ""
+            raise self._damage_at(stream.position, f"a stream decodes to {more}{filled} bytes, "
+                                  f"its header says {stream.decoded_bytes}")
 
     def _decompress_into(self, stored: memoryview, target) -> tuple[int, bytes]:
         """Decompress a zstd frame into target; the bytes filled and any beyond it."""
