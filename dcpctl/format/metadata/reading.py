@@ -146,17 +146,17 @@ def _load_with_allowlist(data: bytes, source: str) -> Any:
 # A tuple nested a million deep, used as a dict key, is hashed by recursion in C, without
 # Python's recursion limit: on the main thread's 8 MiB stack that is a segmentation fault.
 # Each level costs at most about 64 bytes of stack and one byte of pickle, so the unpickler
-# runs on a thread whose stack holds as many levels as the pickle has bytes (reserved, not
-# used, unless the pickle nests that deep), up to 2 GiB: pickles up to 16 MiB cannot crash it.
+# runs on a thread whose stack holds twice as many levels as the pickle has bytes: address
+# space reserved, not memory used unless the pickle nests that deep. Where the system will not
+# reserve that much (past about the machine's memory, so for pickles of more than a few hundred
+# MB on a 24 GiB machine), the stack is the largest it grants, halving down to 8 MiB.
 _STACK_BYTES_PER_PICKLE_BYTE = 128
-_MIN_STACK_BYTES, _MAX_STACK_BYTES = 8 << 20, 2 << 30
+_MIN_STACK_BYTES = 8 << 20
 _stack_size_lock = threading.Lock()
 
 
 def _run_with_stack_for(data: bytes, function: Callable[[], Any]) -> Any:
     """function(), on a thread with a stack sized for unpickling data; raises what it raised."""
-    stack_bytes = min(max(len(data) * _STACK_BYTES_PER_PICKLE_BYTE, _MIN_STACK_BYTES),
-                      _MAX_STACK_BYTES)
     outcome: list = []
 
     def run() -> None:
@@ -165,6 +165,25 @@ def _run_with_stack_for(data: bytes, function: Callable[[], Any]) -> Any:
         except BaseException as error:  # handed to the calling thread
             outcome.append((False, error))
 
+    stack_bytes = max(len(data) * _STACK_BYTES_PER_PICKLE_BYTE, _MIN_STACK_BYTES)
+    stack_bytes = -(-stack_bytes // _MIN_STACK_BYTES) * _MIN_STACK_BYTES  # 8 MiB multiples
+    while True:
+        try:
+            thread = _started_with_stack(run, stack_bytes)
+            break
+        except RuntimeError:  # "can't start new thread": no room for that stack
+            if stack_bytes <= _MIN_STACK_BYTES:
+                raise
+            stack_bytes = max(stack_bytes // 2 // _MIN_STACK_BYTES * _MIN_STACK_BYTES,
+                              _MIN_STACK_BYTES)
+    thread.join()
+    succeeded, result = outcome[0]
+    if not succeeded:
+        raise result
+    return result
+
+
+def _started_with_stack(run: Callable[[], None], stack_bytes: int) -> threading.Thread:
     with _stack_size_lock:
         previous = threading.stack_size(stack_bytes)
         try:
@@ -172,11 +191,7 @@ def _run_with_stack_for(data: bytes, function: Callable[[], Any]) -> Any:
             thread.start()
         finally:
             threading.stack_size(previous)
-    thread.join()
-    succeeded, result = outcome[0]
-    if not succeeded:
-        raise result
-    return result
+    return thread
 
 
 def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
