@@ -122,6 +122,15 @@ def copy_fixture(tmp_path):
     return make_copy
 
 
+def flip_bit(path: Path, offset: int, mask: int = 0x04) -> None:
+    """Flip the bits of mask in the byte at offset of the file at path, in place."""
+    with open(path, "r+b") as stream:
+        stream.seek(offset)
+        byte = stream.read(1)[0]
+        stream.seek(offset)
+        stream.write(bytes([byte ^ mask]))
+
+
 def back_date(path: Path, age_seconds: float) -> None:
     """Set the mtime of path and of everything under it to age_seconds ago."""
     when = time.time() - age_seconds

@@ -19,10 +19,8 @@ SOURCE = "fsdp2_adamw_3ranks"
 
 
 @pytest.fixture
-def checkpoint(tmp_path):
-    path = tmp_path / "ckpt"
-    shutil.copytree(fixture_path(SOURCE), path)
-    return path
+def checkpoint(copy_fixture):
+    return copy_fixture(SOURCE)
 
 
 @pytest.mark.parametrize("held, command", [
@@ -41,7 +39,7 @@ def test_a_conflicting_second_command_fails_at_once(run_cli, tmp_path, checkpoin
     assert result.exit_code == 1, result.output
     assert result.output.startswith(f"Error: {checkpoint}: another dcpctl is ")
     assert directory_state(checkpoint) == before
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
 
 
 def test_readers_share_a_checkpoint(run_cli, tmp_path, checkpoint):

@@ -4,20 +4,17 @@ anything is written: no entry is dropped without a word, nothing runs away."""
 from __future__ import annotations
 
 import pickle
-import shutil
 
 import pytest
 import zstandard
-from conftest import fixture_path, torch_metadata
+from conftest import torch_metadata
 
 SOURCE = "objects_2ranks"
 
 
 @pytest.fixture
-def checkpoint(tmp_path):
-    path = tmp_path / "ckpt"
-    shutil.copytree(fixture_path(SOURCE), path)
-    return path
+def checkpoint(copy_fixture):
+    return copy_fixture(SOURCE)
 
 
 def _with_planner_data(checkpoint, edit) -> None:

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import directory_state, run_dcpctl
+from conftest import directory_state, flip_bit, run_dcpctl
 
 from dcpctl.format.checkpoint.locations import locate_chunk
 from dcpctl.format.checkpoint.view import open_checkpoint
@@ -56,14 +56,6 @@ def _payload_range(checkpoint, fqn: str) -> tuple[str, int, int]:
     return location.path.name, start, start + layout.tensor.nbytes
 
 
-def _flip_a_bit(path, offset: int) -> None:
-    with open(path, "r+b") as stream:
-        stream.seek(offset)
-        byte = stream.read(1)[0]
-        stream.seek(offset)
-        stream.write(bytes([byte ^ 0x10]))
-
-
 def _zero_a_hole(path, offset: int, length: int = 4096) -> None:
     with open(path, "r+b") as stream:
         stream.seek(offset)
@@ -78,7 +70,7 @@ def _damaged_copy(saved, tmp_path, codec: str, damage: str):
     name, start, end = _payload_range(checkpoint, "layer1.weight")
     middle = (start + end) // 2
     if damage == "a flipped bit":
-        _flip_a_bit(checkpoint / name, middle)
+        flip_bit(checkpoint / name, middle, 0x10)
     else:
         _zero_a_hole(checkpoint / name, middle - 2048, min(4096, end - start - 64))
     return checkpoint
@@ -107,7 +99,7 @@ def test_a_file_that_no_longer_matches_sha256sums_is_named_first(saved, tmp_path
     shutil.copytree(saved / "plain", checkpoint)
     assert run_dcpctl("checksum", checkpoint).returncode == 0
     name, start, end = _payload_range(checkpoint, "layer1.weight")
-    _flip_a_bit(checkpoint / name, (start + end) // 2)
+    flip_bit(checkpoint / name, (start + end) // 2, 0x10)
     before = directory_state(checkpoint)
     args = [part.format(out=tmp_path / "out") for part in command]
     result = run_dcpctl(args[0], checkpoint, *args[1:])

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import FIXTURE_NAMES, REPO_ROOT, fixture_path, torch_metadata
+from conftest import FIXTURE_NAMES, REPO_ROOT, fixture_path, flip_bit, torch_metadata
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcpctl.format.checkpoint.problems import ALL_RULES
@@ -26,14 +26,6 @@ def only_problem(report, rule):
     found = [problem for problem in report.problems if problem.rule == rule]
     assert len(found) == 1, report.problems
     return found[0]
-
-
-def flip_bit(path, offset: int) -> None:
-    with open(path, "r+b") as stream:
-        stream.seek(offset)
-        byte = stream.read(1)[0]
-        stream.seek(offset)
-        stream.write(bytes([byte ^ 0x04]))
 
 
 def tensor_data_offset(checkpoint_dir, fqn: str) -> tuple[str, int]:
