@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from dcpctl.errors import UnsupportedLayoutError
 
@@ -67,8 +69,19 @@ LEGACY_STORAGE_TYPES: dict[str, str] = {
 }
 
 
+TORCH_INDEX_LIMIT = 1 << 63
+"""torch counts sizes, elements and bytes in int64: no tensor it can hold reaches this."""
+
+
+def fits_in_torch(sizes: Sequence[int], itemsize: int) -> bool:
+    """Whether torch can hold a tensor of these sizes and bytes per element: every size, the
+    element count and the byte count below 2**63."""
+    return (all(size < TORCH_INDEX_LIMIT for size in sizes)
+            and math.prod(sizes) * itemsize < TORCH_INDEX_LIMIT)
+
+
 def dtype_by_name(name: str) -> DType:
-    """The DType called `name` in torch (`bfloat16`, `torch.bfloat16` or an alias such as `half`)."""
+    """The DType torch calls `name` (`bfloat16`, `torch.bfloat16`, or an alias such as `half`)."""
     name = name.removeprefix("torch.")
     dtype = DTYPES_BY_NAME.get(DTYPE_ALIASES.get(name, name))
     if dtype is None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcpctl.errors import DataError, UnsupportedLayoutError, missing_file_error
-from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType
+from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType, fits_in_torch
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
 from dcpctl.storage.local import open_for_reading, read_file
 
@@ -160,6 +160,9 @@ def _parse_entry(path: Path, name: str, entry, data_start: int,
     if dtype is None:
         raise UnsupportedLayoutError(f"tensor {name!r} has safetensors dtype {code!r}, "
                                      "which dcpctl does not know", path=path)
+    if not fits_in_torch(shape, dtype.itemsize):
+        raise DataError(f"tensor {name!r} has a shape past what torch can hold (sizes, "
+                        "elements and bytes below 2**63)", path=path)
     nbytes = math.prod(shape) * dtype.itemsize
     if end - begin != nbytes or data_start + end > file_bytes:
         raise DataError(f"tensor {name!r} claims bytes {begin}..{end} of the data, which do "

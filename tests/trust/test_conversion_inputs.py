@@ -1,11 +1,17 @@
-"""What `convert` interprets (planner_data's key paths, objects it unpickles) is checked before
-anything is written: no entry is dropped without a word, nothing runs away."""
+"""What `convert` and `reshard` interpret (planner_data's key paths, objects they unpickle, the
+files `convert --to dcp` reads, the bits torch keeps beside a tensor) is checked before anything
+is written: no entry is dropped or changed without a word, nothing runs away."""
 
 from __future__ import annotations
 
+import json
 import pickle
+import struct
+import zipfile
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 import zstandard
 from conftest import torch_metadata
 
@@ -61,3 +67,59 @@ def test_an_object_that_decodes_to_gigabytes_is_refused_in_bounded_memory(run_cl
     result = run_cli("convert", checkpoint, "--to", "torch", "-o", tmp_path / "state.pt")
     assert result.exit_code == 1, result.output
     assert f"item {key.fqn!r}" in result.output and "more than 268435456 bytes" in result.output
+
+
+@pytest.mark.parametrize("deflated, padding", [("/data/", b""), ("data.pkl", bytes(256 << 20))])
+def test_a_torch_save_file_with_compressed_records_is_refused(run_cli, tmp_path, deflated,
+                                                              padding):
+    """A deflated storage record would be copied as the tensor's bytes; a deflated data.pkl can
+    be a bomb (here 256 MiB of padding after the pickle) that torch.load inflates whole."""
+    torch.save({"a": torch.randint(0, 256, (4096,), dtype=torch.uint8)}, tmp_path / "plain.pt")
+    with zipfile.ZipFile(tmp_path / "plain.pt") as archive:
+        pickled = next(name for name in archive.namelist() if name.endswith("data.pkl"))
+        records = {name: archive.read(name) for name in archive.namelist()}
+    records[pickled] += padding
+    with zipfile.ZipFile(tmp_path / "source.pt", "w") as out:
+        for name, data in records.items():
+            out.writestr(zipfile.ZipInfo(name), data, compress_type=zipfile.ZIP_DEFLATED
+                         if deflated in name else zipfile.ZIP_STORED)
+    result = run_cli("convert", tmp_path / "source.pt", "--to", "dcp", "-o", tmp_path / "out")
+    assert result.exit_code == 1, result.output
+    assert "is compressed, which torch.save never does" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_torch_save_file_holding_a_conjugate_or_negative_view_is_refused(run_cli, tmp_path):
+    values = torch.randn(3, dtype=torch.complex64)
+    for name, tensor in {"conj": values.conj(), "neg": values.conj().imag}.items():
+        assert tensor.is_conj() or tensor.is_neg()
+        torch.save({name: tensor}, tmp_path / f"{name}.pt")
+        result = run_cli("convert", tmp_path / f"{name}.pt", "--to", "dcp",
+                         "-o", tmp_path / name)
+        assert result.exit_code == 1 and "conjugate or negative view" in result.output
+        assert not (tmp_path / name).exists()
+
+
+@pytest.mark.parametrize("command", [["reshard", "--ranks", "2", "-o", "{out}"],
+                                     ["convert", "--to", "safetensors", "-o", "{out}"],
+                                     ["convert", "--to", "torch", "-o", "{out}.pt"]])
+def test_a_checkpoint_item_saved_as_a_conjugate_view_is_not_read_as_its_bytes(run_cli, tmp_path,
+                                                                              command):
+    """torch's DCP saves x.conj() as it is, with the conj bit in the item's pickle; its values
+    are the conjugates of its stored bytes. Read as bytes, every imaginary part would flip."""
+    dcp.save({"c": torch.randn(4, 3, dtype=torch.complex64).conj()},
+             checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    assert run_cli("verify", tmp_path / "ckpt").exit_code == 0  # torch loads it: it is whole
+    args = [part.format(out=tmp_path / "out") for part in command]
+    result = run_cli(args[0], tmp_path / "ckpt", *args[1:])
+    assert result.exit_code == 1 and "conjugate view" in result.output, result.output
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_safetensors_shape_past_int64_is_refused(run_cli, tmp_path):
+    header = json.dumps({"a": {"dtype": "F32", "shape": [0, 10**30], "data_offsets": [0, 0]}})
+    (tmp_path / "huge.safetensors").write_bytes(
+        struct.pack("<Q", len(header)) + header.encode())
+    result = run_cli("convert", tmp_path / "huge.safetensors", "--to", "dcp", "-o", tmp_path / "o")
+    assert result.exit_code == 1 and "past what torch can hold" in result.output
+    assert not (tmp_path / "o").exists()

@@ -29,6 +29,12 @@ def _renamed_file(checkpoint, old: str, new: str) -> None:
     (".metadata.tmp", "one of the checkpoint's own files"),
     ("__0_0\0.distcp", "not a plain path"),
     ("__0_0\n.distcp", "not a plain path"),
+    # line breaks and controls other than \n, which str.splitlines would split SHA256SUMS on,
+    # and a byte that is not UTF-8 (a surrogate once decoded)
+    ("__0_0\r.distcp", "not a plain path"),
+    ("__0_0\u2028.distcp", "not a plain path"),
+    ("__0_0\x1c.distcp", "not a plain path"),
+    ("__0_0\udc85.distcp", "not a plain path"),
 ])
 @pytest.mark.parametrize("command", [["checksum"], ["compress"], ["decompress"], ["inspect"],
                                      ["reshard", "--ranks", "2", "-o", "{out}"]])

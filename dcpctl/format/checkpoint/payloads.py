@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 
 import numpy
 
-from dcpctl.errors import DataError, DcpctlError, truncated_error
+from dcpctl.errors import DataError, DcpctlError, UnsupportedLayoutError, truncated_error
 from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, iter_item_pieces
 from dcpctl.format.checkpoint.locations import ItemLocation
 from dcpctl.format.torch_save.crc32 import shift_crc32
@@ -327,11 +327,15 @@ def _checked_layout(location: ItemLocation, read_range: ReadRange, length: int
         raise error.located(path=location.path, fqn=location.fqn, start=location.start,
                             end=location.end) from None
     saved, expected = layout.tensor, location.expected
+    where = dict(path=location.path, fqn=location.fqn, start=location.start, end=location.end)
     if saved.dtype != expected.dtype or saved.shape != expected.sizes:
         raise DataError(f"holds a {saved.dtype.name} tensor of shape {list(saved.shape)}, the "
-                        f"metadata says {expected.dtype.name} {list(expected.sizes)}",
-                        path=location.path, fqn=location.fqn, start=location.start,
-                        end=location.end)
+                        f"metadata says {expected.dtype.name} {list(expected.sizes)}", **where)
+    if saved.conjugated or saved.negated:
+        raise UnsupportedLayoutError(
+            f"holds a tensor saved as a {'conjugate' if saved.conjugated else 'negative'} view "
+            "(torch's conj/neg bit): its values are not its stored bytes, which this command "
+            "reads; save it with .resolve_conj().resolve_neg() first", **where)
     return layout
 
 

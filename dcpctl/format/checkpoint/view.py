@@ -96,12 +96,15 @@ _NOT_DATA_FILE_PATHS = frozenset({(METADATA_FILE_NAME,), (METADATA_TEMPORARY_FIL
 
 def resolve_inside(directory: Path, relative_path: str) -> Path:
     """`directory/relative_path`, refused if it is absolute, climbs out, links outside, or
-    holds a NUL, a newline or `\\`."""
+    holds `\\` or a character that is not printable (a NUL, a line break of any kind, a
+    control character, a surrogate for a byte that is not UTF-8): SHA256SUMS lists every data
+    file by name, one per line, and terminals show them."""
     pure = PurePosixPath(relative_path)
     if (pure.is_absolute() or ".." in pure.parts or not pure.parts
-            or any(character in relative_path for character in "\\\0\n")):
+            or not relative_path.isprintable() or "\\" in relative_path):
         raise UnsafePathError(f"metadata names data file {relative_path!r}, which is not a "
-                              "plain path inside the checkpoint directory", path=directory)
+                              "plain path inside the checkpoint directory (printable, no "
+                              "`..`, no `\\`)", path=directory)
     candidate = directory / pure
     real_directory = os.path.realpath(directory)
     real_candidate = os.path.realpath(candidate)

@@ -16,7 +16,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, Callable, Iterable
 
 from dcpctl.errors import MetadataError
-from dcpctl.format.dtypes import DType
+from dcpctl.format.dtypes import TORCH_INDEX_LIMIT, DType, fits_in_torch
 from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
                                             MetadataIndex, StorageInfo, TensorMetadata,
                                             TensorProperties)
@@ -123,6 +123,7 @@ def _only(values: Iterable, kind: type) -> bool:
 
 def _entries_look_sound(entries: dict) -> bool:
     sizes, offsets, extents, tensor_size_of_chunks = [], [], [], []
+    shapes = set()
     for entry in entries.values():
         kind = type(entry)
         if kind is TensorMetadata:
@@ -131,6 +132,7 @@ def _entries_look_sound(entries: dict) -> bool:
                     or type(size) is not tuple or type(chunks) is not list):
                 return False
             sizes.append(size)
+            shapes.add((size, properties.dtype.itemsize))
             for chunk in chunks:
                 if type(chunk) is not ChunkMetadata:
                     return False
@@ -139,8 +141,9 @@ def _entries_look_sound(entries: dict) -> bool:
                 tensor_size_of_chunks.append(size)
         elif kind is not BytesMetadata:
             return False
-    return _only(entries, str) and _chunks_look_sound(sizes, offsets, extents,
-                                                      tensor_size_of_chunks)
+    return (_only(entries, str)
+            and _chunks_look_sound(sizes, offsets, extents, tensor_size_of_chunks)
+            and all(starmap(fits_in_torch, shapes)))
 
 
 def _chunks_look_sound(sizes: list, offsets: list, extents: list,
@@ -177,6 +180,7 @@ def _storage_looks_sound(storage_data: dict, entries: dict) -> bool:
             and _only(chain.from_iterable(filter(None, key_offsets)), int)
             and _only(paths, str) and all(paths)
             and _only(byte_numbers, int) and min(byte_numbers, default=0) >= 0
+            and max(byte_numbers, default=0) < TORCH_INDEX_LIMIT
             and set(map(type, descriptors)) <= {type(None), list, tuple}
             and _only(chain.from_iterable(filter(None, descriptors)), str))
 
@@ -214,6 +218,9 @@ def _check_tensor_entry(fqn: str, entry: TensorMetadata, fail: Fail) -> None:
     if numbers and (not set(map(type, numbers)) <= _INT_TYPE_SET or min(numbers) < 0):
         raise fail(f"tensor {_shown(fqn)} has a size, offset or chunk size that is not a "
                    "non-negative integer")
+    if not fits_in_torch(size, properties.dtype.itemsize):
+        raise fail(f"tensor {_shown(fqn)} of size {_shown(list(size))} is past what torch can "
+                   "hold (sizes, elements and bytes below 2**63)")
     for chunk in chunks:
         if any(map(operator.gt, map(operator.add, chunk.offsets, chunk.sizes), size)):
             raise fail(f"tensor {_shown(fqn)}: chunk at {list(chunk.offsets)} of size "
@@ -234,11 +241,12 @@ def _check_storage_entry(key: Any, info: Any, entries: dict, fail: Fail) -> None
                    "_StorageInfo")
     if not isinstance(info.relative_path, str) or not info.relative_path:
         raise fail(f"storage_data for {_shown(key.fqn)} has no file name")
-    if type(info.offset) is not int or type(info.length) is not int or min(
-            info.offset, info.length) < 0:
+    if (type(info.offset) is not int or type(info.length) is not int
+            or min(info.offset, info.length) < 0
+            or max(info.offset, info.length) >= TORCH_INDEX_LIMIT):
         raise fail(f"storage_data for {_shown(key.fqn)} has byte range "
                    f"offset={_shown(info.offset)} length={_shown(info.length)}, not two "
-                   "non-negative integers")
+                   "non-negative integers below 2**63")
     descriptors = info.transform_descriptors
     if descriptors is not None and (not isinstance(descriptors, (list, tuple)) or not all(
             isinstance(name, str) for name in descriptors)):

@@ -38,7 +38,9 @@ _DTYPES_BY_LEGACY_STORAGE = {storage: DTYPES_BY_NAME[name]
 @dataclass(frozen=True)
 class SavedTensor:
     """The tensor a torch.save archive holds: a view (shape, stride, storage_offset, all in
-    elements) of the storage kept in record `storage_record`."""
+    elements) of the storage kept in record `storage_record`, and the bits torch keeps beside
+    a view (`x.conj()`, `x.conj().imag`): its values are then the storage's conjugated or
+    negated, not the stored bytes."""
 
     dtype: DType
     shape: tuple[int, ...]
@@ -46,6 +48,8 @@ class SavedTensor:
     storage_offset: int
     storage_record: str
     storage_numel: int
+    conjugated: bool = False
+    negated: bool = False
 
     @property
     def numel(self) -> int:
@@ -171,6 +175,9 @@ def _join_storage(tensor: SavedTensor, storage: ZipRecord | None) -> TorchSaveLa
     if storage is None:
         raise DataError(f"data.pkl names storage record {tensor.storage_record!r}, which the "
                         "archive lacks")
+    if storage.compression_method != STORED:
+        raise DataError(f"zip record {storage.name!r} is compressed, which torch.save never "
+                        "does")
     storage_bytes = tensor.storage_numel * tensor.dtype.itemsize
     if storage.size_bytes != storage_bytes:
         raise DataError(f"zip record {storage.name!r} holds {storage.size_bytes} bytes, but "
@@ -203,7 +210,7 @@ def _is_sizes(value: Any) -> bool:
 
 
 def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: Any,
-                    storage_record_prefix: str) -> SavedTensor:
+                    metadata: Any, storage_record_prefix: str) -> SavedTensor:
     if not isinstance(storage, _StorageReference):
         raise DataError("data.pkl rebuilds a tensor from something that is not a storage")
     if not (type(storage_offset) is int and storage_offset >= 0 and _is_sizes(size)
@@ -218,8 +225,21 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, d
         if remainder:
             raise DataError(f"storage of {storage.numel} bytes is not a whole number of "
                             f"{dtype.name} elements")
+    bits = _view_bits(metadata)
     return SavedTensor(dtype, size, stride, storage_offset, storage_record_prefix + storage.key,
-                       numel)
+                       numel, bits.get("conj", False), bits.get("neg", False))
+
+
+def _view_bits(metadata: Any) -> dict[str, bool]:
+    """The tensor metadata torch pickles (torch._utils.get_tensor_metadata): only the conj
+    and neg bits, each a bool."""
+    if metadata is None:
+        return {}
+    if (type(metadata) is not dict or not set(metadata) <= {"conj", "neg"}
+            or not all(type(value) is bool for value in metadata.values())):
+        raise DataError(f"data.pkl gives the tensor metadata {metadata!r:.200}, not torch's "
+                        "conj and neg bits")
+    return metadata
 
 
 class _TensorUnpickler(pickle.Unpickler):
@@ -231,10 +251,11 @@ class _TensorUnpickler(pickle.Unpickler):
 
         def rebuild_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None):
             return _rebuild_tensor(storage, offset, size, stride, storage.storage_type.dtype
-                                   if isinstance(storage, _StorageReference) else None, prefix)
+                                   if isinstance(storage, _StorageReference) else None,
+                                   metadata, prefix)
 
         def rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-            return _rebuild_tensor(storage, offset, size, stride, dtype, prefix)
+            return _rebuild_tensor(storage, offset, size, stride, dtype, metadata, prefix)
 
         self._globals = {("torch._utils", "_rebuild_tensor_v2"): rebuild_v2,
                          ("torch._utils", "_rebuild_tensor_v3"): rebuild_v3}

@@ -139,10 +139,15 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
     from dcpctl.format.torch_save.skeleton import storage_file_offset
     from dcpctl.ops.convert.tensor_bytes import bytes_of
 
+    name = '.'.join(map(str, key_path))
     if type(placeholder) is not torch.Tensor or placeholder.layout != torch.strided:
-        raise UnsupportedLayoutError(f"{'.'.join(map(str, key_path))!r} is a "
-                                     f"{type(placeholder).__name__} ({placeholder.layout}), "
-                                     "not a plain tensor", path=path)
+        raise UnsupportedLayoutError(f"{name!r} is a {type(placeholder).__name__} "
+                                     f"({placeholder.layout}), not a plain tensor", path=path)
+    if placeholder.is_conj() or placeholder.is_neg():
+        raise UnsupportedLayoutError(f"{name!r} was saved as a conjugate or negative view "
+                                     "(torch's conj/neg bit): its values are not its stored "
+                                     "bytes; save it with .resolve_conj().resolve_neg() first",
+                                     path=path)
     dtype = dtype_by_name(str(placeholder.dtype))
     shape = tuple(placeholder.shape)
     start = (storage_file_offset(path, placeholder, records)
