@@ -2,9 +2,10 @@
 
 Every point is a member of Failpoint, the one list of them. Set DCPCTL_FAILPOINT=<name> in the
 environment of a dcpctl process and it sends itself SIGKILL the first time it reaches that
-point, or `<name>@<n>` for the n-th time. DCPCTL_FAILPOINT_TRACE=<file> appends the name of
-every point reached to that file, so a test can learn where and how often a command passes,
-then kill it at each of those moments. Unset, a failpoint costs one comparison.
+point, or `<name>@<n>` for the n-th time; `<name>[@<n>]:SIGTERM` (or another signal's name)
+sends that signal instead, which the process may handle. DCPCTL_FAILPOINT_TRACE=<file>
+appends the name of every point reached to that file, so a test can learn where and how often a
+command passes, then kill it at each of those moments. Unset, a failpoint costs one comparison.
 """
 
 from __future__ import annotations
@@ -37,24 +38,28 @@ class Failpoint(enum.Enum):
     """A new output (directory or file) is whole under its temporary name."""
 
 
-def _armed(setting: str | None) -> tuple[str | None, int]:
+def _armed(setting: str | None) -> tuple[str | None, int, signal.Signals]:
     if not setting:
-        return None, 0
-    name, _, hit = setting.partition("@")
-    if name not in {point.value for point in Failpoint} or not (hit or "1").isdigit():
+        return None, 0, signal.SIGKILL
+    moment, _, signal_name = setting.partition(":")
+    name, _, hit = moment.partition("@")
+    if (name not in {point.value for point in Failpoint} or not (hit or "1").isdigit()
+            or signal_name not in {"", *signal.Signals.__members__}):
         raise ValueError(f"DCPCTL_FAILPOINT={setting!r}: not one of "
-                         f"{', '.join(point.value for point in Failpoint)}, with an optional @n")
-    return name, int(hit or 1)
+                         f"{', '.join(point.value for point in Failpoint)}, with an optional "
+                         "@n and :SIGNAME")
+    return name, int(hit or 1), signal.Signals[signal_name or "SIGKILL"]
 
 
-_ARMED_NAME, _ARMED_HIT = _armed(os.environ.get("DCPCTL_FAILPOINT"))
+_ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = _armed(os.environ.get("DCPCTL_FAILPOINT"))
 _TRACE_PATH = os.environ.get("DCPCTL_FAILPOINT_TRACE") or None
 _hits: Counter[str] = Counter()
 _lock = threading.Lock()
 
 
 def failpoint(point: Failpoint) -> None:
-    """Die here, as if killed, when DCPCTL_FAILPOINT names this point and this hit of it."""
+    """Die here, as if killed, when DCPCTL_FAILPOINT names this point and this hit of it (or
+    receive the signal it names)."""
     if _ARMED_NAME is None and _TRACE_PATH is None:
         return
     with _lock:
@@ -64,4 +69,4 @@ def failpoint(point: Failpoint) -> None:
             with open(_TRACE_PATH, "a") as trace:
                 trace.write(f"{point.value}\n")
     if point.value == _ARMED_NAME and hit == _ARMED_HIT:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), _ARMED_SIGNAL)

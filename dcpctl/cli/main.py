@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 import click
@@ -11,6 +12,7 @@ from dcpctl.allocator import reuse_large_buffers
 from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.cli.render import escape_control_characters
 from dcpctl.errors import DcpctlError, describe_os_error
+from dcpctl.stopping import Terminated, stop_on_signals
 from dcpctl.version import __version__
 
 # Each command's module is imported only when that command runs (or help lists it): `inspect`
@@ -51,7 +53,9 @@ class DcpctlGroup(click.Group):
         except OSError as error:
             self._fail(context, describe_os_error(error), 1)
         except KeyboardInterrupt:
-            self._fail(context, "interrupted", 130)
+            self._fail(context, "interrupted", 128 + signal.SIGINT)
+        except Terminated as stop:
+            self._fail(context, f"stopped by {stop}", 128 + stop.signal_number)
         except Exception as error:  # a bug: say so briefly, traceback with --debug
             self._fail(context, f"internal error: {type(error).__name__}: {error} "
                                 "(run with --debug for the traceback)", 1)
@@ -76,7 +80,8 @@ def cli(context: click.Context, debug: bool) -> None:
     torchtune...). dcpctl works offline, with no process group and no GPU. It reads
     `.metadata` with an allowlist and never runs code from it.
 
-    Exit status: 0 on success, 1 when an operation fails, 2 for usage errors.
+    Exit status: 0 on success, 1 when an operation fails, 2 for usage errors, 128 + the
+    signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP (temporary files removed).
     """
     context.ensure_object(dict)
     context.obj["debug"] = debug
@@ -85,4 +90,5 @@ def cli(context: click.Context, debug: bool) -> None:
 def main() -> None:
     """Console-script entry point."""
     reuse_large_buffers()
+    stop_on_signals()
     cli(prog_name="dcpctl", obj={RUNS_AS_PROCESS: True})

@@ -48,7 +48,8 @@ _KNOWN_DTYPES = [
 ]
 
 DTYPES_BY_NAME: dict[str, DType] = {dtype.name: dtype for dtype in _KNOWN_DTYPES}
-# torch also exposes dtypes under alias names (torch.half, torch.long); pickles use the canonical one.
+# torch also exposes dtypes under alias names (torch.half, torch.long); pickles use the
+# canonical one.
 DTYPE_ALIASES = {
     "half": "float16", "float": "float32", "double": "float64", "long": "int64",
     "int": "int32", "short": "int16", "cfloat": "complex64", "cdouble": "complex128",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dcpctl.errors import OutputError
 from dcpctl.failpoints import Failpoint, failpoint
+from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
 
 
@@ -35,15 +36,16 @@ class StagedOutput:
         if self.is_directory:
             fsync_directory(self.path)
         failpoint(Failpoint.BEFORE_PUBLISH)
-        if self.is_directory and self.destination.exists():
-            aside = self.destination.parent / temporary_name(f".{self.destination.name}.old",
-                                                             self.token)
-            os.replace(self.destination, aside)
-            os.replace(self.path, self.destination)
-            shutil.rmtree(aside)
-        else:
-            os.replace(self.path, self.destination)
-        fsync_directory(self.destination.parent)
+        with finishing_first():  # never stopped between moving the old output aside and in
+            if self.is_directory and self.destination.exists():
+                aside = self.destination.parent / temporary_name(
+                    f".{self.destination.name}.old", self.token)
+                os.replace(self.destination, aside)
+                os.replace(self.path, self.destination)
+                shutil.rmtree(aside)
+            else:
+                os.replace(self.path, self.destination)
+            fsync_directory(self.destination.parent)
 
     def abort(self) -> None:
         """Remove the unfinished output; the destination stays as it was."""

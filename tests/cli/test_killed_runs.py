@@ -183,6 +183,33 @@ def test_killed_at_every_failpoint_nothing_is_lost(scenario, tmp_path):
         scenario.after_rerun(work)
 
 
+def no_leftovers(work: Path) -> None:
+    """Nothing dcpctl writes on the way is left: no temporary file or staged directory."""
+    assert not [name for name in tree_listing(work) if ".dcpctl-" in name]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda scenario: scenario.name)
+def test_stopped_by_sigterm_it_cleans_up_after_itself(scenario, tmp_path):
+    """SIGTERM (kill, timeout, a scheduler's preemption) at each failpoint's middle pass: the
+    run ends with 143 and, unlike after SIGKILL, leaves nothing behind but a whole result or
+    none."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    scenario.prepare(probe)
+    passes = passes_of(probe, scenario)
+    for name, count in passes.items():
+        moment = f"{name}@{(count + 1) // 2}"
+        work = tmp_path / moment.replace("@", "-")
+        work.mkdir()
+        scenario.prepare(work)
+        before = {"ckpt": directory_state(work / "ckpt")}
+        stopped = run_dcpctl(*scenario.args(work), failpoint=f"{moment}:SIGTERM")
+        assert stopped.returncode == 128 + signal.SIGTERM, (moment, stopped.stderr)
+        assert stopped.stderr == "Error: stopped by SIGTERM\n", (moment, stopped.stderr)
+        no_leftovers(work)
+        scenario.after_kill(work, before)
+
+
 def test_every_failpoint_is_passed_by_some_command(tmp_path):
     passed = set()
     for index, scenario in enumerate(SCENARIOS):

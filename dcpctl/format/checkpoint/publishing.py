@@ -24,6 +24,7 @@ from dcpctl.format.checkpoint.checksums import write_sha256sums
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
+from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import (OutputFile, fsync_directory, new_token, temporary_name,
                                   write_file_atomically)
 from dcpctl.storage.staging import StagedOutput
@@ -130,9 +131,17 @@ class CheckpointOutput:
         directory = self.directory
         (directory / SHA256SUMS_FILE_NAME).unlink(missing_ok=True)  # it describes the old files
         temporary_names = {name: self.data_file_name(name) for name in self._digests}
-        write_file_atomically(directory / METADATA_FILE_NAME,
-                              serialize_metadata(_renamed(metadata, temporary_names)))
-        self._metadata_switched = True
+        switched_metadata = serialize_metadata(_renamed(metadata, temporary_names))
+        with finishing_first():  # from the switch on, a stop waits for the end
+            write_file_atomically(directory / METADATA_FILE_NAME, switched_metadata)
+            self._metadata_switched = True
+            self._finish_in_place(metadata, temporary_names, replaced_files)
+
+    def _finish_in_place(self, metadata: CheckpointMetadata, temporary_names: dict[str, str],
+                         replaced_files: frozenset[str]) -> None:
+        """From `.metadata` naming the new files by their temporary names: their final names,
+        the second switch, the old files gone, SHA256SUMS."""
+        directory = self.directory
         fsync_directory(directory)
         failpoint(Failpoint.AFTER_FIRST_METADATA_SWITCH)
         if _give_final_names(directory, temporary_names):

@@ -1,0 +1,65 @@
+"""Stopping when asked (Ctrl-C, SIGTERM, SIGHUP), at a moment that leaves nothing half done.
+
+Python turns SIGINT into KeyboardInterrupt in the main thread; stop_on_signals() does the same
+for SIGTERM (kill, timeout, a scheduler's preemption) and SIGHUP (a lost terminal), raising
+Terminated, so a command stopped either way unwinds and removes its temporary files and staged
+outputs. A few steps must not be cut in two once begun (the renames that publish a rewritten
+checkpoint): inside `finishing_first()` a stop request waits, and is raised as the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Iterator
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived. Like KeyboardInterrupt it is not an Exception, so nothing on
+    the way mistakes it for a failure to report; cleanup runs as it passes."""
+
+    def __init__(self, signal_number: int) -> None:
+        super().__init__(signal.Signals(signal_number).name)
+        self.signal_number = signal_number
+
+
+_STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_state = threading.local()  # signal handlers run in the main thread, between its bytecodes
+
+
+def stop_on_signals() -> None:
+    """Install the handlers (call once, in the main thread of a dcpctl process). A signal
+    someone chose to ignore (nohup ignores SIGHUP) stays ignored."""
+    for signal_number in _STOPPING_SIGNALS:
+        if signal.getsignal(signal_number) is not signal.SIG_IGN:
+            signal.signal(signal_number, _request_stop)
+
+
+@contextlib.contextmanager
+def finishing_first() -> Iterator[None]:
+    """Run the block to its end even if a stop is requested meanwhile; then stop."""
+    if getattr(_state, "deferred", None) is not None:  # nested: the outer block decides
+        yield
+        return
+    _state.deferred = []
+    try:
+        yield
+    finally:
+        deferred, _state.deferred = _state.deferred, None
+    if deferred:
+        _raise_stop(deferred[0])
+
+
+def _request_stop(signal_number: int, frame) -> None:
+    deferred = getattr(_state, "deferred", None)
+    if deferred is not None:
+        deferred.append(signal_number)
+        return
+    _raise_stop(signal_number)
+
+
+def _raise_stop(signal_number: int) -> None:
+    if signal_number == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(signal_number)
