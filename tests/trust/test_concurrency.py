@@ -25,7 +25,7 @@ def checkpoint(copy_fixture):
 
 @pytest.mark.parametrize("held, command", [
     ("shared", ["compress"]), ("shared", ["decompress"]), ("shared", ["checksum"]),
-    ("exclusive", ["compress"]), ("exclusive", ["verify"]),
+    ("exclusive", ["compress"]), ("exclusive", ["verify"]), ("exclusive", ["inspect"]),
     ("exclusive", ["reshard", "--ranks", "2", "-o", "{out}"]),
     ("exclusive", ["convert", "--to", "safetensors", "-o", "{out}"]),
     ("exclusive", ["compress", "-o", "{out}"]),

@@ -98,13 +98,19 @@ def resolve_inside(directory: Path, relative_path: str) -> Path:
     """`directory/relative_path`, refused if it is absolute, climbs out, links outside, or
     holds `\\` or a character that is not printable (a NUL, a line break of any kind, a
     control character, a surrogate for a byte that is not UTF-8): SHA256SUMS lists every data
-    file by name, one per line, and terminals show them."""
+    file by name, one per line, and terminals show them. A name with a directory part
+    (`a/b.distcp`), which no DCP writer makes, is not supported."""
     pure = PurePosixPath(relative_path)
     if (pure.is_absolute() or ".." in pure.parts or not pure.parts
             or not relative_path.isprintable() or "\\" in relative_path):
         raise UnsafePathError(f"metadata names data file {relative_path!r}, which is not a "
                               "plain path inside the checkpoint directory (printable, no "
                               "`..`, no `\\`)", path=directory)
+    if "/" in relative_path:
+        raise UnsupportedLayoutError(f"metadata names data file {relative_path!r}, a path with "
+                                     "a directory part; dcpctl reads data files that lie "
+                                     "directly in the checkpoint directory, where every DCP "
+                                     "writer puts them", path=directory)
     candidate = directory / pure
     real_directory = os.path.realpath(directory)
     real_candidate = os.path.realpath(candidate)

@@ -14,6 +14,7 @@ from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, Te
                                            open_checkpoint)
 from dcpctl.format.codecs.names import describe_codec
 from dcpctl.ops.inspection.json_text import inspect_report_json_text
+from dcpctl.storage.locks import locked_checkpoint
 
 
 @dataclass
@@ -95,8 +96,10 @@ def _object_json(entry: ObjectEntry) -> dict:
 
 
 def inspect_checkpoint(path: str | os.PathLike, fqn_glob: str | None = None) -> InspectReport:
-    """Summarize a checkpoint; `fqn_glob` keeps only tensors and objects whose fqn matches."""
-    with paused_cycle_collector():
+    """Summarize a checkpoint; `fqn_glob` keeps only tensors and objects whose fqn matches.
+    Held shared while read: a checkpoint another dcpctl is rewriting is refused at once, not
+    read half old, half new."""
+    with paused_cycle_collector(), locked_checkpoint(path, exclusive=False):
         return build_inspect_report(open_checkpoint(path), fqn_glob)
 
 
