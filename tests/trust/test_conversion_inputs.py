@@ -85,7 +85,7 @@ def test_a_torch_save_file_with_compressed_records_is_refused(run_cli, tmp_path,
                          if deflated in name else zipfile.ZIP_STORED)
     result = run_cli("convert", tmp_path / "source.pt", "--to", "dcp", "-o", tmp_path / "out")
     assert result.exit_code == 1, result.output
-    assert "is compressed, which torch.save never does" in result.output
+    assert "is compressed" in result.output and "torch.save never does" in result.output
     assert not (tmp_path / "out").exists()
 
 

@@ -45,7 +45,7 @@ class ItemCheck:
                 return [self._problem(Rule.STORED_LENGTH, f"holds {self._archive.length_bytes} "
                                       f"bytes; the chunk has {location.expected.nbytes}")]
             return []
-        if location.expected is None and not self._archive.starts_like_zip():
+        if location.expected is None and not self._archive.looks_like_zip():
             return []  # raw bytes: nothing more to check
         try:
             checked = self._archive.finish(location.expected is not None,

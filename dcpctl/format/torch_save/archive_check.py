@@ -28,11 +28,12 @@ from typing import Callable, ContextManager, Iterable, Iterator
 from dcpctl.errors import DataError
 from dcpctl.format.torch_save.crc32 import crc32_of_span
 from dcpctl.format.torch_save.layout import (TorchSaveLayout, build_torch_save_layout,
-                                             find_pickle_record)
-from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, STORED, ReadRange, ZipRecord,
-                                                  read_zip_records)
+                                             check_torch_save_records, find_pickle_record)
+from dcpctl.format.torch_save.zip_records import (END_SIGNATURE, LOCAL_SIGNATURE, ReadRange,
+                                                  ZipRecord, read_zip_records)
 
 DEFAULT_WINDOW_BYTES = 256 << 10
+_END_RECORD_BYTES = 22
 _CRC_PIECE_BYTES = 4 << 20
 
 RandomAccessOpener = Callable[[], ContextManager[ReadRange]]
@@ -68,10 +69,11 @@ def check_archive(read_range: ReadRange, length_bytes: int, expect_tensor: bool)
 
 def _check_records(records: tuple[ZipRecord, ...], length_bytes: int, expect_tensor: bool,
                    read_range: ReadRange, crc_of: Callable[[ZipRecord], int]) -> ArchiveCheck:
+    check_torch_save_records(records)
     check = ArchiveCheck(length_bytes, records)
     check.crc_recorded = any(record.crc32 for record in records if record.size_bytes)
     for record in records:
-        if check.crc_recorded and record.compression_method == STORED:
+        if check.crc_recorded:
             actual_crc = crc_of(record)
             if actual_crc != record.crc32:
                 check.crc_mismatches.append((record, actual_crc))
@@ -119,9 +121,17 @@ class ArchiveStreamCheck:
             self._tail_start += len(leaving)
             self._tail_bytes -= len(leaving)
 
-    def starts_like_zip(self) -> bool:
-        """Whether what was fed so far begins with a zip local header."""
-        return bytes(_joined(self._head)[:len(LOCAL_SIGNATURE)]) == LOCAL_SIGNATURE
+    def looks_like_zip(self) -> bool:
+        """Whether what was fed so far begins like a zip archive or ends like one (its end
+        record, with no comment, as torch.save writes it): a damaged archive still looks
+        like one by its other end."""
+        starts = bytes(_joined(self._head)[:len(LOCAL_SIGNATURE)]) == LOCAL_SIGNATURE
+        end = bytearray()
+        for piece in reversed(self._tail):
+            end[:0] = piece[-_END_RECORD_BYTES:]
+            if len(end) >= _END_RECORD_BYTES:
+                break
+        return starts or end[-_END_RECORD_BYTES:].startswith(END_SIGNATURE)
 
     def finish(self, expect_tensor: bool, open_random_access: RandomAccessOpener) -> ArchiveCheck:
         """Check what was fed: records, the tensor when expected, every CRC-32."""

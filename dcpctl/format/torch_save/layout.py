@@ -14,15 +14,16 @@ import functools
 import io
 import math
 import pickle
+import pickletools
 import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
-from dcpctl.errors import DataError
+from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
-from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, STORED, ReadRange, ZipRecord,
-                                                  local_record_in, locate_record,
-                                                  read_central_directory)
+from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, CentralEntry,
+                                                  ReadRange, ZipRecord, local_record_in,
+                                                  locate_record, read_central_directory)
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
 _FIRST_STORAGE_SUFFIX = "/data/0"
@@ -112,14 +113,26 @@ def max_tensor_archive_bytes(tensor_nbytes: int) -> int:
 
 def read_torch_save_layout(read_range: ReadRange, item_length: int) -> TorchSaveLayout:
     """The tensor of a torch.save archive of `item_length` bytes and where it lies. Reads only
-    the archive's last and first few KiB (central directory, the two local headers it needs,
-    data.pkl, whose CRC-32 it checks), never the tensor data."""
+    the archive's last and first few KiB (central directory, the local headers it needs,
+    data.pkl and byteorder, whose CRC-32s it checks), never the tensor data. Tensor bytes are
+    taken as little-endian: an archive whose byteorder record says otherwise is refused."""
     read_cached = cache_ends(read_range, item_length, _LAYOUT_WINDOW_BYTES)
     directory_offset, entries = read_central_directory(read_cached, item_length)
-    pickle_record = locate_record(read_cached, find_pickle_record(entries), directory_offset)
-    pickle_bytes = read_cached(pickle_record.data_offset, pickle_record.size_bytes)
-    if pickle_record.crc32 and zlib.crc32(pickle_bytes) != pickle_record.crc32:
-        raise DataError(f"record {pickle_record.name!r} does not match its CRC-32")
+    check_torch_save_records(entries)
+
+    def checked_data(entry: CentralEntry) -> tuple[ZipRecord, bytes]:
+        record = locate_record(read_cached, entry, directory_offset)
+        data = read_cached(record.data_offset, record.size_bytes)
+        if record.crc32 and zlib.crc32(data) != record.crc32:
+            raise DataError(f"record {record.name!r} does not match its CRC-32")
+        return record, data
+
+    prefix = entries[0].name.partition("/")[0]
+    byteorder = next((entry for entry in entries if entry.name == f"{prefix}/byteorder"), None)
+    if byteorder is not None and checked_data(byteorder)[1] != b"little":
+        raise UnsupportedLayoutError("the archive was saved big-endian (its byteorder record "
+                                     "is not 'little'), which dcpctl does not read")
+    pickle_record, pickle_bytes = checked_data(find_pickle_record(entries))
     tensor = _tensor_of_pickle_record(pickle_record, pickle_bytes)
     storage_entry = next((entry for entry in entries if entry.name == tensor.storage_record),
                          None)
@@ -145,17 +158,42 @@ def cache_ends(read_range: ReadRange, length: int, window_bytes: int) -> ReadRan
 
 
 def find_pickle_record(records: Sequence[RecordT]) -> RecordT:
-    """The archive's `<prefix>/data.pkl` record (a ZipRecord or a central directory entry)."""
+    """The `<prefix>/data.pkl` record (a ZipRecord or a central directory entry) of a tensor's
+    archive."""
+    record = _pickle_record(records)
+    if record.size_bytes > _MAX_PICKLE_BYTES:
+        raise DataError(f"zip record {record.name!r} holds {record.size_bytes} bytes, far more "
+                        "than the pickle of one tensor")
+    return record
+
+
+def _pickle_record(records: Sequence[RecordT]) -> RecordT:
     for record in records:
         if record.name.endswith(PICKLE_RECORD_SUFFIX) and record.name.count("/") == 1:
-            if record.compression_method != STORED:
-                raise DataError(f"zip record {record.name!r} is compressed, which torch.save "
-                                "never does")
-            if record.size_bytes > _MAX_PICKLE_BYTES:
-                raise DataError(f"zip record {record.name!r} holds {record.size_bytes} bytes, "
-                                "far more than the pickle of one tensor")
             return record
     raise DataError("no data.pkl record: not a torch.save archive")
+
+
+_VERSION_RECORD_NAMES = (".data/version", "version")
+
+
+def check_torch_save_records(records: Sequence[RecordT]) -> None:
+    """Refuse records (ZipRecords or central directory entries) that torch's reader could not
+    load: every record in the one top-level directory the first names (the archive's name),
+    a data.pkl and a version record among them."""
+    first = records[0].name if records else ""
+    prefix, slash, _ = first.partition("/")
+    if not (prefix and slash):
+        raise DataError(f"the first zip record {first!r} is not in a directory named for the "
+                        "archive, as torch.save puts every record")
+    stray = next((record.name for record in records
+                  if not record.name.startswith(f"{prefix}/")), None)
+    if stray is not None:
+        raise DataError(f"zip record {stray!r} lies outside the archive's directory {prefix!r}")
+    _pickle_record(records)
+    names = {record.name for record in records}
+    if not any(f"{prefix}/{name}" in names for name in _VERSION_RECORD_NAMES):
+        raise DataError(f"no {prefix}/version record, which torch's reader needs")
 
 
 def build_torch_save_layout(records: Sequence[ZipRecord], pickle_bytes: bytes) -> TorchSaveLayout:
@@ -175,9 +213,6 @@ def _join_storage(tensor: SavedTensor, storage: ZipRecord | None) -> TorchSaveLa
     if storage is None:
         raise DataError(f"data.pkl names storage record {tensor.storage_record!r}, which the "
                         "archive lacks")
-    if storage.compression_method != STORED:
-        raise DataError(f"zip record {storage.name!r} is compressed, which torch.save never "
-                        "does")
     storage_bytes = tensor.storage_numel * tensor.dtype.itemsize
     if storage.size_bytes != storage_bytes:
         raise DataError(f"zip record {storage.name!r} holds {storage.size_bytes} bytes, but "
@@ -242,6 +277,25 @@ def _view_bits(metadata: Any) -> dict[str, bool]:
     return metadata
 
 
+def _refuse_bytearrays(data: bytes) -> None:
+    """A tensor's pickle holds no bytearray. Python's unpickler allocates a BYTEARRAY8 before it
+    reads it, and on CPython 3.11 a failed allocation also prints a stray SystemError."""
+    if _BYTEARRAY8 not in data:  # the cheap test, and usually the last
+        return
+    try:
+        for opcode, _argument, position in pickletools.genops(data):
+            if opcode.name == "BYTEARRAY8":
+                raise DataError(f"data.pkl holds a bytearray at byte {position}, which the "
+                                "pickle of a tensor never does; refusing to unpickle it")
+    except DataError:
+        raise
+    except Exception as error:  # genops stops at the first damaged opcode, as load would
+        raise DataError(f"data.pkl does not unpickle ({type(error).__name__}: {error})") from None
+
+
+_BYTEARRAY8 = b"\x96"
+
+
 class _TensorUnpickler(pickle.Unpickler):
     """Resolves only the globals torch.save writes for a plain dense tensor."""
 
@@ -291,6 +345,7 @@ def parse_tensor_pickle(data: bytes, storage_record_prefix: str = "archive/data/
 # Every chunk of one shape and dtype has the same data.pkl: parse each distinct one once.
 @functools.lru_cache(maxsize=1024)
 def _parse_tensor_pickle(data: bytes, storage_record_prefix: str) -> SavedTensor:
+    _refuse_bytearrays(data)
     try:
         loaded = _TensorUnpickler(data, storage_record_prefix).load()
     except DataError:

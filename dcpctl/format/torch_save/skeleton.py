@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.torch_save.zip_records import STORED, read_zip_records
+from dcpctl.format.torch_save.zip_records import read_zip_records
 from dcpctl.storage.local import open_for_reading
 
 
@@ -28,10 +28,6 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
             raise UnsupportedLayoutError(f"not a torch.save zip archive ({error}; the legacy "
                                          "format of torch < 1.6 is not supported)",
                                          path=path) from None
-        compressed = next((r for r in records if r.compression_method != STORED), None)
-        if compressed is not None:
-            raise UnsupportedLayoutError(f"zip record {compressed.name!r} is compressed, which "
-                                         "torch.save never does", path=path)
         byteorder = next((r for r in records if r.name.endswith("/byteorder")), None)
         if byteorder and read_range(byteorder.data_offset, byteorder.size_bytes) != b"little":
             raise UnsupportedLayoutError("saved on a big-endian machine", path=path)

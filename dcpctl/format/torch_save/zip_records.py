@@ -7,6 +7,11 @@ locates the central directory; each of its entries gives a record's name, size, 
 local header offset, and the local header gives where the data starts. Offsets are relative to
 the start of the archive, so an archive stored inside a larger file reads through a
 `read_range(start, length)` over its own byte range.
+
+No CRC-32 covers these structures, so each field torch's reader (miniz) acts on is held to what
+torch.save writes, and an archive torch would refuse is refused here too: one disk, as many
+entries as the directory says and room for them, no encryption, no compression (stored sizes
+equal), names that are UTF-8, every local header where its entry says.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ _CENTRAL = struct.Struct("<4s6H3I5H2I")
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
 _MAX_COMMENT_BYTES = 0xFFFF
 _FIRST_TAIL_BYTES = 1024
+# General purpose flags torch's reader refuses: encrypted, patched data, strongly encrypted,
+# masked headers.
+_UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000
+_UNSET_32 = 0xFFFFFFFF  # "see the zip64 record"
+_DOS_DIRECTORY_ATTRIBUTE = 0x10  # in an entry's external attributes: it is a directory
 
 
 class CentralEntry(NamedTuple):
@@ -45,7 +55,6 @@ class CentralEntry(NamedTuple):
     header_offset: int
     size_bytes: int
     crc32: int
-    compression_method: int
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,6 @@ class ZipRecord:
     data_offset: int
     size_bytes: int
     crc32: int
-    compression_method: int
     header_offset: int
 
     @property
@@ -76,17 +84,30 @@ def read_central_directory(read_range: ReadRange,
     """Where the central directory starts and its entries, found through the (zip64) end of
     central directory record."""
     end_offset, end = _find_end_record(read_range, archive_length)
-    _, disk, _, _, count, size_bytes, offset, _ = _END.unpack(end)
-    if disk not in (0, 0xFFFF):
-        raise DataError("zip archive spans several disks")
+    _, disk, directory_disk, count_here, count, size_bytes, offset, _ = _END.unpack(end)
+    directory_end = end_offset
     if end_offset >= _ZIP64_LOCATOR.size:
-        locator = read_range(end_offset - _ZIP64_LOCATOR.size, _ZIP64_LOCATOR.size)
+        locator = _read_exactly(read_range, end_offset - _ZIP64_LOCATOR.size,
+                                _ZIP64_LOCATOR.size, "zip64 end locator")
         if locator.startswith(ZIP64_LOCATOR_SIGNATURE):
-            count, size_bytes, offset = _read_zip64_end(read_range, locator, end_offset)
-    if offset + size_bytes > end_offset:
-        raise DataError(f"zip central directory at bytes {offset}..{offset + size_bytes} runs "
-                        f"past the end record at byte {end_offset}")
-    return offset, _parse_central_entries(read_range(offset, size_bytes), count, offset)
+            directory_end, disk, directory_disk, count_here, count, size_bytes, offset = \
+                _read_zip64_end(read_range, locator, end_offset)
+    if disk != 0 or directory_disk != 0 or count_here != count:
+        raise DataError(f"zip end record says disk {disk}, central directory on disk "
+                        f"{directory_disk}, {count_here} of {count} entries on this disk: not "
+                        "the one-disk archive torch.save writes")
+    if size_bytes < count * _CENTRAL.size or offset + size_bytes > directory_end:
+        raise DataError(f"zip central directory of {count} entries at bytes {offset}.."
+                        f"{offset + size_bytes} cannot hold them before byte {directory_end}")
+    data = _read_exactly(read_range, offset, size_bytes, "zip central directory")
+    return offset, _parse_central_entries(data, count, offset, archive_length)
+
+
+def _read_exactly(read_range: ReadRange, start: int, count: int, what: str) -> bytes:
+    data = read_range(start, count)
+    if len(data) != count:
+        raise DataError(f"{what} at bytes {start}..{start + count} lies past the archive's end")
+    return data
 
 
 def _find_end_record(read_range: ReadRange, archive_length: int) -> tuple[int, bytes]:
@@ -105,17 +126,25 @@ def _find_end_record(read_range: ReadRange, archive_length: int) -> tuple[int, b
                     "(not a torch.save archive, or cut short)")
 
 
-def _read_zip64_end(read_range: ReadRange, locator: bytes, end_offset: int) -> tuple[int, int, int]:
-    _, _, zip64_end_offset, _ = _ZIP64_LOCATOR.unpack(locator)
+def _read_zip64_end(read_range: ReadRange, locator: bytes, end_offset: int) -> tuple[int, ...]:
+    """Where the zip64 end record starts, then its disk, central directory disk, entries on
+    this disk, entries, central directory size and offset."""
+    _, _, zip64_end_offset, disks = _ZIP64_LOCATOR.unpack(locator)
+    if disks != 1:
+        raise DataError(f"zip64 end locator says {disks} disks, not the one torch.save writes")
     if zip64_end_offset + _ZIP64_END.size > end_offset - _ZIP64_LOCATOR.size:
         raise DataError(f"zip64 end record offset {zip64_end_offset} lies past its locator")
-    fields = _ZIP64_END.unpack(read_range(zip64_end_offset, _ZIP64_END.size))
-    if fields[0] != ZIP64_END_SIGNATURE:
+    (signature, record_size, _, _, disk, directory_disk, count_here, count, size_bytes,
+     offset) = _ZIP64_END.unpack(read_range(zip64_end_offset, _ZIP64_END.size))
+    if signature != ZIP64_END_SIGNATURE or record_size < _ZIP64_END.size - 12:
         raise DataError(f"no zip64 end of central directory record at byte {zip64_end_offset}")
-    return fields[7], fields[8], fields[9]
+    if count > _UNSET_32:
+        raise DataError(f"zip64 end record claims {count} entries")
+    return zip64_end_offset, disk, directory_disk, count_here, count, size_bytes, offset
 
 
-def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> list[CentralEntry]:
+def _parse_central_entries(data: bytes, count: int, directory_offset: int,
+                           archive_length: int) -> list[CentralEntry]:
     entries = []
     position = 0
     for _ in range(count):
@@ -123,7 +152,8 @@ def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> li
         if position + _CENTRAL.size > len(data):
             raise DataError(f"zip central directory is cut short at byte {where}")
         fields = _CENTRAL.unpack_from(data, position)
-        signature, method, header_offset = fields[0], fields[4], fields[16]
+        signature, flags, method, disk, attributes, header_offset = (
+            fields[0], fields[3], fields[4], fields[13], fields[15], fields[16])
         crc32, size_bytes, uncompressed_bytes, name_length, extra_length, comment_length = \
             fields[7:13]
         if signature != CENTRAL_SIGNATURE:
@@ -133,17 +163,45 @@ def _parse_central_entries(data: bytes, count: int, directory_offset: int) -> li
         position = extra_start + extra_length + comment_length
         if position > len(data):
             raise DataError(f"zip central directory entry at byte {where} is cut short")
-        name = data[name_start:extra_start].decode("utf-8", errors="replace")
-        if 0xFFFFFFFF in (uncompressed_bytes, size_bytes, header_offset):
-            size_bytes, header_offset = _apply_zip64_extra(
+        try:
+            name = data[name_start:extra_start].decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"zip central directory entry at byte {where} has a name that is "
+                            f"not UTF-8: {data[name_start:extra_start]!r:.80}") from None
+        if _UNSET_32 in (uncompressed_bytes, size_bytes, header_offset):
+            uncompressed_bytes, size_bytes, header_offset = _apply_zip64_extra(
                 data[extra_start:extra_start + extra_length], uncompressed_bytes, size_bytes,
                 header_offset, name)
-        entries.append(CentralEntry(name, header_offset, size_bytes, crc32, method))
+        _check_entry(name, flags, method, disk, attributes, size_bytes, uncompressed_bytes,
+                     header_offset, archive_length)
+        entries.append(CentralEntry(name, header_offset, size_bytes, crc32))
+    if position != len(data):
+        raise DataError(f"zip central directory holds {len(data) - position} bytes past its "
+                        f"{count} entries")
     return entries
 
 
+def _check_entry(name: str, flags: int, method: int, disk: int, attributes: int,
+                 size_bytes: int, uncompressed_bytes: int, header_offset: int,
+                 archive_length: int) -> None:
+    """Refuse what torch.save never writes in a central directory entry."""
+    if attributes & _DOS_DIRECTORY_ATTRIBUTE or name.endswith("/"):
+        raise DataError(f"zip record {name!r} is marked as a directory")
+    if flags & _UNSUPPORTED_FLAGS:
+        raise DataError(f"zip record {name!r} has flags {flags:#06x}: encrypted or patched, "
+                        "which torch.save never writes")
+    if method != STORED or size_bytes != uncompressed_bytes:
+        raise DataError(f"zip record {name!r} is compressed (method {method}, {size_bytes} "
+                        f"bytes for {uncompressed_bytes}), which torch.save never does")
+    if disk != 0:
+        raise DataError(f"zip record {name!r} starts on disk {disk}, not the one disk")
+    if header_offset + _LOCAL_HEADER.size + size_bytes > archive_length:
+        raise DataError(f"zip record {name!r} at byte {header_offset} of {size_bytes} bytes "
+                        f"runs past the archive's {archive_length} bytes")
+
+
 def _apply_zip64_extra(extra: bytes, uncompressed_bytes: int, size_bytes: int,
-                       header_offset: int, name: str) -> tuple[int, int]:
+                       header_offset: int, name: str) -> tuple[int, int, int]:
     """Sizes and offsets too large for 32 bits are 0xFFFFFFFF, the real values in the zip64
     extra field, in the order: uncompressed size, compressed size, local header offset."""
     wanted = [value == 0xFFFFFFFF for value in (uncompressed_bytes, size_bytes, header_offset)]
@@ -160,7 +218,7 @@ def _apply_zip64_extra(extra: bytes, uncompressed_bytes: int, size_bytes: int,
             if needed:
                 values[index] = next(numbers, None)
         if None not in values:
-            return values[1], values[2]
+            return values[0], values[1], values[2]
     raise DataError(f"zip record {name!r} lacks the zip64 extra field its sizes call for")
 
 
@@ -184,13 +242,13 @@ def locate_record(read_range: ReadRange, entry: CentralEntry, data_limit: int) -
     """The record of a central directory entry, its data start read from its local header;
     its data must end by data_limit (where the central directory starts)."""
     header = read_range(entry.header_offset, _LOCAL_HEADER.size)
-    signature, _, _, _, _, _, _, _, _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-    if signature != LOCAL_SIGNATURE:
+    if len(header) != _LOCAL_HEADER.size or not header.startswith(LOCAL_SIGNATURE):
         raise DataError(f"no zip local header for record {entry.name!r} at byte "
                         f"{entry.header_offset}")
+    _, _, _, _, _, _, _, _, _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
     data_offset = entry.header_offset + _LOCAL_HEADER.size + name_length + extra_length
     record = ZipRecord(entry.name, data_offset, entry.size_bytes, entry.crc32,
-                       entry.compression_method, entry.header_offset)
+                       entry.header_offset)
     if record.data_end > data_limit:
         raise DataError(f"zip record {entry.name!r} at bytes {data_offset}..{record.data_end} "
                         f"runs past byte {data_limit}, where the central directory starts")

@@ -111,11 +111,18 @@ def test_damaged_pickle_is_a_layout_error_beside_its_crc():
     assert [record.name for record, _ in streamed.crc_mismatches] == ["archive/data.pkl"]
 
 
-def test_starts_like_zip():
+def test_looks_like_zip_by_either_end():
     check = ArchiveStreamCheck()
     for piece in (b"P", b"K\x03", b"\x04rest"):
         check.update(piece)
-    assert check.starts_like_zip()
+    assert check.looks_like_zip()
+    archive = io.BytesIO()
+    torch.save({"step": 3}, archive)
+    headless = ArchiveStreamCheck()
+    damaged = b"XX" + archive.getvalue()[2:]  # no longer starts like one
+    for start in range(0, len(damaged), 7):  # its end record split across pieces
+        headless.update(damaged[start:start + 7])
+    assert headless.looks_like_zip()
     raw = ArchiveStreamCheck()
     raw.update(b"raw bytes")
-    assert not raw.starts_like_zip()
+    assert not raw.looks_like_zip()
