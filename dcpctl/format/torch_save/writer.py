@@ -1,7 +1,7 @@
 """Write the `torch.save` archive of one dense tensor, streaming its payload, without torch.
 
-The archive has torch's own records, in torch's order: `data.pkl` (which names
-`torch._utils._rebuild_tensor_v2`, the storage type of the dtype and the shape), the small
+The archive has torch's own records, in torch's order: `data.pkl` (which names torch's
+rebuild function, the storage, the dtype and the shape, as torch.save writes them), the small
 format records, `data/0` (the payload, 64-byte aligned as torch aligns it), `version` and
 `.data/serialization_id`. Records are stored (not compressed) with data descriptors after each
 record, as torch writes them, so the payload streams through in pieces and its CRC-32 is
@@ -19,7 +19,6 @@ from typing import Callable, Iterable, Iterator
 
 import numpy
 
-from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
 from dcpctl.format.torch_save.zip_records import (CENTRAL_SIGNATURE, DATA_DESCRIPTOR_SIGNATURE,
                                                   END_SIGNATURE, LOCAL_SIGNATURE,
@@ -61,20 +60,27 @@ def _int_tuple(values: tuple[int, ...]) -> bytes:
 
 
 def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
-    """The `data.pkl` torch writes for a contiguous tensor of this dtype and shape."""
-    storage_type = LEGACY_STORAGE_TYPES.get(dtype.name)
-    if storage_type is None:
-        raise UnsupportedLayoutError(f"cannot write torch.save archives of dtype {dtype!r}")
+    """The `data.pkl` torch writes for a contiguous tensor of this dtype and shape: the legacy
+    typed storage and `_rebuild_tensor_v2` where the dtype has one, else (float8, uint16..64,
+    complex32, float4) an untyped storage of bytes and `_rebuild_tensor_v3` naming the dtype."""
     numel = 1
     stride = []
     for size in reversed(shape):
         stride.append(numel)
         numel *= size
-    persistent_id = (b"(" + _unicode("storage") + _global("torch", storage_type) + _unicode("0")
-                     + _unicode("cpu") + _integer(numel) + b"tQ")
-    return (b"\x80\x02" + _global("torch._utils", "_rebuild_tensor_v2") + b"(" + persistent_id
+    storage_type = LEGACY_STORAGE_TYPES.get(dtype.name)
+    if storage_type is not None:
+        rebuild, storage, storage_size, dtype_argument = (
+            "_rebuild_tensor_v2", _global("torch", storage_type), numel, b"")
+    else:
+        rebuild, storage, storage_size, dtype_argument = (
+            "_rebuild_tensor_v3", _global("torch.storage", "UntypedStorage"),
+            numel * dtype.itemsize, _global("torch", dtype.name))
+    persistent_id = (b"(" + _unicode("storage") + storage + _unicode("0") + _unicode("cpu")
+                     + _integer(storage_size) + b"tQ")
+    return (b"\x80\x02" + _global("torch._utils", rebuild) + b"(" + persistent_id
             + _integer(0) + _int_tuple(shape) + _int_tuple(tuple(reversed(stride))) + b"\x89"
-            + _global("collections", "OrderedDict") + b")Rt" + b"R.")
+            + _global("collections", "OrderedDict") + b")R" + dtype_argument + b"tR.")
 
 
 class ZipStreamWriter:

@@ -114,6 +114,26 @@ def test_safetensors_input_becomes_a_checkpoint_stock_torch_loads(tmp_path):
         fqn: d["sha256"] for fqn, d in expected.items()}
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled",
+                            "ignore:ComplexHalf support is experimental")
+def test_dtypes_without_a_legacy_storage_class_reshard_to_what_torch_loads(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def random_bits(dtype, shape):
+        return torch.randint(0, 256, (*shape, dtype.itemsize), dtype=torch.uint8).view(
+            dtype).reshape(shape)
+
+    state = {str(dtype).removeprefix("torch."): random_bits(dtype, (6, 4)) for dtype in (
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
+        torch.uint16, torch.uint32, torch.uint64, torch.complex32)}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    reshard_checkpoint(tmp_path / "dcp", 2, str(tmp_path / "out"))
+    loaded = load_with_torch(tmp_path / "out")
+    assert {name: (tensor.dtype, tensor_sha256(tensor)) for name, tensor in loaded.items()} == {
+        name: (tensor.dtype, tensor_sha256(tensor)) for name, tensor in state.items()}
+
+
 def test_small_row_blocks_and_thread_counts_give_the_same_bytes(tmp_path):
     source = fixture_path("mesh2d_4ranks")
     reshard_checkpoint(source, 3, str(tmp_path / "default"), threads=1)
