@@ -12,6 +12,7 @@ from dcpctl.errors import SelectionError
 
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optim"
+_GLOBAL_FLAGS = re.compile(r"(?:\(\?[aiLmsux]+\))*")
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,11 @@ class Rename:
             compiled = re.compile(pattern)
         except re.error as error:
             raise ValueError(f"{pattern!r} is not a regular expression ({error})") from None
-        try:  # a match of the same groups, all empty, expands the replacement as a match would
-            re.compile(f"(?:{pattern})|", compiled.flags).match("").expand(replacement)
+        # A match of the same groups, all empty, expands the replacement as a match would. Global
+        # flags must stay first, and a newline ends a trailing (?x) comment.
+        flags = _GLOBAL_FLAGS.match(pattern).group()
+        try:
+            re.compile(f"{flags}(?:{pattern[len(flags):]}\n)|").match("").expand(replacement)
         except (re.error, IndexError) as error:
             raise ValueError(f"{replacement!r} is not a replacement for {pattern!r} "
                              f"({error})") from None

@@ -36,6 +36,22 @@ def test_a_rename_splits_at_the_last_equals_sign():
             Rename.parse(bad)
 
 
+@pytest.mark.parametrize("text, name, renamed", [
+    (r"(?i)^MODEL\.=", "model.w", "w"),
+    (r"(?i)(?s)^(model)\.=\1/", "Model.w", "Model/w"),
+    ("(?x) ^model \\. # the prefix=", "model.w", "w"),
+])
+def test_renames_with_global_flags_are_accepted(text, name, renamed):
+    rename = Rename.parse(text)
+    assert rename.pattern.sub(rename.replacement, name) == renamed
+
+
+@pytest.mark.parametrize("text", [r"bias=\9", r"(?i)(a)=\2", "(?x)(a) # one group=\\2"])
+def test_replacements_naming_a_missing_group_are_refused(text):
+    with pytest.raises(ValueError, match="invalid group reference"):
+        Rename.parse(text)
+
+
 def test_clashes_and_empty_selections_are_refused():
     with pytest.raises(SelectionError, match="'model.embed.weight' and 'model.head.bias' are "
                                              "both renamed to 'x'"):
