@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 from dcpctl.errors import MetadataError
 from dcpctl.format.dtypes import TORCH_INDEX_LIMIT, DType, fits_in_torch
 from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
-                                            MetadataIndex, StorageInfo, TensorMetadata,
+                                            MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
                                             TensorProperties)
 
 _INT_TYPE_SET = {int}
@@ -67,7 +67,11 @@ def _check_records(loaded: Any, fail: Fail) -> None:
     _normalize_transforms(storage_data.values())
     if not _planner_data_looks_sound(loaded.planner_data):
         _check_plain_value(loaded.planner_data, "planner_data", fail)
-    _check_plain_value(loaded.storage_meta and vars(loaded.storage_meta), "storage_meta", fail)
+    if loaded.storage_meta is not None:
+        if type(loaded.storage_meta) is not StorageMeta:
+            raise fail(f"storage_meta is a {type(loaded.storage_meta).__name__}, not torch's "
+                       "StorageMeta")
+        _check_plain_value(vars(loaded.storage_meta), "storage_meta", fail)
 
 
 def _refuse_shared_entries(entries: dict, fail: Fail) -> None:

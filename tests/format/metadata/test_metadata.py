@@ -276,3 +276,12 @@ def test_metadata_without_a_version_reads():
         metadata.version = None
 
     assert parse_metadata(_edited_metadata(edit), "x/.metadata").version is None
+
+
+@pytest.mark.parametrize("storage_meta", [5, "ids", {"save_id": "x"}])
+def test_storage_meta_that_is_not_torchs_record_is_refused(storage_meta):
+    metadata = torch_metadata(fixture_path("mesh2d_4ranks"))
+    metadata.storage_meta = storage_meta
+    with pytest.raises(MetadataError, match=f"x/.metadata: storage_meta is a "
+                                            f"{type(storage_meta).__name__}, not torch's"):
+        parse_metadata(pickle.dumps(metadata), "x/.metadata")
