@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
+from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnsafePathError,
+                           UnsupportedLayoutError)
 from dcpctl.format.checkpoint.checksums import read_sha256sums
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
@@ -108,9 +109,9 @@ def _listing_problems(directory: Path, checkpoint: Checkpoint | None, sums: dict
     for name in sorted(sums):
         try:
             exists = resolve_inside(directory, name).exists()
-        except UnsafePathError:
-            problems.append(Problem(Rule.CHECKSUMS_FILE, f"names {name!r}, a path outside the "
-                                    "checkpoint directory", SHA256SUMS_FILE_NAME))
+        except (UnsafePathError, UnsupportedLayoutError):
+            problems.append(Problem(Rule.CHECKSUMS_FILE, f"names {name!r}, not a plain file "
+                                    "name in the checkpoint directory", SHA256SUMS_FILE_NAME))
             continue
         if not exists and name not in reported_missing:
             problems.append(Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name))

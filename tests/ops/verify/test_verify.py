@@ -228,6 +228,17 @@ def test_sha256sums_that_disagree_with_the_directory(copy_fixture):
     assert rules(verify_checkpoint(checkpoint, deep=False)) == {"checksums-file"}
 
 
+@pytest.mark.parametrize("listed", ["../outside.distcp", "sub/__0_0.distcp"])
+def test_sha256sums_naming_what_is_not_a_plain_file_name(copy_fixture, listed):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    checksum_checkpoint(checkpoint)
+    with open(checkpoint / "SHA256SUMS", "a") as sums:
+        sums.write("0" * 64 + f"  {listed}\n")
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert rules(report) == {"checksums-file"}
+    assert listed in only_problem(report, "checksums-file").message
+
+
 def test_safetensors_header_checked_against_metadata(copy_fixture):
     checkpoint = copy_fixture("safetensors_fsdp2_2ranks")
     edit_metadata(checkpoint, lambda metadata: setattr(
