@@ -38,7 +38,8 @@ def stop_on_signals() -> None:
 
 @contextlib.contextmanager
 def finishing_first() -> Iterator[None]:
-    """Run the block to its end even if a stop is requested meanwhile; then stop."""
+    """Run the block to its end even if a stop is requested meanwhile; then stop (the stop
+    wins over an error the block raised)."""
     if getattr(_state, "deferred", None) is not None:  # nested: the outer block decides
         yield
         return
@@ -47,8 +48,8 @@ def finishing_first() -> Iterator[None]:
         yield
     finally:
         deferred, _state.deferred = _state.deferred, None
-    if deferred:
-        _raise_stop(deferred[0])
+        if deferred:
+            _raise_stop(deferred[0])
 
 
 def _request_stop(signal_number: int, frame) -> None:

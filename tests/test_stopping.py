@@ -1,0 +1,52 @@
+"""Stops (SIGTERM, SIGHUP, Ctrl-C) wait for a finishing_first block, then win."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from dcpctl.stopping import Terminated, finishing_first, stop_on_signals
+
+
+@pytest.fixture
+def stopping_handlers():
+    saved = {number: signal.getsignal(number)
+             for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stop_on_signals()
+    yield
+    for number, handler in saved.items():
+        signal.signal(number, handler)
+
+
+def test_a_stop_outside_a_block_is_raised_at_once(stopping_handlers):
+    with pytest.raises(Terminated) as stopped:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.value.signal_number == signal.SIGTERM
+
+
+def test_a_stop_inside_a_block_waits_for_its_end(stopping_handlers):
+    steps = []
+    with pytest.raises(Terminated, match="SIGHUP"):
+        with finishing_first():
+            os.kill(os.getpid(), signal.SIGHUP)
+            steps.append("after the signal")
+            with finishing_first():  # nested: still deferred to the outer block's end
+                steps.append("inner block")
+            steps.append("end of the block")
+    assert steps == ["after the signal", "inner block", "end of the block"]
+
+
+def test_the_stop_wins_over_an_error_the_block_raises(stopping_handlers):
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with finishing_first():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise OSError("disk full")
+    assert isinstance(stopped.value.__context__, OSError)
+
+
+def test_without_a_stop_the_block_error_passes_through(stopping_handlers):
+    with pytest.raises(OSError, match="disk full"):
+        with finishing_first():
+            raise OSError("disk full")
