@@ -138,15 +138,19 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def write_file_atomically(path: Path, data: bytes) -> str:
+def write_file_atomically(path: Path, data: bytes, made_stale: Path | None = None) -> str:
     """Write data to path through a new temporary sibling, synced, then renamed over path: a
-    reader sees the old file or the whole new one. Returns the hex SHA-256 of data."""
+    reader sees the old file or the whole new one. made_stale, a file the new one makes wrong,
+    is removed just before the rename. Returns the hex SHA-256 of data."""
     temporary = path.with_name(temporary_name(path.name, new_token()))
+    stream = OutputFile(temporary)  # refuses a name taken: what is there is not ours to remove
     try:
-        with OutputFile(temporary) as stream:
+        with stream:
             stream.write(data)
             stream.finish()
         failpoint(Failpoint.BEFORE_ATOMIC_RENAME)
+        if made_stale is not None:
+            made_stale.unlink(missing_ok=True)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -163,17 +167,39 @@ def open_directory_at(parent_descriptor: int, name: str) -> int:
 
 def empty_directory(descriptor: int) -> None:
     """Delete everything in the open directory, through descriptors only: a path swapped for
-    a symlink meanwhile is never followed, whatever it points to."""
-    for entry in os.scandir(descriptor):
-        if entry.is_dir(follow_symlinks=False):
-            inner = open_directory_at(descriptor, entry.name)
-            try:
-                empty_directory(inner)
-            finally:
-                os.close(inner)
-            os.rmdir(entry.name, dir_fd=descriptor)
-        else:
-            os.unlink(entry.name, dir_fd=descriptor)
+    a symlink meanwhile is never followed, whatever it points to. Goes down without recursion,
+    so a tree planted deep inside fails on the open-file limit (an OSError), not on Python's
+    stack."""
+    entered: list[tuple[int, str]] = []  # the directories below descriptor being emptied
+    current = descriptor
+    try:
+        while True:
+            subdirectory = _remove_files_in(current)
+            if subdirectory is not None:
+                current = open_directory_at(current, subdirectory)
+                entered.append((current, subdirectory))
+                continue
+            if not entered:
+                return
+            emptied, name = entered.pop()
+            os.close(emptied)
+            current = entered[-1][0] if entered else descriptor
+            os.rmdir(name, dir_fd=current)
+    finally:
+        for still_open, _ in entered:
+            os.close(still_open)
+
+
+def _remove_files_in(descriptor: int) -> str | None:
+    """Unlink every entry of the open directory but directories; the name of one of those."""
+    subdirectory = None
+    with os.scandir(descriptor) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                subdirectory = entry.name
+            else:
+                os.unlink(entry.name, dir_fd=descriptor)
+    return subdirectory
 
 
 @contextlib.contextmanager

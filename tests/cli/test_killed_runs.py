@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from dcpctl.failpoints import Failpoint
 from dcpctl.format.checkpoint.checksums import read_sha256sums, sha256_of_file
+from dcpctl.ops.checksum import checksum_checkpoint
 from dcpctl.storage.local import is_temporary_name
 
 pytestmark = pytest.mark.slow
@@ -69,9 +70,20 @@ def source_untouched_and_no_output(output_name: str) -> Callable[[Path, dict], N
     return check
 
 
+def copy_source_with_sums(work: Path) -> None:
+    copy_source(work)
+    checksum_checkpoint(work / "ckpt")
+
+
 def in_place_checkpoint_loads(work: Path, before: dict) -> None:
+    """Loads and its SHA256SUMS holds; until `.metadata` switched, the source is as it was
+    (SHA256SUMS included), but for hidden temporaries a killed run leaves."""
     assert loaded_tensors(work / "ckpt") == expected_tensors()
     assert_checksums_hold(work / "ckpt")
+    state = {name: digest for name, digest in directory_state(work / "ckpt").items()
+             if not is_temporary_name(name)}
+    if state[".metadata"] == before["ckpt"][".metadata"]:
+        assert state == before["ckpt"]
 
 
 def checkpoint_loads(directory: str) -> Callable[[Path], None]:
@@ -124,10 +136,10 @@ def checksummed_and_clean(work: Path) -> None:
 
 
 SCENARIOS = [
-    Scenario("compress in place", lambda work: ["compress", work / "ckpt"], copy_source,
-             in_place_checkpoint_loads, in_place_rewrite_is_clean),
-    Scenario("decompress in place", lambda work: ["decompress", work / "ckpt"], copy_source,
-             in_place_checkpoint_loads, in_place_rewrite_is_clean),
+    Scenario("compress in place", lambda work: ["compress", work / "ckpt"],
+             copy_source_with_sums, in_place_checkpoint_loads, in_place_rewrite_is_clean),
+    Scenario("decompress in place", lambda work: ["decompress", work / "ckpt"],
+             copy_source_with_sums, in_place_checkpoint_loads, in_place_rewrite_is_clean),
     Scenario("compress -o", lambda work: ["compress", work / "ckpt", "-o", work / "out"],
              copy_source, source_untouched_and_no_output("out"), checkpoint_loads("out")),
     Scenario("reshard", lambda work: ["reshard", work / "ckpt", "--ranks", "2", "-o",

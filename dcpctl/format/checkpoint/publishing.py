@@ -129,11 +129,13 @@ class CheckpointOutput:
     def _publish_in_place(self, metadata: CheckpointMetadata, replaced_files: frozenset[str]
                           ) -> None:
         directory = self.directory
-        (directory / SHA256SUMS_FILE_NAME).unlink(missing_ok=True)  # it describes the old files
         temporary_names = {name: self.data_file_name(name) for name in self._digests}
         switched_metadata = serialize_metadata(_renamed(metadata, temporary_names))
-        with finishing_first():  # from the switch on, a stop waits for the end
-            write_file_atomically(directory / METADATA_FILE_NAME, switched_metadata)
+        with finishing_first():  # from here on, a stop waits for the end
+            # SHA256SUMS describes the old files: it goes at the switch, so a run that fails
+            # or stops earlier leaves the source with its sums
+            write_file_atomically(directory / METADATA_FILE_NAME, switched_metadata,
+                                  made_stale=directory / SHA256SUMS_FILE_NAME)
             self._metadata_switched = True
             self._finish_in_place(metadata, temporary_names, replaced_files)
 
