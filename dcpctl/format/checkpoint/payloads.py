@@ -34,6 +34,7 @@ import numpy
 from dcpctl.errors import DataError, DcpctlError, UnsupportedLayoutError, truncated_error
 from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, iter_item_pieces
 from dcpctl.format.checkpoint.locations import ItemLocation
+from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.torch_save.crc32 import shift_crc32
 from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_layout
 from dcpctl.format.torch_save.zip_records import ReadRange
@@ -182,9 +183,7 @@ class PayloadReader:
         elif completed and source.crc is not None:
             descriptor = self._descriptor(source.path)
             if not source.crc.matches(lambda start, length: os.pread(descriptor, length, start)):
-                raise DataError("crc-mismatch: the tensor's storage record does not match its "
-                                "CRC-32", path=location.path, fqn=location.fqn,
-                                start=location.start, end=location.end)
+                raise _storage_crc_error(location)
 
     def close(self) -> None:
         """Close every file this reader opened."""
@@ -247,9 +246,7 @@ class PayloadReader:
                                  layout.tensor.nbytes, crc=crc if storage.crc32 else None)
         record = _file_bytes(location.path, crc.start, storage.size_bytes)
         if storage.crc32 and zlib.crc32(record) != storage.crc32:
-            raise DataError("crc-mismatch: the tensor's storage record does not match its "
-                            "CRC-32", path=location.path, fqn=location.fqn,
-                            start=location.start, end=location.end)
+            raise _storage_crc_error(location)
         return self._row_major(layout, record)
 
     def _locate_in_spool(self, location: ItemLocation, spool_path: Path) -> PayloadSource:
@@ -295,7 +292,7 @@ class PayloadReader:
     def _spool(self, pieces: Iterable[bytes]) -> Path:
         handle, name = tempfile.mkstemp(dir=self._spool_directory, suffix=".item")
         try:
-            with os.fdopen(handle, "wb") as stream, naming_failures(name):
+            with naming_failures(name), os.fdopen(handle, "wb") as stream:
                 for piece in pieces:
                     stream.write(piece)
         except BaseException:
@@ -343,3 +340,9 @@ def _file_bytes(path: Path, offset: int, length: int) -> numpy.ndarray:
     """Bytes [offset, offset + length) of a file, mapped, not read: a view's elements are
     gathered from them a block at a time."""
     return numpy.memmap(path, dtype=numpy.uint8, mode="r", offset=offset, shape=(length,))
+
+
+def _storage_crc_error(location: ItemLocation) -> DataError:
+    return problems_error([Problem(Rule.CRC_MISMATCH, "the tensor's storage record does not "
+                                   "match its CRC-32", None, location.start, location.end,
+                                   (location.fqn,))], location.path)

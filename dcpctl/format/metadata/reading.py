@@ -187,7 +187,7 @@ def _started_with_stack(run: Callable[[], None], stack_bytes: int) -> threading.
     with _stack_size_lock:
         previous = threading.stack_size(stack_bytes)
         try:
-            thread = threading.Thread(target=run, name="dcpctl-metadata-unpickler")
+            thread = threading.Thread(target=run, name="dcpctl-metadata-unpickler", daemon=True)
             thread.start()
         finally:
             threading.stack_size(previous)
