@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pickle
+import resource
 import shutil
 import subprocess
 import sys
@@ -188,3 +189,33 @@ def another_prune():
     from dcpctl.storage.locks import locked_directory
 
     return lambda run_dir: locked_directory(run_dir, exclusive=True, what="held by the test")
+
+
+DEEP_TREE_LEVELS = 1500
+
+
+@pytest.fixture
+def deep_tree():
+    """make(directory): directories nested DEEP_TREE_LEVELS deep inside it, more than Python's
+    recursion limit; the soft open-file limit is raised for the test, and the tree removed
+    after it (pytest's own clean-up recurses)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = DEEP_TREE_LEVELS + 500
+    resource.setrlimit(resource.RLIMIT_NOFILE, (
+        max(soft, wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)), hard))
+    made = []
+
+    def make(directory: Path) -> None:
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(DEEP_TREE_LEVELS):  # too deep to name by path: go down by descriptor
+            os.mkdir("d", dir_fd=descriptor)
+            inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=descriptor)
+            os.close(descriptor)
+            descriptor = inner
+        os.close(descriptor)
+        made.append(directory / "d")
+
+    yield make
+    for top in made:
+        subprocess.run(["rm", "-rf", str(top)], check=True)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

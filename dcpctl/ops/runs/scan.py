@@ -41,7 +41,7 @@ class CheckpointEntry:
     modified_at: float
     age_seconds: float
     has_sha256sums: bool
-    identity: tuple[int, int] = (0, 0)
+    identity: tuple[int, int]
     """The directory's device and inode when scanned: what a deletion checks it still is."""
 
     def to_json(self) -> dict:
@@ -138,13 +138,20 @@ def _measure_directory(path: Path) -> tuple[int, float]:
     """Bytes of the regular files under path and the newest mtime of path and anything in it;
     symlinks inside count as themselves and are not followed."""
     size_bytes, newest = 0, os.lstat(path).st_mtime
-    for root, directory_names, file_names in os.walk(path):
-        for name in directory_names + file_names:
-            try:
-                status = os.lstat(os.path.join(root, name))
-            except FileNotFoundError:
-                continue  # a save in progress renames its temporary files
-            newest = max(newest, status.st_mtime)
-            if stat.S_ISREG(status.st_mode):
-                size_bytes += status.st_size
+    pending = [os.fspath(path)]  # no recursion: a tree planted deep inside is only long
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    try:
+                        status = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # a save in progress renames its temporary files
+                    newest = max(newest, status.st_mtime)
+                    if stat.S_ISREG(status.st_mode):
+                        size_bytes += status.st_size
+                    elif stat.S_ISDIR(status.st_mode):
+                        pending.append(entry.path)
+        except OSError:
+            continue  # gone or replaced since it was listed, or not ours to read
     return size_bytes, newest

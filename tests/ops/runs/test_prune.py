@@ -46,6 +46,17 @@ def test_keep_last_deletes_the_older_ones_and_frees_their_bytes(tmp_path):
     assert report.decisions[3].reasons == ["newest complete", "one of the last 2 complete"]
 
 
+def test_a_tree_planted_deep_in_a_checkpoint_is_measured_and_deleted(tmp_path, deep_tree):
+    """Deeper than Python's recursion limit: ls and prune walk and delete without recursing."""
+    run_dir = _run_dir(tmp_path, [100, 200])
+    deep_tree(run_dir / "step-100")
+    (first, _) = scan_run_directory(run_dir).checkpoints
+    assert first.size_bytes == sum(path.stat().st_size for path in (run_dir / "step-100").iterdir()
+                                   if path.is_file())
+    assert _deleted(_prune(run_dir, keep_last=1)) == ["step-100"]
+    assert _remaining(run_dir) == ["step-200"]
+
+
 def test_keep_every_keeps_multiples_of_the_step(tmp_path):
     run_dir = _run_dir(tmp_path, [1000, 1500, 2000, 2500, 3000])
     assert _deleted(_prune(run_dir, keep_last=1, keep_every_steps=1000)) == [
