@@ -15,14 +15,16 @@ def _ignore(done_bytes: int, total_bytes: int) -> None:
 @contextlib.contextmanager
 def byte_progress(description: str) -> Iterator[Callable[[int, int], None]]:
     """Yields `advance(bytes_done, total_bytes)` for ops, callable from any thread; the bar
-    starts on the first call. Where stderr is not a terminal (a cron job, a pipe) there is no
-    bar, and tqdm is not even imported."""
+    starts on the first call, and starts over when the total changes (a command that first
+    hashes the files SHA256SUMS lists, then does its work). Where stderr is not a terminal (a
+    cron job, a pipe) there is no bar, and tqdm is not even imported."""
     if not sys.stderr.isatty():
         yield _ignore
         return
     from tqdm import tqdm
 
     bars: list[tqdm] = []
+    current_total = [0]
     lock = threading.Lock()
 
     def advance(done_bytes: int, total_bytes: int) -> None:
@@ -31,6 +33,9 @@ def byte_progress(description: str) -> Iterator[Callable[[int, int], None]]:
                 bars.append(tqdm(total=total_bytes, unit="B", unit_scale=True,
                                  unit_divisor=1024, desc=description, leave=False,
                                  dynamic_ncols=True))
+            elif current_total[0] != total_bytes:  # the next pass (hashing done, the work)
+                bars[0].reset(total=total_bytes)
+            current_total[0] = total_bytes
             bars[0].update(done_bytes)
 
     try:

@@ -15,3 +15,11 @@ HF_INDEX_FILE_NAME = "model.safetensors.index.json"
 def rank_file_name(rank: int) -> str:
     """The data file of a rank, as torch's FileSystemWriter names it (one file per rank)."""
     return f"__{rank}_0{DATA_FILE_SUFFIX}"
+
+
+def is_plain_file_name(name: str) -> bool:
+    """Whether name is what dcpctl accepts for a file of a checkpoint: a name in its
+    directory (no `/` or `\\`, not `.` or `..`), printable (no NUL, line break of any kind or
+    control character: SHA256SUMS lists one name per line, and terminals show them)."""
+    return (name not in ("", ".", "..") and name.isprintable() and "/" not in name
+            and "\\" not in name)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dcpctl.format.checkpoint.checksums import read_sha256sums, write_sha256sums
-from dcpctl.format.checkpoint.problems import Problem
-from dcpctl.format.checkpoint.structure import checked_checkpoint, damage_error, list_stored_items
+from dcpctl.format.checkpoint.problems import Problem, problems_error
+from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.verify.scan import items_to_check, plan_scan, run_scan
 from dcpctl.pipeline import default_thread_count
@@ -48,7 +48,7 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
                           {name: old_sums.get(name) for name in names})
         problems += run_scan(units, threads or default_thread_count(), on_progress)
         if problems:
-            raise damage_error(checkpoint.path, sorted(problems, key=_problem_order))
+            raise problems_error(sorted(problems, key=_problem_order), checkpoint.path)
         digests = {unit.name: unit.sha256 for unit in units if unit.hashing}
         sums_path = write_sha256sums(checkpoint.path, digests)
     return ChecksumReport(str(checkpoint.path), str(sums_path), dict(sorted(digests.items())),

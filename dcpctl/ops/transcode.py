@@ -207,7 +207,8 @@ def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str
     """Rewrite the checkpoint at path with every item in `codec`, into output_path or in place
     (holding the checkpoint: exclusively in place, shared otherwise)."""
     in_place = output_path is None or _same_directory(Path(path), Path(output_path))
-    with checked_checkpoint(path, exclusive=in_place and not dry_run) as checkpoint:
+    with checked_checkpoint(path, exclusive=in_place and not dry_run, threads=threads,
+                            on_progress=on_progress) as checkpoint:
         return _transcode(checkpoint, codec, output_path, in_place, recode_same_codec, threads,
                           dry_run, overwrite, on_progress)
 
@@ -231,7 +232,8 @@ def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in
     if in_place:
         referenced = {info.relative_path for info in checkpoint.metadata.storage_data.values()}
         report.removed_stale_files = remove_stale_temporaries(checkpoint.path, referenced)
-    output = CheckpointOutput(Path(report.output), in_place, checkpoint.path, overwrite)
+    output = CheckpointOutput(Path(report.output), in_place, checkpoint.path,
+                              overwrite=overwrite)
     try:
         report.stored_bytes_after = execute_transcode(plan, checkpoint, output, threads,
                                                       on_progress)

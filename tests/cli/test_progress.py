@@ -29,6 +29,9 @@ class _RecordingBar:
     def update(self, count: int) -> None:
         self.updates.append(count)
 
+    def reset(self, total: int) -> None:
+        self.updates.append(("reset", total))
+
     def close(self) -> None:
         self.closed = True
 
@@ -44,6 +47,20 @@ def test_a_terminal_gets_one_byte_bar_of_the_total(monkeypatch):
     assert bar.options["total"] == 2048 and bar.options["unit"] == "B"
     assert bar.options["desc"] == "compress"
     assert bar.updates == [512, 1024] and bar.closed
+
+
+def test_a_second_pass_with_its_own_total_starts_the_bar_over(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.setattr(tqdm, "tqdm", _RecordingBar)
+    _RecordingBar.made.clear()
+    with byte_progress("reshard") as advance:
+        advance(100, 300)  # hashing the files SHA256SUMS lists
+        advance(200, 300)
+        advance(50, 1000)  # then the work
+        advance(50, 1000)
+    (bar,) = _RecordingBar.made
+    assert bar.options["total"] == 300
+    assert bar.updates == [100, 200, ("reset", 1000), 50, 50] and bar.closed
 
 
 def test_no_terminal_no_bar_and_no_tqdm():

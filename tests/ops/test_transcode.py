@@ -134,7 +134,7 @@ def test_corrupt_item_fails_naming_it_and_leaves_the_source_untouched(copy_fixtu
 def test_missing_source_file_is_named(copy_fixture, tmp_path):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     (checkpoint / "__2_0.distcp").unlink()
-    with pytest.raises(DataError, match=r"__2_0.distcp: missing data file"):
+    with pytest.raises(DataError, match=r"__2_0.distcp: missing-file: missing data file"):
         transcode_checkpoint(checkpoint, zstd_codec(), str(tmp_path / "out"), threads=2)
 
 

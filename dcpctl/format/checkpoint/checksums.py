@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
+from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.view import Checkpoint
-from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import open_for_reading, read_file, write_file_atomically
 
@@ -18,12 +19,11 @@ _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 HASH_PIECE_BYTES = 4 << 20
 
 
-def sha256_of_file(path: Path, piece_bytes: int = HASH_PIECE_BYTES,
-                   on_progress: Callable[[int], None] | None = None) -> str:
+def sha256_of_file(path: Path, on_progress: Callable[[int], None] | None = None) -> str:
     """The hex SHA-256 of a file, read in pieces; on_progress gets the size of each piece."""
     digest = hashlib.sha256()
     with open_for_reading(path) as stream:
-        while piece := stream.read(piece_bytes):
+        while piece := stream.read(HASH_PIECE_BYTES):
             digest.update(piece)
             if on_progress is not None:
                 on_progress(len(piece))
@@ -37,29 +37,45 @@ def sha256_of_files(directory: Path, names: Iterable[str], threads: int,
     directory = Path(directory)
     by_size = sorted(names, key=lambda name: -(directory / name).stat().st_size)
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        futures = {name: pool.submit(sha256_of_file, directory / name, on_progress=on_progress)
+        futures = {name: pool.submit(sha256_of_file, directory / name, on_progress)
                    for name in by_size}
         return {name: future.result() for name, future in futures.items()}
 
 
-def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = None) -> None:
+def checksum_mismatch(name: str, actual: str, listed: str, end: int | None = None,
+                      fqns: tuple[str, ...] = ()) -> Problem:
+    """The problem of a file whose SHA-256 is not the one SHA256SUMS lists."""
+    return Problem(Rule.CHECKSUM_MISMATCH, f"SHA-256 is {actual}, SHA256SUMS says {listed}",
+                   name, 0 if end is not None else None, end, fqns)
+
+
+def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = None,
+                               on_progress: Callable[[int, int], None] | None = None) -> None:
     """When the checkpoint holds SHA256SUMS, hash `.metadata` and the data files it lists, on
-    `threads` threads, and raise DataError naming the first that does not match or is gone."""
+    `threads` threads, and raise DataError naming the first that does not match.
+    on_progress(bytes_done, total_bytes) follows the hashing."""
     sums = read_sha256sums(checkpoint.path)
     if sums is None:
         return
     listed = [name for name in (METADATA_FILE_NAME, *checkpoint.files) if name in sums]
-    digests = sha256_of_files(checkpoint.path, listed, threads or default_thread_count())
-    for name in sorted(listed):
-        if digests[name] != sums[name]:
-            raise DataError(f"checksum-mismatch: SHA-256 is {digests[name]}, SHA256SUMS says "
-                            f"{sums[name]}", path=checkpoint.path / name)
+    total = sum((checkpoint.path / name).stat().st_size for name in listed)
+
+    def advance(done_bytes: int) -> None:
+        if on_progress is not None:
+            on_progress(done_bytes, total)
+
+    digests = sha256_of_files(checkpoint.path, listed, threads or default_thread_count(),
+                              advance)
+    mismatches = [checksum_mismatch(name, digests[name], sums[name]) for name in sorted(listed)
+                  if digests[name] != sums[name]]
+    if mismatches:
+        raise problems_error(mismatches, checkpoint.path)
 
 
 def format_sha256sums(digests: dict[str, str]) -> str:
     """`<hex>  <name>` lines sorted by name, as `sha256sum` prints them."""
     for name in digests:
-        if "\n" in name or "\\" in name or "/" in name:
+        if not is_plain_file_name(name):
             raise DataError(f"{name!r}: a checksummed file name must be a plain name")
     return "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
 

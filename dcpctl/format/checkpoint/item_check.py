@@ -3,8 +3,9 @@ reads: the torch.save archive the bytes form is whole (every record matches its 
 tensor item holds the dtype and shape of its chunk. A non-tensor item that is not an archive
 (raw bytes) is only decoded.
 
-Memory stays at two windows of the archive (torch_save/archive_check.py); the rare archive
-whose records lie outside them is read again, through `reread`.
+Memory stays at two windows of the archive, each held in whole pieces as read (at most a piece
+more; torch_save/archive_check.py); the rare archive whose records lie outside them is read
+again, through `reread`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import contextlib
 import os
 from typing import Callable, Iterable, Iterator
 
-from dcpctl.errors import DataError, DcpctlError
+from dcpctl.errors import DcpctlError
 from dcpctl.format.checkpoint.locations import ItemLocation
-from dcpctl.format.checkpoint.problems import Problem, Rule
+from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     spooled_read_range)
 from dcpctl.format.torch_save.zip_records import ReadRange
@@ -59,9 +60,7 @@ class ItemCheck:
         """Raise the first problem as a DataError naming the file, item and byte range."""
         problems = self.problems(reread)
         if problems:
-            first = problems[0]
-            raise DataError(f"{first.rule}: {first.message}", path=self.location.path,
-                            fqn=self.location.fqn, start=first.start, end=first.end)
+            raise problems_error(problems[:1], self.location.path)
 
     def _problem(self, rule: str, message: str, start: int | None = None,
                  end: int | None = None) -> Problem:

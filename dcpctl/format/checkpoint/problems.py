@@ -1,10 +1,14 @@
-"""What can be wrong with a checkpoint, as structured problems: `verify` lists them, and
-`open_checkpoint` refuses a checkpoint with missing or truncated files (view.py decides those
-once; reads that meet one later raise errors.missing_file_error or truncated_error)."""
+"""What can be wrong with a checkpoint, as structured problems: `verify` lists them; the other
+commands refuse what has one, with the first as one error (problems_error). Missing and
+truncated files are decided once, in view.py; reads that meet one later raise
+errors.missing_file_error or truncated_error."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from dcpctl.errors import DataError
 
 
 class Rule:
@@ -48,3 +52,16 @@ class Problem:
     start: int | None = None
     end: int | None = None
     fqns: tuple[str, ...] = ()
+
+
+def problems_error(problems: list[Problem], where: Path) -> DataError:
+    """One error for the first of problems: its rule and message, its file (in the checkpoint
+    directory `where`; `where` itself for a problem without a file name, as an item's own
+    problems have), the fqn when it is one item's, the byte range, and how many more there
+    are."""
+    first = problems[0]
+    more = f" (and {len(problems) - 1} more problems; see dcpctl verify)" if problems[1:] else ""
+    return DataError(f"{first.rule}: {first.message}{more}",
+                     path=where / first.file if first.file else where,
+                     fqn=first.fqns[0] if len(first.fqns) == 1 else None,
+                     start=first.start, end=first.end)

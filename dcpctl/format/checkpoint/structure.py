@@ -12,13 +12,11 @@ import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.checksums import refuse_sha256sums_mismatch
 from dcpctl.format.checkpoint.locations import ExpectedTensor
-from dcpctl.format.checkpoint.problems import Problem, Rule
+from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry, find_file_problems,
                                            open_checkpoint)
 from dcpctl.format.codecs.base import max_decoded_bytes
@@ -50,9 +48,8 @@ class StoredItem:
     @property
     def chunk_nbytes(self) -> int:
         """Bytes of the chunk's elements (0 for objects)."""
-        if self.tensor is None or self.chunk is None:
-            return 0
-        return math.prod(self.chunk.sizes) * self.tensor.dtype.itemsize
+        expected = self.expected
+        return 0 if expected is None else expected.nbytes
 
 
 def list_stored_items(checkpoint: Checkpoint) -> list[StoredItem]:
@@ -73,37 +70,30 @@ def is_safetensors_tensor(checkpoint: Checkpoint, item: StoredItem) -> bool:
 
 
 @contextlib.contextmanager
-def checked_checkpoint(path: str | os.PathLike, exclusive: bool = False,
-                       check_sums: bool = True) -> Iterator[Checkpoint]:
+def checked_checkpoint(path: str | os.PathLike, exclusive: bool = False, check_sums: bool = True,
+                       threads: int | None = None,
+                       on_progress: Callable[[int, int], None] | None = None
+                       ) -> Iterator[Checkpoint]:
     """open_checked_checkpoint(path), the checkpoint held while the block runs: exclusively to
     change it, shared to read its data (storage/locks.py). With check_sums, when it holds
-    SHA256SUMS, every file it lists is hashed first and must match (a file of a few bytes whose
-    CRC-32 happens to hold is caught, and so are the bytes no CRC covers)."""
+    SHA256SUMS, every file it lists is hashed first, on `threads` threads, and must match (a
+    file of a few bytes whose CRC-32 happens to hold is caught, and so are the bytes no CRC
+    covers); on_progress(bytes_done, total_bytes) follows that hashing."""
     with locked_checkpoint(path, exclusive):
         checkpoint = open_checked_checkpoint(path)
         if check_sums:
-            refuse_sha256sums_mismatch(checkpoint)
+            refuse_sha256sums_mismatch(checkpoint, threads, on_progress)
         yield checkpoint
 
 
 def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Open a checkpoint to move its data, refusing it if the metadata and file sizes already
     show it damaged (what `verify --quick` reports, SHA256SUMS aside)."""
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_checkpoint(path, check_files=False)  # check_structure words those too
     problems = check_structure(checkpoint, list_stored_items(checkpoint))
     if problems:
-        raise damage_error(checkpoint.path, problems)
+        raise problems_error(problems, checkpoint.path)
     return checkpoint
-
-
-def damage_error(directory: Path, problems: list[Problem]) -> DataError:
-    """One error for the first of problems found in the checkpoint at directory."""
-    first = problems[0]
-    more = f" (and {len(problems) - 1} more problems; see dcpctl verify)" if problems[1:] else ""
-    return DataError(f"{first.rule}: {first.message}{more}",
-                     path=directory / first.file if first.file else directory,
-                     fqn=first.fqns[0] if len(first.fqns) == 1 else None,
-                     start=first.start, end=first.end)
 
 
 def check_structure(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:

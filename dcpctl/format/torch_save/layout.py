@@ -21,9 +21,9 @@ from typing import Any, Sequence, TypeVar
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
-from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, CentralEntry,
-                                                  ReadRange, ZipRecord, local_record_in,
-                                                  locate_record, read_central_directory)
+from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, CentralEntry, ReadRange,
+                                                  ZipRecord, local_record_in, locate_record,
+                                                  read_central_directory)
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
 _FIRST_STORAGE_SUFFIX = "/data/0"

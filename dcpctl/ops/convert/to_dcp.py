@@ -254,7 +254,8 @@ def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: 
     check_world_size(ranks)
     source_format, entries = read_source(Path(source), prefix)
     output_path = Path(output)
-    checkpoint_output = CheckpointOutput(output_path, False, Path(source), overwrite)
+    checkpoint_output = CheckpointOutput(output_path, in_place=False, source=Path(source),
+                                         overwrite=overwrite)
     try:
         files = write_dcp(entries, ranks, checkpoint_output, threads, on_progress)
     except BaseException:

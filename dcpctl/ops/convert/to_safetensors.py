@@ -104,7 +104,7 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into safetensors files in the directory output."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
-    with checked_checkpoint(source) as checkpoint:
+    with checked_checkpoint(source, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
         staged = StagedOutput(Path(output), overwrite, checkpoint.path)
         try:

@@ -167,7 +167,7 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into the torch.save file output."""
     started = time.perf_counter()
     threads = threads or default_thread_count()
-    with checked_checkpoint(source) as checkpoint:
+    with checked_checkpoint(source, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_torch_save(checkpoint, selection, cast_to)
         staged = StagedOutput(Path(output), overwrite, checkpoint.path, is_directory=False)
         try:

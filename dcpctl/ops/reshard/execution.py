@@ -162,10 +162,11 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     threads = threads or default_thread_count()
     codec = codec_by_name(codec_name) if codec_name is not None else None
     destination = Path(output_path)
-    with checked_checkpoint(path) as checkpoint:
+    with checked_checkpoint(path, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_reshard(checkpoint, world_size, codec)
         _allow_open_files(world_size + len(checkpoint.files) + 64)
-        output = CheckpointOutput(destination, False, checkpoint.path, overwrite)
+        output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
+                                  overwrite=overwrite)
         try:
             stored = execute_reshard(plan, checkpoint, output, threads, on_progress,
                                      piece_bytes)

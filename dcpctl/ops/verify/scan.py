@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dcpctl.errors import DcpctlError, UnsafePathError, UnsupportedLayoutError
+from dcpctl.format.checkpoint.checksums import checksum_mismatch
 from dcpctl.format.checkpoint.item_check import ItemCheck
 from dcpctl.format.checkpoint.items import iter_decoded_item
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_item
@@ -73,7 +74,7 @@ def plan_scan(directory: Path, archive_items: list[ArchiveItem],
         try:
             path = resolve_inside(directory, name)
             size_bytes = path.stat().st_size
-        except (OSError, UnsafePathError):
+        except (OSError, UnsafePathError, UnsupportedLayoutError):
             continue
         archives = sorted(archives_by_file[name], key=lambda archive: archive.location.start)
         if name in sums:
@@ -151,9 +152,8 @@ def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
             if unit.hashing:
                 actual = unit.sha256 = cursor.hash_to_end()
                 if unit.expected_sha256 is not None and actual != unit.expected_sha256:
-                    problems.append(Problem(
-                        Rule.CHECKSUM_MISMATCH, f"SHA-256 is {actual}, SHA256SUMS says "
-                        f"{unit.expected_sha256}", unit.name, 0, cursor.position,
+                    problems.append(checksum_mismatch(
+                        unit.name, actual, unit.expected_sha256, cursor.position,
                         tuple(dict.fromkeys(archive.item.fqn for archive in unit.archive_items))))
     except OSError as error:
         problems.append(Problem(Rule.READ_ERROR, f"cannot read: {error.strerror or error}",
