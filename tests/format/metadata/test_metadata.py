@@ -285,3 +285,19 @@ def test_storage_meta_that_is_not_torchs_record_is_refused(storage_meta):
     with pytest.raises(MetadataError, match=f"x/.metadata: storage_meta is a "
                                             f"{type(storage_meta).__name__}, not torch's"):
         parse_metadata(pickle.dumps(metadata), "x/.metadata")
+
+
+def test_a_bytearray_too_large_to_allocate_is_refused_without_a_stray_line():
+    """CPython prints "SystemError: deallocated bytearray object has exported buffers" for
+    some of these (at random: it reads an unset field); the error line must be all there is."""
+    code = ("from dcpctl.format.metadata.reading import parse_metadata\n"
+            "from dcpctl.errors import MetadataError\n"
+            "for size in [2**40, 2**50, 2**62, 2**63 - 1] * 10:\n"
+            "    try:\n"
+            "        parse_metadata(b'\\x80\\x05\\x96' + size.to_bytes(8, 'little') + b'.', 'x')\n"
+            "    except MetadataError as error:\n"
+            "        assert 'MemoryError' in str(error), error\n"
+            "    else:\n"
+            "        raise AssertionError('read')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
