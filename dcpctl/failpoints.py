@@ -27,7 +27,8 @@ class Failpoint(enum.Enum):
     """An output file (data, safetensors, or the new `.metadata` or SHA256SUMS beside its name)
     was synced and closed."""
     BEFORE_ATOMIC_RENAME = "before-atomic-rename"
-    """A small file (`.metadata`, SHA256SUMS) was written beside its name, not renamed yet."""
+    """A small file (`.metadata`, SHA256SUMS) was written beside its name, not renamed yet (in
+    an object store: is about to be PUT under its name)."""
     AFTER_FIRST_METADATA_SWITCH = "after-first-metadata-switch"
     """In place: `.metadata` names the new data files by their temporary names."""
     AFTER_FINAL_NAME = "after-final-name"

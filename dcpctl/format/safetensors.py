@@ -13,7 +13,7 @@ from pathlib import Path
 from dcpctl.errors import DataError, UnsupportedLayoutError, missing_file_error
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType, fits_in_torch
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
-from dcpctl.storage.local import open_for_reading, read_file
+from dcpctl.storage.paths import open_ranged, read_whole
 
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -40,16 +40,15 @@ def read_safetensors_header(path: Path, blob_offset: int = 0) -> tuple[dict, int
     file, or one of a SAFETENSORS-serialized DCP checkpoint), and where its data starts."""
     where = f"safetensors header at byte {blob_offset}"
     try:
-        with open_for_reading(path) as stream:
-            stream.seek(blob_offset)
-            prefix = stream.read(8)
+        with open_ranged(path) as reader:
+            prefix = reader.read(blob_offset, 8)
             if len(prefix) < 8:
                 raise DataError(f"truncated {where}", path=path)
             (header_bytes,) = struct.unpack("<Q", prefix)
             if header_bytes > _MAX_HEADER_BYTES:
                 raise DataError(f"{where} claims {header_bytes} bytes, more than any real "
                                 "header", path=path)
-            header = json.loads(stream.read(header_bytes))
+            header = json.loads(reader.read(blob_offset + 8, header_bytes))
     except (ValueError, UnicodeDecodeError) as error:
         raise DataError(f"{where} is not JSON ({error})", path=path) from None
     except FileNotFoundError:
@@ -196,7 +195,7 @@ def _model_files(source: Path) -> tuple[list[Path], dict | None]:
     index_path = source / HF_INDEX_FILE_NAME
     if index_path.is_file():
         try:
-            weight_map = json.loads(read_file(index_path))["weight_map"]
+            weight_map = json.loads(read_whole(index_path))["weight_map"]
             names = list(dict.fromkeys(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise DataError("not a safetensors index (no weight_map)", path=index_path) from None

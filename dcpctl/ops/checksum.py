@@ -12,8 +12,8 @@ from dcpctl.format.checkpoint.problems import Problem, problems_error
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.verify.scan import items_to_check, plan_scan, run_scan
-from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import remove_stale_temporaries
+from dcpctl.storage.paths import default_threads_for
 
 
 @dataclass
@@ -46,7 +46,7 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
             checkpoint, list_stored_items(checkpoint))
         units = plan_scan(checkpoint.path, archive_items, safetensors_items,
                           {name: old_sums.get(name) for name in names})
-        problems += run_scan(units, threads or default_thread_count(), on_progress)
+        problems += run_scan(units, threads or default_threads_for(checkpoint.path), on_progress)
         if problems:
             raise problems_error(sorted(problems, key=_problem_order), checkpoint.path)
         digests = {unit.name: unit.sha256 for unit in units if unit.hashing}

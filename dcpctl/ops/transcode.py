@@ -15,7 +15,6 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
@@ -31,9 +30,9 @@ from dcpctl.format.codecs.names import ZSTD
 from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
                                            MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, Codec, codec_by_name)
 from dcpctl.format.metadata.records import MetadataIndex, StorageInfo
-from dcpctl.pipeline import (Pipeline, Run, coalesce, default_thread_count, group_into_runs,
-                             produce_run)
+from dcpctl.pipeline import Pipeline, Run, coalesce, group_into_runs, produce_run
 from dcpctl.storage.local import final_name_of, remove_stale_temporaries
+from dcpctl.storage.paths import StoragePath, default_threads_for, is_remote, storage_path
 
 # The codec names and zstd levels are named here for the command line, which reaches the
 # format only through the operations.
@@ -206,7 +205,8 @@ def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str
                          on_progress: ProgressCallback | None = None) -> TranscodeReport:
     """Rewrite the checkpoint at path with every item in `codec`, into output_path or in place
     (holding the checkpoint: exclusively in place, shared otherwise)."""
-    in_place = output_path is None or _same_directory(Path(path), Path(output_path))
+    in_place = output_path is None or _same_directory(storage_path(path),
+                                                      storage_path(output_path))
     with checked_checkpoint(path, exclusive=in_place and not dry_run, threads=threads,
                             on_progress=on_progress) as checkpoint:
         return _transcode(checkpoint, codec, output_path, in_place, recode_same_codec, threads,
@@ -217,7 +217,7 @@ def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in
                recode_same_codec: bool, threads: int | None, dry_run: bool, overwrite: bool,
                on_progress: ProgressCallback | None) -> TranscodeReport:
     started = time.perf_counter()
-    threads = threads or default_thread_count()
+    threads = threads or default_threads_for(checkpoint.path)
     path = checkpoint.path
     plan = plan_transcode(checkpoint, codec, recode_same_codec)
     report = TranscodeReport(
@@ -232,7 +232,7 @@ def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in
     if in_place:
         referenced = {info.relative_path for info in checkpoint.metadata.storage_data.values()}
         report.removed_stale_files = remove_stale_temporaries(checkpoint.path, referenced)
-    output = CheckpointOutput(Path(report.output), in_place, checkpoint.path,
+    output = CheckpointOutput(storage_path(report.output), in_place, checkpoint.path,
                               overwrite=overwrite)
     try:
         report.stored_bytes_after = execute_transcode(plan, checkpoint, output, threads,
@@ -244,7 +244,9 @@ def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in
     return report
 
 
-def _same_directory(first: Path, second: Path) -> bool:
+def _same_directory(first: StoragePath, second: StoragePath) -> bool:
+    if is_remote(first) or is_remote(second):
+        return first == second
     return second.exists() and os.path.samefile(first, second)
 
 

@@ -203,9 +203,14 @@ def _remove_files_in(descriptor: int) -> str | None:
 
 
 @contextlib.contextmanager
-def scratch_directory_beside(path: Path) -> Iterator[Path]:
-    """A new hidden directory beside path for temporary files (on the output's file system,
-    not a small /tmp), removed with everything in it afterwards."""
+def scratch_directory_beside(path) -> Iterator[Path]:
+    """A new hidden directory beside a local path for temporary files (on the output's file
+    system, not a small /tmp), removed with everything in it afterwards; for a path in an
+    object store, one in the system's temporary directory."""
+    if not isinstance(path, Path):
+        with tempfile.TemporaryDirectory(prefix="dcpctl-scratch-") as directory:
+            yield Path(directory)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent,
                                      prefix=f".{path.name}.dcpctl-scratch-") as directory:

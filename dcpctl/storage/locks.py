@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dcpctl.errors import LockHeldError
+from dcpctl.storage.objects import ObjectPath
 
 _LOCKS_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
 
@@ -40,9 +41,14 @@ def locked_directory(path: Path, exclusive: bool, what: str) -> Iterator[int]:
 def locked_checkpoint(path: str | os.PathLike, exclusive: bool) -> Iterator[None]:
     """Hold a checkpoint directory: exclusively to change it (another dcpctl reading or
     changing it makes this fail at once), shared to read its data (another dcpctl changing it
-    makes this fail at once). A path that is not a directory is left to the caller to refuse."""
+    makes this fail at once). A path that is not a directory is left to the caller to refuse. A
+    checkpoint in an object store takes no lock: there are none; conditional writes guard what
+    dcpctl replaces there."""
     what = ("another dcpctl is reading or changing this checkpoint" if exclusive
             else "another dcpctl is changing this checkpoint")
+    if isinstance(path, ObjectPath) or "://" in str(path):
+        yield
+        return
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):

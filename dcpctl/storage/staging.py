@@ -1,5 +1,7 @@
-"""A new output file or directory, written under a hidden temporary sibling name and renamed
-into place at the end, so that a killed run never leaves a half output under the real name."""
+"""A new output file or directory, written so that a killed run never leaves a half output
+under the real name: locally under a hidden temporary sibling name renamed into place at the
+end; in an object store straight under the destination prefix, whose `.metadata` (written last)
+is what makes it a checkpoint, and an object only appears once its upload completes."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ from pathlib import Path
 
 from dcpctl.errors import OutputError
 from dcpctl.failpoints import Failpoint, failpoint
+from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
+from dcpctl.storage.objects import ObjectPath
+from dcpctl.storage.paths import StoragePath
 
 
 class StagedOutput:
@@ -55,10 +60,71 @@ class StagedOutput:
             self.path.unlink(missing_ok=True)
 
 
-def refuse_overlap(source: Path, destination: Path) -> None:
+class ObjectStoreOutput:
+    """An output in an object store, written in place: `path` is the destination. What stands
+    there is refused unless overwrite; with overwrite it is deleted first, `.metadata` before
+    the rest, so it is never seen half gone as a whole checkpoint. publish() has nothing left
+    to do (the caller writes `.metadata` last); abort() deletes what was written."""
+
+    def __init__(self, destination: ObjectPath, overwrite: bool, source: StoragePath,
+                 is_directory: bool = True) -> None:
+        refuse_overlap(source, destination)
+        self.destination = self.path = destination
+        self.is_directory = is_directory
+        self.token = new_token()
+        store = destination.store
+        if is_directory:
+            if destination.is_file():
+                raise OutputError("exists and is not a directory (an object has this name)",
+                                  path=destination)
+            standing = sorted(store.list_tree(destination.key))
+            if standing and not overwrite:
+                raise OutputError("exists and is not empty (pass --overwrite to replace it)",
+                                  path=destination)
+            if standing:
+                _delete_metadata_first(destination, standing)
+        elif destination.is_file() and not overwrite:
+            raise OutputError("exists (pass --overwrite to replace it)", path=destination)
+
+    def publish(self) -> None:
+        """Nothing to move: every object is in place once its write finished."""
+        failpoint(Failpoint.BEFORE_PUBLISH)
+
+    def abort(self) -> None:
+        """Delete what was written under the destination."""
+        store = self.destination.store
+        if self.is_directory:
+            _delete_metadata_first(self.destination,
+                                   sorted(store.list_tree(self.destination.key)))
+        else:
+            self.destination.unlink(missing_ok=True)
+
+
+def _delete_metadata_first(directory: ObjectPath, names: list[str]) -> None:
+    store = directory.store
+    if METADATA_FILE_NAME in names:
+        store.delete([(directory / METADATA_FILE_NAME).key])
+    store.delete([(directory / name).key for name in names if name != METADATA_FILE_NAME])
+
+
+def staged_output(destination: StoragePath, overwrite: bool, source: StoragePath,
+                  is_directory: bool = True) -> StagedOutput | ObjectStoreOutput:
+    """Where a new output is written before it is published (see the two classes)."""
+    if isinstance(destination, ObjectPath):
+        return ObjectStoreOutput(destination, overwrite, source, is_directory)
+    return StagedOutput(destination, overwrite, source, is_directory)
+
+
+def refuse_overlap(source: StoragePath, destination: StoragePath) -> None:
     """Refuse an output that is the input, holds it, or lies inside it, whatever --overwrite
     says: replacing it would delete the input, and writing inside it would change it."""
-    source_real, destination_real = os.path.realpath(source), os.path.realpath(destination)
+    if isinstance(source, ObjectPath) or isinstance(destination, ObjectPath):
+        if not (isinstance(source, ObjectPath) and isinstance(destination, ObjectPath)
+                and source.store is destination.store):
+            return  # different stores never overlap
+        source_real, destination_real = "/" + source.key, "/" + destination.key
+    else:
+        source_real, destination_real = os.path.realpath(source), os.path.realpath(destination)
     if destination_real == source_real:
         raise OutputError(f"is the input {source}; give another output", path=destination)
     if _lies_within(source_real, destination_real):

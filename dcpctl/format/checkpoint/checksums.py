@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
@@ -13,28 +12,30 @@ from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
-from dcpctl.storage.local import open_for_reading, read_file, write_file_atomically
+from dcpctl.storage.paths import StoragePath, open_ranged, read_whole, storage_path, write_whole
 
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 HASH_PIECE_BYTES = 4 << 20
 
 
-def sha256_of_file(path: Path, on_progress: Callable[[int], None] | None = None) -> str:
+def sha256_of_file(path: StoragePath, on_progress: Callable[[int], None] | None = None) -> str:
     """The hex SHA-256 of a file, read in pieces; on_progress gets the size of each piece."""
     digest = hashlib.sha256()
-    with open_for_reading(path) as stream:
-        while piece := stream.read(HASH_PIECE_BYTES):
+    with open_ranged(path) as reader:
+        position = 0
+        while piece := reader.read(position, HASH_PIECE_BYTES):
+            position += len(piece)
             digest.update(piece)
             if on_progress is not None:
                 on_progress(len(piece))
     return digest.hexdigest()
 
 
-def sha256_of_files(directory: Path, names: Iterable[str], threads: int,
+def sha256_of_files(directory: StoragePath, names: Iterable[str], threads: int,
                     on_progress: Callable[[int], None] | None = None) -> dict[str, str]:
     """The hex SHA-256 of each named file of directory, hashed by `threads` threads at once
     (hashlib lets go of the GIL), the largest files first."""
-    directory = Path(directory)
+    directory = storage_path(directory)
     by_size = sorted(names, key=lambda name: -(directory / name).stat().st_size)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         futures = {name: pool.submit(sha256_of_file, directory / name, on_progress)
@@ -93,11 +94,11 @@ def parse_sha256sums(text: str, source: str = SHA256SUMS_FILE_NAME) -> dict[str,
     return digests
 
 
-def read_sha256sums(directory: Path) -> dict[str, str] | None:
+def read_sha256sums(directory: StoragePath) -> dict[str, str] | None:
     """The digests recorded in directory/SHA256SUMS, or None when there is no such file."""
-    path = Path(directory) / SHA256SUMS_FILE_NAME
+    path = storage_path(directory) / SHA256SUMS_FILE_NAME
     try:
-        text = read_file(path).decode()
+        text = read_whole(path).decode()
     except FileNotFoundError:
         return None
     except UnicodeDecodeError:
@@ -105,8 +106,8 @@ def read_sha256sums(directory: Path) -> dict[str, str] | None:
     return parse_sha256sums(text, str(path))
 
 
-def write_sha256sums(directory: Path, digests: dict[str, str]) -> Path:
-    """Write directory/SHA256SUMS atomically (temporary sibling, fsync, rename)."""
-    path = Path(directory) / SHA256SUMS_FILE_NAME
-    write_file_atomically(path, format_sha256sums(digests).encode())
+def write_sha256sums(directory: StoragePath, digests: dict[str, str]) -> StoragePath:
+    """Write directory/SHA256SUMS atomically (a reader sees the old file or the new one)."""
+    path = storage_path(directory) / SHA256SUMS_FILE_NAME
+    write_whole(path, format_sha256sums(digests).encode())
     return path

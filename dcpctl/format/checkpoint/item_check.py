@@ -11,7 +11,6 @@ again, through `reread`.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, Iterable, Iterator
 
 from dcpctl.errors import DcpctlError
@@ -20,7 +19,7 @@ from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     spooled_read_range)
 from dcpctl.format.torch_save.zip_records import ReadRange
-from dcpctl.storage.local import open_regular_file
+from dcpctl.storage.paths import open_ranged
 
 Reread = Callable[[], Iterable[bytes]]
 """The item's decoded bytes once more, from the start."""
@@ -111,9 +110,6 @@ def _random_access(location: ItemLocation, reread: Reread) -> Iterator[ReadRange
 
 @contextlib.contextmanager
 def open_item_file(location: ItemLocation) -> Iterator[ReadRange]:
-    """pread on the item's file, open for the block."""
-    descriptor = open_regular_file(location.path)
-    try:
-        yield lambda start, count: os.pread(descriptor, count, start)
-    finally:
-        os.close(descriptor)
+    """Ranged reads of the item's file, open for the block."""
+    with open_ranged(location.path) as reader:
+        yield reader.read

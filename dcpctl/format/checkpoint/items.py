@@ -10,15 +10,13 @@ what the bytes form (item_check.py).
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Iterable, Iterator
 
 from dcpctl.errors import DataError, DcpctlError, missing_file_error, truncated_error
 from dcpctl.format.checkpoint.item_check import ItemCheck
 from dcpctl.format.checkpoint.locations import ItemLocation
 from dcpctl.format.codecs.base import iter_decoded
-from dcpctl.storage.local import open_for_reading
+from dcpctl.storage.paths import StoragePath, open_ranged
 
 DEFAULT_PIECE_BYTES = 4 << 20
 MAX_ITEM_IN_MEMORY_BYTES = 256 << 20
@@ -28,12 +26,12 @@ class StoredSpan:
     """The stored bytes of neighbouring items of one file, read with one read: small items
     cost a system call and a Python round trip each otherwise."""
 
-    def __init__(self, path: Path, start: int, end: int, first_fqn: str) -> None:
+    def __init__(self, path: StoragePath, start: int, end: int, first_fqn: str) -> None:
         self.path = path
         self.start = start
         try:
-            with open_for_reading(path) as stream:
-                self._data = memoryview(os.pread(stream.fileno(), end - start, start))
+            with open_ranged(path) as reader:
+                self._data = memoryview(reader.read(start, end - start))
         except FileNotFoundError:
             raise missing_file_error(path, first_fqn) from None
 
@@ -57,11 +55,10 @@ def iter_stored_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_
         yield span.stored_bytes(location)
         return
     try:
-        with open_for_reading(location.path) as stream:
+        with open_ranged(location.path) as reader:
             position = location.start
             while position < location.end:
-                piece = os.pread(stream.fileno(), min(piece_bytes, location.end - position),
-                                 position)
+                piece = reader.read(position, min(piece_bytes, location.end - position))
                 if not piece:
                     raise truncated_error(location.path, location.fqn, location.start,
                                           location.end, position)

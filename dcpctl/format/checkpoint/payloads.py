@@ -38,7 +38,8 @@ from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.torch_save.crc32 import shift_crc32
 from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_layout
 from dcpctl.format.torch_save.zip_records import ReadRange
-from dcpctl.storage.local import naming_failures, open_regular_file, scratch_directory_beside
+from dcpctl.storage.local import naming_failures, scratch_directory_beside
+from dcpctl.storage.paths import RangedFile, StoragePath, is_remote, open_ranged
 
 
 class RecordCrc:
@@ -86,11 +87,11 @@ def _joined(crc: int, next_crc: int, next_length: int) -> int:
 
 @dataclass(frozen=True)
 class PayloadSource:
-    """Where a chunk's raw row-major bytes are: at offset in the file at path, read with
-    os.pread, or, for bytes held in memory, in `data` (path None); and the CRC of the storage
-    record they are read from, when it is to be checked as they are."""
+    """Where a chunk's raw row-major bytes are: at offset in the file at path, read by range,
+    or, for bytes held in memory, in `data` (path None); and the CRC of the storage record they
+    are read from, when it is to be checked as they are."""
 
-    path: Path | None
+    path: StoragePath | None
     offset: int
     nbytes: int
     data: memoryview | None = None
@@ -123,7 +124,7 @@ class PayloadReader:
         self._items = {location: _ItemState(users)
                        for location, users in (users_by_item or {}).items()}
         self._lock = threading.Lock()
-        self._descriptors: dict[Path, int] = {}
+        self._readers: dict[StoragePath, RangedFile] = {}
 
     def source_of(self, location: ItemLocation) -> PayloadSource:
         """The payload of the tensor chunk stored at location; raises DataError if the item
@@ -150,7 +151,7 @@ class PayloadReader:
             out[:] = source.data[offset:offset + len(out)]
             return
         start = source.offset + offset
-        count = os.preadv(self._descriptor(source.path), [out], start)
+        count = self._reader(source.path).readinto(out, start)
         if count != len(out):
             raise truncated_error(source.path, None, start, start + len(out), start + count)
         if source.crc is not None:
@@ -181,16 +182,16 @@ class PayloadReader:
         if source.path is not None and source.path.parent == self._spool_directory:
             self._forget(source.path)
         elif completed and source.crc is not None:
-            descriptor = self._descriptor(source.path)
-            if not source.crc.matches(lambda start, length: os.pread(descriptor, length, start)):
+            reader = self._reader(source.path)
+            if not source.crc.matches(lambda start, length: reader.read(start, length)):
                 raise _storage_crc_error(location)
 
     def close(self) -> None:
         """Close every file this reader opened."""
         with self._lock:
-            for descriptor in self._descriptors.values():
-                os.close(descriptor)
-            self._descriptors.clear()
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
 
     def _state(self, location: ItemLocation) -> _ItemState:
         item = self._items.get(location)
@@ -199,18 +200,18 @@ class PayloadReader:
                 item = self._items.setdefault(location, _ItemState(1))
         return item
 
-    def _descriptor(self, path: Path) -> int:
+    def _reader(self, path: StoragePath) -> RangedFile:
         with self._lock:
-            descriptor = self._descriptors.get(path)
-            if descriptor is None:
-                descriptor = self._descriptors[path] = open_regular_file(path)
-            return descriptor
+            reader = self._readers.get(path)
+            if reader is None:
+                reader = self._readers[path] = open_ranged(path)
+            return reader
 
     def _forget(self, spool_path: Path) -> None:
         with self._lock:
-            descriptor = self._descriptors.pop(spool_path, None)
-        if descriptor is not None:
-            os.close(descriptor)
+            reader = self._readers.pop(spool_path, None)
+        if reader is not None:
+            reader.close()
         spool_path.unlink(missing_ok=True)
 
     def _locate(self, location: ItemLocation) -> PayloadSource:
@@ -236,27 +237,27 @@ class PayloadReader:
             decoded[storage.data_offset:storage.data_end], dtype=numpy.uint8))
 
     def _locate_in_place(self, location: ItemLocation) -> PayloadSource:
-        descriptor = self._descriptor(location.path)
-        layout = _checked_layout(location, lambda offset, size: os.pread(
-            descriptor, size, location.start + offset), location.length)
+        reader = self._reader(location.path)
+        layout = _checked_layout(location, lambda offset, size: reader.read(
+            location.start + offset, size), location.length)
         storage = layout.storage
         crc = RecordCrc(location.start + storage.data_offset, storage.size_bytes, storage.crc32)
         if layout.tensor.is_contiguous:
             return PayloadSource(location.path, location.start + layout.payload_offset,
                                  layout.tensor.nbytes, crc=crc if storage.crc32 else None)
-        record = _file_bytes(location.path, crc.start, storage.size_bytes)
+        record = self._file_bytes(location.path, crc.start, storage.size_bytes)
         if storage.crc32 and zlib.crc32(record) != storage.crc32:
             raise _storage_crc_error(location)
         return self._row_major(layout, record)
 
     def _locate_in_spool(self, location: ItemLocation, spool_path: Path) -> PayloadSource:
-        descriptor = self._descriptor(spool_path)
-        layout = _checked_layout(location, lambda offset, size: os.pread(
-            descriptor, size, offset), spool_path.stat().st_size)
+        reader = self._reader(spool_path)
+        layout = _checked_layout(location, lambda offset, size: reader.read(offset, size),
+                                 spool_path.stat().st_size)
         if layout.tensor.is_contiguous:
             return PayloadSource(spool_path, layout.payload_offset, layout.tensor.nbytes)
-        source = self._row_major(layout, _file_bytes(spool_path, layout.storage.data_offset,
-                                                     layout.storage.size_bytes))
+        source = self._row_major(layout, self._file_bytes(
+            spool_path, layout.storage.data_offset, layout.storage.size_bytes))
         self._forget(spool_path)  # the row-major copy stands in for it
         return source
 
@@ -289,6 +290,17 @@ class PayloadReader:
                   for first in range(0, saved.shape[0], rows_per_block))
         return PayloadSource(self._spool(blocks), 0, saved.nbytes)
 
+    def _file_bytes(self, path: StoragePath, offset: int, length: int) -> numpy.ndarray:
+        """Bytes [offset, offset + length) of a file, mapped, not read, where it is local (a
+        view's elements are gathered from them a block at a time); an object's are read."""
+        if not is_remote(path):
+            return numpy.memmap(path, dtype=numpy.uint8, mode="r", offset=offset,
+                                shape=(length,))
+        data = self._reader(path).read(offset, length)
+        if len(data) != length:
+            raise truncated_error(path, None, offset, offset + length, offset + len(data))
+        return numpy.frombuffer(data, dtype=numpy.uint8)
+
     def _spool(self, pieces: Iterable[bytes]) -> Path:
         handle, name = tempfile.mkstemp(dir=self._spool_directory, suffix=".item")
         try:
@@ -302,10 +314,12 @@ class PayloadReader:
 
 
 @contextlib.contextmanager
-def open_payload_reader(output: Path, users_by_item: dict[ItemLocation, int] | None = None
+def open_payload_reader(output: StoragePath,
+                        users_by_item: dict[ItemLocation, int] | None = None
                         ) -> Iterator[PayloadReader]:
-    """A PayloadReader that spools beside output (on its file system), closed and its spool
-    removed afterwards."""
+    """A PayloadReader that spools beside a local output (on its file system; in the system's
+    temporary directory for an output in an object store), closed and its spool removed
+    afterwards."""
     with scratch_directory_beside(output) as spool:
         reader = PayloadReader(spool, users_by_item)
         try:
@@ -334,12 +348,6 @@ def _checked_layout(location: ItemLocation, read_range: ReadRange, length: int
             "(torch's conj/neg bit): its values are not its stored bytes, which this command "
             "reads; save it with .resolve_conj().resolve_neg() first", **where)
     return layout
-
-
-def _file_bytes(path: Path, offset: int, length: int) -> numpy.ndarray:
-    """Bytes [offset, offset + length) of a file, mapped, not read: a view's elements are
-    gathered from them a block at a time."""
-    return numpy.memmap(path, dtype=numpy.uint8, mode="r", offset=offset, shape=(length,))
 
 
 def _storage_crc_error(location: ItemLocation) -> DataError:

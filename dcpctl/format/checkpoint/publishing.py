@@ -3,12 +3,18 @@
 Two destinations:
 - a new directory: everything is written into a hidden temporary sibling, which is renamed to
   the destination at the end; a killed run leaves the sibling, never a half checkpoint at the
-  destination;
+  destination. In an object store, which cannot rename, the data objects and SHA256SUMS go
+  straight under the destination prefix and `.metadata` last, created only if none is there
+  (where the store can promise it): a killed run leaves data objects without `.metadata`, an
+  incomplete checkpoint, never a half one that looks whole;
 - in place: new data files are written beside the old ones under temporary names, `.metadata`
   is switched to them with one atomic rename, and only then are the new files given their
   final names (hard link, then an atomic replace of the old name) before a second metadata
   switch. At every moment `.metadata` names files that exist and hold what it says, so a
-  killed run leaves a checkpoint that loads, old or new, never a mix.
+  killed run leaves a checkpoint that loads, old or new, never a mix. In an object store (no
+  hard links) and on a file system without them, the new files keep their new names; there
+  `.metadata` is replaced only if it is still the object first read (where the store can
+  promise it), so a checkpoint changed meanwhile by someone else is not overwritten.
 Data files are hashed while written, so SHA256SUMS costs no second read.
 """
 
@@ -25,19 +31,19 @@ from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
 from dcpctl.stopping import finishing_first
-from dcpctl.storage.local import (OutputFile, fsync_directory, new_token, temporary_name,
-                                  write_file_atomically)
-from dcpctl.storage.staging import StagedOutput
+from dcpctl.storage.local import fsync_directory, new_token, temporary_name
+from dcpctl.storage.paths import StoragePath, is_remote, new_output_file, write_whole
+from dcpctl.storage.staging import staged_output
 
 
 class DataFileWriter:
     """One data file being written: its size so far and the SHA-256 of what was written."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: StoragePath) -> None:
         self.path = path
         self.size_bytes = 0
         self._digest = hashlib.sha256()
-        self._file = OutputFile(path)
+        self._file = new_output_file(path)
 
     def write(self, piece: bytes) -> None:
         """Append a piece of bytes."""
@@ -58,20 +64,20 @@ class DataFileWriter:
 class CheckpointOutput:
     """Where a rewritten checkpoint goes; see the module docstring for the two ways."""
 
-    def __init__(self, destination: Path, in_place: bool, source: Path,
+    def __init__(self, destination: StoragePath, in_place: bool, source: StoragePath,
                  overwrite: bool = False) -> None:
         self.destination = destination
         self.in_place = in_place
         self._digests: dict[str, str] = {}
         self._open_writers: dict[str, DataFileWriter] = {}  # by final name
-        self._written: list[Path] = []
+        self._written: list[StoragePath] = []
         self._metadata_switched = False
         if in_place:
             self._staged = None
             self._token = new_token()
             self.directory = destination
         else:
-            self._staged = StagedOutput(destination, overwrite, source)
+            self._staged = staged_output(destination, overwrite, source)
             self._token = self._staged.token
             self.directory = self._staged.path
 
@@ -121,9 +127,10 @@ class CheckpointOutput:
             self._staged.abort()
 
     def _publish_new_directory(self, metadata: CheckpointMetadata) -> None:
-        self._digests[METADATA_FILE_NAME] = write_file_atomically(
-            self.directory / METADATA_FILE_NAME, serialize_metadata(metadata))
+        metadata_bytes = serialize_metadata(metadata)
+        self._digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
         write_sha256sums(self.directory, self._digests)
+        write_whole(self.directory / METADATA_FILE_NAME, metadata_bytes, only_if_absent=True)
         self._staged.publish()
 
     def _publish_in_place(self, metadata: CheckpointMetadata, replaced_files: frozenset[str]
@@ -134,35 +141,50 @@ class CheckpointOutput:
         with finishing_first():  # from here on, a stop waits for the end
             # SHA256SUMS describes the old files: it goes at the switch, so a run that fails
             # or stops earlier leaves the source with its sums
-            write_file_atomically(directory / METADATA_FILE_NAME, switched_metadata,
-                                  made_stale=directory / SHA256SUMS_FILE_NAME)
+            switched_digest = write_whole(directory / METADATA_FILE_NAME, switched_metadata,
+                                          made_stale=directory / SHA256SUMS_FILE_NAME,
+                                          only_if_unchanged=True)
             self._metadata_switched = True
-            self._finish_in_place(metadata, temporary_names, replaced_files)
+            self._finish_in_place(metadata, temporary_names, replaced_files, switched_digest)
 
     def _finish_in_place(self, metadata: CheckpointMetadata, temporary_names: dict[str, str],
-                         replaced_files: frozenset[str]) -> None:
-        """From `.metadata` naming the new files by their temporary names: their final names,
-        the second switch, the old files gone, SHA256SUMS."""
+                         replaced_files: frozenset[str], switched_digest: str) -> None:
+        """From `.metadata` naming the new files by their temporary names (its SHA-256:
+        switched_digest): their final names, the second switch, the old files gone,
+        SHA256SUMS."""
         directory = self.directory
-        fsync_directory(directory)
+        _sync(directory)
         failpoint(Failpoint.AFTER_FIRST_METADATA_SWITCH)
-        if _give_final_names(directory, temporary_names):
-            metadata_digest = write_file_atomically(directory / METADATA_FILE_NAME,
-                                                    serialize_metadata(metadata))
+        if not is_remote(directory) and _give_final_names(directory, temporary_names):
+            metadata_digest = write_whole(directory / METADATA_FILE_NAME,
+                                          serialize_metadata(metadata))
             fsync_directory(directory)
             failpoint(Failpoint.AFTER_SECOND_METADATA_SWITCH)
             for temporary in temporary_names.values():
                 (directory / temporary).unlink()
             digests = dict(self._digests)
         else:  # no hard links here: the new files keep their temporary names
-            metadata_digest = hashlib.sha256(
-                (directory / METADATA_FILE_NAME).read_bytes()).hexdigest()
+            metadata_digest = switched_digest
             digests = {temporary_names[name]: digest for name, digest in self._digests.items()}
-        for name in replaced_files - set(digests):
-            (directory / name).unlink(missing_ok=True)
+        _remove(directory, sorted(replaced_files - set(digests)))
         digests[METADATA_FILE_NAME] = metadata_digest
         write_sha256sums(directory, digests)
+        _sync(directory)
+
+
+def _sync(directory: StoragePath) -> None:
+    """Make a local directory's entries durable; an object store's writes are once done."""
+    if not is_remote(directory):
         fsync_directory(directory)
+
+
+def _remove(directory: StoragePath, names: list[str]) -> None:
+    """Delete the named files of directory (in batches, in an object store)."""
+    if is_remote(directory):
+        directory.store.delete([(directory / name).key for name in names])
+        return
+    for name in names:
+        (directory / name).unlink(missing_ok=True)
 
 
 def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:

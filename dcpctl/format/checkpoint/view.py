@@ -20,7 +20,8 @@ from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
 from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
-from dcpctl.storage.local import open_for_reading
+from dcpctl.storage.objects import ObjectInfo, ObjectPath
+from dcpctl.storage.paths import StoragePath, open_ranged, storage_path
 
 TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
@@ -67,16 +68,19 @@ class DataFile:
 
 @dataclass
 class Checkpoint:
-    """A checkpoint directory read through its metadata; no tensor data is loaded."""
+    """A checkpoint directory (local, or a prefix in an object store) read through its
+    metadata; no tensor data is loaded."""
 
-    path: Path
+    path: StoragePath
     metadata: CheckpointMetadata
     tensors: list[TensorEntry] = field(default_factory=list)
     objects: list[ObjectEntry] = field(default_factory=list)
     files: dict[str, DataFile] = field(default_factory=dict)
-    _checked_paths: dict[str, Path] = field(default_factory=dict, repr=False)
+    listing: dict[str, ObjectInfo] | None = field(default=None, repr=False)
+    """For a checkpoint in an object store: every object under its prefix, from one listing."""
+    _checked_paths: dict[str, StoragePath] = field(default_factory=dict, repr=False)
 
-    def data_path(self, relative_path: str) -> Path:
+    def data_path(self, relative_path: str) -> StoragePath:
         """The path of a data file named in the metadata, refused if it escapes the directory
         or is one of the checkpoint's own files (`.metadata`, SHA256SUMS)."""
         path = self._checked_paths.get(relative_path)
@@ -94,7 +98,7 @@ _NOT_DATA_FILE_PATHS = frozenset({(METADATA_FILE_NAME,), (METADATA_TEMPORARY_FIL
                                   (SHA256SUMS_FILE_NAME,)})
 
 
-def resolve_inside(directory: Path, relative_path: str) -> Path:
+def resolve_inside(directory: StoragePath, relative_path: str) -> StoragePath:
     """`directory/relative_path`, refused if it is absolute, climbs out, links outside, or
     holds `\\` or a character that is not printable (a NUL, a line break of any kind, a
     control character, a surrogate for a byte that is not UTF-8): SHA256SUMS lists every data
@@ -111,7 +115,9 @@ def resolve_inside(directory: Path, relative_path: str) -> Path:
                                      "a directory part; dcpctl reads data files that lie "
                                      "directly in the checkpoint directory, where every DCP "
                                      "writer puts them", path=directory)
-    candidate = directory / pure
+    candidate = directory / str(pure)
+    if isinstance(directory, ObjectPath):
+        return candidate  # no links in an object store: the name is the whole story
     real_directory = os.path.realpath(directory)
     real_candidate = os.path.realpath(candidate)
     if os.path.commonpath([real_directory, real_candidate]) != real_directory:
@@ -120,13 +126,19 @@ def resolve_inside(directory: Path, relative_path: str) -> Path:
     return candidate
 
 
-def open_checkpoint(path: str | os.PathLike, check_files: bool = True) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = True
+                    ) -> Checkpoint:
     """Read a checkpoint's metadata and data file sizes; with check_files, refuse missing or
-    truncated files."""
-    directory = Path(path)
-    _check_is_checkpoint_directory(directory)
+    truncated files. In an object store this is one listing and one read of `.metadata`."""
+    directory = storage_path(path)
+    if isinstance(directory, ObjectPath):
+        listing = directory.store.list_tree(directory.key)
+        _check_is_checkpoint_prefix(directory, listing)
+    else:
+        listing = None
+        _check_is_checkpoint_directory(directory)
     with paused_cycle_collector():
-        checkpoint = Checkpoint(directory, read_metadata(directory))
+        checkpoint = Checkpoint(directory, read_metadata(directory), listing=listing)
         _collect_entries(checkpoint)
         _collect_files(checkpoint)
     if check_files:
@@ -159,6 +171,36 @@ def _check_is_checkpoint_directory(directory: Path) -> None:
                                     path=directory)
 
 
+def _check_is_checkpoint_prefix(directory: ObjectPath, listing: dict[str, ObjectInfo]
+                                ) -> None:
+    if METADATA_FILE_NAME in listing:
+        return
+    if not listing:
+        raise CheckpointNotFoundError("no objects under this prefix", path=directory)
+    if HF_INDEX_FILE_NAME in listing:
+        raise UnsupportedLayoutError(
+            f"holds {HF_INDEX_FILE_NAME} but no {METADATA_FILE_NAME}: this is a Hugging Face "
+            "safetensors checkpoint (HuggingFaceStorageWriter), not DCP metadata", path=directory)
+    if any(name.endswith(DATA_FILE_SUFFIX) for name in listing):
+        raise IncompleteCheckpointError(
+            f"incomplete checkpoint: data objects but no {METADATA_FILE_NAME} (a save still "
+            "running, or one that died before finishing)", path=directory)
+    raise IncompleteCheckpointError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}",
+                                    path=directory)
+
+
+def _file_status(checkpoint: Checkpoint, relative_path: str) -> tuple[int | None, bool]:
+    """A data file's size (None: missing) and whether it is a regular file."""
+    if checkpoint.listing is not None:
+        info = checkpoint.listing.get(relative_path)
+        return (None, True) if info is None else (info.size, True)
+    try:
+        status = checkpoint.data_path(relative_path).stat()
+    except FileNotFoundError:
+        return None, True
+    return status.st_size, stat.S_ISREG(status.st_mode)
+
+
 def _collect_entries(checkpoint: Checkpoint) -> None:
     storage_by_key = {(key.fqn, key.offset): info
                       for key, info in (checkpoint.metadata.storage_data or {}).items()}
@@ -182,14 +224,9 @@ def _collect_files(checkpoint: Checkpoint) -> None:
     for key, info in (checkpoint.metadata.storage_data or {}).items():
         data_file = checkpoint.files.get(info.relative_path)
         if data_file is None:
-            path = checkpoint.data_path(info.relative_path)
-            try:
-                status = path.stat()
-            except FileNotFoundError:
-                status = None
+            checkpoint.data_path(info.relative_path)  # refuses a path that escapes
             data_file = checkpoint.files[info.relative_path] = DataFile(
-                info.relative_path, status and status.st_size,
-                status is None or stat.S_ISREG(status.st_mode))
+                info.relative_path, *_file_status(checkpoint, info.relative_path))
         data_file.item_count += 1
         end = info.offset + info.length
         if end > data_file.end_bytes:
@@ -206,9 +243,8 @@ def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
     data_file = checkpoint.files[info.relative_path]
     if data_file.size_bytes is None or not data_file.regular:
         return TORCH_SAVE
-    with open_for_reading(checkpoint.data_path(info.relative_path)) as stream:
-        stream.seek(info.offset)
-        head = stream.read(9)
+    with open_ranged(checkpoint.data_path(info.relative_path)) as reader:
+        head = reader.read(info.offset, 9)
     if head[:4] in (LOCAL_SIGNATURE, ZSTD_MAGIC):
         return TORCH_SAVE
     if len(head) == 9 and head[8:9] == b"{":

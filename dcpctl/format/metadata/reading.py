@@ -13,7 +13,7 @@ import os
 import pickle
 import sys
 import threading
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, Callable, Iterator
 
 from dcpctl.cycle_collector import paused_cycle_collector
@@ -24,7 +24,7 @@ from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, C
                                             MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
                                             TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
-from dcpctl.storage.local import read_file
+from dcpctl.storage.paths import StoragePath, read_whole, storage_path
 
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _TORCH_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -229,11 +229,11 @@ def _started_with_stack(run: Callable[[], None], stack_bytes: int) -> threading.
     return thread
 
 
-def read_metadata(checkpoint_dir: str | os.PathLike) -> CheckpointMetadata:
+def read_metadata(checkpoint_dir: str | os.PathLike | StoragePath) -> CheckpointMetadata:
     """Read and check `checkpoint_dir/.metadata` without importing torch."""
-    path = Path(checkpoint_dir) / METADATA_FILE_NAME
+    path = storage_path(checkpoint_dir) / METADATA_FILE_NAME
     try:
-        data = read_file(path)
+        data = read_whole(path)
     except OSError as error:
         raise MetadataError(f"cannot read ({error.strerror})", path=path) from None
     return parse_metadata(data, str(path))

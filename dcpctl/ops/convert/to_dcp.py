@@ -31,8 +31,8 @@ from dcpctl.format.safetensors import SafetensorsTensor, read_safetensors_model
 from dcpctl.format.torch_save.writer import iter_torch_save_archive
 from dcpctl.ops.convert.report import ConvertReport, ProgressCallback, WrittenFile, run_in_order
 from dcpctl.ops.convert.tensor_bytes import torch_dtype
-from dcpctl.pipeline import default_thread_count
-from dcpctl.storage.local import open_for_reading
+from dcpctl.storage.paths import (StoragePath, default_threads_for, is_remote, open_ranged,
+                                  storage_path)
 
 if TYPE_CHECKING:
     import torch
@@ -98,8 +98,8 @@ def _read_rows(path: Path, start: int, dtype: DType, shape: tuple[int, ...],
     length = math.prod(chunk.sizes) * dtype.itemsize
     buffer = bytearray(length)
     offset = start + first_element * dtype.itemsize
-    with open_for_reading(path) as stream:
-        count = os.preadv(stream.fileno(), [buffer], offset)
+    with open_ranged(path) as reader:
+        count = reader.readinto(buffer, offset)
     if count != length:
         raise truncated_error(path, None, offset, offset + length, offset + count)
     return buffer
@@ -240,8 +240,15 @@ def _metadata(entries: list[SourceEntry], ranks: int, storage_data: dict,
     return CheckpointMetadata(
         state_dict_metadata, planner_data={entry.fqn: entry.key_path for entry in entries},
         storage_data=storage_data,
-        storage_meta=StorageMeta(PurePosixPath(os.path.abspath(destination)), str(uuid.uuid4())),
+        storage_meta=StorageMeta(_checkpoint_id(destination), str(uuid.uuid4())),
         version=DCP_VERSION)
+
+
+def _checkpoint_id(destination: StoragePath) -> str | PurePosixPath:
+    """What torch's writers record as the checkpoint's id: its absolute path, or its URL."""
+    if is_remote(destination):
+        return str(destination)
+    return PurePosixPath(os.path.abspath(destination))
 
 
 def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: int = 1,
@@ -250,11 +257,11 @@ def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: 
     """Convert safetensors files (a file, or a directory with an index) or a torch.save file
     into a DCP checkpoint at output, laid out for `ranks` ranks."""
     started = time.perf_counter()
-    threads = threads or default_thread_count()
+    threads = threads or default_threads_for(storage_path(source))
     check_world_size(ranks)
-    source_format, entries = read_source(Path(source), prefix)
-    output_path = Path(output)
-    checkpoint_output = CheckpointOutput(output_path, in_place=False, source=Path(source),
+    source_format, entries = read_source(storage_path(source), prefix)
+    output_path = storage_path(output)
+    checkpoint_output = CheckpointOutput(output_path, in_place=False, source=storage_path(source),
                                          overwrite=overwrite)
     try:
         files = write_dcp(entries, ranks, checkpoint_output, threads, on_progress)

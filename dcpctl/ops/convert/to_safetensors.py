@@ -24,9 +24,9 @@ from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype, counted_pieces, run_in_order)
 from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes
-from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import OutputFile
-from dcpctl.storage.staging import StagedOutput
+from dcpctl.storage.paths import default_threads_for, storage_path
+from dcpctl.storage.staging import staged_output
 
 
 @dataclass
@@ -103,12 +103,12 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
                            on_progress: ProgressCallback | None = None) -> ConvertReport:
     """Convert the DCP checkpoint at source into safetensors files in the directory output."""
     started = time.perf_counter()
-    threads = threads or default_thread_count()
+    threads = threads or default_threads_for(storage_path(source))
     with checked_checkpoint(source, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
-        staged = StagedOutput(Path(output), overwrite, checkpoint.path)
+        staged = staged_output(storage_path(output), overwrite, checkpoint.path)
         try:
-            with open_payload_reader(Path(output)) as payloads:
+            with open_payload_reader(staged.destination) as payloads:
                 files = write_safetensors(plan, checkpoint, payloads, staged.path, threads,
                                           on_progress)
             staged.publish()

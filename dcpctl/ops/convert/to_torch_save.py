@@ -35,9 +35,8 @@ from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype, counted_pieces, run_in_order)
 from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes, torch_dtype
-from dcpctl.pipeline import default_thread_count
-from dcpctl.storage.local import OutputFile
-from dcpctl.storage.staging import StagedOutput
+from dcpctl.storage.paths import default_threads_for, new_output_file, storage_path
+from dcpctl.storage.staging import staged_output
 
 _PICKLE_PROTOCOL = 2  # torch.save's default
 
@@ -166,13 +165,14 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
                           on_progress: ProgressCallback | None = None) -> ConvertReport:
     """Convert the DCP checkpoint at source into the torch.save file output."""
     started = time.perf_counter()
-    threads = threads or default_thread_count()
+    threads = threads or default_threads_for(storage_path(source))
     with checked_checkpoint(source, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_torch_save(checkpoint, selection, cast_to)
-        staged = StagedOutput(Path(output), overwrite, checkpoint.path, is_directory=False)
+        staged = staged_output(storage_path(output), overwrite, checkpoint.path,
+                               is_directory=False)
         try:
-            with (OutputFile(staged.path) as stream,
-                  open_payload_reader(Path(output)) as payloads):
+            with (new_output_file(staged.path) as stream,
+                  open_payload_reader(staged.destination) as payloads):
                 write_torch_save(plan, checkpoint, payloads, stream, threads, on_progress)
                 size_bytes = stream.tell()
                 stream.finish()

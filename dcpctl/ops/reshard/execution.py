@@ -11,7 +11,6 @@ import resource
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_stored_pieces,
@@ -26,7 +25,8 @@ from dcpctl.format.metadata.records import ChunkMetadata, MetadataIndex, Storage
 from dcpctl.ops.reshard.assembly import chunk_archive
 from dcpctl.ops.reshard.planning import (ChunkTask, ObjectTask, ReshardPlan, group_tasks_into_runs,
                                          plan_reshard, task_bytes)
-from dcpctl.pipeline import Pipeline, Run, coalesce, default_thread_count, produce_run
+from dcpctl.pipeline import Pipeline, Run, coalesce, produce_run
+from dcpctl.storage.paths import default_threads_for, storage_path
 
 # The codec names are named here for the command line, which reaches the format only through
 # the operations.
@@ -159,9 +159,9 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     in the codec called codec_name (one of CODEC_NAMES; default: the input's); output chunks
     are assembled in blocks of about piece_bytes."""
     started = time.perf_counter()
-    threads = threads or default_thread_count()
+    threads = threads or default_threads_for(storage_path(path))
     codec = codec_by_name(codec_name) if codec_name is not None else None
-    destination = Path(output_path)
+    destination = storage_path(output_path)
     with checked_checkpoint(path, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_reshard(checkpoint, world_size, codec)
         _allow_open_files(world_size + len(checkpoint.files) + 64)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import functools
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from typing import Callable
 
 from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
 from dcpctl.format.file_names import METADATA_FILE_NAME
@@ -22,6 +23,8 @@ from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_direc
                                   scan_run_directory)
 from dcpctl.storage.local import empty_directory, open_directory_at
 from dcpctl.storage.locks import lock_descriptor, locked_directory
+from dcpctl.storage.objects import ObjectPath
+from dcpctl.storage.paths import StoragePath, storage_path
 
 KEPT, WOULD_DELETE, DELETED, FAILED = "kept", "would delete", "deleted", "failed"
 
@@ -149,20 +152,26 @@ def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
                         dry_run: bool = False) -> PruneReport:
     """Delete the checkpoints under run_dir that no rule keeps, holding a lock on run_dir; with
     dry_run, plan only and change nothing. Deletion failures are recorded, not raised."""
-    directory = Path(run_dir)
+    directory = storage_path(run_dir)
     check_run_directory(directory)
     if dry_run:
         return _planned(directory, rules, dry_run=True)
+    if isinstance(directory, ObjectPath):  # no locks there: see delete_checkpoint_prefix
+        report = _planned(directory, rules, dry_run=False)
+        for decision in report.to_delete:
+            _carry_out(decision, lambda: delete_checkpoint_prefix(decision.checkpoint))
+        return report
     with locked_directory(directory, exclusive=True,
                           what="another dcpctl prune is pruning this run directory"
                           ) as run_descriptor:
         report = _planned(directory, rules, dry_run=False)
         for decision in report.to_delete:
-            _carry_out(decision, run_descriptor)
+            _carry_out(decision, functools.partial(delete_checkpoint_directory, run_descriptor,
+                                                   decision.checkpoint))
     return report
 
 
-def _planned(directory: Path, rules: RetentionRules, dry_run: bool) -> PruneReport:
+def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> PruneReport:
     scan = scan_run_directory(directory)
     report = PruneReport(str(directory), rules, dry_run, plan_prune(scan.checkpoints, rules),
                          scan.ignored)
@@ -171,15 +180,25 @@ def _planned(directory: Path, rules: RetentionRules, dry_run: bool) -> PruneRepo
     return report
 
 
-def _carry_out(decision: PruneDecision, run_descriptor: int) -> None:
+def _carry_out(decision: PruneDecision, delete: Callable[[], None]) -> None:
     try:
-        delete_checkpoint_directory(run_descriptor, decision.checkpoint)
+        delete()
     except OSError as error:
         decision.status, decision.error = FAILED, describe_os_error(error)
     except DcpctlError as error:
         decision.status, decision.error = FAILED, str(error)
     else:
         decision.status = DELETED
+
+
+def delete_checkpoint_prefix(entry: CheckpointEntry) -> None:
+    """Delete a checkpoint in an object store, `.metadata` first (so that a deletion cut short
+    leaves an incomplete checkpoint rather than one that looks complete), then every object
+    under its prefix, in batches."""
+    store = entry.path.store
+    store.delete([(entry.path / METADATA_FILE_NAME).key])
+    names = sorted(store.list_tree(entry.path.key))
+    store.delete([(entry.path / name).key for name in names])
 
 
 def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
+from dcpctl.storage.objects import ObjectInfo, ObjectPath
+from dcpctl.storage.paths import StoragePath, storage_path
 
 # A checkpoint name is an optional word (letters, words joined by `_`), an optional `-` or `_`,
 # then the step, and nothing after it: step-1000, step_2000, checkpoint-3000, global_step4000,
@@ -34,7 +36,7 @@ class CheckpointEntry:
     """A checkpoint directory of a run; age counts from the newest change anywhere inside it."""
 
     name: str
-    path: Path
+    path: StoragePath
     step: int
     complete: bool
     size_bytes: int
@@ -42,7 +44,8 @@ class CheckpointEntry:
     age_seconds: float
     has_sha256sums: bool
     identity: tuple[int, int]
-    """The directory's device and inode when scanned: what a deletion checks it still is."""
+    """The directory's device and inode when scanned: what a deletion checks it still is
+    ((0, 0) in an object store, which has no directories)."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
@@ -65,7 +68,7 @@ class IgnoredEntry:
 class RunDirectoryScan:
     """The checkpoints directly under a run directory, sorted by step, and the look-alikes."""
 
-    path: Path
+    path: StoragePath
     checkpoints: list[CheckpointEntry] = field(default_factory=list)
     ignored: list[IgnoredEntry] = field(default_factory=list)
 
@@ -76,7 +79,7 @@ class RunDirectoryScan:
                 "ignored": [asdict(entry) for entry in self.ignored]}
 
 
-def check_run_directory(directory: Path) -> None:
+def check_run_directory(directory: StoragePath) -> None:
     """Refuse a run directory that is missing, not a directory, or itself a checkpoint."""
     if not directory.is_dir():
         raise CheckpointNotFoundError("no such directory; give the run directory "
@@ -87,10 +90,14 @@ def check_run_directory(directory: Path) -> None:
 
 
 def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
-    """Find the checkpoint directories directly under run_dir; never follows a symlink."""
-    scan = RunDirectoryScan(Path(run_dir))
+    """Find the checkpoint directories directly under run_dir; never follows a symlink. In an
+    object store, one listing of everything under the run's prefix."""
+    scan = RunDirectoryScan(storage_path(run_dir))
     check_run_directory(scan.path)
     now = time.time()
+    if isinstance(scan.path, ObjectPath):
+        _scan_prefixes(scan, now)
+        return scan
     for name in sorted(os.listdir(scan.path)):
         step = parse_step(name)
         if step is None:
@@ -106,6 +113,34 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
             continue  # removed while we looked (a trainer purging its own old checkpoints)
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     return scan
+
+
+def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
+    """The checkpoints under a run's prefix in an object store, from one listing."""
+    by_checkpoint: dict[str, dict[str, ObjectInfo]] = {}
+    for key, info in scan.path.store.list_tree(scan.path.key).items():
+        name, slash, rest = key.partition("/")
+        if slash and parse_step(name) is not None:
+            by_checkpoint.setdefault(name, {})[rest] = info
+    for name, objects in sorted(by_checkpoint.items()):
+        reason = _reason_not_a_checkpoint_prefix(set(objects))
+        if reason is not None:
+            scan.ignored.append(IgnoredEntry(name, reason))
+            continue
+        modified_at = max(info.modified for info in objects.values())
+        scan.checkpoints.append(CheckpointEntry(
+            name=name, path=scan.path / name, step=parse_step(name),
+            complete=METADATA_FILE_NAME in objects,
+            size_bytes=sum(info.size for info in objects.values()), modified_at=modified_at,
+            age_seconds=max(0.0, now - modified_at),
+            has_sha256sums=SHA256SUMS_FILE_NAME in objects, identity=(0, 0)))
+    scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
+
+
+def _reason_not_a_checkpoint_prefix(names: set[str]) -> str | None:
+    if METADATA_FILE_NAME in names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names):
+        return None
+    return f"no {METADATA_FILE_NAME} and no .distcp files: not a DCP checkpoint"
 
 
 def _reason_not_a_checkpoint(path: Path) -> str | None:

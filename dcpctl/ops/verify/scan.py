@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator
 
 from dcpctl.errors import DcpctlError, UnsafePathError, UnsupportedLayoutError
@@ -28,7 +26,7 @@ from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.structure import StoredItem, is_safetensors_tensor
 from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
-from dcpctl.storage.local import open_for_reading
+from dcpctl.storage.paths import RangedFile, StoragePath, open_ranged
 
 PIECE_BYTES = 4 << 20
 _UNIT_BYTES = 64 << 20
@@ -49,7 +47,7 @@ class ScanUnit:
     hashed, and the SHA-256 it must have (None: none known). The scan fills in `sha256`."""
 
     name: str
-    path: Path
+    path: StoragePath
     hashing: bool = False
     expected_sha256: str | None = None
     archive_items: list[ArchiveItem] = field(default_factory=list)
@@ -58,7 +56,7 @@ class ScanUnit:
     sha256: str | None = None
 
 
-def plan_scan(directory: Path, archive_items: list[ArchiveItem],
+def plan_scan(directory: StoragePath, archive_items: list[ArchiveItem],
               safetensors_items: list[StoredItem], sums: dict[str, str | None]) -> list[ScanUnit]:
     """The units that hash every file named in `sums` (against the digest given, if any) and
     check the given items, largest first. Files that are missing or unsafe to open are left
@@ -115,7 +113,7 @@ def items_to_check(checkpoint: Checkpoint | None, items: list[StoredItem], deep:
     return archive_items, safetensors_items, undecodable
 
 
-def _split_into_units(name: str, path: Path, archives: list[ArchiveItem]) -> list[ScanUnit]:
+def _split_into_units(name: str, path: StoragePath, archives: list[ArchiveItem]) -> list[ScanUnit]:
     units: list[ScanUnit] = []
     for archive in archives:
         if not units or units[-1].read_bytes >= _UNIT_BYTES:
@@ -143,8 +141,8 @@ def run_scan(units: list[ScanUnit], threads: int,
 def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
     problems = []
     try:
-        with open_for_reading(unit.path) as stream:
-            cursor = _FileCursor(stream.fileno(), unit.hashing, advance)
+        with open_ranged(unit.path) as reader:
+            cursor = _FileCursor(reader, unit.hashing, advance)
             for archive in unit.archive_items:
                 problems += check_archive_item(archive, unit.name, cursor)
             for item in unit.safetensors_items:
@@ -165,8 +163,9 @@ class _FileCursor:
     """Reads one file for a unit. When hashing, item ranges are read front to back and the
     bytes between and after them too, so each byte is read and hashed once."""
 
-    def __init__(self, descriptor: int, hashing: bool, advance: Callable[[int], None]) -> None:
-        self.descriptor = descriptor
+    def __init__(self, reader: RangedFile, hashing: bool, advance: Callable[[int], None]
+                 ) -> None:
+        self.reader = reader
         self.digest = hashlib.sha256() if hashing else None
         self.position = 0
         self.advance = advance
@@ -179,7 +178,7 @@ class _FileCursor:
             self._hash_until(start)
         end = start + length
         while start < end:
-            piece = os.pread(self.descriptor, min(PIECE_BYTES, end - start), start)
+            piece = self.reader.read(start, min(PIECE_BYTES, end - start))
             if not piece:
                 return
             start += len(piece)
@@ -197,7 +196,7 @@ class _FileCursor:
     def _hash_until(self, offset: int | None) -> None:
         while offset is None or self.position < offset:
             wanted = PIECE_BYTES if offset is None else min(PIECE_BYTES, offset - self.position)
-            piece = os.pread(self.descriptor, wanted, self.position)
+            piece = self.reader.read(self.position, wanted)
             if not piece:
                 return
             self._take(piece)
@@ -226,7 +225,8 @@ def check_archive_item(archive: ArchiveItem, file_name: str,
     return [dataclasses.replace(problem, file=file_name) for problem in problems]
 
 
-def check_safetensors_item(item: StoredItem, file_name: str, path: Path) -> list[Problem]:
+def check_safetensors_item(item: StoredItem, file_name: str, path: StoragePath
+                           ) -> list[Problem]:
     """Check a tensor of a SAFETENSORS-serialized file against its blob's header."""
     where = dict(file=file_name, start=item.storage.offset, end=item.end, fqns=(item.fqn,))
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnsafePathError,
@@ -16,8 +15,8 @@ from dcpctl.format.checkpoint.structure import check_structure, list_stored_item
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.ops.verify.scan import items_to_check, plan_scan, run_scan
-from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.locks import locked_checkpoint
+from dcpctl.storage.paths import StoragePath, default_threads_for, file_names_in, storage_path
 
 OK, DAMAGED, INCOMPLETE = "ok", "damaged", "incomplete"
 
@@ -56,10 +55,10 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int |
     """Check a checkpoint directory and report every problem found (see VerifyReport);
     on_progress(done_bytes, total_bytes) follows the reading."""
     with locked_checkpoint(path, exclusive=False):
-        return _verify(Path(path), deep, threads, on_progress)
+        return _verify(storage_path(path), deep, threads, on_progress)
 
 
-def _verify(directory: Path, deep: bool, threads: int | None,
+def _verify(directory: StoragePath, deep: bool, threads: int | None,
             on_progress: Callable[[int, int], None] | None) -> VerifyReport:
     report = VerifyReport(str(directory), deep)
     try:
@@ -84,7 +83,7 @@ def _verify(directory: Path, deep: bool, threads: int | None,
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
     units = plan_scan(directory, archive_items, safetensors_items, sums or {})
-    report.problems += run_scan(units, threads or default_thread_count(), on_progress)
+    report.problems += run_scan(units, threads or default_threads_for(directory), on_progress)
     report.items_checked = len(archive_items) + len(safetensors_items) + len(undecodable)
     report.bytes_read = sum(unit.read_bytes for unit in units)
     report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))
@@ -93,11 +92,12 @@ def _verify(directory: Path, deep: bool, threads: int | None,
     return report
 
 
-def _listing_problems(directory: Path, checkpoint: Checkpoint | None, sums: dict[str, str] | None,
+def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None, sums: dict[str, str] | None,
                       problems_so_far: list[Problem]) -> list[Problem]:
     """Files the metadata does not know; files SHA256SUMS lists that are absent, and files of
     the checkpoint it does not list."""
-    present = {entry.name for entry in os.scandir(directory)}
+    present = (set(checkpoint.listing) if checkpoint is not None and checkpoint.listing
+               is not None else file_names_in(directory))
     known = {METADATA_FILE_NAME, *(checkpoint.files if checkpoint is not None else ())}
     problems = []
     if checkpoint is not None:

@@ -1,0 +1,382 @@
+"""Checkpoints in object stores: `s3://`, `gs://`, `az://`, `memory://`, any fsspec protocol
+with ranged reads.
+
+An `ObjectPath` names an object or a prefix (a "directory") the way a `pathlib.Path` names a
+local file, with the part of pathlib's API dcpctl uses (`/`, `name`, `parent`, `exists`,
+`stat`, `iterdir`, `read_bytes`, `unlink`), so code that walks a checkpoint reads the same for
+both. What pathlib lacks, an `ObjectStore` adds: one listing of everything under a prefix,
+ranged reads, parallel multipart writes, creating an object only where none is (where the store
+can promise that), server-side copy and batch delete. S3 gets its own store (s3.py); any other
+protocol goes through fsspec's generic calls.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+from dcpctl.errors import DcpctlError
+
+
+class StorageError(DcpctlError):
+    """The object store refused or failed a request: no credentials, no such bucket, access
+    denied, a connection that kept failing after retries, an object changed while read."""
+
+
+class ObjectChangedError(StorageError):
+    """An object was replaced while dcpctl read it (its ETag changed)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a listing says of one object."""
+
+    size: int
+    etag: str | None = None
+    modified: float = 0.0
+    """When it was last written, in seconds since the epoch (0 where the store does not say)."""
+
+
+@dataclass(frozen=True)
+class ObjectStat:
+    """The part of os.stat_result that dcpctl reads, for an object."""
+
+    st_size: int
+    st_mode: int = stat.S_IFREG | 0o644
+
+
+class ObjectStore:
+    """One fsspec file system, with the operations dcpctl needs expressed on keys (paths
+    without the protocol, as fsspec takes them)."""
+
+    # What the store promises: True where creating an object can be made conditional on no
+    # object having its name (S3's If-None-Match), and replacing one conditional on its ETag.
+    conditional_writes = False
+
+    def __init__(self, protocol: str, filesystem) -> None:
+        self.protocol = protocol
+        self.fs = filesystem
+        self._seen: dict[str, ObjectInfo] = {}  # by key: each object as first listed or read
+        self._seen_lock = threading.Lock()
+
+    def url(self, key: str) -> str:
+        """The URL a user would write for key."""
+        return f"{self.protocol}://{key.lstrip('/')}" if self.protocol != "memory" else \
+            f"memory://{key}"
+
+    # listing
+
+    def list_tree(self, prefix: str) -> dict[str, ObjectInfo]:
+        """Every object under prefix (one paginated listing), by key relative to it."""
+        base = prefix.rstrip("/") + "/"
+        with self.translated_errors(prefix):
+            found = self.fs.find(prefix, detail=True, withdirs=False)
+        tree = {}
+        for key, details in found.items():
+            relative = key[len(base):] if key.startswith(base) else ""
+            if relative:
+                info = tree[relative] = _info_of(details)
+                self._remember(base + relative, info)
+        return tree
+
+    def list_children(self, prefix: str) -> dict[str, bool]:
+        """The names directly under prefix, each with whether it is a prefix (a directory)."""
+        with self.translated_errors(prefix):
+            try:
+                entries = self.fs.ls(prefix, detail=True, refresh=True)
+            except FileNotFoundError:
+                return {}
+        base = prefix.rstrip("/")
+        children = {}
+        for entry in entries:
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            if entry["name"].rstrip("/") != base and name:
+                children[name] = entry.get("type") == "directory"
+        return children
+
+    def info(self, key: str) -> ObjectInfo | None:
+        """The object's size and ETag (as first seen: reads are held to that object); None
+        where no object has that key."""
+        with self._seen_lock:
+            seen = self._seen.get(key)
+        if seen is not None:
+            return seen
+        with self.translated_errors(key):
+            try:
+                details = self.fs.info(key)
+            except FileNotFoundError:
+                return None
+        if details.get("type") == "directory":
+            return None
+        info = _info_of(details)
+        self._remember(key, info)
+        return info
+
+    def is_prefix(self, key: str) -> bool:
+        """Whether some object lies under key/."""
+        with self.translated_errors(key):
+            return bool(self.fs.isdir(key))
+
+    # reading
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object (fewer where it ends sooner)."""
+        if end <= start:
+            return b""
+        with self.translated_errors(key):
+            return self.fs.cat_file(key, start=start, end=end)
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Several byte ranges of one object, fetched at once."""
+        with self.translated_errors(key):
+            return self.fs.cat_ranges([key] * len(ranges), [start for start, _ in ranges],
+                                      [end for _, end in ranges])
+
+    # writing
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        """A new object being written in pieces; it appears only once finished."""
+        return FileObjectWriter(self, key)
+
+    def put(self, key: str, data: bytes, if_absent: bool = False,
+            if_etag: str | None = None) -> None:
+        """Write a whole object. if_absent / if_etag make the write conditional where the store
+        can promise it (conditional_writes); elsewhere they are checked just before."""
+        with self.translated_errors(key):
+            if if_absent and self.fs.exists(key):
+                raise FileExistsError(None, "exists", self.url(key))
+            self.fs.pipe_file(key, bytes(data))
+        self.forget(key)
+
+    def copy(self, source_key: str, destination_key: str) -> None:
+        """Copy an object inside the store, without its bytes passing through dcpctl."""
+        with self.translated_errors(source_key):
+            self.fs.copy(source_key, destination_key)
+        self.forget(destination_key)
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete objects, in batches where the store has them; missing ones are no error."""
+        if not keys:
+            return
+        for key in keys:
+            self.forget(key)
+        with self.translated_errors(keys[0]):
+            try:
+                self.fs.rm(keys)
+            except FileNotFoundError:
+                for key in keys:
+                    try:
+                        self.fs.rm_file(key)
+                    except FileNotFoundError:
+                        pass
+
+    # errors and changes
+
+    def remembered_etag(self, key: str) -> str | None:
+        """The ETag of the object when first listed or read, for reads that must find the same
+        object."""
+        with self._seen_lock:
+            seen = self._seen.get(key)
+        return None if seen is None else seen.etag
+
+    def _remember(self, key: str, info: ObjectInfo) -> None:
+        with self._seen_lock:
+            self._seen.setdefault(key, info)
+
+    def forget(self, key: str) -> None:
+        """Forget what was seen of key (dcpctl wrote or deleted it)."""
+        with self._seen_lock:
+            self._seen.pop(key, None)
+
+    def translated_errors(self, key: str):
+        """A context that turns what the store's client raises into dcpctl's errors."""
+        return _TranslatedErrors(self, key)
+
+    def describe(self, error: Exception) -> tuple[type[StorageError], str] | None:
+        """The kind of StorageError and its one-line reason for an error the client raised;
+        None for one left as it is."""
+        return None
+
+
+class _TranslatedErrors:
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store = store
+        self.key = key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is None or isinstance(error, (DcpctlError, KeyboardInterrupt, SystemExit)):
+            return False
+        url = self.store.url(self.key)
+        if isinstance(error, FileNotFoundError):
+            if error.filename != url:
+                raise FileNotFoundError(2, "No such file or directory", url) from None
+            return False
+        if isinstance(error, FileExistsError):
+            raise FileExistsError(17, "exists", url) from None
+        described = self.store.describe(error)
+        if described is None and isinstance(error, PermissionError):
+            described = StorageError, "access denied"
+        if described is None and isinstance(error, (OSError, ConnectionError, TimeoutError)):
+            described = StorageError, f"{type(error).__name__}: {error}"
+        if described is None:
+            return False
+        kind, reason = described
+        raise kind(reason, path=url) from None
+
+
+class ObjectWriter:
+    """An object written in pieces; published only by finish()."""
+
+    def write(self, data) -> None:
+        raise NotImplementedError
+
+    def finish(self, if_absent: bool = False) -> None:
+        """Publish the object (only where none has its name by then, with if_absent)."""
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        raise NotImplementedError
+
+
+class FileObjectWriter(ObjectWriter):
+    """Through fsspec's file objects, which upload in blocks as they fill."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store = store
+        self.key = key
+        with store.translated_errors(key):
+            self._file = store.fs.open(key, "wb")
+
+    def write(self, data) -> None:
+        with self.store.translated_errors(self.key):
+            self._file.write(data)
+
+    def finish(self, if_absent: bool = False) -> None:
+        if if_absent and self.store.fs.exists(self.key):
+            self.discard()
+            raise FileExistsError(17, "exists", self.store.url(self.key))
+        with self.store.translated_errors(self.key):
+            self._file.close()
+        self.store.forget(self.key)
+
+    def discard(self) -> None:
+        discard = getattr(self._file, "discard", None)
+        try:
+            if discard is not None:
+                discard()
+            else:
+                self._file.close()
+                self.store.delete([self.key])
+        except Exception:  # noqa: BLE001 - the failure being handled is the one to report
+            pass
+
+
+class ObjectPath:
+    """An object or prefix in an object store, named like a pathlib.Path (see module
+    docstring). Two paths are equal when they name the same key in the same store."""
+
+    __slots__ = ("store", "key")
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store = store
+        self.key = key.rstrip("/") if key not in ("/", "") else key
+
+    def __str__(self) -> str:
+        return self.store.url(self.key)
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, ObjectPath) and other.store is self.store
+                and other.key == self.key)
+
+    def __hash__(self) -> int:
+        return hash((id(self.store), self.key))
+
+    def __truediv__(self, name: str) -> ObjectPath:
+        return ObjectPath(self.store, posixpath.join(self.key, str(name)))
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.key)
+
+    @property
+    def parent(self) -> ObjectPath:
+        return ObjectPath(self.store, posixpath.dirname(self.key))
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(part for part in self.key.split("/") if part)
+
+    def with_name(self, name: str) -> ObjectPath:
+        return self.parent / name
+
+    def relative_to(self, other: ObjectPath) -> str:
+        base = other.key.rstrip("/") + "/"
+        if other.store is not self.store or not self.key.startswith(base):
+            raise ValueError(f"{self} is not under {other}")
+        return self.key[len(base):]
+
+    def exists(self) -> bool:
+        return self.store.info(self.key) is not None or self.store.is_prefix(self.key)
+
+    def is_dir(self) -> bool:
+        return self.store.is_prefix(self.key)
+
+    def is_file(self) -> bool:
+        return self.store.info(self.key) is not None
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self) -> ObjectStat:
+        info = self.store.info(self.key)
+        if info is None:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return ObjectStat(info.size)
+
+    def iterdir(self) -> Iterator[ObjectPath]:
+        for name in sorted(self.store.list_children(self.key)):
+            yield self / name
+
+    def glob(self, pattern: str) -> Iterator[ObjectPath]:
+        for path in self.iterdir():
+            if fnmatch.fnmatchcase(path.name, pattern):
+                yield path
+
+    def read_bytes(self) -> bytes:
+        info = self.store.info(self.key)
+        if info is None:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return self.store.read_range(self.key, 0, info.size) if info.size else b""
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        if not missing_ok and self.store.info(self.key) is None:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        self.store.delete([self.key])
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Prefixes exist by having objects under them: nothing to make."""
+
+
+def _info_of(details: dict) -> ObjectInfo:
+    """What fsspec's details of an object say, whatever the protocol calls its fields."""
+    etag = details.get("ETag") or details.get("etag")
+    modified = (details.get("LastModified") or details.get("mtime") or details.get("created")
+                or details.get("last_modified") or 0)
+    if hasattr(modified, "timestamp"):
+        modified = modified.timestamp()
+    try:
+        modified = float(modified)
+    except (TypeError, ValueError):
+        modified = 0.0
+    return ObjectInfo(int(details.get("size") or 0), None if etag is None else str(etag).strip('"'),
+                      modified)

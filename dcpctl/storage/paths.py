@@ -1,0 +1,207 @@
+"""Where a checkpoint lives, local or in an object store, and the one way to read bytes of it.
+
+Every command takes a local path or a URL (`s3://bucket/run/step-100`, `memory://x`, any
+fsspec protocol); `storage_path` turns what the user gave into a `pathlib.Path` or an
+`ObjectPath`, which answer the same pathlib calls. Bytes are read through `open_ranged`: a
+local file with pread (no seek, no buffer, safe from any thread), an object with ranged GETs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Protocol, Union
+
+from dcpctl.failpoints import Failpoint, failpoint
+from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.local import OutputFile, open_regular_file, read_file, write_file_atomically
+from dcpctl.storage.objects import ObjectPath
+from dcpctl.storage.stores import store_for
+
+StoragePath = Union[Path, ObjectPath]
+
+_URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
+    """A local path, or an object store URL (`file://` URLs are local paths)."""
+    if isinstance(text, (Path, ObjectPath)):
+        return text
+    text = os.fspath(text)
+    match = _URL.match(text)
+    if match is None:
+        return Path(text)
+    protocol = match.group("protocol").lower()
+    if protocol == "file":
+        return Path(text[len("file://"):])
+    store = store_for(protocol)
+    return ObjectPath(store, store.fs._strip_protocol(text))
+
+
+def is_remote(path: StoragePath) -> bool:
+    """Whether path lies in an object store."""
+    return isinstance(path, ObjectPath)
+
+
+class RangedFile(Protocol):
+    """A file or object read by byte range, from any thread."""
+
+    def read(self, start: int, count: int) -> bytes:
+        """Up to count bytes from start: fewer only where the file ends sooner."""
+
+    def readinto(self, buffer, start: int) -> int:
+        """Fill buffer with the bytes from start; the count read (short at the end)."""
+
+    def close(self) -> None:
+        """Release what the reader holds."""
+
+
+class LocalRangedFile:
+    """A regular local file, read with pread."""
+
+    def __init__(self, path: Path) -> None:
+        self.descriptor = open_regular_file(path)
+
+    def read(self, start: int, count: int) -> bytes:
+        return os.pread(self.descriptor, count, start)
+
+    def readinto(self, buffer, start: int) -> int:
+        return os.preadv(self.descriptor, [buffer], start)
+
+    def close(self) -> None:
+        if self.descriptor >= 0:
+            os.close(self.descriptor)
+            self.descriptor = -1
+
+    def __enter__(self) -> LocalRangedFile:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.close()
+
+
+class ObjectRangedFile:
+    """An object, read with one ranged GET per read (held to the object first listed)."""
+
+    def __init__(self, path: ObjectPath) -> None:
+        self.path = path
+
+    def read(self, start: int, count: int) -> bytes:
+        return self.path.store.read_range(self.path.key, start, start + count)
+
+    def readinto(self, buffer, start: int) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(start, len(view))
+        view[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> ObjectRangedFile:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        pass
+
+
+def open_ranged(path: StoragePath) -> LocalRangedFile | ObjectRangedFile:
+    """A reader of the file's byte ranges; a local path that is missing, or not a regular
+    file, fails here, an object at its first read."""
+    if isinstance(path, ObjectPath):
+        return ObjectRangedFile(path)
+    return LocalRangedFile(path)
+
+
+def read_whole(path: StoragePath) -> bytes:
+    """The whole of a regular file or an object."""
+    if isinstance(path, ObjectPath):
+        return path.read_bytes()
+    return read_file(path)
+
+
+def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None = None,
+                only_if_absent: bool = False, only_if_unchanged: bool = False) -> str:
+    """Write a small file whole, atomically: a reader sees the old file or the whole new one
+    (a local file through a synced temporary renamed over it; an object with one PUT).
+    made_stale, a file the new one makes wrong, is removed just before. In an object store
+    that can promise it the PUT is conditional: only_if_absent, on no object having the name
+    (else FileExistsError); only_if_unchanged, on the object being the one dcpctl first saw
+    there (else ObjectChangedError). Returns the hex SHA-256 of data."""
+    if isinstance(path, ObjectPath):
+        store = path.store
+        seen_etag = store.remembered_etag(path.key) if only_if_unchanged else None
+        failpoint(Failpoint.BEFORE_ATOMIC_RENAME)
+        if made_stale is not None:
+            made_stale.unlink(missing_ok=True)
+        store.put(path.key, data, if_absent=only_if_absent, if_etag=seen_etag)
+        return hashlib.sha256(data).hexdigest()
+    return write_file_atomically(path, data, made_stale)
+
+
+def file_names_in(directory: StoragePath) -> set[str]:
+    """The names of the files in a directory: its entries, locally; in an object store, every
+    object under the prefix, by its path below it."""
+    if isinstance(directory, ObjectPath):
+        return set(directory.store.list_tree(directory.key))
+    with os.scandir(directory) as entries:
+        return {entry.name for entry in entries}
+
+
+class ObjectOutputFile:
+    """A new object being written (see OutputFile, its local twin): uploaded in parts as it
+    grows, there only once finish() completes it, and optionally only if no object has its
+    name by then (if_absent, where the store can promise that)."""
+
+    def __init__(self, path: ObjectPath, if_absent: bool = False) -> None:
+        self.path = path
+        self.if_absent = if_absent
+        self._writer = path.store.open_writer(path.key)
+        self._size = 0
+
+    def write(self, data) -> None:
+        """Append data."""
+        self._writer.write(data)
+        self._size += len(data)
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self._size
+
+    def finish(self) -> None:
+        """Complete the object."""
+        self._writer.finish(if_absent=self.if_absent)
+        failpoint(Failpoint.AFTER_DATA_FILE)
+
+    def discard(self) -> None:
+        """Abandon the object; nothing of it appears."""
+        self._writer.discard()
+
+    def __enter__(self) -> ObjectOutputFile:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        if exception[0] is not None:
+            self.discard()
+
+
+def new_output_file(path: StoragePath) -> OutputFile | ObjectOutputFile:
+    """A new file to write: locally created exclusively (OutputFile), in an object store an
+    object upload."""
+    if isinstance(path, ObjectPath):
+        return ObjectOutputFile(path)
+    return OutputFile(path)
+
+
+REMOTE_THREADS = 16
+"""Threads reading and writing a checkpoint in an object store by default: each waits on the
+network most of the time, so more of them than cores keep the transfers full."""
+
+
+def default_threads_for(path: StoragePath) -> int:
+    """Threads for a command on path when --threads is not given: a thread per core locally,
+    at least REMOTE_THREADS for an object store."""
+    cores = default_thread_count()
+    return max(cores, REMOTE_THREADS) if isinstance(path, ObjectPath) else cores

