@@ -17,6 +17,11 @@ def describe_os_error(error: OSError) -> str:
     return f"{where}{error.strerror or error}"
 
 
+def _path_text(path) -> str:
+    """A local path as os.fspath gives it, a URL (an object store's path) as it is written."""
+    return path if isinstance(path, str) else str(path)
+
+
 class DcpctlError(Exception):
     """A failure to report as one line, `Error: <str(error)>`, with exit status `exit_code`."""
 
@@ -27,7 +32,7 @@ class DcpctlError(Exception):
                  end: int | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.path = None if path is None else os.fspath(path)
+        self.path = None if path is None else _path_text(path)
         self.fqn = fqn
         self.start = start
         self.end = end
@@ -37,7 +42,7 @@ class DcpctlError(Exception):
         """This error, with the place filled in where it does not say yet (an error raised deep
         down learns its file and item on the way up)."""
         if self.path is None and path is not None:
-            self.path = os.fspath(path)
+            self.path = _path_text(path)
         if self.fqn is None and fqn is not None:
             self.fqn = fqn
             if self.start is None:

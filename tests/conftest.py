@@ -219,3 +219,68 @@ def deep_tree():
     for top in made:
         subprocess.run(["rm", "-rf", str(top)], check=True)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """moto's S3 server on 127.0.0.1, for the whole session."""
+    import logging
+
+    from s3_servers import moto_server
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with moto_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def rclone_s3(tmp_path_factory):
+    """`rclone serve s3` on 127.0.0.1 over a temporary directory, for the whole session."""
+    from s3_servers import rclone_server
+    with rclone_server(tmp_path_factory.mktemp("rclone-root")) as server:
+        yield server
+
+
+@pytest.fixture(params=["moto", "rclone"])
+def s3_server(request, monkeypatch):
+    """Each S3 server in turn, with this process's environment pointing at it (and nowhere
+    else)."""
+    server = request.getfixturevalue(f"{request.param}_s3")
+    for name, value in server.environment().items():
+        monkeypatch.setenv(name, value)
+    return server
+
+
+def upload_directory(server, directory: Path, bucket: str, prefix: str) -> str:
+    """Put every file of a local directory under s3://bucket/prefix; returns that URL."""
+    client = server.client()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{path.relative_to(directory)}",
+                              Body=path.read_bytes())
+    return f"s3://{bucket}/{prefix}"
+
+
+def download_prefix(server, bucket: str, prefix: str, directory: Path) -> Path:
+    """Get every object under s3://bucket/prefix into a local directory."""
+    client = server.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                 Prefix=prefix + "/"):
+        for entry in page.get("Contents", []):
+            target = directory / entry["Key"][len(prefix) + 1:]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(client.get_object(Bucket=bucket, Key=entry["Key"])["Body"].read())
+    return directory
+
+
+def load_with_dcpctl_reader(url: str) -> dict:
+    """The whole checkpoint as `dcp.load` loads it through dcpctl.storage_reader, by fqn."""
+    import dcpctl
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=dcpctl.storage_reader(url),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    flat, _ = flatten_state_dict(state)
+    return flat

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import signal
 import sys
 
@@ -12,6 +13,7 @@ from dcpctl.allocator import reuse_large_buffers
 from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.cli.render import escape_control_characters
 from dcpctl.errors import DcpctlError, describe_os_error
+from dcpctl.ops.storage_options import add_storage_options
 from dcpctl.stopping import Terminated, stop_on_signals
 from dcpctl.version import __version__
 
@@ -71,8 +73,13 @@ class DcpctlGroup(click.Group):
 @click.group(cls=DcpctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dcpctl")
 @click.option("--debug", is_flag=True, help="Show the full traceback when something fails.")
+@click.option("--storage-option", "storage_options", metavar="KEY=VALUE", multiple=True,
+              help="An fsspec storage option for every URL (s3://, gs://...), repeatable: "
+                   "--storage-option anon=true, --storage-option profile=training. VALUE is "
+                   "read as JSON where it parses (true, 3, {...}), else as a string. "
+                   "DCPCTL_STORAGE_OPTIONS may hold them as one JSON object.")
 @click.pass_context
-def cli(context: click.Context, debug: bool) -> None:
+def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -> None:
     """Inspect, compress, reshard, verify and convert PyTorch Distributed Checkpoints (DCP).
 
     A DCP checkpoint is a directory holding a pickled `.metadata` and `__{rank}_{n}.distcp`
@@ -80,11 +87,27 @@ def cli(context: click.Context, debug: bool) -> None:
     torchtune...). dcpctl works offline, with no process group and no GPU. It reads
     `.metadata` with an allowlist and never runs code from it.
 
+    Every command takes a URL wherever it takes a path: s3://bucket/run/step-100, or any fsspec
+    protocol with ranged reads (gs://, az://...) once its package is installed (`pip install
+    'dcpctl[s3]'` for S3). Credentials and endpoints come the way boto finds them (environment,
+    ~/.aws, instance roles; AWS_ENDPOINT_URL_S3 for an S3-compatible store).
+
     Exit status: 0 on success, 1 when an operation fails, 2 for usage errors, 128 + the
     signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP (temporary files removed).
     """
     context.ensure_object(dict)
     context.obj["debug"] = debug
+    add_storage_options(dict(_parsed_storage_option(text) for text in storage_options))
+
+
+def _parsed_storage_option(text: str) -> tuple[str, object]:
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise click.BadParameter(f"{text!r} is not KEY=VALUE", param_hint="--storage-option")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def main() -> None:

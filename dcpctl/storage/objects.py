@@ -71,7 +71,8 @@ class ObjectStore:
     # listing
 
     def list_tree(self, prefix: str) -> dict[str, ObjectInfo]:
-        """Every object under prefix (one paginated listing), by key relative to it."""
+        """Every object under prefix (one paginated listing), by key relative to it; reads of
+        them are held to the objects listed from then on."""
         base = prefix.rstrip("/") + "/"
         with self.translated_errors(prefix):
             found = self.fs.find(prefix, detail=True, withdirs=False)
@@ -80,7 +81,7 @@ class ObjectStore:
             relative = key[len(base):] if key.startswith(base) else ""
             if relative:
                 info = tree[relative] = _info_of(details)
-                self._remember(base + relative, info)
+                self._remember(base + relative, info, replace=True)
         return tree
 
     def list_children(self, prefix: str) -> dict[str, bool]:
@@ -183,9 +184,12 @@ class ObjectStore:
             seen = self._seen.get(key)
         return None if seen is None else seen.etag
 
-    def _remember(self, key: str, info: ObjectInfo) -> None:
+    def _remember(self, key: str, info: ObjectInfo, replace: bool = False) -> None:
         with self._seen_lock:
-            self._seen.setdefault(key, info)
+            if replace:
+                self._seen[key] = info
+            else:
+                self._seen.setdefault(key, info)
 
     def forget(self, key: str) -> None:
         """Forget what was seen of key (dcpctl wrote or deleted it)."""

@@ -84,6 +84,9 @@ class S3Store(ObjectStore):
                     "get_object", Bucket=bucket, Key=object_key,
                     Range=f"bytes={start}-{end - 1}", **condition)
                 try:
+                    returned = str(response.get("ETag") or "").strip('"')
+                    if etag and returned and returned != etag:  # for servers that ignore If-Match
+                        raise _changed_error()
                     return await response["Body"].read()
                 finally:
                     response["Body"].close()
@@ -170,6 +173,14 @@ def _exists_when_refused(url: str, if_absent: bool) -> Iterator[None]:
         if if_absent:
             raise FileExistsError(errno.EEXIST, "exists", url) from None
         raise
+
+
+def _changed_error() -> Exception:
+    """What a GET answered by another object than the one first seen raises (as S3 does for
+    If-Match)."""
+    botocore_exceptions = importlib.import_module("botocore.exceptions")
+    return botocore_exceptions.ClientError(
+        {"Error": {"Code": "PreconditionFailed", "Message": "ETag changed"}}, "GetObject")
 
 
 async def _awaited(coroutine):

@@ -46,7 +46,10 @@ def storage_options() -> dict[str, object]:
 def store_for(protocol: str) -> ObjectStore:
     """The store for a protocol, made once per process with the storage options in force."""
     options = storage_options()
-    cache_key = (protocol, json.dumps(options, sort_keys=True, default=str))
+    # where the client finds its endpoint and credentials is part of what a store is
+    environment = sorted((name, value) for name, value in os.environ.items()
+                         if name.startswith("AWS_"))
+    cache_key = (protocol, json.dumps([options, environment], sort_keys=True, default=str))
     with _STORES_LOCK:
         store = _STORES.get(cache_key)
         if store is None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from typing import IO
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
 from dcpctl.format.codecs.base import PieceStream, iter_decoded
@@ -47,9 +45,3 @@ def extension_registry() -> ExtensionRegistry:
     registry = ExtensionRegistry()
     registry.register(FloatSplitExtension)
     return registry
-
-
-def storage_reader(path: str | os.PathLike) -> FileSystemReader:
-    """A FileSystemReader for the checkpoint at path that decodes every transform dcpctl
-    writes."""
-    return FileSystemReader(path, _extension_registry=extension_registry())

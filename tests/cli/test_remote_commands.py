@@ -1,0 +1,167 @@
+"""Every command on checkpoints in an S3 bucket, against real servers on 127.0.0.1 (moto's
+server mode and `rclone serve s3`), checked as the local tests are: what comes out loads equal
+through `dcp.load` (stock torch after a download, or dcpctl.storage_reader from the bucket), and
+every failure is one line naming the URL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import (MANIFEST, download_prefix, fixture_path, load_with_dcpctl_reader,
+                      load_with_torch, run_dcpctl, upload_directory)
+from make_fixtures import tensor_sha256
+from safetensors.torch import load_file
+
+SOURCE = "fsdp2_adamw_3ranks"
+
+
+def expected_tensors() -> dict[str, str]:
+    return {fqn: entry["sha256"] for fqn, entry in MANIFEST[SOURCE]["tensors"].items()}
+
+
+def tensor_digests(state: dict) -> dict[str, str]:
+    return {fqn: tensor_sha256(value) for fqn, value in state.items()
+            if isinstance(value, torch.Tensor)}
+
+
+def ok(*args) -> str:
+    result = run_dcpctl(*args)
+    assert result.returncode == 0, (args, result.stderr)
+    return result.stdout
+
+
+def failure(*args) -> str:
+    result = run_dcpctl(*args)
+    assert result.returncode == 1, (args, result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("Error: "), result.stderr
+    return result.stderr
+
+
+@pytest.fixture
+def bucket_checkpoint(s3_server):
+    bucket = s3_server.new_bucket()
+    return bucket, upload_directory(s3_server, fixture_path(SOURCE), bucket, "run/step-100")
+
+
+def test_inspect_of_a_bucket_says_what_a_local_inspect_says(bucket_checkpoint):
+    _, url = bucket_checkpoint
+    remote = json.loads(ok("inspect", url, "--json"))
+    local = json.loads(ok("inspect", fixture_path(SOURCE), "--json"))
+    assert remote.pop("path") == url
+    local.pop("path")
+    assert remote == local
+
+
+def test_verify_and_checksum_in_a_bucket(bucket_checkpoint, s3_server, tmp_path):
+    bucket, url = bucket_checkpoint
+    assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
+    sums = json.loads(ok("checksum", url, "--json"))
+    assert sums["sums_path"] == f"{url}/SHA256SUMS"
+    downloaded = download_prefix(s3_server, bucket, "run/step-100", tmp_path / "copy")
+    local = json.loads(ok("checksum", downloaded, "--json"))
+    assert sums["files"] == local["files"]
+    report = json.loads(ok("verify", url, "--json"))
+    assert report["status"] == "ok" and report["checksummed_files"] == 4
+
+
+def test_verify_finds_a_flipped_byte_in_a_bucket(bucket_checkpoint, s3_server):
+    bucket, url = bucket_checkpoint
+    client = s3_server.client()
+    key = "run/step-100/__1_0.distcp"
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x10
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    result = run_dcpctl("verify", url, "--json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["status"] == "damaged"
+    assert {problem["file"] for problem in report["problems"]} == {"__1_0.distcp"}
+
+
+def test_compress_bucket_to_bucket_and_in_place_then_load_from_the_bucket(bucket_checkpoint):
+    bucket, url = bucket_checkpoint
+    compressed = f"s3://{bucket}/run-z/step-100"
+    ok("compress", url, "-o", compressed)
+    assert json.loads(ok("verify", compressed, "--json"))["status"] == "ok"
+    assert tensor_digests(load_with_dcpctl_reader(compressed)) == expected_tensors()
+    ok("compress", "--codec", "floatsplit", compressed)  # in place
+    report = json.loads(ok("inspect", compressed, "--json"))
+    assert set(report["compression"]) == {"floatsplit"}
+    assert json.loads(ok("verify", compressed, "--json"))["status"] == "ok"
+    assert tensor_digests(load_with_dcpctl_reader(compressed)) == expected_tensors()
+    # the source is as it was
+    assert json.loads(ok("inspect", url, "--json"))["compression"] == {"none": 82}
+
+
+def test_decompress_and_reshard_between_bucket_and_local(bucket_checkpoint, tmp_path):
+    bucket, url = bucket_checkpoint
+    compressed = f"s3://{bucket}/z"
+    ok("compress", url, "-o", compressed)
+    ok("decompress", compressed, "-o", tmp_path / "plain")
+    assert tensor_digests(load_with_torch(tmp_path / "plain")) == expected_tensors()
+    resharded = f"s3://{bucket}/run-2/step-100"
+    ok("reshard", compressed, "--ranks", "2", "-o", resharded)
+    assert json.loads(ok("inspect", resharded, "--json"))["files"][-1]["name"] == "__1_0.distcp"
+    assert tensor_digests(load_with_dcpctl_reader(resharded)) == expected_tensors()
+
+
+def test_convert_from_a_bucket_and_into_one(bucket_checkpoint, tmp_path):
+    bucket, url = bucket_checkpoint
+    ok("convert", url, "--to", "safetensors", "-o", tmp_path / "hf")
+    tensors = {}
+    for path in (tmp_path / "hf").glob("*.safetensors"):
+        tensors.update(load_file(path))
+    model = {fqn: digest for fqn, digest in expected_tensors().items()
+             if fqn.startswith("model.")}
+    assert {f"model.{name}": tensor_sha256(value) for name, value in tensors.items()} == model
+    back = f"s3://{bucket}/from-hf"
+    ok("convert", tmp_path / "hf", "--to", "dcp", "-o", back, "--ranks", "2")
+    assert {f"model.{fqn}": digest
+            for fqn, digest in tensor_digests(load_with_dcpctl_reader(back)).items()} == model
+
+
+def test_ls_and_prune_a_run_in_a_bucket(bucket_checkpoint, s3_server):
+    bucket, _ = bucket_checkpoint
+    for step in (200, 300):
+        upload_directory(s3_server, fixture_path(SOURCE), bucket, f"run/step-{step}")
+    run = f"s3://{bucket}/run"
+    listing = json.loads(ok("ls", run, "--json"))
+    assert [entry["step"] for entry in listing["checkpoints"]] == [100, 200, 300]
+    assert all(entry["complete"] for entry in listing["checkpoints"])
+    ok("prune", run, "--keep-last", "1")
+    listing = json.loads(ok("ls", run, "--json"))
+    assert [entry["step"] for entry in listing["checkpoints"]] == [300]
+    client = s3_server.client()
+    assert not client.list_objects_v2(Bucket=bucket, Prefix="run/step-100/").get("Contents")
+
+
+def test_an_existing_output_in_a_bucket_is_refused_without_overwrite(bucket_checkpoint):
+    bucket, url = bucket_checkpoint
+    ok("compress", url, "-o", f"s3://{bucket}/out")
+    assert "exists and is not empty (pass --overwrite" in failure(
+        "compress", url, "-o", f"s3://{bucket}/out")
+    ok("compress", url, "-o", f"s3://{bucket}/out", "--overwrite", "--codec", "floatsplit")
+    assert set(json.loads(ok("inspect", f"s3://{bucket}/out", "--json"))["compression"]) \
+        == {"floatsplit"}
+    assert "is the input" in failure("compress", url, "-o", f"{url}/inner") \
+        or "inside the input" in failure("compress", url, "-o", f"{url}/inner")
+
+
+def test_faults_are_one_line_naming_the_url(s3_server, monkeypatch):
+    bucket = s3_server.new_bucket()
+    assert "no objects under this prefix" in failure("inspect", f"s3://{bucket}/nothing")
+    assert "s3://no-such-bucket-zz/ck" in failure("inspect", "s3://no-such-bucket-zz/ck")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    assert "no AWS credentials found" in failure("inspect", f"s3://{bucket}/ck")
+
+
+def test_wrong_credentials_are_access_denied(rclone_s3, monkeypatch):
+    for name, value in rclone_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = rclone_s3.new_bucket()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    message = failure("inspect", f"s3://{bucket}/ck")
+    assert f"s3://{bucket}/ck" in message and "access denied" in message

@@ -1,0 +1,105 @@
+"""The object store side of the storage interface, against real S3 servers on 127.0.0.1 (moto's
+server mode and `rclone serve s3`): listings past one page, ranged reads, multipart writes,
+conditional creates and replaces, reads held to the object first seen."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dcpctl.storage.objects import ObjectChangedError, StorageError
+from dcpctl.storage.paths import ObjectOutputFile, open_ranged, storage_path, write_whole
+from dcpctl.storage.s3 import PART_BYTES
+
+
+def test_a_listing_past_one_page_finds_every_object(s3_server):
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    names = [f"many/obj-{index:05d}" for index in range(1005)]  # S3 pages hold 1,000 keys
+    for name in names:
+        client.put_object(Bucket=bucket, Key=name, Body=name.encode())
+    directory = storage_path(f"s3://{bucket}/many")
+    tree = directory.store.list_tree(directory.key)
+    assert sorted(tree) == [name.partition("/")[2] for name in names]
+    assert tree["obj-00007"].size == len("many/obj-00007")
+
+
+def test_ranged_reads_give_the_bytes_asked_and_stop_at_the_end(s3_server):
+    bucket = s3_server.new_bucket()
+    data = os.urandom(3 << 20)
+    s3_server.client().put_object(Bucket=bucket, Key="ranges/blob", Body=data)
+    with open_ranged(storage_path(f"s3://{bucket}/ranges/blob")) as reader:
+        assert reader.read(5, 100) == data[5:105]
+        assert reader.read(len(data) - 10, 100) == data[-10:]
+        assert reader.read(len(data) + 5, 10) == b""
+        buffer = bytearray(1000)
+        assert reader.readinto(buffer, 2000) == 1000 and buffer == data[2000:3000]
+
+
+def test_a_multipart_object_appears_whole_only_once_finished(s3_server):
+    bucket = s3_server.new_bucket()
+    path = storage_path(f"s3://{bucket}/out/big.distcp")
+    data = os.urandom(2 * PART_BYTES + 12345)
+    output = ObjectOutputFile(path)
+    for start in range(0, len(data), 3 << 20):
+        output.write(data[start:start + (3 << 20)])
+    assert not path.parent.store.list_tree(path.parent.key)  # nothing visible before the end
+    output.finish()
+    assert s3_server.client().get_object(Bucket=bucket, Key="out/big.distcp")["Body"].read() \
+        == data
+
+
+def test_a_discarded_multipart_object_leaves_nothing(s3_server):
+    bucket = s3_server.new_bucket()
+    path = storage_path(f"s3://{bucket}/out/abandoned.distcp")
+    output = ObjectOutputFile(path)
+    output.write(os.urandom(PART_BYTES + 1))
+    output.discard()
+    client = s3_server.client()
+    assert client.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_a_conditional_create_never_replaces_an_object(s3_server):
+    bucket = s3_server.new_bucket()
+    s3_server.client().put_object(Bucket=bucket, Key="ck/.metadata", Body=b"first")
+    path = storage_path(f"s3://{bucket}/ck/.metadata")
+    if not s3_server.conditional_writes:
+        pytest.skip(f"{s3_server.name} ignores If-None-Match: dcpctl cannot be refused there")
+    with pytest.raises(FileExistsError):
+        write_whole(path, b"second", only_if_absent=True)
+    assert path.read_bytes() == b"first"
+
+
+def test_a_replace_is_refused_when_someone_else_replaced_the_object_first(s3_server):
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="ck/.metadata", Body=b"seen by dcpctl")
+    path = storage_path(f"s3://{bucket}/ck/.metadata")
+    path.store.list_tree(path.parent.key)  # what dcpctl saw
+    client.put_object(Bucket=bucket, Key="ck/.metadata", Body=b"written by another job")
+    if not s3_server.conditional_writes:
+        pytest.skip(f"{s3_server.name} ignores If-Match on PUT")
+    with pytest.raises(ObjectChangedError):
+        write_whole(path, b"dcpctl's", only_if_unchanged=True)
+    assert client.get_object(Bucket=bucket, Key="ck/.metadata")["Body"].read() == \
+        b"written by another job"
+
+
+def test_reading_an_object_replaced_since_it_was_listed_fails(s3_server):
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="ck/__0_0.distcp", Body=b"a" * 1000)
+    directory = storage_path(f"s3://{bucket}/ck")
+    directory.store.list_tree(directory.key)
+    client.put_object(Bucket=bucket, Key="ck/__0_0.distcp", Body=b"b" * 1000)
+    with open_ranged(directory / "__0_0.distcp") as reader:
+        with pytest.raises(ObjectChangedError, match="changed while dcpctl read"):
+            reader.read(0, 10)
+
+
+def test_a_missing_bucket_is_one_clear_error(s3_server):
+    with pytest.raises((FileNotFoundError, StorageError)) as raised:
+        storage_path("s3://no-such-bucket-here/ck/.metadata").read_bytes()
+    assert "s3://no-such-bucket-here/ck/.metadata" in str(raised.value)
