@@ -37,6 +37,8 @@ class Failpoint(enum.Enum):
     """In place: `.metadata` names the new data files by their final names."""
     BEFORE_PUBLISH = "before-publish"
     """A new output (directory or file) is whole under its temporary name."""
+    AFTER_METADATA_REMOVED = "after-metadata-removed"
+    """prune: a checkpoint's `.metadata` is gone, the rest of it not yet."""
 
 
 def _armed(setting: str | None) -> tuple[str | None, int, signal.Signals]:

@@ -34,8 +34,8 @@ from dcpctl.format.metadata.reading import parse_metadata
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
 
-MERGED_RANGE_BYTES = 32 << 20
-RANGES_IN_FLIGHT = 16
+MERGED_RANGE_BYTES = 16 << 20
+RANGES_IN_FLIGHT = 8
 
 
 def storage_reader(path: str | os.PathLike) -> FileSystemReader:

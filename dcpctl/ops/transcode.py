@@ -190,8 +190,10 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
         if on_progress is not None:
             on_progress(run.size_bytes, plan.stored_bytes)
 
+    # held pieces: four per thread, but no more than 64 pieces' worth (in an object store,
+    # many threads wait on the network; their number should not multiply memory)
     pipeline = Pipeline(_produce(plan.codec, piece_bytes), threads=threads,
-                        bytes_in_flight=4 * threads * piece_bytes)
+                        bytes_in_flight=min(4 * threads, 16) * piece_bytes)
     pipeline.run(runs, consume, lane_of=lambda run: run.lane)
     in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
     output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order),

@@ -8,11 +8,13 @@ local file with pread (no seek, no buffer, safe from any thread), an object with
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol, Union
+from typing import Iterator, Protocol, Union
 
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
@@ -54,6 +56,13 @@ class RangedFile(Protocol):
     def readinto(self, buffer, start: int) -> int:
         """Fill buffer with the bytes from start; the count read (short at the end)."""
 
+    def iter_pieces(self, start: int, end: int, piece_bytes: int) -> Iterator[bytes]:
+        """Bytes [start, end) in pieces of piece_bytes, front to back; stops early where the
+        file ends."""
+
+    def size(self) -> int:
+        """The file's size in bytes."""
+
     def close(self) -> None:
         """Release what the reader holds."""
 
@@ -70,6 +79,17 @@ class LocalRangedFile:
     def readinto(self, buffer, start: int) -> int:
         return os.preadv(self.descriptor, [buffer], start)
 
+    def iter_pieces(self, start: int, end: int, piece_bytes: int) -> Iterator[bytes]:
+        while start < end:
+            piece = os.pread(self.descriptor, min(piece_bytes, end - start), start)
+            if not piece:
+                return
+            start += len(piece)
+            yield piece
+
+    def size(self) -> int:
+        return os.fstat(self.descriptor).st_size
+
     def close(self) -> None:
         if self.descriptor >= 0:
             os.close(self.descriptor)
@@ -82,14 +102,50 @@ class LocalRangedFile:
         self.close()
 
 
+READ_AHEAD_PIECES = 4
+"""Pieces of an object fetched ahead of the one being read, front to back."""
+_READ_AHEAD_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dcpctl-read-ahead")
+
+
 class ObjectRangedFile:
-    """An object, read with one ranged GET per read (held to the object first listed)."""
+    """An object, read with one ranged GET per read (held to the object first listed); read
+    front to back, READ_AHEAD_PIECES more pieces are on their way while one is used, so the
+    round trips overlap."""
 
     def __init__(self, path: ObjectPath) -> None:
         self.path = path
 
     def read(self, start: int, count: int) -> bytes:
         return self.path.store.read_range(self.path.key, start, start + count)
+
+    def iter_pieces(self, start: int, end: int, piece_bytes: int) -> Iterator[bytes]:
+        ranges = iter(range(start, end, piece_bytes))
+        coming: collections.deque = collections.deque()
+        try:
+            while True:
+                while len(coming) <= READ_AHEAD_PIECES:
+                    offset = next(ranges, None)
+                    if offset is None:
+                        break
+                    wanted = min(piece_bytes, end - offset)
+                    coming.append((wanted, _READ_AHEAD_POOL.submit(self.read, offset, wanted)))
+                if not coming:
+                    return
+                wanted, future = coming.popleft()
+                piece = future.result()
+                if piece:
+                    yield piece
+                if len(piece) < wanted:
+                    return  # the object ends here
+        finally:
+            for _, future in coming:
+                future.cancel()
+
+    def size(self) -> int:
+        info = self.path.store.info(self.path.key)
+        if info is None:
+            raise FileNotFoundError(2, "No such file or directory", str(self.path))
+        return info.size
 
     def readinto(self, buffer, start: int) -> int:
         view = memoryview(buffer).cast("B")

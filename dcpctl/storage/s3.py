@@ -20,9 +20,9 @@ from typing import Iterator
 from dcpctl.errors import DcpctlError
 from dcpctl.storage.objects import ObjectChangedError, ObjectStore, ObjectWriter, StorageError
 
-PART_BYTES = 16 << 20
+PART_BYTES = 8 << 20
 """Bytes of each part of a multipart upload (S3 wants at least 5 MiB but for the last)."""
-PARTS_IN_FLIGHT = 4
+PARTS_IN_FLIGHT = 3
 """Parts of one object uploading at once, each held in memory until done."""
 
 

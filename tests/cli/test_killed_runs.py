@@ -135,6 +135,24 @@ def checksummed_and_clean(work: Path) -> None:
     assert not [name for name in directory_state(work / "ckpt") if is_temporary_name(name)]
 
 
+def copy_run(work: Path) -> None:
+    for step in (100, 200):
+        shutil.copytree(fixture_path(SOURCE), work / "run" / f"step-{step}")
+    copy_source(work)
+
+
+def run_keeps_whole_checkpoints(work: Path, before: dict) -> None:
+    """Each checkpoint still there loads whole, or has lost its `.metadata` (incomplete)."""
+    for checkpoint in (work / "run").iterdir():
+        if (checkpoint / ".metadata").exists():
+            assert loaded_tensors(checkpoint) == expected_tensors()
+
+
+def run_keeps_the_last(work: Path) -> None:
+    assert sorted(path.name for path in (work / "run").iterdir()) == ["step-200"]
+    assert loaded_tensors(work / "run" / "step-200") == expected_tensors()
+
+
 SCENARIOS = [
     Scenario("compress in place", lambda work: ["compress", work / "ckpt"],
              copy_source_with_sums, in_place_checkpoint_loads, in_place_rewrite_is_clean),
@@ -159,6 +177,9 @@ SCENARIOS = [
              checkpoint_loads("out")),
     Scenario("checksum", lambda work: ["checksum", work / "ckpt"], copy_source,
              checksum_left_alone_or_whole, checksummed_and_clean),
+    Scenario("prune", lambda work: ["prune", work / "run", "--keep-last", "1",
+                                    "--incomplete-older-than", "0s"],
+             copy_run, run_keeps_whole_checkpoints, run_keeps_the_last),
 ]
 
 

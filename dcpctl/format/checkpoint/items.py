@@ -57,13 +57,12 @@ def iter_stored_pieces(location: ItemLocation, piece_bytes: int = DEFAULT_PIECE_
     try:
         with open_ranged(location.path) as reader:
             position = location.start
-            while position < location.end:
-                piece = reader.read(position, min(piece_bytes, location.end - position))
-                if not piece:
-                    raise truncated_error(location.path, location.fqn, location.start,
-                                          location.end, position)
+            for piece in reader.iter_pieces(location.start, location.end, piece_bytes):
                 position += len(piece)
                 yield piece
+            if position < location.end:
+                raise truncated_error(location.path, location.fqn, location.start,
+                                      location.end, position)
     except FileNotFoundError:
         raise missing_file_error(location.path, location.fqn) from None
 

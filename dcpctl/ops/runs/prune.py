@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
+from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_directory,
                                   scan_run_directory)
@@ -197,6 +198,7 @@ def delete_checkpoint_prefix(entry: CheckpointEntry) -> None:
     under its prefix, in batches."""
     store = entry.path.store
     store.delete([(entry.path / METADATA_FILE_NAME).key])
+    failpoint(Failpoint.AFTER_METADATA_REMOVED)
     names = sorted(store.list_tree(entry.path.key))
     store.delete([(entry.path / name).key for name in names])
 
@@ -223,6 +225,7 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
                         what="another dcpctl is using this checkpoint; not deleted")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(METADATA_FILE_NAME, dir_fd=descriptor)
+        failpoint(Failpoint.AFTER_METADATA_REMOVED)
         empty_directory(descriptor)
     finally:
         os.close(descriptor)

@@ -176,12 +176,7 @@ class _FileCursor:
         sequential = not again and self.digest is not None and start >= self.position
         if sequential:
             self._hash_until(start)
-        end = start + length
-        while start < end:
-            piece = self.reader.read(start, min(PIECE_BYTES, end - start))
-            if not piece:
-                return
-            start += len(piece)
+        for piece in self.reader.iter_pieces(start, start + length, PIECE_BYTES):
             if sequential:
                 self._take(piece)
             elif not again and self.digest is None:
@@ -194,11 +189,8 @@ class _FileCursor:
         return self.digest.hexdigest()
 
     def _hash_until(self, offset: int | None) -> None:
-        while offset is None or self.position < offset:
-            wanted = PIECE_BYTES if offset is None else min(PIECE_BYTES, offset - self.position)
-            piece = self.reader.read(self.position, wanted)
-            if not piece:
-                return
+        end = self.reader.size() if offset is None else offset
+        for piece in self.reader.iter_pieces(self.position, end, PIECE_BYTES):
             self._take(piece)
 
     def _take(self, piece: bytes) -> None:

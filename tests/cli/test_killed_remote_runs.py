@@ -1,0 +1,114 @@
+"""Commands on a bucket killed at every failpoint they pass (first, middle and last pass of
+each), on moto's server, which honours conditional writes: what a reader finds there always
+loads, old or new, and never looks whole when it is not; run again, the command finishes."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from conftest import (MANIFEST, fixture_path, load_with_dcpctl_reader, run_dcpctl,
+                      upload_directory)
+from make_fixtures import tensor_sha256
+
+pytestmark = pytest.mark.slow
+SOURCE = "fsdp2_adamw_3ranks"
+
+
+def expected_tensors() -> dict[str, str]:
+    return {fqn: entry["sha256"] for fqn, entry in MANIFEST[SOURCE]["tensors"].items()}
+
+
+def loaded_tensors(url: str) -> dict[str, str]:
+    return {fqn: tensor_sha256(value) for fqn, value in load_with_dcpctl_reader(url).items()
+            if isinstance(value, torch.Tensor)}
+
+
+def keys_under(server, bucket: str, prefix: str) -> list[str]:
+    return [entry["Key"][len(prefix) + 1:] for page in server.client().get_paginator(
+        "list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+        for entry in page.get("Contents", [])]
+
+
+def traced_passes(args: list[str], tmp_path) -> dict[str, int]:
+    trace = tmp_path / "trace"
+    result = run_dcpctl(*args, trace=trace)
+    assert result.returncode == 0, result.stderr
+    names = trace.read_text().split()
+    return {name: names.count(name) for name in dict.fromkeys(names)}
+
+
+def moments(passes: dict[str, int]) -> list[str]:
+    return [f"{name}@{hit}" for name, count in passes.items()
+            for hit in sorted({1, (count + 1) // 2, count})]
+
+
+@pytest.fixture
+def moto_env(moto_s3, monkeypatch):
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    return moto_s3
+
+
+def test_compress_in_place_in_a_bucket_killed_anywhere_leaves_a_checkpoint_that_loads(
+        moto_env, tmp_path):
+    probe = moto_env.new_bucket()
+    upload_directory(moto_env, fixture_path(SOURCE), probe, "ck")
+    passes = traced_passes(["compress", f"s3://{probe}/ck"], tmp_path)
+    assert "after-first-metadata-switch" in passes
+    for moment in moments(passes):
+        bucket = moto_env.new_bucket()
+        url = upload_directory(moto_env, fixture_path(SOURCE), bucket, "ck")
+        killed = run_dcpctl("compress", url, failpoint=moment)
+        assert killed.returncode == -signal.SIGKILL, (moment, killed.stderr)
+        assert loaded_tensors(url) == expected_tensors(), moment
+        rerun = run_dcpctl("compress", url)
+        assert rerun.returncode == 0, (moment, rerun.stderr)
+        assert loaded_tensors(url) == expected_tensors(), moment
+        verified = run_dcpctl("verify", url)
+        assert verified.returncode == 0, (moment, verified.stdout)
+        names = keys_under(moto_env, bucket, "ck")
+        named = {name for name in names if name not in (".metadata", "SHA256SUMS")}
+        assert len(named) == 3, (moment, names)  # what the killed run left was cleaned
+
+
+def test_compress_into_a_bucket_killed_anywhere_never_looks_whole(moto_env, tmp_path):
+    source_bucket = moto_env.new_bucket()
+    source = upload_directory(moto_env, fixture_path(SOURCE), source_bucket, "ck")
+    passes = traced_passes(["compress", source, "-o", f"s3://{source_bucket}/probe"], tmp_path)
+    for index, moment in enumerate(moments(passes)):
+        output = f"s3://{source_bucket}/out-{index}"
+        killed = run_dcpctl("compress", source, "-o", output, failpoint=moment)
+        assert killed.returncode == -signal.SIGKILL, (moment, killed.stderr)
+        left = keys_under(moto_env, source_bucket, f"out-{index}")
+        if ".metadata" in left:
+            assert loaded_tensors(output) == expected_tensors(), moment
+        rerun = run_dcpctl("compress", source, "-o", output, "--overwrite")
+        assert rerun.returncode == 0, (moment, rerun.stderr)
+        assert loaded_tensors(output) == expected_tensors(), moment
+
+
+def test_prune_of_a_bucket_killed_anywhere_leaves_whole_or_incomplete_checkpoints(
+        moto_env, tmp_path):
+    def new_run() -> tuple[str, str]:
+        bucket = moto_env.new_bucket()
+        for step in (100, 200, 300):
+            upload_directory(moto_env, fixture_path(SOURCE), bucket, f"run/step-{step}")
+        return bucket, f"s3://{bucket}/run"
+
+    _, probe = new_run()
+    args = ["--keep-last", "1", "--incomplete-older-than", "0s"]
+    passes = traced_passes(["prune", probe, *args], tmp_path)
+    assert passes == {"after-metadata-removed": 2}
+    for moment in moments(passes):
+        bucket, run = new_run()
+        killed = run_dcpctl("prune", run, *args, failpoint=moment)
+        assert killed.returncode == -signal.SIGKILL, (moment, killed.stderr)
+        for step in (100, 200, 300):
+            if ".metadata" in keys_under(moto_env, bucket, f"run/step-{step}"):
+                assert loaded_tensors(f"{run}/step-{step}") == expected_tensors(), moment
+        rerun = run_dcpctl("prune", run, *args)
+        assert rerun.returncode == 0, (moment, rerun.stderr)
+        assert {key.partition("/")[0] for key in keys_under(moto_env, bucket, "run")} == \
+            {"step-300"}, moment
