@@ -92,8 +92,9 @@ def _verify(directory: StoragePath, deep: bool, threads: int | None,
     return report
 
 
-def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None, sums: dict[str, str] | None,
-                      problems_so_far: list[Problem]) -> list[Problem]:
+def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
+                      sums: dict[str, str] | None, problems_so_far: list[Problem]
+                      ) -> list[Problem]:
     """Files the metadata does not know; files SHA256SUMS lists that are absent, and files of
     the checkpoint it does not list."""
     present = (set(checkpoint.listing) if checkpoint is not None and checkpoint.listing
