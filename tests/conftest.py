@@ -38,6 +38,20 @@ def run_dcpctl(*args, failpoint: str | None = None, trace: Path | None = None,
                           capture_output=True, text=True, **kwargs)
 
 
+def failpoint_passes(args: list, trace: Path) -> dict[str, int]:
+    """How often `dcpctl *args` passes each failpoint, from one traced run that must succeed."""
+    result = run_dcpctl(*args, trace=trace)
+    assert result.returncode == 0, result.stderr
+    names = trace.read_text().split()
+    return {name: names.count(name) for name in dict.fromkeys(names)}
+
+
+def failpoint_moments(passes: dict[str, int]) -> list[str]:
+    """Each failpoint at its first, a middle and its last pass: `name@n`."""
+    return [f"{name}@{hit}" for name, count in passes.items()
+            for hit in sorted({1, (count + 1) // 2, count})]
+
+
 @pytest.fixture
 def run_cli():
     """Run a dcpctl command line in this process (click's CliRunner); returns its Result."""
@@ -274,10 +288,11 @@ def download_prefix(server, bucket: str, prefix: str, directory: Path) -> Path:
 
 def load_with_dcpctl_reader(url: str) -> dict:
     """The whole checkpoint as `dcp.load` loads it through dcpctl.storage_reader, by fqn."""
-    import dcpctl
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    import dcpctl
 
     state: dict = {}
     _load_state_dict(state, storage_reader=dcpctl.storage_reader(url),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dcpctl.errors import LockHeldError
-from dcpctl.storage.objects import ObjectPath
+from dcpctl.storage.paths import is_remote, storage_path
 
 _LOCKS_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
 
@@ -46,7 +46,7 @@ def locked_checkpoint(path: str | os.PathLike, exclusive: bool) -> Iterator[None
     dcpctl replaces there."""
     what = ("another dcpctl is reading or changing this checkpoint" if exclusive
             else "another dcpctl is changing this checkpoint")
-    if isinstance(path, ObjectPath) or "://" in str(path):
+    if is_remote(storage_path(path)):
         yield
         return
     try:

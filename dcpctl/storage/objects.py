@@ -2,17 +2,16 @@
 with ranged reads.
 
 An `ObjectPath` names an object or a prefix (a "directory") the way a `pathlib.Path` names a
-local file, with the part of pathlib's API dcpctl uses (`/`, `name`, `parent`, `exists`,
-`stat`, `iterdir`, `read_bytes`, `unlink`), so code that walks a checkpoint reads the same for
-both. What pathlib lacks, an `ObjectStore` adds: one listing of everything under a prefix,
-ranged reads, parallel multipart writes, creating an object only where none is (where the store
-can promise that), server-side copy and batch delete. S3 gets its own store (s3.py); any other
-protocol goes through fsspec's generic calls.
+local file, with the part of pathlib's API dcpctl calls on both (`/`, `name`, `parent`,
+`exists`, `is_dir`, `is_file`, `stat`, `iterdir`, `read_bytes`, `unlink`), so code that walks a
+checkpoint reads the same for both. What pathlib lacks, an `ObjectStore` adds: one listing of
+everything under a prefix, ranged reads, writes in pieces, conditional creates and replaces
+(promised by S3, checked just before elsewhere) and batch delete. S3 gets its own store
+(s3.py); any other protocol goes through fsspec's generic calls.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import posixpath
 import stat
 import threading
@@ -52,10 +51,6 @@ class ObjectStat:
 class ObjectStore:
     """One fsspec file system, with the operations dcpctl needs expressed on keys (paths
     without the protocol, as fsspec takes them)."""
-
-    # What the store promises: True where creating an object can be made conditional on no
-    # object having its name (S3's If-None-Match), and replacing one conditional on its ETag.
-    conditional_writes = False
 
     def __init__(self, protocol: str, filesystem) -> None:
         self.protocol = protocol
@@ -131,12 +126,6 @@ class ObjectStore:
         with self.translated_errors(key):
             return self.fs.cat_file(key, start=start, end=end)
 
-    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """Several byte ranges of one object, fetched at once."""
-        with self.translated_errors(key):
-            return self.fs.cat_ranges([key] * len(ranges), [start for start, _ in ranges],
-                                      [end for _, end in ranges])
-
     # writing
 
     def open_writer(self, key: str) -> ObjectWriter:
@@ -145,19 +134,19 @@ class ObjectStore:
 
     def put(self, key: str, data: bytes, if_absent: bool = False,
             if_etag: str | None = None) -> None:
-        """Write a whole object. if_absent / if_etag make the write conditional where the store
-        can promise it (conditional_writes); elsewhere they are checked just before."""
+        """Write a whole object, only if none has its name (if_absent: else FileExistsError),
+        or only if it is still the object with ETag if_etag (else ObjectChangedError). Here
+        the condition is checked just before the write; a store that can promise it (S3)
+        makes the write itself conditional."""
         with self.translated_errors(key):
             if if_absent and self.fs.exists(key):
-                raise FileExistsError(None, "exists", self.url(key))
+                raise FileExistsError(17, "exists", self.url(key))
+            if if_etag is not None and _info_of(self.fs.info(key)).etag != if_etag:
+                raise ObjectChangedError("the object changed while dcpctl read or replaced it "
+                                         "(its ETag is not the one first seen); nothing was "
+                                         "published", path=self.url(key))
             self.fs.pipe_file(key, bytes(data))
         self.forget(key)
-
-    def copy(self, source_key: str, destination_key: str) -> None:
-        """Copy an object inside the store, without its bytes passing through dcpctl."""
-        with self.translated_errors(source_key):
-            self.fs.copy(source_key, destination_key)
-        self.forget(destination_key)
 
     def delete(self, keys: list[str]) -> None:
         """Delete objects, in batches where the store has them; missing ones are no error."""
@@ -316,19 +305,6 @@ class ObjectPath:
     def parent(self) -> ObjectPath:
         return ObjectPath(self.store, posixpath.dirname(self.key))
 
-    @property
-    def parts(self) -> tuple[str, ...]:
-        return tuple(part for part in self.key.split("/") if part)
-
-    def with_name(self, name: str) -> ObjectPath:
-        return self.parent / name
-
-    def relative_to(self, other: ObjectPath) -> str:
-        base = other.key.rstrip("/") + "/"
-        if other.store is not self.store or not self.key.startswith(base):
-            raise ValueError(f"{self} is not under {other}")
-        return self.key[len(base):]
-
     def exists(self) -> bool:
         return self.store.info(self.key) is not None or self.store.is_prefix(self.key)
 
@@ -337,9 +313,6 @@ class ObjectPath:
 
     def is_file(self) -> bool:
         return self.store.info(self.key) is not None
-
-    def is_symlink(self) -> bool:
-        return False
 
     def stat(self) -> ObjectStat:
         info = self.store.info(self.key)
@@ -351,11 +324,6 @@ class ObjectPath:
         for name in sorted(self.store.list_children(self.key)):
             yield self / name
 
-    def glob(self, pattern: str) -> Iterator[ObjectPath]:
-        for path in self.iterdir():
-            if fnmatch.fnmatchcase(path.name, pattern):
-                yield path
-
     def read_bytes(self) -> bytes:
         info = self.store.info(self.key)
         if info is None:
@@ -366,9 +334,6 @@ class ObjectPath:
         if not missing_ok and self.store.info(self.key) is None:
             raise FileNotFoundError(2, "No such file or directory", str(self))
         self.store.delete([self.key])
-
-    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        """Prefixes exist by having objects under them: nothing to make."""
 
 
 def _info_of(details: dict) -> ObjectInfo:

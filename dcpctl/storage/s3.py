@@ -53,8 +53,6 @@ def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
 class S3Store(ObjectStore):
     """An S3 bucket (see module docstring)."""
 
-    conditional_writes = True
-
     def _call(self, key: str, method: str, **arguments):
         """Run an S3 call on s3fs's event loop (with its retries); raise ClientError as is."""
         bucket, object_key, _ = self.fs.split_path(key)
@@ -65,31 +63,27 @@ class S3Store(ObjectStore):
         return sync(self.fs.loop, _awaited, coroutine)
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
+        """One ranged GET, If-Match on the ETag first seen (and the answer's ETag compared,
+        for servers that ignore If-Match), retried by s3fs where the transfer is cut short."""
         if end <= start:
             return b""
-        return self.read_ranges(key, [(start, end)])[0]
-
-    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        from s3fs.core import _error_wrapper
         bucket, object_key, _ = self.fs.split_path(key)
         etag = self.remembered_etag(key)
         condition = {"IfMatch": f'"{etag}"'} if etag else {}
 
-        async def get(start: int, end: int) -> bytes:
-            if end <= start:
-                return b""
-            from s3fs.core import _error_wrapper
+        async def call_and_read() -> bytes:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=object_key,
+                                              Range=f"bytes={start}-{end - 1}", **condition)
+            try:
+                returned = str(response.get("ETag") or "").strip('"')
+                if etag and returned and returned != etag:
+                    raise _changed_error()
+                return await response["Body"].read()
+            finally:
+                response["Body"].close()
 
-            async def call_and_read() -> bytes:
-                response = await self.fs._call_s3(
-                    "get_object", Bucket=bucket, Key=object_key,
-                    Range=f"bytes={start}-{end - 1}", **condition)
-                try:
-                    returned = str(response.get("ETag") or "").strip('"')
-                    if etag and returned and returned != etag:  # for servers that ignore If-Match
-                        raise _changed_error()
-                    return await response["Body"].read()
-                finally:
-                    response["Body"].close()
+        async def get() -> bytes:
             try:
                 return await _error_wrapper(call_and_read, retries=self.fs.retries)
             except Exception as error:  # noqa: BLE001 - worded below, or re-raised
@@ -97,11 +91,8 @@ class S3Store(ObjectStore):
                     return b""  # starts at or past the end: the caller sees a short read
                 raise
 
-        async def get_all() -> list[bytes]:
-            return list(await asyncio.gather(*(get(start, end) for start, end in ranges)))
-
         with self.translated_errors(key):
-            return self._run(get_all())
+            return self._run(get())
 
     def put(self, key: str, data: bytes, if_absent: bool = False,
             if_etag: str | None = None) -> None:
@@ -117,11 +108,6 @@ class S3Store(ObjectStore):
     def _written(self, key: str) -> None:
         self.forget(key)
         self.fs.invalidate_cache(key)
-
-    def copy(self, source_key: str, destination_key: str) -> None:
-        with self.translated_errors(source_key):
-            self.fs.copy(source_key, destination_key)
-        self._written(destination_key)
 
     def delete(self, keys: list[str]) -> None:
         super().delete(keys)
@@ -228,7 +214,6 @@ class MultipartWriter(ObjectWriter):
             self._upload_part(part)
 
     def _upload_part(self, part: bytes) -> None:
-        from fsspec.asyn import sync  # noqa: F401 - the loop below is fsspec's
         with self.store.translated_errors(self.key):
             if self._upload_id is None:
                 response = self.store._call(self.key, "create_multipart_upload")

@@ -8,8 +8,8 @@ import signal
 
 import pytest
 import torch
-from conftest import (MANIFEST, fixture_path, load_with_dcpctl_reader, run_dcpctl,
-                      upload_directory)
+from conftest import (MANIFEST, failpoint_moments, failpoint_passes, fixture_path,
+                      load_with_dcpctl_reader, run_dcpctl, upload_directory)
 from make_fixtures import tensor_sha256
 
 pytestmark = pytest.mark.slow
@@ -31,19 +31,6 @@ def keys_under(server, bucket: str, prefix: str) -> list[str]:
         for entry in page.get("Contents", [])]
 
 
-def traced_passes(args: list[str], tmp_path) -> dict[str, int]:
-    trace = tmp_path / "trace"
-    result = run_dcpctl(*args, trace=trace)
-    assert result.returncode == 0, result.stderr
-    names = trace.read_text().split()
-    return {name: names.count(name) for name in dict.fromkeys(names)}
-
-
-def moments(passes: dict[str, int]) -> list[str]:
-    return [f"{name}@{hit}" for name, count in passes.items()
-            for hit in sorted({1, (count + 1) // 2, count})]
-
-
 @pytest.fixture
 def moto_env(moto_s3, monkeypatch):
     for name, value in moto_s3.environment().items():
@@ -55,9 +42,9 @@ def test_compress_in_place_in_a_bucket_killed_anywhere_leaves_a_checkpoint_that_
         moto_env, tmp_path):
     probe = moto_env.new_bucket()
     upload_directory(moto_env, fixture_path(SOURCE), probe, "ck")
-    passes = traced_passes(["compress", f"s3://{probe}/ck"], tmp_path)
+    passes = failpoint_passes(["compress", f"s3://{probe}/ck"], tmp_path / "trace")
     assert "after-first-metadata-switch" in passes
-    for moment in moments(passes):
+    for moment in failpoint_moments(passes):
         bucket = moto_env.new_bucket()
         url = upload_directory(moto_env, fixture_path(SOURCE), bucket, "ck")
         killed = run_dcpctl("compress", url, failpoint=moment)
@@ -76,8 +63,9 @@ def test_compress_in_place_in_a_bucket_killed_anywhere_leaves_a_checkpoint_that_
 def test_compress_into_a_bucket_killed_anywhere_never_looks_whole(moto_env, tmp_path):
     source_bucket = moto_env.new_bucket()
     source = upload_directory(moto_env, fixture_path(SOURCE), source_bucket, "ck")
-    passes = traced_passes(["compress", source, "-o", f"s3://{source_bucket}/probe"], tmp_path)
-    for index, moment in enumerate(moments(passes)):
+    passes = failpoint_passes(["compress", source, "-o", f"s3://{source_bucket}/probe"],
+                              tmp_path / "trace")
+    for index, moment in enumerate(failpoint_moments(passes)):
         output = f"s3://{source_bucket}/out-{index}"
         killed = run_dcpctl("compress", source, "-o", output, failpoint=moment)
         assert killed.returncode == -signal.SIGKILL, (moment, killed.stderr)
@@ -99,9 +87,9 @@ def test_prune_of_a_bucket_killed_anywhere_leaves_whole_or_incomplete_checkpoint
 
     _, probe = new_run()
     args = ["--keep-last", "1"]
-    passes = traced_passes(["prune", probe, *args], tmp_path)
+    passes = failpoint_passes(["prune", probe, *args], tmp_path / "trace")
     assert passes == {"after-metadata-removed": 2}
-    for moment in moments(passes):
+    for moment in failpoint_moments(passes):
         bucket, run = new_run()
         killed = run_dcpctl("prune", run, *args, failpoint=moment)
         assert killed.returncode == -signal.SIGKILL, (moment, killed.stderr)

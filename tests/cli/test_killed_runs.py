@@ -16,8 +16,8 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import (MANIFEST, directory_state, fixture_path, load_with_torch, run_dcpctl,
-                      tree_listing)
+from conftest import (MANIFEST, directory_state, failpoint_moments, failpoint_passes, fixture_path,
+                      load_with_torch, run_dcpctl, tree_listing)
 from make_fixtures import tensor_sha256
 from safetensors.torch import load_file
 
@@ -187,17 +187,7 @@ SCENARIOS = [
 
 def passes_of(work: Path, scenario: Scenario) -> dict[str, int]:
     """How often the command passes each failpoint, from one traced run."""
-    trace = work.parent / f"{work.name}.trace"
-    result = run_dcpctl(*scenario.args(work), trace=trace)
-    assert result.returncode == 0, result.stderr
-    names = trace.read_text().split()
-    return {name: names.count(name) for name in dict.fromkeys(names)}
-
-
-def moments(passes: dict[str, int]) -> list[str]:
-    """Each failpoint at its first, a middle and its last pass: `name@n`."""
-    return [f"{name}@{hit}" for name, count in passes.items()
-            for hit in sorted({1, (count + 1) // 2, count})]
+    return failpoint_passes(scenario.args(work), work.parent / f"{work.name}.trace")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda scenario: scenario.name)
@@ -205,7 +195,7 @@ def test_killed_at_every_failpoint_nothing_is_lost(scenario, tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
     scenario.prepare(probe)
-    for moment in moments(passes_of(probe, scenario)):
+    for moment in failpoint_moments(passes_of(probe, scenario)):
         work = tmp_path / moment.replace("@", "-")
         work.mkdir()
         scenario.prepare(work)

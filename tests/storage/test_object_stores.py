@@ -103,3 +103,14 @@ def test_a_missing_bucket_is_one_clear_error(s3_server):
     with pytest.raises((FileNotFoundError, StorageError)) as raised:
         storage_path("s3://no-such-bucket-here/ck/.metadata").read_bytes()
     assert "s3://no-such-bucket-here/ck/.metadata" in str(raised.value)
+
+
+def test_a_generic_fsspec_store_refuses_to_create_over_an_object():
+    """memory://, through fsspec's generic calls, which have no conditional PUT: dcpctl looks
+    just before it writes, and never replaces what it was to create."""
+    import fsspec
+    filesystem = fsspec.filesystem("memory")
+    filesystem.pipe_file("/generic-ck/.metadata", b"first")
+    with pytest.raises(FileExistsError):
+        write_whole(storage_path("memory://generic-ck/.metadata"), b"new", only_if_absent=True)
+    assert filesystem.cat_file("/generic-ck/.metadata") == b"first"

@@ -7,6 +7,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
@@ -156,34 +157,30 @@ def _check_is_checkpoint_directory(directory: Path) -> None:
     if not directory.is_dir():
         raise CheckpointNotFoundError("not a directory; a DCP checkpoint is a directory holding "
                                       ".metadata and .distcp files", path=directory)
-    if (directory / METADATA_FILE_NAME).exists():
-        return
-    if (directory / HF_INDEX_FILE_NAME).exists():
-        raise UnsupportedLayoutError(
-            f"holds {HF_INDEX_FILE_NAME} but no {METADATA_FILE_NAME}: this is a Hugging Face "
-            "safetensors checkpoint (HuggingFaceStorageWriter), not DCP metadata", path=directory)
-    if ((directory / METADATA_TEMPORARY_FILE_NAME).exists()
-            or any(directory.glob(f"*{DATA_FILE_SUFFIX}"))):
-        raise IncompleteCheckpointError(
-            f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
-            "running, or one that died before finishing)", path=directory)
-    raise IncompleteCheckpointError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}",
-                                    path=directory)
+    _refuse_unless_checkpoint(directory, lambda name: (directory / name).exists(),
+                              lambda: any(directory.glob(f"*{DATA_FILE_SUFFIX}")))
 
 
 def _check_is_checkpoint_prefix(directory: ObjectPath, listing: dict[str, ObjectInfo]
                                 ) -> None:
-    if METADATA_FILE_NAME in listing:
-        return
     if not listing:
         raise CheckpointNotFoundError("no objects under this prefix", path=directory)
-    if HF_INDEX_FILE_NAME in listing:
+    _refuse_unless_checkpoint(directory, listing.__contains__,
+                              lambda: any(name.endswith(DATA_FILE_SUFFIX) for name in listing))
+
+
+def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], bool],
+                              holds_data_files: Callable[[], bool]) -> None:
+    """Refuse a directory (or prefix) without `.metadata`, saying what it looks like."""
+    if holds(METADATA_FILE_NAME):
+        return
+    if holds(HF_INDEX_FILE_NAME):
         raise UnsupportedLayoutError(
             f"holds {HF_INDEX_FILE_NAME} but no {METADATA_FILE_NAME}: this is a Hugging Face "
             "safetensors checkpoint (HuggingFaceStorageWriter), not DCP metadata", path=directory)
-    if any(name.endswith(DATA_FILE_SUFFIX) for name in listing):
+    if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():
         raise IncompleteCheckpointError(
-            f"incomplete checkpoint: data objects but no {METADATA_FILE_NAME} (a save still "
+            f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
             "running, or one that died before finishing)", path=directory)
     raise IncompleteCheckpointError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}",
                                     path=directory)
