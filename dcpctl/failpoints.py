@@ -38,7 +38,8 @@ class Failpoint(enum.Enum):
     BEFORE_PUBLISH = "before-publish"
     """A new output (directory or file) is whole under its temporary name."""
     AFTER_METADATA_REMOVED = "after-metadata-removed"
-    """prune: a checkpoint's `.metadata` is gone, the rest of it not yet."""
+    """A checkpoint being deleted (by prune, or an output in an object store replaced with
+    --overwrite) has lost its `.metadata`, not yet the rest."""
 
 
 def _armed(setting: str | None) -> tuple[str | None, int, signal.Signals]:

@@ -82,7 +82,7 @@ class ObjectStoreOutput:
                 raise OutputError("exists and is not empty (pass --overwrite to replace it)",
                                   path=destination)
             if standing:
-                _delete_metadata_first(destination, standing)
+                delete_checkpoint_objects(destination)
         elif destination.is_file() and not overwrite:
             raise OutputError("exists (pass --overwrite to replace it)", path=destination)
 
@@ -92,19 +92,20 @@ class ObjectStoreOutput:
 
     def abort(self) -> None:
         """Delete what was written under the destination."""
-        store = self.destination.store
         if self.is_directory:
-            _delete_metadata_first(self.destination,
-                                   sorted(store.list_tree(self.destination.key)))
+            delete_checkpoint_objects(self.destination)
         else:
             self.destination.unlink(missing_ok=True)
 
 
-def _delete_metadata_first(directory: ObjectPath, names: list[str]) -> None:
+def delete_checkpoint_objects(directory: ObjectPath) -> None:
+    """Delete every object under a checkpoint's prefix, `.metadata` first (so that a deletion
+    cut short leaves an incomplete checkpoint rather than one that looks complete), then the
+    rest, listed once `.metadata` is gone, in batches."""
     store = directory.store
-    if METADATA_FILE_NAME in names:
-        store.delete([(directory / METADATA_FILE_NAME).key])
-    store.delete([(directory / name).key for name in names if name != METADATA_FILE_NAME])
+    store.delete([(directory / METADATA_FILE_NAME).key])
+    failpoint(Failpoint.AFTER_METADATA_REMOVED)
+    store.delete([(directory / name).key for name in sorted(store.list_tree(directory.key))])
 
 
 def staged_output(destination: StoragePath, overwrite: bool, source: StoragePath,

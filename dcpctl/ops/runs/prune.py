@@ -26,6 +26,7 @@ from dcpctl.storage.local import empty_directory, open_directory_at
 from dcpctl.storage.locks import lock_descriptor, locked_directory
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, storage_path
+from dcpctl.storage.staging import delete_checkpoint_objects
 
 KEPT, WOULD_DELETE, DELETED, FAILED = "kept", "would delete", "deleted", "failed"
 
@@ -157,10 +158,11 @@ def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
     check_run_directory(directory)
     if dry_run:
         return _planned(directory, rules, dry_run=True)
-    if isinstance(directory, ObjectPath):  # no locks there: see delete_checkpoint_prefix
+    if isinstance(directory, ObjectPath):  # no locks there; .metadata goes first
         report = _planned(directory, rules, dry_run=False)
         for decision in report.to_delete:
-            _carry_out(decision, lambda: delete_checkpoint_prefix(decision.checkpoint))
+            _carry_out(decision, functools.partial(delete_checkpoint_objects,
+                                                   decision.checkpoint.path))
         return report
     with locked_directory(directory, exclusive=True,
                           what="another dcpctl prune is pruning this run directory"
@@ -190,17 +192,6 @@ def _carry_out(decision: PruneDecision, delete: Callable[[], None]) -> None:
         decision.status, decision.error = FAILED, str(error)
     else:
         decision.status = DELETED
-
-
-def delete_checkpoint_prefix(entry: CheckpointEntry) -> None:
-    """Delete a checkpoint in an object store, `.metadata` first (so that a deletion cut short
-    leaves an incomplete checkpoint rather than one that looks complete), then every object
-    under its prefix, in batches."""
-    store = entry.path.store
-    store.delete([(entry.path / METADATA_FILE_NAME).key])
-    failpoint(Failpoint.AFTER_METADATA_REMOVED)
-    names = sorted(store.list_tree(entry.path.key))
-    store.delete([(entry.path / name).key for name in names])
 
 
 def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> None:
