@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -14,6 +13,8 @@ from dcpctl.stopping import Terminated, finishing_first, stop_on_signals
 def stopping_handlers():
     saved = {number: signal.getsignal(number)
              for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for number in saved:  # a shell running pytest in the background ignores SIGINT
+        signal.signal(number, signal.SIG_DFL)
     stop_on_signals()
     yield
     for number, handler in saved.items():
@@ -22,7 +23,7 @@ def stopping_handlers():
 
 def test_a_stop_outside_a_block_is_raised_at_once(stopping_handlers):
     with pytest.raises(Terminated) as stopped:
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
     assert stopped.value.signal_number == signal.SIGTERM
 
 
@@ -30,7 +31,7 @@ def test_a_stop_inside_a_block_waits_for_its_end(stopping_handlers):
     steps = []
     with pytest.raises(Terminated, match="SIGHUP"):
         with finishing_first():
-            os.kill(os.getpid(), signal.SIGHUP)
+            signal.raise_signal(signal.SIGHUP)
             steps.append("after the signal")
             with finishing_first():  # nested: still deferred to the outer block's end
                 steps.append("inner block")
@@ -41,7 +42,7 @@ def test_a_stop_inside_a_block_waits_for_its_end(stopping_handlers):
 def test_the_stop_wins_over_an_error_the_block_raises(stopping_handlers):
     with pytest.raises(KeyboardInterrupt) as stopped:
         with finishing_first():
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
             raise OSError("disk full")
     assert isinstance(stopped.value.__context__, OSError)
 
