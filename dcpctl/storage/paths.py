@@ -12,6 +12,7 @@ import collections
 import hashlib
 import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Protocol, Union
@@ -103,14 +104,40 @@ class LocalRangedFile:
 
 
 READ_AHEAD_PIECES = 4
-"""Pieces of an object fetched ahead of the one being read, front to back."""
+"""Pieces of an object fetched ahead of the one being read, front to back..."""
+READ_AHEAD_BYTES = 64 << 20
+"""...as long as all the reads at once hold no more than this fetched ahead."""
 _READ_AHEAD_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dcpctl-read-ahead")
+
+
+class _Budget:
+    """Bytes that may be held at once, taken without waiting: a read that finds the budget
+    spent fetches its next piece when it needs it, so memory stays bounded whatever the number
+    of threads reading, and no read ever waits on another."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._left = limit_bytes
+        self._lock = threading.Lock()
+
+    def take(self, count: int) -> bool:
+        with self._lock:
+            if count > self._left:
+                return False
+            self._left -= count
+            return True
+
+    def give_back(self, count: int) -> None:
+        with self._lock:
+            self._left += count
+
+
+_READ_AHEAD_BUDGET = _Budget(READ_AHEAD_BYTES)
 
 
 class ObjectRangedFile:
     """An object, read with one ranged GET per read (held to the object first listed); read
-    front to back, READ_AHEAD_PIECES more pieces are on their way while one is used, so the
-    round trips overlap."""
+    front to back, up to READ_AHEAD_PIECES more pieces are on their way while one is used
+    (READ_AHEAD_BYTES among all reads), so the round trips overlap."""
 
     def __init__(self, path: ObjectPath) -> None:
         self.path = path
@@ -119,27 +146,33 @@ class ObjectRangedFile:
         return self.path.store.read_range(self.path.key, start, start + count)
 
     def iter_pieces(self, start: int, end: int, piece_bytes: int) -> Iterator[bytes]:
-        ranges = iter(range(start, end, piece_bytes))
-        coming: collections.deque = collections.deque()
+        coming: collections.deque = collections.deque()  # (wanted, future, budgeted bytes)
+        next_start = start
         try:
             while True:
-                while len(coming) <= READ_AHEAD_PIECES:
-                    offset = next(ranges, None)
-                    if offset is None:
+                while next_start < end and len(coming) <= READ_AHEAD_PIECES:
+                    wanted = min(piece_bytes, end - next_start)
+                    budgeted = wanted if coming else 0  # the piece needed now is not ahead
+                    if budgeted and not _READ_AHEAD_BUDGET.take(budgeted):
                         break
-                    wanted = min(piece_bytes, end - offset)
-                    coming.append((wanted, _READ_AHEAD_POOL.submit(self.read, offset, wanted)))
+                    future = _READ_AHEAD_POOL.submit(self.read, next_start, wanted)
+                    coming.append((wanted, future, budgeted))
+                    next_start += wanted
                 if not coming:
                     return
-                wanted, future = coming.popleft()
-                piece = future.result()
+                wanted, future, budgeted = coming.popleft()
+                try:
+                    piece = future.result()
+                finally:
+                    _READ_AHEAD_BUDGET.give_back(budgeted)
                 if piece:
                     yield piece
                 if len(piece) < wanted:
                     return  # the object ends here
         finally:
-            for _, future in coming:
+            for _, future, budgeted in coming:
                 future.cancel()
+                _READ_AHEAD_BUDGET.give_back(budgeted)
 
     def size(self) -> int:
         info = self.path.store.info(self.path.key)
@@ -251,9 +284,11 @@ def new_output_file(path: StoragePath) -> OutputFile | ObjectOutputFile:
     return OutputFile(path)
 
 
-REMOTE_THREADS = 16
+REMOTE_THREADS = 8
 """Threads reading and writing a checkpoint in an object store by default: each waits on the
-network most of the time, so more of them than cores keep the transfers full."""
+network much of the time, so more of them than cores keep the transfers full (large objects are
+also read ahead, and uploaded several parts at once, whatever the thread count). Each holds a
+few pieces: more threads cost memory, not only cores."""
 
 
 def default_threads_for(path: StoragePath) -> int:

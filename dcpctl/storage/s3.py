@@ -21,9 +21,15 @@ from dcpctl.errors import DcpctlError
 from dcpctl.storage.objects import ObjectChangedError, ObjectStore, ObjectWriter, StorageError
 
 PART_BYTES = 8 << 20
-"""Bytes of each part of a multipart upload (S3 wants at least 5 MiB but for the last)."""
-PARTS_IN_FLIGHT = 3
-"""Parts of one object uploading at once, each held in memory until done."""
+"""Bytes of each of the first parts of a multipart upload (S3 wants at least 5 MiB but for the
+last)..."""
+PARTS_PER_SIZE_STEP = 1000
+"""...and every PARTS_PER_SIZE_STEP parts, parts grow by PART_BYTES: an object's size is not
+known while it is written, and S3 takes at most 10,000 parts (up to 430 GiB this way)."""
+PARTS_IN_FLIGHT = 6
+"""Parts uploading at once across every object being written, each held in memory (twice:
+botocore hands aiohttp a copy) until done; a writer with a part ready waits for a slot."""
+_PART_SLOTS = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
 
 
 def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
@@ -193,9 +199,9 @@ def _message_of(error: Exception) -> str:
 
 
 class MultipartWriter(ObjectWriter):
-    """An object uploaded as parts of PART_BYTES, up to PARTS_IN_FLIGHT at once, while the
-    caller goes on writing; completed (published) by finish(), aborted by discard(). An
-    object smaller than one part is one PUT."""
+    """An object uploaded as parts of PART_BYTES and up, several at once (PARTS_IN_FLIGHT
+    among all writers), while the caller goes on writing; completed (published) by finish(),
+    aborted by discard(). An object smaller than one part is one PUT."""
 
     def __init__(self, store: S3Store, key: str) -> None:
         self.store = store
@@ -204,14 +210,19 @@ class MultipartWriter(ObjectWriter):
         self._upload_id: str | None = None
         self._parts: list[dict] = []
         self._in_flight: list = []
-        self._slots = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
 
     def write(self, data) -> None:
         self._pending += data
-        while len(self._pending) >= PART_BYTES:
-            part = bytes(self._pending[:PART_BYTES])
-            del self._pending[:PART_BYTES]
+        while len(self._pending) >= self._next_part_bytes():
+            part_bytes = self._next_part_bytes()
+            with memoryview(self._pending) as pending, pending[:part_bytes] as head:
+                part = bytes(head)
+            del self._pending[:part_bytes]
             self._upload_part(part)
+
+    def _next_part_bytes(self) -> int:
+        parts_started = len(self._parts) + len(self._in_flight)
+        return PART_BYTES * (1 + parts_started // PARTS_PER_SIZE_STEP)
 
     def _upload_part(self, part: bytes) -> None:
         with self.store.translated_errors(self.key):
@@ -219,14 +230,14 @@ class MultipartWriter(ObjectWriter):
                 response = self.store._call(self.key, "create_multipart_upload")
                 self._upload_id = response["UploadId"]
         self._reap(block=False)
-        self._slots.acquire()
+        _PART_SLOTS.acquire()
         number = len(self._parts) + len(self._in_flight) + 1
         bucket, object_key, _ = self.store.fs.split_path(self.key)
         coroutine = self.store.fs._call_s3("upload_part", Bucket=bucket, Key=object_key,
                                            UploadId=self._upload_id, PartNumber=number,
                                            Body=part)
         future = asyncio.run_coroutine_threadsafe(coroutine, self.store.fs.loop)
-        future.add_done_callback(lambda _: self._slots.release())
+        future.add_done_callback(lambda _: _PART_SLOTS.release())
         self._in_flight.append((number, future))
 
     def _reap(self, block: bool) -> None:

@@ -6,6 +6,8 @@ every failure is one line naming the URL."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -52,6 +54,52 @@ def test_inspect_of_a_bucket_says_what_a_local_inspect_says(bucket_checkpoint):
     assert remote.pop("path") == url
     local.pop("path")
     assert remote == local
+
+
+def requests_sent(server, *args) -> list[str]:
+    """The requests (`GET /bucket/key HTTP/1.1`) moto's server received while dcpctl ran."""
+    requests: list[str] = []
+
+    class Requests(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            line = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())  # colours
+            requests.append(line.split('"')[1])
+
+    werkzeug = logging.getLogger("werkzeug")  # moto's server logs each request there
+    handler, level = Requests(), werkzeug.level
+    werkzeug.setLevel(logging.INFO)
+    werkzeug.addHandler(handler)
+    try:
+        ok(*args)
+    finally:
+        werkzeug.removeHandler(handler)
+        werkzeug.setLevel(level)
+    return requests
+
+
+@pytest.fixture
+def moto_checkpoint(moto_s3, monkeypatch):
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    return bucket, upload_directory(moto_s3, fixture_path(SOURCE), bucket, "run/step-100")
+
+
+def test_inspect_of_a_bucket_costs_one_listing_and_one_get(moto_s3, moto_checkpoint):
+    bucket, url = moto_checkpoint
+    requests = requests_sent(moto_s3, "inspect", url, "--by-file")
+    assert requests == [
+        f"GET /{bucket}?list-type=2&prefix=run/step-100/&delimiter=&encoding-type=url HTTP/1.1",
+        f"GET /{bucket}/run/step-100/.metadata HTTP/1.1"]
+
+
+def test_verify_of_a_bucket_reads_each_object_in_one_stream(moto_s3, moto_checkpoint):
+    bucket, url = moto_checkpoint  # data files of 33 to 48 KB, items of a few KB each
+    requests = requests_sent(moto_s3, "verify", url)
+    data_gets = sorted(request for request in requests if ".distcp" in request)
+    assert data_gets == [f"GET /{bucket}/run/step-100/__{rank}_0.distcp HTTP/1.1"
+                         for rank in range(3)]
+    assert len(requests) == 2 + len(data_gets), requests  # one listing, .metadata
 
 
 def test_verify_and_checksum_in_a_bucket(bucket_checkpoint, s3_server, tmp_path):

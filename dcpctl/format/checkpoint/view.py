@@ -217,7 +217,7 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
 
 
 def _collect_files(checkpoint: Checkpoint) -> None:
-    first_tensor_item: dict[str, StorageInfo] = {}
+    first_tensor_item: dict[str, tuple[str, StorageInfo]] = {}
     for key, info in (checkpoint.metadata.storage_data or {}).items():
         data_file = checkpoint.files.get(info.relative_path)
         if data_file is None:
@@ -229,16 +229,21 @@ def _collect_files(checkpoint: Checkpoint) -> None:
         if end > data_file.end_bytes:
             data_file.end_bytes, data_file.last_fqn = end, key.fqn
         if key.offset is not None and info.relative_path not in first_tensor_item:
-            first_tensor_item[info.relative_path] = info
-    for name, info in first_tensor_item.items():
-        checkpoint.files[name].serialization = _detect_serialization(checkpoint, info)
+            first_tensor_item[info.relative_path] = (key.fqn, info)
+    for name, (fqn, info) in first_tensor_item.items():
+        checkpoint.files[name].serialization = _detect_serialization(checkpoint, fqn, info)
 
 
-def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
-    """torch.save items start with a zip (or zstd) header; SAFETENSORS files with a header length
-    followed by JSON."""
+def _detect_serialization(checkpoint: Checkpoint, fqn: str, info: StorageInfo) -> str:
+    """How a file's items are stored, told by its first tensor item. An item stored untransformed
+    in exactly its chunk's bytes is a SAFETENSORS file's (torch.save wraps every tensor in an
+    archive of its own, always longer than the tensor's bytes): no data is read. Otherwise the
+    item's first bytes tell: torch.save items start with a zip (or zstd) header, SAFETENSORS
+    files with a header length followed by JSON."""
+    if not info.transform_descriptors and info.length == _chunk_nbytes(checkpoint, fqn, info):
+        return SAFETENSORS
     data_file = checkpoint.files[info.relative_path]
-    if data_file.size_bytes is None or not data_file.regular:
+    if not info.transform_descriptors or data_file.size_bytes is None or not data_file.regular:
         return TORCH_SAVE
     with open_ranged(checkpoint.data_path(info.relative_path)) as reader:
         head = reader.read(info.offset, 9)
@@ -247,6 +252,17 @@ def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo) -> str:
     if len(head) == 9 and head[8:9] == b"{":
         return SAFETENSORS
     return TORCH_SAVE
+
+
+def _chunk_nbytes(checkpoint: Checkpoint, fqn: str, info: StorageInfo) -> int | None:
+    """The bytes of the chunk whose storage info is info (None: no such tensor chunk)."""
+    entry = checkpoint.metadata.state_dict_metadata.get(fqn)
+    if not isinstance(entry, TensorMetadata):
+        return None
+    for chunk in entry.chunks:
+        if getattr(chunk, "storage", None) is info:
+            return math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+    return None
 
 
 def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:

@@ -142,62 +142,112 @@ def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
     problems = []
     try:
         with open_ranged(unit.path) as reader:
-            cursor = _FileCursor(reader, unit.hashing, advance)
-            for archive in unit.archive_items:
-                problems += check_archive_item(archive, unit.name, cursor)
-            for item in unit.safetensors_items:
-                problems += check_safetensors_item(item, unit.name, unit.path)
-            if unit.hashing:
-                actual = unit.sha256 = cursor.hash_to_end()
-                if unit.expected_sha256 is not None and actual != unit.expected_sha256:
-                    problems.append(checksum_mismatch(
-                        unit.name, actual, unit.expected_sha256, cursor.position,
-                        tuple(dict.fromkeys(archive.item.fqn for archive in unit.archive_items))))
+            cursor = _FileCursor(reader, unit, advance)
+            try:
+                for archive in unit.archive_items:
+                    problems += check_archive_item(archive, unit.name, cursor)
+                for item in unit.safetensors_items:
+                    problems += check_safetensors_item(item, unit.name, unit.path)
+                if unit.hashing:
+                    actual = unit.sha256 = cursor.hash_to_end()
+                    if unit.expected_sha256 is not None and actual != unit.expected_sha256:
+                        problems.append(checksum_mismatch(
+                            unit.name, actual, unit.expected_sha256, cursor.position,
+                            tuple(dict.fromkeys(archive.item.fqn
+                                                for archive in unit.archive_items))))
+            finally:
+                cursor.close()
     except OSError as error:
         problems.append(Problem(Rule.READ_ERROR, f"cannot read: {error.strerror or error}",
                                 unit.name))
     return problems
 
 
-class _FileCursor:
-    """Reads one file for a unit. When hashing, item ranges are read front to back and the
-    bytes between and after them too, so each byte is read and hashed once."""
+_SKIP_WITHOUT_READING_BYTES = 1 << 20
+"""A gap between items (not hashed) past which the stream starts again after it rather than
+reading through it."""
 
-    def __init__(self, reader: RangedFile, hashing: bool, advance: Callable[[int], None]
+
+class _FileCursor:
+    """Reads a unit's file as one stream, front to back (an object's pieces fetched ahead, so
+    a thousand small items cost a few large GETs, not a thousand), and hands each item its
+    bytes as the stream passes them. When hashing, the bytes between and after the items are
+    read and hashed too, so each byte is read and hashed once. An item that starts behind the
+    stream (one overlapping another) is read on its own."""
+
+    def __init__(self, reader: RangedFile, unit: ScanUnit, advance: Callable[[int], None]
                  ) -> None:
         self.reader = reader
-        self.digest = hashlib.sha256() if hashing else None
-        self.position = 0
+        self.digest = hashlib.sha256() if unit.hashing else None
         self.advance = advance
+        if unit.hashing:
+            self.position, self._end = 0, reader.size()
+        else:
+            self.position = min((archive.location.start for archive in unit.archive_items),
+                                default=0)
+            self._end = max((archive.location.end for archive in unit.archive_items),
+                            default=0)
+        self._pieces = reader.iter_pieces(self.position, self._end, PIECE_BYTES)
+        self._piece = memoryview(b"")
 
     def iter_range(self, start: int, length: int, again: bool = False) -> Iterator[bytes]:
-        """Bytes [start, start + length) in pieces, ending early where the file does; hashed
-        in passing when they are next in the file. again: a second read, not counted."""
-        sequential = not again and self.digest is not None and start >= self.position
-        if sequential:
-            self._hash_until(start)
-        for piece in self.reader.iter_pieces(start, start + length, PIECE_BYTES):
-            if sequential:
-                self._take(piece)
-            elif not again and self.digest is None:
-                self.advance(len(piece))
+        """Bytes [start, start + length) in pieces, ending early where the file does.
+        again: a second read of bytes already counted, not taken from the stream."""
+        if again or start < self.position:
+            for piece in self.reader.iter_pieces(start, start + length, PIECE_BYTES):
+                if not again and self.digest is None:
+                    self.advance(len(piece))
+                yield piece
+            return
+        self._skip_to(start)
+        remaining = length
+        while remaining > 0:
+            piece = self._next(remaining)
+            if not piece:
+                return
+            remaining -= len(piece)
+            self._count(piece, item_bytes=True)
             yield piece
 
     def hash_to_end(self) -> str:
         """Hash the rest of the file; its hex SHA-256."""
-        self._hash_until(None)
+        self._skip_to(None)
         return self.digest.hexdigest()
 
-    def _hash_until(self, offset: int | None) -> None:
-        end = self.reader.size() if offset is None else offset
-        for piece in self.reader.iter_pieces(self.position, end, PIECE_BYTES):
-            self._take(piece)
+    def close(self) -> None:
+        """Stop the stream (an object's pieces still on their way are dropped)."""
+        self._pieces.close()
 
-    def _take(self, piece: bytes) -> None:
-        """Count (and hash) bytes read in order at the current position."""
-        self.digest.update(piece)
-        self.position += len(piece)
-        self.advance(len(piece))
+    def _skip_to(self, offset: int | None) -> None:
+        """Move the stream to offset (None: the end), hashing what it passes when hashing."""
+        if (self.digest is None and offset is not None
+                and offset - self.position > _SKIP_WITHOUT_READING_BYTES):
+            self._pieces.close()
+            self._pieces = self.reader.iter_pieces(offset, self._end, PIECE_BYTES)
+            self._piece, self.position = memoryview(b""), offset
+            return
+        while offset is None or self.position < offset:
+            piece = self._next(None if offset is None else offset - self.position)
+            if not piece:
+                return
+            self._count(piece, item_bytes=False)
+
+    def _next(self, at_most: int | None) -> bytes:
+        """The stream's next bytes, at most at_most of them (None: a whole piece); b"" at
+        its end."""
+        if not self._piece:
+            self._piece = memoryview(next(self._pieces, b""))
+        taken = self._piece if at_most is None else self._piece[:at_most]
+        self._piece = self._piece[len(taken):]
+        self.position += len(taken)
+        return taken.tobytes() if len(taken) < len(taken.obj) else taken.obj
+
+    def _count(self, piece: bytes, item_bytes: bool) -> None:
+        """Hash and count bytes read in order (bytes between items count only when hashed)."""
+        if self.digest is not None:
+            self.digest.update(piece)
+        if self.digest is not None or item_bytes:
+            self.advance(len(piece))
 
 
 def check_archive_item(archive: ArchiveItem, file_name: str,
