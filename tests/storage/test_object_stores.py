@@ -62,8 +62,7 @@ def test_a_multipart_object_appears_whole_only_once_finished(s3_server):
         == data
 
 
-def test_parts_grow_so_that_an_object_of_unknown_size_fits_in_s3s_part_limit(s3_server,
-                                                                            monkeypatch):
+def test_parts_grow_so_an_object_of_unknown_size_fits_s3s_part_limit(s3_server, monkeypatch):
     import dcpctl.storage.s3 as s3
     monkeypatch.setattr(s3, "PARTS_PER_SIZE_STEP", 2)
     bucket = s3_server.new_bucket()
