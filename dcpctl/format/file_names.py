@@ -18,8 +18,10 @@ def rank_file_name(rank: int) -> str:
 
 
 def is_plain_file_name(name: str) -> bool:
-    """Whether name is what dcpctl accepts for a file of a checkpoint: a name in its
-    directory (no `/` or `\\`, not `.` or `..`), printable (no NUL, line break of any kind or
-    control character: SHA256SUMS lists one name per line, and terminals show them)."""
-    return (name not in ("", ".", "..") and name.isprintable() and "/" not in name
-            and "\\" not in name)
+    """Whether name is what dcpctl accepts for a file of a checkpoint: a path below its
+    directory written the one plain way (`a/b.distcp`: no leading `/`, no empty, `.` or `..`
+    part, no `\\`), printable (no NUL, line break of any kind or control character:
+    SHA256SUMS lists one name per line, and terminals show them). Directories are allowed:
+    writers to S3 spread ranks over prefixes (`0000000000/__0_0.distcp`)."""
+    return (name.isprintable() and "\\" not in name
+            and all(part not in ("", ".", "..") for part in name.split("/")))

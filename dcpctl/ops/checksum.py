@@ -12,8 +12,7 @@ from dcpctl.format.checkpoint.problems import Problem, problems_error
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.verify.scan import items_to_check, plan_scan, run_scan
-from dcpctl.storage.local import remove_stale_temporaries
-from dcpctl.storage.paths import default_threads_for
+from dcpctl.storage.paths import default_threads_for, remove_stale_temporaries
 
 
 @dataclass

@@ -31,8 +31,9 @@ from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD
                                            MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, Codec, codec_by_name)
 from dcpctl.format.metadata.records import MetadataIndex, StorageInfo
 from dcpctl.pipeline import Pipeline, Run, coalesce, group_into_runs, produce_run
-from dcpctl.storage.local import final_name_of, remove_stale_temporaries
-from dcpctl.storage.paths import StoragePath, default_threads_for, is_remote, storage_path
+from dcpctl.storage.local import final_name_of
+from dcpctl.storage.paths import (StoragePath, default_threads_for, is_remote,
+                                  remove_stale_temporaries, storage_path)
 
 # The codec names and zstd levels are named here for the command line, which reaches the
 # format only through the operations.

@@ -42,19 +42,6 @@ def final_name_of(name: str) -> str:
     return match.group("final") if match else name
 
 
-def remove_stale_temporaries(directory: Path, keep: set[str]) -> list[str]:
-    """Delete the temporary files an earlier killed run left in directory, but those in keep,
-    and the files that a kept temporary file stands in for (the old data file a killed
-    in-place rewrite had switched away from but not yet deleted); returns their names."""
-    replaced = {final_name_of(name) for name in keep if is_temporary_name(name)} - keep
-    removed = []
-    for path in directory.iterdir():
-        if path.name not in keep and (is_temporary_name(path.name) or path.name in replaced):
-            path.unlink()
-            removed.append(path.name)
-    return sorted(removed)
-
-
 @contextlib.contextmanager
 def naming_failures(path: str | os.PathLike) -> Iterator[None]:
     """Let an OSError raised without a file name (a write on a full disk says only "No space

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+import posixpath
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,8 @@ from typing import Iterator, Protocol, Union
 
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
-from dcpctl.storage.local import OutputFile, open_regular_file, read_file, write_file_atomically
+from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, open_regular_file,
+                                  read_file, write_file_atomically)
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.stores import store_for
 
@@ -231,12 +233,34 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
 
 
 def file_names_in(directory: StoragePath) -> set[str]:
-    """The names of the files in a directory: its entries, locally; in an object store, every
-    object under the prefix, by its path below it."""
+    """The names of the files under a directory, by their paths below it (`a/b.distcp`):
+    locally every entry that is not a directory, in its subdirectories too (links are listed,
+    not followed); in an object store, every object under the prefix."""
     if isinstance(directory, ObjectPath):
         return set(directory.store.list_tree(directory.key))
-    with os.scandir(directory) as entries:
-        return {entry.name for entry in entries}
+    names, pending = set(), [""]
+    while pending:
+        below = pending.pop()
+        with os.scandir(os.path.join(directory, below)) as entries:
+            for entry in entries:
+                name = f"{below}/{entry.name}" if below else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(name)
+                else:
+                    names.add(name)
+    return names
+
+
+def remove_stale_temporaries(directory: StoragePath, keep: set[str]) -> list[str]:
+    """Delete the temporary files an earlier killed run left under directory, but those in
+    keep, and the files that a kept temporary file stands in for (the old data file a killed
+    in-place rewrite had switched away from but not yet deleted); returns their names."""
+    replaced = {final_name_of(name) for name in keep if is_temporary_name(name)} - keep
+    removed = sorted(name for name in file_names_in(directory) if name not in keep and (
+        is_temporary_name(posixpath.basename(name)) or name in replaced))
+    for name in removed:
+        (directory / name).unlink(missing_ok=True)
+    return removed
 
 
 class ObjectOutputFile:

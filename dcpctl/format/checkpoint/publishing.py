@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import posixpath
 from pathlib import Path
+from typing import Iterable
 
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import write_sha256sums
@@ -89,7 +91,10 @@ class CheckpointOutput:
         """The data file that will be called final_name, started on first use."""
         writer = self._open_writers.get(final_name)
         if writer is None:
-            writer = DataFileWriter(self.directory / self.data_file_name(final_name))
+            path = self.directory / self.data_file_name(final_name)
+            if not self.in_place and not is_remote(path):  # a name with directories
+                path.parent.mkdir(parents=True, exist_ok=True)
+            writer = DataFileWriter(path)
             self._written.append(writer.path)
             self._open_writers[final_name] = writer
         return writer
@@ -131,6 +136,7 @@ class CheckpointOutput:
         self._digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
         write_sha256sums(self.directory, self._digests)
         write_whole(self.directory / METADATA_FILE_NAME, metadata_bytes, only_if_absent=True)
+        _sync(self.directory, self._digests)
         self._staged.publish()
 
     def _publish_in_place(self, metadata: CheckpointMetadata, replaced_files: frozenset[str]
@@ -153,7 +159,7 @@ class CheckpointOutput:
         switched_digest): their final names, the second switch, the old files gone,
         SHA256SUMS."""
         directory = self.directory
-        _sync(directory)
+        _sync(directory, temporary_names.values())
         failpoint(Failpoint.AFTER_FIRST_METADATA_SWITCH)
         if not is_remote(directory) and _give_final_names(directory, temporary_names):
             metadata_digest = write_whole(directory / METADATA_FILE_NAME,
@@ -169,12 +175,15 @@ class CheckpointOutput:
         _remove(directory, sorted(replaced_files - set(digests)))
         digests[METADATA_FILE_NAME] = metadata_digest
         write_sha256sums(directory, digests)
-        _sync(directory)
+        _sync(directory, [*digests, *replaced_files])
 
 
-def _sync(directory: StoragePath) -> None:
-    """Make a local directory's entries durable; an object store's writes are once done."""
+def _sync(directory: StoragePath, names: Iterable[str] = ()) -> None:
+    """Make a local directory's entries durable, and those of the subdirectories the named
+    files lie in; an object store's writes are once done."""
     if not is_remote(directory):
+        for below in sorted({posixpath.dirname(name) for name in names} - {""}):
+            fsync_directory(directory / below)
         fsync_directory(directory)
 
 
@@ -200,7 +209,7 @@ def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:
             raise
         os.replace(link, directory / final_name)
         failpoint(Failpoint.AFTER_FINAL_NAME)
-    fsync_directory(directory)
+    _sync(directory, temporary_names)
     return True
 
 

@@ -16,7 +16,8 @@ from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
-                                      METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
+                                      METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
+                                      is_plain_file_name)
 from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
@@ -100,23 +101,14 @@ _NOT_DATA_FILE_PATHS = frozenset({(METADATA_FILE_NAME,), (METADATA_TEMPORARY_FIL
 
 
 def resolve_inside(directory: StoragePath, relative_path: str) -> StoragePath:
-    """`directory/relative_path`, refused if it is absolute, climbs out, links outside, or
-    holds `\\` or a character that is not printable (a NUL, a line break of any kind, a
-    control character, a surrogate for a byte that is not UTF-8): SHA256SUMS lists every data
-    file by name, one per line, and terminals show them. A name with a directory part
-    (`a/b.distcp`), which no DCP writer makes, is not supported."""
-    pure = PurePosixPath(relative_path)
-    if (pure.is_absolute() or ".." in pure.parts or not pure.parts
-            or not relative_path.isprintable() or "\\" in relative_path):
+    """`directory/relative_path`, refused unless it is a plain file name (is_plain_file_name:
+    a path below the directory, printable, written one way; it may hold directories), and
+    locally if it links outside the directory."""
+    if not is_plain_file_name(relative_path):
         raise UnsafePathError(f"metadata names data file {relative_path!r}, which is not a "
                               "plain path inside the checkpoint directory (printable, no "
-                              "`..`, no `\\`)", path=directory)
-    if "/" in relative_path:
-        raise UnsupportedLayoutError(f"metadata names data file {relative_path!r}, a path with "
-                                     "a directory part; dcpctl reads data files that lie "
-                                     "directly in the checkpoint directory, where every DCP "
-                                     "writer puts them", path=directory)
-    candidate = directory / str(pure)
+                              "`..`, no `\\`, no empty or `.` part)", path=directory)
+    candidate = directory / relative_path
     if isinstance(directory, ObjectPath):
         return candidate  # no links in an object store: the name is the whole story
     real_directory = os.path.realpath(directory)

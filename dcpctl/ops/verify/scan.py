@@ -72,7 +72,7 @@ def plan_scan(directory: StoragePath, archive_items: list[ArchiveItem],
         try:
             path = resolve_inside(directory, name)
             size_bytes = path.stat().st_size
-        except (OSError, UnsafePathError, UnsupportedLayoutError):
+        except (OSError, UnsafePathError):
             continue
         archives = sorted(archives_by_file[name], key=lambda archive: archive.location.start)
         if name in sums:

@@ -7,8 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnsafePathError,
-                           UnsupportedLayoutError)
+from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
 from dcpctl.format.checkpoint.checksums import read_sha256sums
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
@@ -110,7 +109,7 @@ def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
     for name in sorted(sums):
         try:
             exists = resolve_inside(directory, name).exists()
-        except (UnsafePathError, UnsupportedLayoutError):
+        except UnsafePathError:
             problems.append(Problem(Rule.CHECKSUMS_FILE, f"names {name!r}, not a plain file "
                                     "name in the checkpoint directory", SHA256SUMS_FILE_NAME))
             continue

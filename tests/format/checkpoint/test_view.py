@@ -183,6 +183,26 @@ def test_symlink_out_of_the_directory_is_refused(copy_fixture, tmp_path):
         open_checkpoint(checkpoint)
 
 
+def test_a_subdirectory_linked_out_of_the_directory_is_refused(copy_fixture, tmp_path):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (checkpoint / "__0_0.distcp").rename(outside / "__0_0.distcp")
+    (checkpoint / "shards").symlink_to(outside, target_is_directory=True)
+    _rewrite_paths(checkpoint, "shards/__0_0.distcp")
+    with pytest.raises(UnsafePathError, match="outside the checkpoint directory"):
+        open_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize("name", ["shards//__0_0.distcp", "./__0_0.distcp", "shards/",
+                                  "shards/./__0_0.distcp"])
+def test_a_name_not_written_the_one_plain_way_is_refused(copy_fixture, name):
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    _rewrite_paths(checkpoint, name)
+    with pytest.raises(UnsafePathError, match="not a plain path inside"):
+        open_checkpoint(checkpoint)
+
+
 def test_symlink_inside_the_directory_is_fine(copy_fixture):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     (checkpoint / "__0_0.distcp").rename(checkpoint / "real.bin")
