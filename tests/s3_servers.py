@@ -101,3 +101,94 @@ def rclone_server(directory: Path) -> Iterator[S3Server]:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@dataclass
+class Faults:
+    """What a faulty_proxy does to the traffic it passes: the first `throttled` requests are
+    answered 503 SlowDown (S3 asking a client to back off); the first `dropped` GETs of more
+    than a KiB whose path holds `dropped_in` have their connection cut half-way through the
+    body. Counts are of what was done so far."""
+
+    throttled: int = 0
+    dropped: int = 0
+    dropped_in: str = ""
+    throttled_so_far: int = 0
+    dropped_so_far: int = 0
+
+
+@contextlib.contextmanager
+def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
+    """An HTTP proxy on 127.0.0.1 in front of upstream that throttles and drops connections
+    as faults says; the server it yields has the proxy's endpoint."""
+    import http.client
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlsplit
+
+    target = urlsplit(upstream.endpoint)
+    lock = threading.Lock()
+
+    def take(kind: str) -> bool:
+        with lock:
+            if getattr(faults, f"{kind}_so_far") < getattr(faults, kind):
+                setattr(faults, f"{kind}_so_far", getattr(faults, f"{kind}_so_far") + 1)
+                return True
+            return False
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def forward(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            if take("throttled"):
+                error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                         b"<Message>Please reduce your request rate.</Message></Error>")
+                self.send_response(503)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(error)))
+                self.end_headers()
+                self.wfile.write(error)
+                return
+            connection = http.client.HTTPConnection(target.hostname, target.port)
+            headers = {name: value for name, value in self.headers.items()
+                       if name.lower() != "connection"}
+            connection.request(self.command, self.path, body=body, headers=headers)
+            response = connection.getresponse()
+            data = response.read()
+            connection.close()
+            cut = (self.command == "GET" and len(data) > 1024 and faults.dropped_in in self.path
+                   and take("dropped"))
+            self.send_response(response.status)
+            for name, value in response.getheaders():
+                if name.lower() not in ("connection", "transfer-encoding", "content-length",
+                                        "server", "date"):
+                    self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if cut:
+                self.wfile.write(data[:len(data) // 2])
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+                return
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield S3Server(f"{upstream.name} behind a faulty proxy",
+                       f"http://127.0.0.1:{server.server_address[1]}",
+                       upstream.conditional_writes)
+    finally:
+        server.shutdown()
+        server.server_close()

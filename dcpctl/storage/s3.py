@@ -50,10 +50,24 @@ def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
     try:
         filesystem = s3fs.S3FileSystem(config_kwargs=config, skip_instance_cache=True,
                                        **options)
+        _check_session_options(filesystem.kwargs)
     except (TypeError, ValueError) as error:
         raise DcpctlError(f"cannot open {protocol}:// URLs with these storage options: "
                           f"{error}") from None
     return S3Store(protocol, filesystem)
+
+
+def _check_session_options(options: dict[str, object]) -> None:
+    """Raise TypeError now for options S3FileSystem does not take itself: it hands them to
+    the botocore session it makes at the first request, which would fail there instead."""
+    import inspect
+
+    from aiobotocore.session import AioSession
+    accepted = set(inspect.signature(AioSession.__init__).parameters) - {"self"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise TypeError(f"unknown option {', '.join(map(repr, unknown))} (s3fs.S3FileSystem "
+                        f"takes: endpoint_url, key, secret, client_kwargs, config_kwargs, ...)")
 
 
 class S3Store(ObjectStore):
@@ -138,6 +152,11 @@ class S3Store(ObjectStore):
                     "or AWS_PROFILE, or run where an instance role gives them)")
         if isinstance(error, botocore_exceptions.EndpointConnectionError):
             return f"cannot connect to the S3 endpoint: {error}"
+        aiohttp = importlib.import_module("aiohttp")  # what a body cut short raises
+        if isinstance(error, (botocore_exceptions.ConnectionError,
+                              botocore_exceptions.HTTPClientError,
+                              botocore_exceptions.ResponseStreamingError, aiohttp.ClientError)):
+            return f"the connection kept failing after retries ({type(error).__name__}: {error})"
         code = _code_of(error)
         if code in ("NoSuchBucket",):
             return "no such bucket"

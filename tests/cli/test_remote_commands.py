@@ -14,6 +14,7 @@ import torch
 from conftest import (MANIFEST, download_prefix, fixture_path, load_with_dcpctl_reader,
                       load_with_torch, run_dcpctl, upload_directory)
 from make_fixtures import tensor_sha256
+from s3_servers import Faults, faulty_proxy
 from safetensors.torch import load_file
 
 SOURCE = "fsdp2_adamw_3ranks"
@@ -213,3 +214,51 @@ def test_wrong_credentials_are_access_denied(rclone_s3, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     message = failure("inspect", f"s3://{bucket}/ck")
     assert f"s3://{bucket}/ck" in message and "access denied" in message
+
+
+def test_storage_options_reach_the_client_and_wrong_ones_are_named(moto_s3, moto_checkpoint,
+                                                                   monkeypatch):
+    bucket, url = moto_checkpoint
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")  # found through the option alone, then
+    option = f"endpoint_url={moto_s3.endpoint}"
+    assert json.loads(ok("--storage-option", option, "inspect", url, "--json"))["path"] == url
+    monkeypatch.setenv("DCPCTL_STORAGE_OPTIONS", json.dumps({"endpoint_url": moto_s3.endpoint}))
+    assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
+    assert "unknown option 'retries'" in failure("--storage-option", "retries=2", "inspect", url)
+    monkeypatch.setenv("DCPCTL_STORAGE_OPTIONS", "{endpoint_url: 1")
+    assert "DCPCTL_STORAGE_OPTIONS is not JSON" in failure("inspect", url)
+    result = run_dcpctl("--storage-option", "anon", "inspect", url)
+    assert result.returncode == 2 and "'anon' is not KEY=VALUE" in result.stderr
+
+
+@pytest.mark.slow  # backoff between retries: about 13 s
+def test_throttling_and_dropped_connections_are_retried(moto_s3, moto_checkpoint, monkeypatch):
+    bucket, url = moto_checkpoint
+    faults = Faults(throttled=2, dropped=2)
+    with faulty_proxy(moto_s3, faults) as proxy:
+        for name, value in proxy.environment().items():
+            monkeypatch.setenv(name, value)
+        assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
+        assert (faults.throttled_so_far, faults.dropped_so_far) == (2, 2)
+        faults.throttled_so_far = faults.dropped_so_far = 0  # the same again, for compress
+        ok("compress", url, "-o", f"s3://{bucket}/run/z")
+        assert (faults.throttled_so_far, faults.dropped_so_far) == (2, 2)
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    assert tensor_digests(load_with_dcpctl_reader(f"s3://{bucket}/run/z")) == expected_tensors()
+
+
+@pytest.mark.slow  # retries until they are spent: 7 to 14 s
+@pytest.mark.parametrize("dropped_in", ["", ".distcp"], ids=["the-listing", "data-reads"])
+def test_a_connection_that_keeps_dropping_fails_and_publishes_nothing(moto_s3, moto_checkpoint,
+                                                                     monkeypatch, dropped_in):
+    bucket, url = moto_checkpoint
+    with faulty_proxy(moto_s3, Faults(dropped=10**6, dropped_in=dropped_in)) as proxy:
+        for name, value in proxy.environment().items():
+            monkeypatch.setenv(name, value)
+        # fewer retries than dcpctl's default, so that giving up is quick
+        monkeypatch.setenv("DCPCTL_STORAGE_OPTIONS", json.dumps(
+            {"config_kwargs": {"retries": {"max_attempts": 2}}}))
+        message = failure("compress", url, "-o", f"s3://{bucket}/run/z")
+    assert url in message and "connection" in message, message
+    assert not moto_s3.client().list_objects_v2(Bucket=bucket, Prefix="run/z").get("Contents")
