@@ -250,8 +250,8 @@ def test_throttling_and_dropped_connections_are_retried(moto_s3, moto_checkpoint
 
 @pytest.mark.slow  # retries until they are spent: 7 to 14 s
 @pytest.mark.parametrize("dropped_in", ["", ".distcp"], ids=["the-listing", "data-reads"])
-def test_a_connection_that_keeps_dropping_fails_and_publishes_nothing(moto_s3, moto_checkpoint,
-                                                                     monkeypatch, dropped_in):
+def test_a_connection_that_keeps_dropping_fails_and_publishes_nothing(
+        moto_s3, moto_checkpoint, monkeypatch, dropped_in):
     bucket, url = moto_checkpoint
     with faulty_proxy(moto_s3, Faults(dropped=10**6, dropped_in=dropped_in)) as proxy:
         for name, value in proxy.environment().items():
