@@ -23,6 +23,7 @@ LAYERS = [
                       "dcpctl.format.safetensors"]),
     ("codecs", ["dcpctl.format.codecs"]),
     ("checkpoint view", ["dcpctl.format.checkpoint"]),
+    ("execution", ["dcpctl.execution"]),
     ("operations", ["dcpctl.ops"]),
     ("command line", ["dcpctl.cli", "dcpctl.__main__"]),
     ("public API", ["dcpctl"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.options import checkpoint_argument, json_option, threads_option
+from dcpctl.cli.options import checkpoint_argument, json_option, threads_option, workers_option
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.checksum import ChecksumReport, checksum_checkpoint
@@ -14,7 +14,8 @@ from dcpctl.ops.checksum import ChecksumReport, checksum_checkpoint
 @checkpoint_argument()
 @json_option
 @threads_option
-def checksum_command(checkpoint: str, as_json: bool, threads: int | None) -> None:
+@workers_option
+def checksum_command(checkpoint: str, as_json: bool, threads: int | None, workers: int) -> None:
     """Write CHECKPOINT/SHA256SUMS covering `.metadata` and every data file.
 
     The file is in the coreutils format, so `cd CHECKPOINT && sha256sum -c SHA256SUMS`
@@ -29,7 +30,7 @@ def checksum_command(checkpoint: str, as_json: bool, threads: int | None) -> Non
       cd ckpt/ && sha256sum -c SHA256SUMS
     """
     with byte_progress("checksum") as progress:
-        report = checksum_checkpoint(checkpoint, threads, progress)
+        report = checksum_checkpoint(checkpoint, threads, progress, workers)
     print_report(report, as_json, render_checksum_report)
 
 

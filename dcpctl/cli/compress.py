@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dcpctl.cli.options import (checkpoint_argument, dry_run_option, json_option, output_option,
-                                overwrite_option, threads_option)
+                                overwrite_option, threads_option, workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL,
@@ -32,11 +32,13 @@ _output_option = output_option(
                    "Given explicitly, items already in the chosen codec are re-compressed; "
                    "otherwise they are copied as they are.")
 @threads_option
+@workers_option
 @dry_run_option
 @overwrite_option
 @json_option
 def compress_command(checkpoint: str, output: str | None, codec_name: str, level: int | None,
-                     threads: int | None, dry_run: bool, overwrite: bool, as_json: bool) -> None:
+                     threads: int | None, workers: int, dry_run: bool, overwrite: bool,
+                     as_json: bool) -> None:
     """Compress every item of CHECKPOINT with zstd (torch's own `stream.zstd/1` transform) or
     with floatsplit.
 
@@ -63,7 +65,8 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
     """
     with byte_progress("compress") as progress:
         report = compress_checkpoint(checkpoint, codec_name, level, output, threads=threads,
-                                     dry_run=dry_run, overwrite=overwrite, on_progress=progress)
+                                     workers=workers, dry_run=dry_run, overwrite=overwrite,
+                                     on_progress=progress)
     print_report(report, as_json, render_transcode_report)
 
 
@@ -71,10 +74,11 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
 @checkpoint_argument()
 @_output_option
 @threads_option
+@workers_option
 @dry_run_option
 @overwrite_option
 @json_option
-def decompress_command(checkpoint: str, output: str | None, threads: int | None,
+def decompress_command(checkpoint: str, output: str | None, threads: int | None, workers: int,
                        dry_run: bool, overwrite: bool, as_json: bool) -> None:
     """Store every item of CHECKPOINT uncompressed, byte for byte as torch saved it.
 
@@ -88,8 +92,9 @@ def decompress_command(checkpoint: str, output: str | None, threads: int | None,
       dcpctl decompress ckpt/ -o plain/ --threads 8
     """
     with byte_progress("decompress") as progress:
-        report = decompress_checkpoint(checkpoint, output, threads=threads, dry_run=dry_run,
-                                       overwrite=overwrite, on_progress=progress)
+        report = decompress_checkpoint(checkpoint, output, threads=threads, workers=workers,
+                                       dry_run=dry_run, overwrite=overwrite,
+                                       on_progress=progress)
     print_report(report, as_json, render_transcode_report)
 
 
@@ -105,8 +110,9 @@ def render_transcode_report(report: TranscodeReport) -> str:
     rate = report.stored_bytes_before / report.seconds if report.seconds else 0
     lines.append(f"stored: {format_bytes(report.stored_bytes_before)} -> "
                  f"{format_bytes(report.stored_bytes_after)} (ratio {report.ratio:.3f}) in "
-                 f"{report.seconds:.1f} s, {format_bytes(int(rate))}/s on {report.threads} "
-                 "threads")
+                 f"{report.seconds:.1f} s, {format_bytes(int(rate))}/s on "
+                 + (f"{report.workers} workers of {report.threads} threads" if report.workers > 1
+                    else f"{report.threads} threads"))
     lines += [f"removed {name}, left by an earlier interrupted run"
               for name in report.removed_stale_files]
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from dcpctl.allocator import reuse_large_buffers
 from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.cli.render import escape_control_characters
 from dcpctl.errors import DcpctlError, describe_os_error
+from dcpctl.ops.distributed import join_torchrun, launched_by_torchrun
 from dcpctl.ops.storage_options import add_storage_options
 from dcpctl.stopping import Terminated, stop_on_signals
 from dcpctl.version import __version__
@@ -114,4 +115,23 @@ def main() -> None:
     """Console-script entry point."""
     reuse_large_buffers()
     stop_on_signals()
+    if launched_by_torchrun():
+        sys.exit(_run_as_torchrun_rank())
     cli(prog_name="dcpctl", obj={RUNS_AS_PROCESS: True})
+
+
+def _run_as_torchrun_rank() -> int:
+    """Rank 0 runs the command, handing each job's shares to every rank; the other ranks do
+    their shares and exit with rank 0's status (execution/torchrun.py)."""
+    team = join_torchrun()
+    if team.rank != 0:
+        return team.serve()
+    exit_code = 1
+    try:
+        cli(prog_name="dcpctl", obj={}, standalone_mode=True)  # the teardown is kept: see end
+        exit_code = 0
+    except SystemExit as exit:
+        exit_code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+    finally:
+        team.end(exit_code)
+    return exit_code

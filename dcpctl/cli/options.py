@@ -10,6 +10,13 @@ threads_option = click.option(
     "--threads", type=click.IntRange(min=1), default=None,
     help="Threads doing the work, each reading, coding, writing and hashing whole items; 1 "
          "runs everything in one thread (default: the cores this process may use).")
+workers_option = click.option(
+    "--workers", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Processes sharing the work on this machine, each with its own --threads (default "
+         "threads: the cores shared among the workers); the output is the same byte for byte "
+         "whatever the number. Across machines, run the command under torchrun instead: "
+         "`torchrun --nnodes 2 --nproc-per-node 8 ... -m dcpctl COMMAND ...` (see dcpctl "
+         "--help).")
 overwrite_option = click.option("--overwrite", is_flag=True,
                                 help="Replace an output that exists and is not empty.")
 dry_run_option = click.option("--dry-run", is_flag=True,

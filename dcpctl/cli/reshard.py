@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
-                                threads_option)
+                                threads_option, workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.reshard.execution import CODEC_NAMES, ReshardReport, reshard_checkpoint
@@ -21,10 +21,11 @@ from dcpctl.ops.reshard.execution import CODEC_NAMES, ReshardReport, reshard_che
               help="Codec of the output items (default: the input's, so zstd stays zstd); "
                    "none stores them as they are.")
 @threads_option
+@workers_option
 @overwrite_option
 @json_option
 def reshard_command(checkpoint: str, world_size: int, output: str, codec_name: str | None,
-                    threads: int | None, overwrite: bool, as_json: bool) -> None:
+                    threads: int | None, workers: int, overwrite: bool, as_json: bool) -> None:
     """Write CHECKPOINT laid out for a job of --ranks ranks, one file per rank.
 
     Every tensor is split along dim 0 exactly as a real N-rank FSDP2 save (`fully_shard`,
@@ -46,7 +47,7 @@ def reshard_command(checkpoint: str, world_size: int, output: str, codec_name: s
     """
     with byte_progress("reshard") as progress:
         report = reshard_checkpoint(checkpoint, world_size, output, codec_name, threads=threads,
-                                    overwrite=overwrite, on_progress=progress)
+                                    overwrite=overwrite, on_progress=progress, workers=workers)
     print_report(report, as_json, render_reshard_report)
 
 

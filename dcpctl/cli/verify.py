@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.options import checkpoint_argument, json_option, threads_option
+from dcpctl.cli.options import checkpoint_argument, json_option, threads_option, workers_option
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.verify.verifier import Problem, VerifyReport, verify_checkpoint
@@ -18,9 +18,10 @@ _FQNS_SHOWN = 3
               help="Check structure and SHA256SUMS only; do not decode the items.")
 @json_option
 @threads_option
+@workers_option
 @click.pass_context
 def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json: bool,
-                   threads: int | None) -> None:
+                   threads: int | None, workers: int) -> None:
     """Check that CHECKPOINT is whole; exit 0 if it is, 1 if anything is wrong.
 
     Structure: `.metadata` reads (safely) as DCP metadata, every data file it names is there
@@ -42,7 +43,7 @@ def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json
     """
     with byte_progress("verify") as progress:
         report = verify_checkpoint(checkpoint, deep=not quick, threads=threads,
-                                   on_progress=progress)
+                                   on_progress=progress, workers=workers)
     print_report(report, as_json, render_report)
     context.exit(report.exit_code)
 

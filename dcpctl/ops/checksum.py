@@ -11,8 +11,10 @@ from dcpctl.format.checkpoint.checksums import read_sha256sums, write_sha256sums
 from dcpctl.format.checkpoint.problems import Problem, problems_error
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.format.file_names import METADATA_FILE_NAME
-from dcpctl.ops.verify.scan import items_to_check, plan_scan, run_scan
-from dcpctl.storage.paths import default_threads_for, remove_stale_temporaries
+from dcpctl.execution.running import threads_per_worker
+from dcpctl.ops.verify.scan import items_to_check, plan_scan
+from dcpctl.ops.verify.scan_job import ScanJob, run_scan
+from dcpctl.storage.paths import remove_stale_temporaries
 
 
 @dataclass
@@ -31,8 +33,10 @@ class ChecksumReport:
 
 
 def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
-                        on_progress: Callable[[int, int], None] | None = None) -> ChecksumReport:
-    """Hash `.metadata` and every data file the metadata names, in parallel, and write
+                        on_progress: Callable[[int, int], None] | None = None,
+                        workers: int = 1) -> ChecksumReport:
+    """Hash `.metadata` and every data file the metadata names, in parallel (`workers`
+    processes of `threads` threads each), and write
     CKPT/SHA256SUMS, holding the checkpoint. It is not certified damaged: as the files are read,
     every item is checked as `verify` checks it, and any SHA256SUMS already there must hold;
     a checkpoint with any problem is refused, nothing written. on_progress(done_bytes,
@@ -43,9 +47,11 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
         names = [METADATA_FILE_NAME, *checkpoint.files]
         archive_items, safetensors_items, problems = items_to_check(
             checkpoint, list_stored_items(checkpoint))
-        units = plan_scan(checkpoint.path, archive_items, safetensors_items,
-                          {name: old_sums.get(name) for name in names})
-        problems += run_scan(units, threads or default_threads_for(checkpoint.path), on_progress)
+        sums = {name: old_sums.get(name) for name in names}
+        units = plan_scan(checkpoint.path, archive_items, safetensors_items, sums)
+        job = ScanJob(checkpoint.path, True, sums,
+                      threads_per_worker(threads, checkpoint.path, workers))
+        problems += run_scan(job, units, workers, on_progress)
         if problems:
             raise problems_error(sorted(problems, key=_problem_order), checkpoint.path)
         digests = {unit.name: unit.sha256 for unit in units if unit.hashing}

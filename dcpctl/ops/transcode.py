@@ -22,17 +22,18 @@ from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, StoredSpan,
                                             iter_checked_stored_pieces, iter_item_pieces,
                                             iter_stored_pieces)
 from dcpctl.format.checkpoint.locations import ExpectedTensor, ItemLocation, locate_item
-from dcpctl.format.checkpoint.publishing import CheckpointOutput, storage_with
+from dcpctl.format.checkpoint.publishing import CheckpointOutput, DataFileSet, storage_with
 from dcpctl.format.checkpoint.structure import checked_checkpoint
-from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint
+from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
 from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
                                            MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, Codec, codec_by_name)
+from dcpctl.execution.running import run_job, threads_per_worker
 from dcpctl.format.metadata.records import MetadataIndex, StorageInfo
 from dcpctl.pipeline import Pipeline, Run, coalesce, group_into_runs, produce_run
 from dcpctl.storage.local import final_name_of
-from dcpctl.storage.paths import (StoragePath, default_threads_for, is_remote,
+from dcpctl.storage.paths import (StoragePath, is_remote,
                                   remove_stale_temporaries, storage_path)
 
 # The codec names and zstd levels are named here for the command line, which reaches the
@@ -69,12 +70,21 @@ class TranscodePlan:
     """Every item of a checkpoint, grouped by output file in source byte order."""
 
     codec: Codec
+    recode_same_codec: bool
     tasks: list[ItemTask]
 
     @functools.cached_property
     def stored_bytes(self) -> int:
         """Bytes the items take in the source."""
         return sum(task.location.length for task in self.tasks)
+
+    @functools.cached_property
+    def output_file_bytes(self) -> dict[str, int]:
+        """Each output file's name and the source bytes of its items, by name."""
+        sizes: dict[str, int] = {}
+        for task in self.tasks:
+            sizes[task.output_file] = sizes.get(task.output_file, 0) + task.location.length
+        return dict(sorted(sizes.items()))
 
 
 @dataclass
@@ -88,6 +98,8 @@ class TranscodeReport:
     level: int | None
     dry_run: bool
     threads: int
+    """Threads of each worker."""
+    workers: int
     items: int
     items_transcoded: int
     items_copied: int
@@ -130,7 +142,7 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
         tasks.append(ItemTask(key, info, location, final_name_of(info.relative_path),
                               transcode=not same_codec or (recode_same_codec and
                                                            bool(codec.descriptors))))
-    return TranscodePlan(codec, tasks)
+    return TranscodePlan(codec, recode_same_codec, tasks)
 
 
 def _produce(codec: Codec, piece_bytes: int) -> Callable[[Run[ItemTask]], Iterator[bytes]]:
@@ -167,65 +179,117 @@ def group_items_into_runs(tasks: list[ItemTask], max_bytes: int) -> list[Run[Ite
                            lambda task: task.location.length, max_bytes, _back_to_back)
 
 
-def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: CheckpointOutput,
-                      threads: int, on_progress: ProgressCallback | None = None,
-                      piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
-    """Write every planned item into output and publish it; returns the stored bytes after."""
+@dataclass(frozen=True)
+class TranscodeJob:
+    """A transcode's work, for any process to do a share of (execution/jobs.py): its lanes
+    are the output files, sized by the stored bytes of their items."""
+
+    source: str
+    codec: Codec
+    recode_same_codec: bool
+    files: DataFileSet
+    threads: int
+    piece_bytes: int = DEFAULT_PIECE_BYTES
+
+    def plan(self) -> TranscodePlan:
+        checkpoint = open_checkpoint(self.source, check_files=False)
+        return plan_transcode(checkpoint, self.codec, self.recode_same_codec)
+
+    def lane_sizes(self, plan: TranscodePlan) -> list[int]:
+        return list(plan.output_file_bytes.values())
+
+    def run_share(self, plan: TranscodePlan, lanes: list[int], advance: Callable[[int], None]
+                  ) -> TranscodeShare:
+        names = list(plan.output_file_bytes)
+        mine = {names[lane] for lane in lanes}
+        tasks = [task for task in plan.tasks if task.output_file in mine]
+        storage = _write_items(tasks, plan.codec, self.files, self.threads, advance,
+                               self.piece_bytes)
+        return TranscodeShare(storage, self.files.finish_data_files())
+
+
+@dataclass
+class TranscodeShare:
+    """What a share of a transcode wrote: each item's new storage record, and each output
+    file's SHA-256."""
+
+    storage: dict[MetadataIndex, StorageInfo]
+    digests: dict[str, str]
+
+
+def _write_items(tasks: list[ItemTask], codec: Codec, files: DataFileSet, threads: int,
+                 advance: Callable[[int], None], piece_bytes: int
+                 ) -> dict[MetadataIndex, StorageInfo]:
+    """Write the tasks' items into their output files; their new storage records."""
     new_storage: dict[MetadataIndex, StorageInfo] = {}
-    runs = group_items_into_runs(plan.tasks, piece_bytes)
+    runs = group_items_into_runs(tasks, piece_bytes)
     last_run_of_file = {run.lane: run for run in runs}
 
     def consume(run: Run[ItemTask], pieces: Iterator[bytes]) -> None:
-        writer = output.data_file(run.lane)
+        writer = files.data_file(run.lane)
         offset = writer.size_bytes
         for piece in pieces:
             writer.write(piece)
         for task, length in zip(run.tasks, run.produced_bytes, strict=True):
-            descriptors = plan.codec.descriptors if task.transcode else \
+            descriptors = codec.descriptors if task.transcode else \
                 task.location.codec.descriptors
             new_storage[task.key] = storage_with(task.source, run.lane, offset, length,
                                                  descriptors)
             offset += length
         if last_run_of_file[run.lane] is run:  # files stay few at a time open
-            output.finish_data_file(run.lane)
-        if on_progress is not None:
-            on_progress(run.size_bytes, plan.stored_bytes)
+            files.finish_data_file(run.lane)
+        advance(run.size_bytes)
 
     # held pieces: four per thread, but no more than 64 pieces' worth (in an object store,
     # many threads wait on the network; their number should not multiply memory)
-    pipeline = Pipeline(_produce(plan.codec, piece_bytes), threads=threads,
+    pipeline = Pipeline(_produce(codec, piece_bytes), threads=threads,
                         bytes_in_flight=min(4 * threads, 16) * piece_bytes)
     pipeline.run(runs, consume, lane_of=lambda run: run.lane)
+    return new_storage
+
+
+def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: CheckpointOutput,
+                      threads: int, on_progress: ProgressCallback | None = None,
+                      piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1) -> int:
+    """Write every planned item into output, on `workers` processes (or the ranks of a
+    torchrun job), and publish it; returns the stored bytes after."""
+    job = TranscodeJob(str(checkpoint.path), plan.codec, plan.recode_same_codec,
+                       output.data_files(plan.output_file_bytes), threads, piece_bytes)
+    shares = run_job(job, plan, workers, on_progress)
+    new_storage = {key: info for share in shares for key, info in share.storage.items()}
+    digests = {name: digest for share in shares for name, digest in share.digests.items()}
     in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
     output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order),
-                   replaced_files=frozenset(checkpoint.files))
+                   digests, replaced_files=frozenset(checkpoint.files))
     return sum(info.length for info in new_storage.values())
 
 
 def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str | None = None,
                          recode_same_codec: bool = False, threads: int | None = None,
                          dry_run: bool = False, overwrite: bool = False,
-                         on_progress: ProgressCallback | None = None) -> TranscodeReport:
+                         on_progress: ProgressCallback | None = None,
+                         workers: int = 1) -> TranscodeReport:
     """Rewrite the checkpoint at path with every item in `codec`, into output_path or in place
-    (holding the checkpoint: exclusively in place, shared otherwise)."""
+    (holding the checkpoint: exclusively in place, shared otherwise), on `workers` processes of
+    `threads` threads each."""
     in_place = output_path is None or _same_directory(storage_path(path),
                                                       storage_path(output_path))
     with checked_checkpoint(path, exclusive=in_place and not dry_run, threads=threads,
                             on_progress=on_progress) as checkpoint:
-        return _transcode(checkpoint, codec, output_path, in_place, recode_same_codec, threads,
+        return _transcode(checkpoint, codec, output_path, in_place, recode_same_codec,
+                          threads_per_worker(threads, checkpoint.path, workers), workers,
                           dry_run, overwrite, on_progress)
 
 
 def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in_place: bool,
-               recode_same_codec: bool, threads: int | None, dry_run: bool, overwrite: bool,
-               on_progress: ProgressCallback | None) -> TranscodeReport:
+               recode_same_codec: bool, threads: int, workers: int, dry_run: bool,
+               overwrite: bool, on_progress: ProgressCallback | None) -> TranscodeReport:
     started = time.perf_counter()
-    threads = threads or default_threads_for(checkpoint.path)
     path = checkpoint.path
     plan = plan_transcode(checkpoint, codec, recode_same_codec)
     report = TranscodeReport(
         source=str(path), output=str(path if in_place else output_path), in_place=in_place,
-        codec=codec.name, level=codec.level, dry_run=dry_run, threads=threads,
+        codec=codec.name, level=codec.level, dry_run=dry_run, threads=threads, workers=workers,
         items=len(plan.tasks), items_transcoded=sum(t.transcode for t in plan.tasks),
         items_copied=sum(not t.transcode for t in plan.tasks),
         stored_bytes_before=plan.stored_bytes, stored_bytes_after=None, seconds=0.0,
@@ -239,7 +303,7 @@ def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in
                               overwrite=overwrite)
     try:
         report.stored_bytes_after = execute_transcode(plan, checkpoint, output, threads,
-                                                      on_progress)
+                                                      on_progress, workers=workers)
     except BaseException:
         output.abort()
         raise

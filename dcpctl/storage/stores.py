@@ -6,6 +6,7 @@ URL is opened, and its absence is a one-line error naming the extra to install.
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import json
 import os
@@ -13,7 +14,7 @@ import threading
 
 from dcpctl.errors import DcpctlError
 from dcpctl.storage.objects import ObjectStore
-from dcpctl.storage.s3 import new_s3_store
+from dcpctl.storage.s3 import S3Store, new_s3_store
 
 # Storage options for every URL, as JSON (`{"anon": true}`); the command line's
 # --storage-option KEY=VALUE adds to them.
@@ -55,6 +56,19 @@ def store_for(protocol: str) -> ObjectStore:
         if store is None:
             store = _STORES[cache_key] = _new_store(protocol, options)
         return store
+
+
+def _store_by_protocol(store: ObjectStore):
+    """Pickle a store as its protocol: a worker process opens its own, with the storage options
+    in force there (which the coordinator hands it first)."""
+    if store.protocol == "memory":
+        raise DcpctlError("memory:// objects live in one process; worker processes and torchrun "
+                          "ranks need a local path or a shared object store")
+    return store_for, (store.protocol,)
+
+
+copyreg.pickle(ObjectStore, _store_by_protocol)
+copyreg.pickle(S3Store, _store_by_protocol)
 
 
 def _new_store(protocol: str, options: dict[str, object]) -> ObjectStore:

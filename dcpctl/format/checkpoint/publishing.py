@@ -63,16 +63,65 @@ class DataFileWriter:
         self._file.discard()
 
 
+class DataFileSet:
+    """Data files of an output being written by one process: the whole output's in one
+    process, a worker's share of it otherwise (it pickles into a fresh set, to send to a
+    worker). Each file is named as the published metadata first names it, and hashed."""
+
+    def __init__(self, directory: StoragePath, in_place_token: str | None) -> None:
+        self.directory = directory
+        self.in_place_token = in_place_token
+        self.digests: dict[str, str] = {}
+        """The SHA-256 of each file finished, by final name."""
+        self._open_writers: dict[str, DataFileWriter] = {}  # by final name
+
+    def __reduce__(self):
+        return DataFileSet, (self.directory, self.in_place_token)
+
+    def data_file_name(self, final_name: str) -> str:
+        """The name a data file has in the published metadata's first version."""
+        if self.in_place_token is None:
+            return final_name
+        return temporary_name(final_name, self.in_place_token)
+
+    def data_file(self, final_name: str) -> DataFileWriter:
+        """The data file that will be called final_name, started on first use."""
+        writer = self._open_writers.get(final_name)
+        if writer is None:
+            path = self.directory / self.data_file_name(final_name)
+            if self.in_place_token is None and not is_remote(path):  # a name with directories
+                path.parent.mkdir(parents=True, exist_ok=True)
+            writer = self._open_writers[final_name] = DataFileWriter(path)
+        return writer
+
+    def finish_data_file(self, final_name: str) -> None:
+        """Sync and close a data file, remembering its checksum."""
+        self.digests[final_name] = self._open_writers.pop(final_name).close()
+
+    def finish_data_files(self) -> dict[str, str]:
+        """Sync and close every data file still open; the digests of all, by final name."""
+        for final_name in sorted(self._open_writers):
+            self.finish_data_file(final_name)
+        return self.digests
+
+    def discard(self) -> None:
+        """Close the files still open without syncing (after a failure)."""
+        for writer in self._open_writers.values():
+            writer.discard()
+        self._open_writers.clear()
+
+
 class CheckpointOutput:
-    """Where a rewritten checkpoint goes; see the module docstring for the two ways."""
+    """Where a rewritten checkpoint goes; see the module docstring for the two ways. Its data
+    files are written through DataFileSets (data_files()), in this process or by workers,
+    and published with their digests."""
 
     def __init__(self, destination: StoragePath, in_place: bool, source: StoragePath,
                  overwrite: bool = False) -> None:
         self.destination = destination
         self.in_place = in_place
-        self._digests: dict[str, str] = {}
-        self._open_writers: dict[str, DataFileWriter] = {}  # by final name
-        self._written: list[StoragePath] = []
+        self._sets: list[DataFileSet] = []
+        self._planned_names: set[str] = set()
         self._metadata_switched = False
         if in_place:
             self._staged = None
@@ -83,66 +132,52 @@ class CheckpointOutput:
             self._token = self._staged.token
             self.directory = self._staged.path
 
-    def data_file_name(self, final_name: str) -> str:
-        """The name a data file has in the published metadata's first version."""
-        return temporary_name(final_name, self._token) if self.in_place else final_name
+    def data_files(self, final_names: Iterable[str]) -> DataFileSet:
+        """A set for writing some of the data files, called final_names once published (abort
+        removes them whoever wrote them)."""
+        self._planned_names.update(final_names)
+        files = DataFileSet(self.directory, self._token if self.in_place else None)
+        self._sets.append(files)
+        return files
 
-    def data_file(self, final_name: str) -> DataFileWriter:
-        """The data file that will be called final_name, started on first use."""
-        writer = self._open_writers.get(final_name)
-        if writer is None:
-            path = self.directory / self.data_file_name(final_name)
-            if not self.in_place and not is_remote(path):  # a name with directories
-                path.parent.mkdir(parents=True, exist_ok=True)
-            writer = DataFileWriter(path)
-            self._written.append(writer.path)
-            self._open_writers[final_name] = writer
-        return writer
-
-    def finish_data_file(self, final_name: str) -> None:
-        """Sync and close a data file, remembering its checksum."""
-        self._digests[final_name] = self._open_writers.pop(final_name).close()
-
-    def finish_data_files(self) -> None:
-        """Sync and close every data file still open."""
-        for final_name in sorted(self._open_writers):
-            self.finish_data_file(final_name)
-
-    def publish(self, metadata: CheckpointMetadata, replaced_files: frozenset[str] = frozenset()
-                ) -> None:
-        """Write `.metadata` (whose storage_data names final file names) and SHA256SUMS. In
-        place, the data files the old metadata named (replaced_files) go once no longer used;
-        no other file of the directory is touched."""
+    def publish(self, metadata: CheckpointMetadata, digests: dict[str, str],
+                replaced_files: frozenset[str] = frozenset()) -> None:
+        """Write `.metadata` (whose storage_data names final file names) and SHA256SUMS, given
+        every data file's digest by final name (DataFileSet.finish_data_files). In place, the
+        data files the old metadata named (replaced_files) go once no longer used; no other file
+        of the directory is touched."""
         if self.in_place:
-            self._publish_in_place(metadata, replaced_files)
+            self._publish_in_place(metadata, dict(digests), replaced_files)
         else:
-            self._publish_new_directory(metadata)
+            self._publish_new_directory(metadata, dict(digests))
 
     def abort(self) -> None:
-        """Remove everything this output wrote; the source stays as it was. Once `.metadata`
-        names the new files, they are the checkpoint and stay."""
-        for writer in self._open_writers.values():
-            writer.discard()
+        """Remove everything this output wrote (workers stopped first); the source stays as it
+        was. Once `.metadata` names the new files, they are the checkpoint and stay."""
+        for files in self._sets:
+            files.discard()
         if self._metadata_switched:
             return
         if self.in_place:
-            for path in self._written:
-                path.unlink(missing_ok=True)
+            names = self._planned_names | {name for files in self._sets for name in files.digests}
+            for name in sorted(names):
+                (self.directory / temporary_name(name, self._token)).unlink(missing_ok=True)
         else:
             self._staged.abort()
 
-    def _publish_new_directory(self, metadata: CheckpointMetadata) -> None:
+    def _publish_new_directory(self, metadata: CheckpointMetadata, digests: dict[str, str]
+                               ) -> None:
         metadata_bytes = serialize_metadata(metadata)
-        self._digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
-        write_sha256sums(self.directory, self._digests)
+        digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
+        write_sha256sums(self.directory, digests)
         write_whole(self.directory / METADATA_FILE_NAME, metadata_bytes, only_if_absent=True)
-        _sync(self.directory, self._digests)
+        _sync(self.directory, digests)
         self._staged.publish()
 
-    def _publish_in_place(self, metadata: CheckpointMetadata, replaced_files: frozenset[str]
-                          ) -> None:
+    def _publish_in_place(self, metadata: CheckpointMetadata, digests: dict[str, str],
+                          replaced_files: frozenset[str]) -> None:
         directory = self.directory
-        temporary_names = {name: self.data_file_name(name) for name in self._digests}
+        temporary_names = {name: temporary_name(name, self._token) for name in digests}
         switched_metadata = serialize_metadata(_renamed(metadata, temporary_names))
         with finishing_first():  # from here on, a stop waits for the end
             # SHA256SUMS describes the old files: it goes at the switch, so a run that fails
@@ -151,10 +186,12 @@ class CheckpointOutput:
                                           made_stale=directory / SHA256SUMS_FILE_NAME,
                                           only_if_unchanged=True)
             self._metadata_switched = True
-            self._finish_in_place(metadata, temporary_names, replaced_files, switched_digest)
+            self._finish_in_place(metadata, digests, temporary_names, replaced_files,
+                                  switched_digest)
 
-    def _finish_in_place(self, metadata: CheckpointMetadata, temporary_names: dict[str, str],
-                         replaced_files: frozenset[str], switched_digest: str) -> None:
+    def _finish_in_place(self, metadata: CheckpointMetadata, digests: dict[str, str],
+                         temporary_names: dict[str, str], replaced_files: frozenset[str],
+                         switched_digest: str) -> None:
         """From `.metadata` naming the new files by their temporary names (its SHA-256:
         switched_digest): their final names, the second switch, the old files gone,
         SHA256SUMS."""
@@ -168,10 +205,9 @@ class CheckpointOutput:
             failpoint(Failpoint.AFTER_SECOND_METADATA_SWITCH)
             for temporary in temporary_names.values():
                 (directory / temporary).unlink()
-            digests = dict(self._digests)
         else:  # no hard links here: the new files keep their temporary names
             metadata_digest = switched_digest
-            digests = {temporary_names[name]: digest for name, digest in self._digests.items()}
+            digests = {temporary_names[name]: digest for name, digest in digests.items()}
         _remove(directory, sorted(replaced_files - set(digests)))
         digests[METADATA_FILE_NAME] = metadata_digest
         write_sha256sums(directory, digests)

@@ -204,9 +204,10 @@ def write_dcp(entries: list[SourceEntry], ranks: int, output: CheckpointOutput, 
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     files = []
     total_bytes = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries if e.is_tensor)
+    data_files = output.data_files(rank_file_name(rank) for rank in range(ranks))
     for rank, items in enumerate(plan_items(entries, ranks)):
         name = rank_file_name(rank)
-        writer = output.data_file(name)
+        writer = data_files.data_file(name)
 
         def write(item: _Item, pieces) -> None:
             start = writer.size_bytes
@@ -221,8 +222,9 @@ def write_dcp(entries: list[SourceEntry], ranks: int, output: CheckpointOutput, 
         run_in_order(_item_bytes, items, write, threads)
         files.append(WrittenFile(name, writer.size_bytes,
                                  sum(item.chunk is not None for item in items)))
-        output.finish_data_file(name)
-    output.publish(_metadata(entries, ranks, storage_data, output.destination))
+        data_files.finish_data_file(name)
+    output.publish(_metadata(entries, ranks, storage_data, output.destination),
+                   data_files.digests)
     return files
 
 

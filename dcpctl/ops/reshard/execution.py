@@ -16,17 +16,18 @@ from typing import Callable, Iterator
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_stored_pieces,
                                             iter_item_pieces, iter_stored_pieces)
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
-from dcpctl.format.checkpoint.publishing import CheckpointOutput
+from dcpctl.execution.running import run_job, threads_per_worker
+from dcpctl.format.checkpoint.publishing import CheckpointOutput, DataFileSet
 from dcpctl.format.checkpoint.structure import checked_checkpoint
-from dcpctl.format.checkpoint.view import Checkpoint
+from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
-from dcpctl.format.codecs.registry import CODEC_NAMES, codec_by_name
+from dcpctl.format.codecs.registry import CODEC_NAMES, Codec, codec_by_name
 from dcpctl.format.metadata.records import ChunkMetadata, MetadataIndex, StorageInfo
 from dcpctl.ops.reshard.assembly import chunk_archive
 from dcpctl.ops.reshard.planning import (ChunkTask, ObjectTask, ReshardPlan, group_tasks_into_runs,
-                                         plan_reshard, task_bytes)
+                                         plan_reshard)
 from dcpctl.pipeline import Pipeline, Run, coalesce, produce_run
-from dcpctl.storage.paths import default_threads_for, storage_path
+from dcpctl.storage.paths import storage_path
 
 # The codec names are named here for the command line, which reaches the format only through
 # the operations.
@@ -106,18 +107,61 @@ def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
                                storage_data=storage_data)
 
 
-def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: CheckpointOutput,
-                    threads: int, on_progress: Callable[[int, int], None] | None = None,
-                    piece_bytes: int = DEFAULT_PIECE_BYTES) -> int:
-    """Write every planned item into output and publish it; returns the stored bytes after."""
-    users = Counter(source.location for task in plan.tasks if isinstance(task, ChunkTask)
+@dataclass(frozen=True)
+class ReshardJob:
+    """A reshard's work, for any process to do a share of (execution/jobs.py): its lanes are
+    the rank files, sized by the bytes of their items."""
+
+    source: str
+    world_size: int
+    codec: Codec
+    files: DataFileSet
+    threads: int
+    piece_bytes: int = DEFAULT_PIECE_BYTES
+
+    def plan(self) -> ReshardPlan:
+        return plan_reshard(open_checkpoint(self.source, check_files=False), self.world_size,
+                            self.codec)
+
+    def lane_sizes(self, plan: ReshardPlan) -> list[int]:
+        return list(plan.output_file_bytes.values())
+
+    def run_share(self, plan: ReshardPlan, lanes: list[int], advance: Callable[[int], None]
+                  ) -> ReshardShare:
+        names = list(plan.output_file_bytes)
+        mine = {names[lane] for lane in lanes}
+        indexed = [(index, task) for index, task in enumerate(plan.tasks)
+                   if task.output_file in mine]
+        inputs = {source.location.path for _, task in indexed if isinstance(task, ChunkTask)
+                  for source in task.sources}
+        _allow_open_files(len(mine) + len(inputs) + 64)
+        storage = _write_tasks(plan, indexed, self.files, self.threads, advance,
+                               self.piece_bytes)
+        return ReshardShare(storage, self.files.finish_data_files())
+
+
+@dataclass
+class ReshardShare:
+    """What a share of a reshard wrote: the storage record of each task (by its index in the
+    plan), and each rank file's SHA-256."""
+
+    storage: dict[int, StorageInfo]
+    digests: dict[str, str]
+
+
+def _write_tasks(plan: ReshardPlan, indexed: list[tuple[int, ChunkTask | ObjectTask]],
+                 files: DataFileSet, threads: int, advance: Callable[[int], None],
+                 piece_bytes: int) -> dict[int, StorageInfo]:
+    """Write the tasks (with their indexes in the plan) into their rank files; their storage
+    records by index."""
+    tasks = [task for _, task in indexed]
+    users = Counter(source.location for task in tasks if isinstance(task, ChunkTask)
                     for source in task.sources)
     storage_by_task: dict[int, StorageInfo] = {}
-    index_of = {id(task): index for index, task in enumerate(plan.tasks)}
-    total = sum(map(task_bytes, plan.tasks))
+    index_of = {id(task): index for index, task in indexed}
 
     def consume(run: Run[ChunkTask | ObjectTask], pieces: Iterator[bytes]) -> None:
-        writer = output.data_file(run.lane)
+        writer = files.data_file(run.lane)
         offset = writer.size_bytes
         for piece in pieces:
             writer.write(piece)
@@ -128,16 +172,27 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
                 run.lane, offset, length, (task.location.codec.descriptors if keeps_stored
                                            else plan.codec.descriptors) or None)
             offset += length
-        if on_progress is not None:
-            on_progress(run.size_bytes, total)
+        advance(run.size_bytes)
 
-    with open_payload_reader(output.destination, users) as reader:
+    with open_payload_reader(files.directory, users) as reader:
         Pipeline(_produce(plan, reader, piece_bytes), threads=threads,
                  bytes_in_flight=4 * threads * piece_bytes).run(
-                     group_tasks_into_runs(plan.tasks, piece_bytes), consume,
+                     group_tasks_into_runs(tasks, piece_bytes), consume,
                      lane_of=lambda run: run.lane)
-    output.finish_data_files()
-    output.publish(_new_metadata(checkpoint, plan, storage_by_task))
+    return storage_by_task
+
+
+def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: CheckpointOutput,
+                    threads: int, on_progress: Callable[[int, int], None] | None = None,
+                    piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1) -> int:
+    """Write every planned item into output, on `workers` processes (or the ranks of a
+    torchrun job), and publish it; returns the stored bytes after."""
+    job = ReshardJob(str(checkpoint.path), plan.world_size, plan.codec,
+                     output.data_files(plan.output_file_bytes), threads, piece_bytes)
+    shares = run_job(job, plan, workers, on_progress)
+    storage_by_task = {index: info for share in shares for index, info in share.storage.items()}
+    digests = {name: digest for share in shares for name, digest in share.digests.items()}
+    output.publish(_new_metadata(checkpoint, plan, storage_by_task), digests)
     return sum(info.length for info in storage_by_task.values())
 
 
@@ -154,22 +209,23 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
                        codec_name: str | None = None, threads: int | None = None,
                        overwrite: bool = False,
                        on_progress: Callable[[int, int], None] | None = None,
-                       piece_bytes: int = DEFAULT_PIECE_BYTES) -> ReshardReport:
+                       piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1
+                       ) -> ReshardReport:
     """Write the checkpoint at path laid out for world_size ranks into output_path, its items
-    in the codec called codec_name (one of CODEC_NAMES; default: the input's); output chunks
-    are assembled in blocks of about piece_bytes."""
+    in the codec called codec_name (one of CODEC_NAMES; default: the input's), on `workers`
+    processes of `threads` threads each; output chunks are assembled in blocks of about
+    piece_bytes."""
     started = time.perf_counter()
-    threads = threads or default_threads_for(storage_path(path))
+    threads = threads_per_worker(threads, storage_path(path), workers)
     codec = codec_by_name(codec_name) if codec_name is not None else None
     destination = storage_path(output_path)
     with checked_checkpoint(path, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_reshard(checkpoint, world_size, codec)
-        _allow_open_files(world_size + len(checkpoint.files) + 64)
         output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
                                   overwrite=overwrite)
         try:
             stored = execute_reshard(plan, checkpoint, output, threads, on_progress,
-                                     piece_bytes)
+                                     piece_bytes, workers)
         except BaseException:
             output.abort()
             raise

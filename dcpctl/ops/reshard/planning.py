@@ -5,6 +5,7 @@ of the checkpoint and the target."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -66,6 +67,14 @@ class ReshardPlan:
     world_size: int
     codec: Codec
     tasks: list[ChunkTask | ObjectTask]
+
+    @functools.cached_property
+    def output_file_bytes(self) -> dict[str, int]:
+        """Each rank file's name and the bytes of its items, by name."""
+        sizes: dict[str, int] = {}
+        for task in self.tasks:
+            sizes[task.output_file] = sizes.get(task.output_file, 0) + task_bytes(task)
+        return dict(sorted(sizes.items()))
 
 
 def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None

@@ -123,16 +123,10 @@ def _split_into_units(name: str, path: StoragePath, archives: list[ArchiveItem])
     return units
 
 
-def run_scan(units: list[ScanUnit], threads: int,
-             on_progress: Callable[[int, int], None] | None = None) -> list[Problem]:
-    """Run the units on `threads` threads; the problems they found. on_progress(done_bytes,
-    total_bytes) follows the reading."""
-    total_bytes = sum(unit.read_bytes for unit in units)
-
-    def advance(done_bytes: int) -> None:
-        if on_progress is not None:
-            on_progress(done_bytes, total_bytes)
-
+def scan_units(units: list[ScanUnit], threads: int, advance: Callable[[int], None]
+               ) -> list[Problem]:
+    """Run the units on `threads` threads; the problems they found. advance(bytes) follows
+    the reading."""
     with ThreadPoolExecutor(max_workers=threads) as pool:
         found = list(pool.map(lambda unit: _scan_unit(unit, advance), units))
     return [problem for problems in found for problem in problems]

@@ -13,9 +13,11 @@ from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
-from dcpctl.ops.verify.scan import items_to_check, plan_scan, run_scan
+from dcpctl.execution.running import threads_per_worker
+from dcpctl.ops.verify.scan import items_to_check, plan_scan
+from dcpctl.ops.verify.scan_job import ScanJob, run_scan
 from dcpctl.storage.locks import locked_checkpoint
-from dcpctl.storage.paths import StoragePath, default_threads_for, file_names_in, storage_path
+from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
 
 OK, DAMAGED, INCOMPLETE = "ok", "damaged", "incomplete"
 
@@ -50,14 +52,18 @@ class VerifyReport:
 
 
 def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int | None = None,
-                      on_progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Check a checkpoint directory and report every problem found (see VerifyReport);
-    on_progress(done_bytes, total_bytes) follows the reading."""
+                      on_progress: Callable[[int, int], None] | None = None,
+                      workers: int = 1) -> VerifyReport:
+    """Check a checkpoint directory and report every problem found (see VerifyReport), its
+    files read by `workers` processes of `threads` threads each; on_progress(done_bytes,
+    total_bytes) follows the reading."""
     with locked_checkpoint(path, exclusive=False):
-        return _verify(storage_path(path), deep, threads, on_progress)
+        directory = storage_path(path)
+        return _verify(directory, deep, threads_per_worker(threads, directory, workers),
+                       workers, on_progress)
 
 
-def _verify(directory: StoragePath, deep: bool, threads: int | None,
+def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
             on_progress: Callable[[int, int], None] | None) -> VerifyReport:
     report = VerifyReport(str(directory), deep)
     try:
@@ -82,7 +88,8 @@ def _verify(directory: StoragePath, deep: bool, threads: int | None,
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
     units = plan_scan(directory, archive_items, safetensors_items, sums or {})
-    report.problems += run_scan(units, threads or default_threads_for(directory), on_progress)
+    report.problems += run_scan(ScanJob(directory, deep, dict(sums or {}), threads), units,
+                                workers, on_progress)
     report.items_checked = len(archive_items) + len(safetensors_items) + len(undecodable)
     report.bytes_read = sum(unit.read_bytes for unit in units)
     report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))

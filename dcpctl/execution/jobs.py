@@ -1,0 +1,84 @@
+"""Jobs: work described so that any process can do a share of it.
+
+A job is a picklable description of an operation's work (what to read, where to write, with
+how many threads). Its plan is a pure function of the job, so a worker process that receives
+the job plans it again and gets the plan the coordinator has, without the plan crossing a
+process boundary. The plan's lanes (output files, or files to read) are split into shares
+balanced by size (shares.py); each worker runs its share and returns what the coordinator needs
+to publish (storage records, digests, problems found), and the coordinator publishes once every
+share is done. Output bytes never depend on how many workers wrote them: each lane is written
+whole by one worker, from the same plan.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Generic, Protocol, TypeVar
+
+from dcpctl.errors import DcpctlError
+from dcpctl.execution.shares import split_by_size
+
+Plan = TypeVar("Plan")
+Result = TypeVar("Result")
+
+
+class ShareJob(Protocol, Generic[Plan, Result]):
+    """Work that can be split into shares (see the module docstring)."""
+
+    def plan(self) -> Plan:
+        """Open what the job reads and plan its work: the same plan in every process."""
+
+    def lane_sizes(self, plan: Plan) -> list[int]:
+        """The size of each lane of the plan, in the units its progress is counted in."""
+
+    def run_share(self, plan: Plan, lanes: list[int], advance: Callable[[int], None]
+                  ) -> Result:
+        """Do the work of the lanes given (indexes into lane_sizes); advance(units) as it goes."""
+
+
+class WorkerError(DcpctlError):
+    """A worker process or torchrun rank failed: its error, named by the worker."""
+
+
+def run_share_of(job: ShareJob, index: int, count: int, advance: Callable[[int], None],
+                 plan: Any = None) -> Any:
+    """What worker `index` of `count` does: plan the job (unless given its plan) and run its
+    share."""
+    plan = job.plan() if plan is None else plan
+    share = split_by_size(job.lane_sizes(plan), count)[index]
+    return job.run_share(plan, share, advance)
+
+
+def describe_failure(error: BaseException) -> str:
+    """An error raised in a worker as the one line its coordinator reports."""
+    if isinstance(error, DcpctlError):
+        return str(error)
+    return f"internal error: {type(error).__name__}: {error}"
+
+
+class BatchedProgress:
+    """Progress made in a worker, handed to send() in batches at most every interval_seconds
+    (each send crosses a process boundary), from any thread; flush() sends the rest."""
+
+    def __init__(self, send: Callable[[int], None], interval_seconds: float) -> None:
+        self._send_units = send
+        self._interval_seconds = interval_seconds
+        self._pending = 0
+        self._sent_at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def advance(self, units: int) -> None:
+        with self._lock:
+            self._pending += units
+            if time.monotonic() - self._sent_at >= self._interval_seconds:
+                self._send()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._send()
+
+    def _send(self) -> None:
+        if self._pending:
+            self._send_units(self._pending)
+        self._pending, self._sent_at = 0, time.monotonic()

@@ -1,0 +1,129 @@
+"""Shares of a job run by the ranks of a torchrun job (`torchrun ... -m dcpctl COMMAND`).
+
+Every rank starts dcpctl with the same command line. Rank 0 runs the command as a single
+process would: it checks, plans, prepares the output and publishes; each job it runs is handed
+to every rank, rank r running share r, and rank 0 publishes once every rank's result is in.
+The other ranks only serve: they wait for a job or for the end, and exit with rank 0's exit
+status. Everything travels through torch.distributed's key-value store (gloo process group,
+CPU only), polled, so a rank waiting still answers SIGTERM, the way torchrun stops a job whose
+other rank failed. Progress is shown by rank 0 alone, counting every rank's work.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from typing import Any, Callable
+
+from dcpctl.execution.jobs import (BatchedProgress, ShareJob, WorkerError, describe_failure,
+                                   run_share_of)
+
+_POLL_SECONDS = 0.05
+_PROGRESS_SECONDS = 0.5
+_team: Team | None = None
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is a rank of a torchrun job of more than one rank."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def local_world_size() -> int:
+    """The ranks torchrun started on this node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def current_team() -> Team | None:
+    """The torchrun job this process joined (join_torchrun), or None."""
+    return _team
+
+
+def join_torchrun() -> Team:
+    """Join the torchrun job this process is a rank of (a gloo process group)."""
+    global _team
+    import datetime
+
+    import torch.distributed as distributed
+
+    distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
+    _team = Team(distributed.get_rank(), distributed.get_world_size(),
+                 distributed.distributed_c10d._get_default_store())
+    return _team
+
+
+class Team:
+    """The ranks of a torchrun job, talking through its store (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, store) -> None:
+        self.rank = rank
+        self.size = size
+        self.store = store
+        self._jobs = 0
+
+    def run(self, job: ShareJob, plan: Any, advance: Callable[[int], None]) -> list[Any]:
+        """On rank 0: hand job to every rank, run share 0 here, gather every rank's result."""
+        from dcpctl.storage.stores import storage_options
+
+        number = self._jobs = self._jobs + 1
+        handed = ("job", (storage_options(), pickle.dumps(job)))  # options before the job's paths
+        self.store.set(f"dcpctl/next/{number}", pickle.dumps(handed))
+        progress_key = f"dcpctl/progress/{number}"
+        stop = threading.Event()
+        watcher = threading.Thread(target=self._forward_progress, name="dcpctl-rank-progress",
+                                   args=(progress_key, advance, stop), daemon=True)
+        watcher.start()
+        try:
+            mine = run_share_of(job, 0, self.size, advance, plan)
+            results = [mine] + [self._result(number, rank) for rank in range(1, self.size)]
+        finally:
+            stop.set()
+            watcher.join()
+        return results
+
+    def end(self, exit_code: int) -> None:
+        """On rank 0: tell every rank that the command is over, with its exit status."""
+        self.store.set(f"dcpctl/next/{self._jobs + 1}", pickle.dumps(("end", exit_code)))
+
+    def serve(self) -> int:
+        """On ranks but 0: run the share of every job rank 0 hands out; rank 0's exit status."""
+        from dcpctl.storage.stores import add_storage_options
+
+        while True:
+            number = self._jobs = self._jobs + 1
+            kind, value = pickle.loads(self._wait(f"dcpctl/next/{number}"))
+            if kind == "end":
+                return value
+            key = f"dcpctl/progress/{number}"
+            progress = BatchedProgress(lambda units: self.store.add(key, units),
+                                       _PROGRESS_SECONDS)
+            try:
+                options, payload = value
+                add_storage_options(options)
+                outcome = ("done", run_share_of(pickle.loads(payload), self.rank, self.size,
+                                                progress.advance))
+            except Exception as error:  # noqa: BLE001 - rank 0 reports it
+                outcome = ("failed", describe_failure(error))
+            progress.flush()
+            self.store.set(f"dcpctl/result/{number}/{self.rank}", pickle.dumps(outcome))
+
+    def _result(self, number: int, rank: int) -> Any:
+        kind, value = pickle.loads(self._wait(f"dcpctl/result/{number}/{rank}"))
+        if kind == "failed":
+            raise WorkerError(f"rank {rank} of {self.size}: {value}")
+        return value
+
+    def _wait(self, key: str) -> bytes:
+        while not self.store.check([key]):
+            time.sleep(_POLL_SECONDS)  # a Python-level wait, so that signals are handled
+        return self.store.get(key)
+
+    def _forward_progress(self, key: str, advance: Callable[[int], None],
+                          stop: threading.Event) -> None:
+        reported = 0
+        while not stop.wait(_PROGRESS_SECONDS):
+            done = self.store.add(key, 0)
+            if done > reported:
+                advance(done - reported)
+                reported = done

@@ -1,0 +1,63 @@
+"""The data pass of verify and checksum (scan.py) as a job: its units shared among worker
+processes or torchrun ranks (execution/jobs.py), each file read by one of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from dcpctl.errors import DcpctlError
+from dcpctl.execution.running import run_job
+from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.structure import list_stored_items
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.ops.verify.scan import ScanUnit, items_to_check, plan_scan, scan_units
+from dcpctl.storage.paths import StoragePath
+
+
+@dataclass(frozen=True)
+class ScanJob:
+    """Read the checkpoint's files, checking its items (deep) and hashing the files named in
+    sums (against the digest given, if any). Its lanes are the scan units, by bytes read."""
+
+    directory: StoragePath
+    deep: bool
+    sums: dict[str, str | None]
+    threads: int
+
+    def plan(self) -> list[ScanUnit]:
+        try:
+            checkpoint = open_checkpoint(self.directory, check_files=False)
+        except DcpctlError:  # the coordinator reports it; the files are hashed all the same
+            checkpoint = None
+        items = list_stored_items(checkpoint) if checkpoint is not None else []
+        archive_items, safetensors_items, _ = items_to_check(checkpoint, items, self.deep)
+        return plan_scan(self.directory, archive_items, safetensors_items, self.sums)
+
+    def lane_sizes(self, units: list[ScanUnit]) -> list[int]:
+        return [unit.read_bytes for unit in units]
+
+    def run_share(self, units: list[ScanUnit], lanes: list[int],
+                  advance: Callable[[int], None]) -> ScanShare:
+        problems = scan_units([units[lane] for lane in lanes], self.threads, advance)
+        return ScanShare(problems, {lane: units[lane].sha256 for lane in lanes})
+
+
+@dataclass
+class ScanShare:
+    """What a share of the scan found, and the SHA-256 of each unit it hashed (by index)."""
+
+    problems: list[Problem]
+    sha256_by_unit: dict[int, str | None]
+
+
+def run_scan(job: ScanJob, units: list[ScanUnit], workers: int = 1,
+             on_progress: Callable[[int, int], None] | None = None) -> list[Problem]:
+    """Run the job's units (as job.plan() gives them) on `workers` processes; the problems
+    found. Each unit's sha256 is filled in. on_progress(done_bytes, total_bytes) follows the
+    reading."""
+    shares = run_job(job, units, workers, on_progress)
+    for share in shares:
+        for lane, sha256 in share.sha256_by_unit.items():
+            units[lane].sha256 = sha256
+    return [problem for share in shares for problem in share.problems]
