@@ -1,16 +1,18 @@
-"""The floor under any reshard that writes SHA256SUMS: copy a checkpoint's files while
-computing what every rewritten chunk costs in bytes work alone (a CRC-32 of each byte, as each
-torch.save archive needs over its payload, and a SHA-256 of each byte written), with no
-re-layout and no Python per chunk: each file in 4 MiB reads, files shared among threads.
+"""The floor under any command that reads a checkpoint and writes one with SHA256SUMS: copy a
+checkpoint's files while computing what every rewritten chunk costs in bytes work alone (a
+CRC-32 of each byte, as each torch.save archive needs over its payload, and a SHA-256 of each
+byte written), with no re-layout and no Python per chunk: each file in 4 MiB reads, files shared
+among threads. --zstd LEVEL also compresses each piece (the floor of compress); --no-write
+only reads and checks (the floor of verify).
 
-Usage: python bench/checksummed_copy.py SOURCE TARGET [THREADS]
+Usage: python bench/checksummed_copy.py SOURCE TARGET [THREADS] [--zstd LEVEL] [--no-write]
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
-import sys
 import threading
 import zlib
 from pathlib import Path
@@ -18,25 +20,48 @@ from pathlib import Path
 PIECE_BYTES = 4 << 20
 
 
-def copy_file(source: Path, target: Path) -> str:
-    """Copy source to target in pieces, CRC-32 and SHA-256 over every piece; the digest."""
+def copy_file(source: Path, target: Path | None, zstd_level: int | None) -> str:
+    """Copy source to target in pieces (compressed at zstd_level if given), CRC-32 over every
+    piece read and SHA-256 over every piece written; the digest."""
+    import zstandard
+
     digest = hashlib.sha256()
-    with open(source, "rb", buffering=0) as reader, open(target, "xb", buffering=0) as writer:
-        while piece := reader.read(PIECE_BYTES):
-            zlib.crc32(piece)
-            digest.update(piece)
-            writer.write(piece)
+    compressor = zstandard.ZstdCompressor(level=zstd_level) if zstd_level is not None else None
+    with open(source, "rb", buffering=0) as reader:
+        writer = open(target, "xb", buffering=0) if target is not None else None
+        try:
+            while piece := reader.read(PIECE_BYTES):
+                zlib.crc32(piece)
+                if compressor is not None:
+                    piece = compressor.compress(piece)
+                digest.update(piece)
+                if writer is not None:
+                    writer.write(piece)
+        finally:
+            if writer is not None:
+                writer.close()
     return digest.hexdigest()
 
 
 def main() -> None:
-    source, target = Path(sys.argv[1]), Path(sys.argv[2])
-    threads = int(sys.argv[3]) if len(sys.argv) > 3 else len(os.sched_getaffinity(0))
-    target.mkdir()
-    names = sorted(path.name for path in source.iterdir())
-    workers = [threading.Thread(target=lambda share: [copy_file(source / name, target / name)
-                                                      for name in share],
-                                args=(names[index::threads],)) for index in range(threads)]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("source", type=Path)
+    parser.add_argument("target", type=Path)
+    parser.add_argument("threads", type=int, nargs="?", default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--zstd", type=int, default=None)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    if not args.no_write:
+        args.target.mkdir()
+    names = sorted(path.name for path in args.source.iterdir())
+
+    def copy_share(share: list[str]) -> None:
+        for name in share:
+            copy_file(args.source / name, None if args.no_write else args.target / name,
+                      args.zstd)
+
+    workers = [threading.Thread(target=copy_share, args=(names[index::args.threads],))
+               for index in range(args.threads)]
     for worker in workers:
         worker.start()
     for worker in workers:

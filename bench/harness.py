@@ -20,6 +20,8 @@ class Measurement:
     label: str
     seconds: float
     peak_rss_bytes: int
+    cpu_seconds: float = 0.0
+    """User and system CPU time of the command and the children it waited for."""
 
 
 def measure(label: str, command: list[str], env: dict | None = None) -> Measurement:
@@ -32,7 +34,9 @@ def measure(label: str, command: list[str], env: dict | None = None) -> Measurem
     hours, minutes, seconds = wall.groups()
     elapsed = int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds)
     rss_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)[1])
-    return Measurement(label, elapsed, rss_kib * 1024)
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", result.stderr)[1])
+              for kind in ("User", "System"))
+    return Measurement(label, elapsed, rss_kib * 1024, cpu)
 
 
 def python_command(code: str) -> list[str]:

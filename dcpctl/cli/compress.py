@@ -111,8 +111,8 @@ def render_transcode_report(report: TranscodeReport) -> str:
     lines.append(f"stored: {format_bytes(report.stored_bytes_before)} -> "
                  f"{format_bytes(report.stored_bytes_after)} (ratio {report.ratio:.3f}) in "
                  f"{report.seconds:.1f} s, {format_bytes(int(rate))}/s on "
-                 + (f"{report.workers} workers of {report.threads} threads" if report.workers > 1
-                    else f"{report.threads} threads"))
+                 + (f"{report.workers} workers of " if report.workers > 1 else "")
+                 + (f"{report.threads} threads" if report.threads > 1 else "1 thread"))
     lines += [f"removed {name}, left by an earlier interrupted run"
               for name in report.removed_stale_files]
     return "\n".join(lines)

@@ -93,6 +93,18 @@ def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -
     'dcpctl[s3]'` for S3). Credentials and endpoints come the way boto finds them (environment,
     ~/.aws, instance roles; AWS_ENDPOINT_URL_S3 for an S3-compatible store).
 
+    Commands that move data (compress, decompress, reshard, verify, checksum) take --workers N
+    to share the work among N processes on this machine, and run across machines under
+    torchrun, each rank doing its share and rank 0 publishing; the output is the same byte for
+    byte either way:
+
+    \b
+      torchrun --standalone --nproc-per-node 8 -m dcpctl reshard CKPT --ranks 256 -o OUT
+      srun --nodes 4 --ntasks-per-node 1 torchrun --nnodes 4 --nproc-per-node 8 \\
+        --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m dcpctl compress CKPT -o OUT
+
+    (SLURM: one torchrun per node, as above; a shared file system or a bucket for CKPT/OUT.)
+
     Exit status: 0 on success, 1 when an operation fails, 2 for usage errors, 128 + the
     signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP (temporary files removed).
     """

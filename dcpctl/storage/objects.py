@@ -349,4 +349,3 @@ def _info_of(details: dict) -> ObjectInfo:
         modified = 0.0
     return ObjectInfo(int(details.get("size") or 0), None if etag is None else str(etag).strip('"'),
                       modified)
-

@@ -262,3 +262,20 @@ def test_a_connection_that_keeps_dropping_fails_and_publishes_nothing(
         message = failure("compress", url, "-o", f"s3://{bucket}/run/z")
     assert url in message and "connection" in message, message
     assert not moto_s3.client().list_objects_v2(Bucket=bucket, Prefix="run/z").get("Contents")
+
+
+def test_workers_share_a_bucket_checkpoint(moto_s3, moto_checkpoint):
+    bucket, url = moto_checkpoint
+    ok("compress", url, "-o", f"s3://{bucket}/run/two", "--workers", 2)
+    ok("compress", url, "-o", f"s3://{bucket}/run/one")
+    client = moto_s3.client()
+
+    def objects(prefix: str) -> dict[str, bytes]:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+        return {item["Key"][len(prefix):]: client.get_object(
+            Bucket=bucket, Key=item["Key"])["Body"].read() for item in listed}
+
+    assert objects("run/two/") == objects("run/one/")
+    assert tensor_digests(load_with_dcpctl_reader(f"s3://{bucket}/run/two")) == expected_tensors()
+    assert json.loads(ok("verify", f"s3://{bucket}/run/two", "--json", "--workers", 3)
+                      )["status"] == "ok"

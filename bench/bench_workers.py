@@ -1,0 +1,93 @@
+"""--workers: process scaling of the commands that move data, on the real-weights checkpoint,
+side by side in one run, against today's single process and against each command's floor.
+
+For each command: `--workers 1 --threads 1`, `--workers 2 --threads 1` (process scaling),
+today's single process with its default threads, and `--workers 2` with default threads. The
+floor is the CPU-seconds of the command's unavoidable work, measured by bench/checksummed_copy.py
+on one thread (reads, CRC-32, SHA-256, writes; zstd level 3 for compress; no writes for verify
+and checksum), divided by the cores. CPU-seconds per GB (of the input) is printed so that a job
+on N machines can be projected. Best of --repeat runs, input in the page cache.
+
+Usage: python bench/bench_workers.py [--units 11] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (dcpctl_command, directory_bytes, drop_directory, measure,  # noqa: E402
+                     print_table, warm_page_cache)
+from real_checkpoint import ONE_GB_UNITS, OUT_ROOT, real_checkpoint  # noqa: E402
+
+CHECKSUMMED_COPY = str(Path(__file__).resolve().parent / "checksummed_copy.py")
+CONFIGS = [("--workers 1 --threads 1", ["--workers", "1", "--threads", "1"]),
+           ("--workers 2 --threads 1", ["--workers", "2", "--threads", "1"]),
+           ("today: one process, default threads", []),
+           ("--workers 2, default threads", ["--workers", "2"])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--units", type=int, default=ONE_GB_UNITS)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    source = real_checkpoint(args.units, 4)
+    gigabytes = directory_bytes(source) / 1e9
+    cores = len(os.sched_getaffinity(0))
+    out = OUT_ROOT / "workers-out"
+    sums_copy = OUT_ROOT / "workers-sums"
+    commands = {
+        "compress": (lambda: dcpctl_command("compress", str(source), "-o", str(out)),
+                     ["--zstd", "3"]),
+        "reshard --ranks 16": (lambda: dcpctl_command("reshard", str(source), "--ranks", "16",
+                                                      "-o", str(out)), []),
+        "verify": (lambda: dcpctl_command("verify", str(source)), ["--no-write"]),
+        "checksum": (lambda: dcpctl_command("checksum", str(sums_copy)), ["--no-write"]),
+    }
+    drop_directory(sums_copy)
+    shutil.copytree(source, sums_copy)
+    (sums_copy / "SHA256SUMS").unlink(missing_ok=True)
+    rows = []
+    for name, (command, floor_options) in commands.items():
+        floor_cpu = best_of(args.repeat, source, out, "floor", [
+            sys.executable, CHECKSUMMED_COPY, str(source), str(out), "1", *floor_options]
+        ).cpu_seconds
+        floor_seconds = floor_cpu / cores
+        rows.append((name, f"floor: 1 thread's CPU-s / {cores} cores", f"{floor_seconds:.2f}",
+                     f"{floor_cpu:.2f}", f"{floor_cpu / gigabytes:.2f}", "1.00", "", "", ""))
+        runs = {label: best_of(args.repeat, source, out, label, command() + options)
+                for label, options in CONFIGS}
+        one, today = runs[CONFIGS[0][0]], runs[CONFIGS[2][0]]
+        for label, run in runs.items():
+            rows.append((name, label, f"{run.seconds:.2f}", f"{run.cpu_seconds:.2f}",
+                         f"{run.cpu_seconds / gigabytes:.2f}",
+                         f"{run.seconds / floor_seconds:.2f}",
+                         f"{one.seconds / run.seconds:.2f}", f"{today.seconds / run.seconds:.2f}",
+                         f"{run.peak_rss_bytes / 2**20:.0f}"))
+    drop_directory(out)
+    drop_directory(sums_copy)
+    print(f"input: {source} ({gigabytes:.2f} GB, 4 ranks); {cores} cores; best of "
+          f"{args.repeat}; peak RSS of the largest single process")
+    print_table(rows, ("command", "how", "seconds", "CPU-s", "CPU-s/GB", "x floor",
+                       "speed-up vs w1 t1", "vs today", "peak RSS MiB"))
+
+
+def best_of(repeat: int, source: Path, out: Path, label: str, command: list[str]):
+    best = None
+    for _ in range(repeat):
+        drop_directory(out)
+        warm_page_cache(source)
+        run = measure(label, command)
+        if best is None or run.seconds < best.seconds:
+            best = run
+    drop_directory(out)
+    return best
+
+
+if __name__ == "__main__":
+    main()

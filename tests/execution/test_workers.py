@@ -1,0 +1,175 @@
+"""`--workers N` and torchrun: every command that moves data gives the same bytes whatever the
+number of workers or ranks, and a worker that fails or is killed fails the command, naming it,
+with nothing published and the source untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (MANIFEST, REPO_ROOT, directory_state, fixture_path, flip_bit,
+                      item_locations, load_with_torch, run_dcpctl)
+from make_fixtures import tensor_sha256
+
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.torch_save.layout import find_payload_start
+
+SOURCE = "fsdp2_adamw_3ranks"
+
+
+def ok(*args, **kwargs) -> str:
+    result = run_dcpctl(*args, **kwargs)
+    assert result.returncode == 0, (args, result.stderr)
+    return result.stdout
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(file.relative_to(path)): file.read_bytes()
+            for file in sorted(path.rglob("*")) if file.is_file()}
+
+
+def loaded_tensors(checkpoint: Path) -> dict[str, str]:
+    return {fqn: tensor_sha256(value) for fqn, value in load_with_torch(checkpoint).items()
+            if isinstance(value, torch.Tensor)}
+
+
+def expected_tensors() -> dict[str, str]:
+    return {fqn: entry["sha256"] for fqn, entry in MANIFEST[SOURCE]["tensors"].items()}
+
+
+WRITING_COMMANDS = {
+    "compress": ["compress", "{source}", "-o", "{output}"],
+    "floatsplit": ["compress", "{source}", "-o", "{output}", "--codec", "floatsplit"],
+    "reshard": ["reshard", "{source}", "--ranks", "5", "-o", "{output}"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(WRITING_COMMANDS))
+def test_outputs_are_the_same_bytes_whatever_the_number_of_workers(command, tmp_path):
+    outputs = {}
+    for workers in (1, 2, 3):
+        output = tmp_path / f"out-{workers}"
+        args = [part.format(source=fixture_path(SOURCE), output=output)
+                for part in WRITING_COMMANDS[command]]
+        ok(*args, "--workers", workers)
+        outputs[workers] = tree(output)
+    assert outputs[1] == outputs[2] == outputs[3]
+    if command != "floatsplit":
+        assert loaded_tensors(tmp_path / "out-3") == expected_tensors()
+
+
+def test_in_place_compress_and_decompress_with_workers(tmp_path):
+    single, several = tmp_path / "single", tmp_path / "several"
+    shutil.copytree(fixture_path(SOURCE), single)
+    shutil.copytree(fixture_path(SOURCE), several)
+    ok("compress", single)
+    ok("compress", several, "--workers", 2)
+    # in place, new files carry a random token in their names until renamed: compare contents
+    assert directory_state(single) == directory_state(several)
+    ok("decompress", several, "--workers", 3)
+    assert loaded_tensors(several) == expected_tensors()
+    assert json.loads(ok("verify", several, "--json"))["status"] == "ok"
+
+
+def test_verify_and_checksum_with_workers_agree_with_one_process(copy_fixture):
+    checkpoint = copy_fixture(SOURCE)
+    (checkpoint / "SHA256SUMS").unlink(missing_ok=True)
+    ok("checksum", checkpoint, "--workers", 2)
+    sums = (checkpoint / "SHA256SUMS").read_bytes()
+    (checkpoint / "SHA256SUMS").unlink()
+    ok("checksum", checkpoint)
+    assert (checkpoint / "SHA256SUMS").read_bytes() == sums
+    reports = [json.loads(ok("verify", checkpoint, "--json", "--workers", workers))
+               for workers in (1, 2, 3)]
+    assert reports[0] == reports[1] == reports[2] and reports[0]["status"] == "ok"
+
+
+def _damage_one_item(checkpoint: Path, file_name: str) -> None:
+    (checkpoint / "SHA256SUMS").unlink(missing_ok=True)  # else caught before any worker starts
+    locations = [location for location in item_locations(open_checkpoint(checkpoint)).values()
+                 if Path(location.path).name == file_name]
+    largest = max(locations, key=lambda location: location.length)
+    with open(checkpoint / file_name, "rb") as stream:
+        stream.seek(largest.start)
+        payload_start = find_payload_start(stream.read(largest.length))
+    flip_bit(checkpoint / file_name, largest.start + payload_start)  # a CRC-32 covers it
+
+
+def test_damage_found_by_a_worker_fails_the_command_naming_it(copy_fixture, tmp_path):
+    checkpoint = copy_fixture(SOURCE)
+    _damage_one_item(checkpoint, "__2_0.distcp")
+    before = directory_state(checkpoint)
+    result = run_dcpctl("compress", checkpoint, "-o", tmp_path / "out", "--workers", 2)
+    assert result.returncode == 1
+    assert result.stderr.startswith("Error: worker 2 of 2: ") and "__2_0.distcp" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    assert [path.name for path in tmp_path.iterdir()] == [SOURCE]  # no staging left either
+    assert directory_state(checkpoint) == before
+    report = json.loads(run_dcpctl("verify", checkpoint, "--json", "--workers", 2).stdout)
+    assert report["status"] == "damaged" and report["problems"][0]["file"] == "__2_0.distcp"
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["new-output", "in-place"])
+def test_a_killed_worker_fails_the_command_and_publishes_nothing(copy_fixture, tmp_path,
+                                                                 in_place):
+    checkpoint = copy_fixture(SOURCE)
+    before = directory_state(checkpoint)
+    output = [] if in_place else ["-o", tmp_path / "out"]
+    result = run_dcpctl("compress", checkpoint, *output, "--workers", 2,
+                        failpoint="after-data-write@2")  # every worker dies at its 2nd write
+    assert result.returncode == 1, result.stderr
+    assert "ended without finishing its share (killed by SIGKILL)" in result.stderr
+    assert directory_state(checkpoint) == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
+    assert loaded_tensors(checkpoint) == expected_tensors()
+
+
+def test_memory_urls_are_refused_with_workers(run_cli):
+    result = run_cli("verify", "memory://nothing/here", "--workers", 2)
+    assert result.exit_code == 1
+
+
+def torchrun(*args, ranks: int = 2) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={ranks}", "-m", "dcpctl", *map(str, args)],
+                          capture_output=True, text=True, env=environment, timeout=300)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_write_the_same_bytes_as_one_process(tmp_path):
+    for name, command in WRITING_COMMANDS.items():
+        alone, ranked = tmp_path / f"{name}-alone", tmp_path / f"{name}-ranked"
+        fill = {"source": fixture_path(SOURCE)}
+        ok(*[part.format(output=alone, **fill) for part in command])
+        result = torchrun(*[part.format(output=ranked, **fill) for part in command])
+        assert result.returncode == 0, result.stderr
+        assert tree(alone) == tree(ranked), name
+        assert result.stdout.count(str(ranked)) == 1  # the report, printed once, by rank 0
+    checkpoint = tmp_path / "sums"
+    shutil.copytree(fixture_path(SOURCE), checkpoint)
+    (checkpoint / "SHA256SUMS").unlink(missing_ok=True)
+    assert torchrun("checksum", checkpoint, ranks=3).returncode == 0
+    ranked_sums = (checkpoint / "SHA256SUMS").read_bytes()
+    (checkpoint / "SHA256SUMS").unlink()
+    ok("checksum", checkpoint)
+    assert (checkpoint / "SHA256SUMS").read_bytes() == ranked_sums
+    result = torchrun("verify", checkpoint, "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_torchrun_job_naming_it(copy_fixture, tmp_path):
+    checkpoint = copy_fixture(SOURCE)
+    _damage_one_item(checkpoint, "__2_0.distcp")
+    result = torchrun("compress", checkpoint, "-o", tmp_path / "out", ranks=2)
+    assert result.returncode != 0
+    assert "Error: rank 1 of 2: " in result.stderr and "__2_0.distcp" in result.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
