@@ -22,7 +22,8 @@ from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, StoredSpan,
                                             iter_checked_stored_pieces, iter_item_pieces,
                                             iter_stored_pieces)
 from dcpctl.format.checkpoint.locations import ExpectedTensor, ItemLocation, locate_item
-from dcpctl.format.checkpoint.publishing import CheckpointOutput, DataFileSet, storage_with
+from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
+                                                 merge_shares, storage_with)
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
@@ -199,22 +200,13 @@ class TranscodeJob:
         return list(plan.output_file_bytes.values())
 
     def run_share(self, plan: TranscodePlan, lanes: list[int], advance: Callable[[int], None]
-                  ) -> TranscodeShare:
+                  ) -> WrittenShare:
         names = list(plan.output_file_bytes)
         mine = {names[lane] for lane in lanes}
         tasks = [task for task in plan.tasks if task.output_file in mine]
         storage = _write_items(tasks, plan.codec, self.files, self.threads, advance,
                                self.piece_bytes)
-        return TranscodeShare(storage, self.files.finish_data_files())
-
-
-@dataclass
-class TranscodeShare:
-    """What a share of a transcode wrote: each item's new storage record, and each output
-    file's SHA-256."""
-
-    storage: dict[MetadataIndex, StorageInfo]
-    digests: dict[str, str]
+        return WrittenShare(storage, self.files.finish_data_files())
 
 
 def _write_items(tasks: list[ItemTask], codec: Codec, files: DataFileSet, threads: int,
@@ -255,9 +247,7 @@ def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: Check
     torchrun job), and publish it; returns the stored bytes after."""
     job = TranscodeJob(str(checkpoint.path), plan.codec, plan.recode_same_codec,
                        output.data_files(plan.output_file_bytes), threads, piece_bytes)
-    shares = run_job(job, plan, workers, on_progress)
-    new_storage = {key: info for share in shares for key, info in share.storage.items()}
-    digests = {name: digest for share in shares for name, digest in share.digests.items()}
+    new_storage, digests = merge_shares(run_job(job, plan, workers, on_progress))
     in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
     output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order),
                    digests, replaced_files=frozenset(checkpoint.files))

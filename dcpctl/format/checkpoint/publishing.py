@@ -25,7 +25,8 @@ import hashlib
 import os
 import posixpath
 from pathlib import Path
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Hashable, Iterable
 
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import write_sha256sums
@@ -109,6 +110,26 @@ class DataFileSet:
         for writer in self._open_writers.values():
             writer.discard()
         self._open_writers.clear()
+
+
+@dataclass
+class WrittenShare:
+    """What one worker's share of a rewrite wrote: the new storage record of each item, by the
+    key its plan names it with, and each data file's SHA-256 by final name."""
+
+    storage: dict[Hashable, StorageInfo]
+    digests: dict[str, str]
+
+
+def merge_shares(shares: Iterable[WrittenShare]
+                 ) -> tuple[dict[Hashable, StorageInfo], dict[str, str]]:
+    """Every share's storage records and digests, in one of each."""
+    storage: dict[Hashable, StorageInfo] = {}
+    digests: dict[str, str] = {}
+    for share in shares:
+        storage.update(share.storage)
+        digests.update(share.digests)
+    return storage, digests
 
 
 class CheckpointOutput:

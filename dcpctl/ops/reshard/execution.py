@@ -17,7 +17,8 @@ from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_st
                                             iter_item_pieces, iter_stored_pieces)
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.execution.running import run_job, threads_per_worker
-from dcpctl.format.checkpoint.publishing import CheckpointOutput, DataFileSet
+from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
+                                                 merge_shares)
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
@@ -127,7 +128,8 @@ class ReshardJob:
         return list(plan.output_file_bytes.values())
 
     def run_share(self, plan: ReshardPlan, lanes: list[int], advance: Callable[[int], None]
-                  ) -> ReshardShare:
+                  ) -> WrittenShare:
+        """Write the share's rank files; their tasks' storage records, by index in the plan."""
         names = list(plan.output_file_bytes)
         mine = {names[lane] for lane in lanes}
         indexed = [(index, task) for index, task in enumerate(plan.tasks)
@@ -137,16 +139,7 @@ class ReshardJob:
         _allow_open_files(len(mine) + len(inputs) + 64)
         storage = _write_tasks(plan, indexed, self.files, self.threads, advance,
                                self.piece_bytes)
-        return ReshardShare(storage, self.files.finish_data_files())
-
-
-@dataclass
-class ReshardShare:
-    """What a share of a reshard wrote: the storage record of each task (by its index in the
-    plan), and each rank file's SHA-256."""
-
-    storage: dict[int, StorageInfo]
-    digests: dict[str, str]
+        return WrittenShare(storage, self.files.finish_data_files())
 
 
 def _write_tasks(plan: ReshardPlan, indexed: list[tuple[int, ChunkTask | ObjectTask]],
@@ -189,9 +182,7 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
     torchrun job), and publish it; returns the stored bytes after."""
     job = ReshardJob(str(checkpoint.path), plan.world_size, plan.codec,
                      output.data_files(plan.output_file_bytes), threads, piece_bytes)
-    shares = run_job(job, plan, workers, on_progress)
-    storage_by_task = {index: info for share in shares for index, info in share.storage.items()}
-    digests = {name: digest for share in shares for name, digest in share.digests.items()}
+    storage_by_task, digests = merge_shares(run_job(job, plan, workers, on_progress))
     output.publish(_new_metadata(checkpoint, plan, storage_by_task), digests)
     return sum(info.length for info in storage_by_task.values())
 
