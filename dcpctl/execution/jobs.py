@@ -12,6 +12,7 @@ whole by one worker, from the same plan.
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from typing import Any, Callable, Generic, Protocol, TypeVar
@@ -48,6 +49,21 @@ def run_share_of(job: ShareJob, index: int, count: int, advance: Callable[[int],
     plan = job.plan() if plan is None else plan
     share = split_by_size(job.lane_sizes(plan), count)[index]
     return job.run_share(plan, share, advance)
+
+
+def packed_job(job: ShareJob) -> bytes:
+    """The job as bytes for another process, with the storage options in force: they must be
+    in force there before the job's paths are unpickled (each opens its store)."""
+    from dcpctl.storage.stores import storage_options
+    return pickle.dumps((storage_options(), pickle.dumps(job)))
+
+
+def unpacked_job(data: bytes) -> ShareJob:
+    """A job packed_job packed, its storage options put in force in this process first."""
+    from dcpctl.storage.stores import add_storage_options
+    options, payload = pickle.loads(data)
+    add_storage_options(options)
+    return pickle.loads(payload)
 
 
 def describe_failure(error: BaseException) -> str:

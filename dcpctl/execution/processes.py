@@ -13,29 +13,26 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import signal
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from dcpctl.execution.jobs import (BatchedProgress, ShareJob, WorkerError, describe_failure,
-                                   run_share_of)
+                                   packed_job, run_share_of, unpacked_job)
 
 _PROGRESS_INTERVAL_SECONDS = 0.2
 
 
 def run_in_processes(job: ShareJob, count: int, advance: Callable[[int], None]) -> list[Any]:
     """Every share of job, share i on worker process i; their results in share order."""
-    from dcpctl.storage.stores import storage_options
-
     context = multiprocessing.get_context("spawn")
-    payload = pickle.dumps(job)
+    payload = packed_job(job)
     workers: list[tuple[multiprocessing.Process, Connection]] = []
     try:
         for index in range(count):
             receiving, sending = context.Pipe(duplex=False)
             process = context.Process(
-                target=_work, args=(storage_options(), payload, index, count, sending),
+                target=_work, args=(payload, index, count, sending),
                 name=f"dcpctl-worker-{index + 1}", daemon=True)
             process.start()
             sending.close()
@@ -81,19 +78,17 @@ def _how_it_ended(exit_code: int | None) -> str:
     return f"exit status {exit_code}"
 
 
-def _work(options: dict, payload: bytes, index: int, count: int, connection: Connection) -> None:
+def _work(payload: bytes, index: int, count: int, connection: Connection) -> None:
     """A worker process: plan the job, run share `index`, send the result or the error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
     _die_with_parent()
     from dcpctl.allocator import reuse_large_buffers
-    from dcpctl.storage.stores import add_storage_options
 
     reuse_large_buffers()
-    add_storage_options(options)
     progress = BatchedProgress(lambda units: connection.send(("progress", units)),
                                _PROGRESS_INTERVAL_SECONDS)
     try:
-        result = run_share_of(pickle.loads(payload), index, count, progress.advance)
+        result = run_share_of(unpacked_job(payload), index, count, progress.advance)
         progress.flush()
         connection.send(("done", result))
     except BaseException as error:  # noqa: BLE001 - every failure goes to the coordinator

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from dcpctl.execution.jobs import (BatchedProgress, ShareJob, WorkerError, describe_failure,
-                                   run_share_of)
+                                   packed_job, run_share_of, unpacked_job)
 
 _POLL_SECONDS = 0.05
 _PROGRESS_SECONDS = 0.5
@@ -63,24 +63,33 @@ class Team:
         self._jobs = 0
 
     def run(self, job: ShareJob, plan: Any, advance: Callable[[int], None]) -> list[Any]:
-        """On rank 0: hand job to every rank, run share 0 here, gather every rank's result."""
-        from dcpctl.storage.stores import storage_options
-
+        """On rank 0: hand job to every rank, run share 0 here, gather every rank's result.
+        Every rank's outcome is awaited before a failure is raised, so that no rank still
+        writes into an output its caller then removes."""
         number = self._jobs = self._jobs + 1
-        handed = ("job", (storage_options(), pickle.dumps(job)))  # options before the job's paths
-        self.store.set(f"dcpctl/next/{number}", pickle.dumps(handed))
+        self.store.set(f"dcpctl/next/{number}", pickle.dumps(("job", packed_job(job))))
         progress_key = f"dcpctl/progress/{number}"
         stop = threading.Event()
         watcher = threading.Thread(target=self._forward_progress, name="dcpctl-rank-progress",
                                    args=(progress_key, advance, stop), daemon=True)
         watcher.start()
+        failure: Exception | None = None
         try:
-            mine = run_share_of(job, 0, self.size, advance, plan)
-            results = [mine] + [self._result(number, rank) for rank in range(1, self.size)]
+            try:
+                outcomes = [("done", run_share_of(job, 0, self.size, advance, plan))]
+            except Exception as error:  # noqa: BLE001 - raised once the other ranks are done
+                failure, outcomes = error, [("failed", None)]
+            outcomes += [pickle.loads(self._wait(f"dcpctl/result/{number}/{rank}"))
+                         for rank in range(1, self.size)]
         finally:
             stop.set()
             watcher.join()
-        return results
+        if failure is not None:
+            raise failure
+        for rank, (kind, value) in enumerate(outcomes):
+            if kind == "failed":
+                raise WorkerError(f"rank {rank} of {self.size}: {value}")
+        return [value for _, value in outcomes]
 
     def end(self, exit_code: int) -> None:
         """On rank 0: tell every rank that the command is over, with its exit status."""
@@ -88,8 +97,6 @@ class Team:
 
     def serve(self) -> int:
         """On ranks but 0: run the share of every job rank 0 hands out; rank 0's exit status."""
-        from dcpctl.storage.stores import add_storage_options
-
         while True:
             number = self._jobs = self._jobs + 1
             kind, value = pickle.loads(self._wait(f"dcpctl/next/{number}"))
@@ -99,20 +106,12 @@ class Team:
             progress = BatchedProgress(lambda units: self.store.add(key, units),
                                        _PROGRESS_SECONDS)
             try:
-                options, payload = value
-                add_storage_options(options)
-                outcome = ("done", run_share_of(pickle.loads(payload), self.rank, self.size,
+                outcome = ("done", run_share_of(unpacked_job(value), self.rank, self.size,
                                                 progress.advance))
             except Exception as error:  # noqa: BLE001 - rank 0 reports it
                 outcome = ("failed", describe_failure(error))
             progress.flush()
             self.store.set(f"dcpctl/result/{number}/{self.rank}", pickle.dumps(outcome))
-
-    def _result(self, number: int, rank: int) -> Any:
-        kind, value = pickle.loads(self._wait(f"dcpctl/result/{number}/{rank}"))
-        if kind == "failed":
-            raise WorkerError(f"rank {rank} of {self.size}: {value}")
-        return value
 
     def _wait(self, key: str) -> bytes:
         while not self.store.check([key]):
