@@ -4,8 +4,8 @@ side by side in one run, against today's single process and against each command
 For each command: `--workers 1 --threads 1`, `--workers 2 --threads 1` (process scaling),
 today's single process with its default threads, and `--workers 2` with default threads. The
 floor is the CPU-seconds of the command's unavoidable work, measured by bench/checksummed_copy.py
-on one thread (reads, CRC-32, SHA-256, writes; zstd level 3 for compress; no writes for verify
-and checksum), divided by the cores. CPU-seconds per GB (of the input) is printed so that a job
+on one thread (reads, CRC-32, SHA-256, writes; zstd level 3 for compress; no SHA-256 for
+convert; no writes for verify and checksum), divided by the cores. CPU-seconds per GB (of the input) is printed so that a job
 on N machines can be projected. Best of --repeat runs, input in the page cache.
 
 Usage: python bench/bench_workers.py [--units 11] [--repeat 2]
@@ -46,6 +46,9 @@ def main() -> None:
                      ["--zstd", "3"]),
         "reshard --ranks 16": (lambda: dcpctl_command("reshard", str(source), "--ranks", "16",
                                                       "-o", str(out)), []),
+        "convert --to safetensors": (lambda: dcpctl_command(
+            "convert", str(source), "--to", "safetensors", "--include", "*", "-o", str(out)),
+            ["--no-sha256"]),
         "verify": (lambda: dcpctl_command("verify", str(source)), ["--no-write"]),
         "checksum": (lambda: dcpctl_command("checksum", str(sums_copy)), ["--no-write"]),
     }

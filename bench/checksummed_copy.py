@@ -3,9 +3,11 @@ checkpoint's files while computing what every rewritten chunk costs in bytes wor
 CRC-32 of each byte, as each torch.save archive needs over its payload, and a SHA-256 of each
 byte written), with no re-layout and no Python per chunk: each file in 4 MiB reads, files shared
 among threads. --zstd LEVEL also compresses each piece (the floor of compress); --no-write
-only reads and checks (the floor of verify).
+only reads and checks (the floor of verify); --no-sha256 leaves out the SHA-256 (the floor of a
+conversion to safetensors, which writes no SHA256SUMS).
 
 Usage: python bench/checksummed_copy.py SOURCE TARGET [THREADS] [--zstd LEVEL] [--no-write]
+       [--no-sha256]
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from pathlib import Path
 PIECE_BYTES = 4 << 20
 
 
-def copy_file(source: Path, target: Path | None, zstd_level: int | None) -> str:
+def copy_file(source: Path, target: Path | None, zstd_level: int | None,
+              sha256: bool = True) -> str:
     """Copy source to target in pieces (compressed at zstd_level if given), CRC-32 over every
-    piece read and SHA-256 over every piece written; the digest."""
+    piece read and SHA-256 over every piece written (unless not sha256); the digest."""
     import zstandard
 
-    digest = hashlib.sha256()
+    digest = hashlib.sha256() if sha256 else None
     compressor = zstandard.ZstdCompressor(level=zstd_level) if zstd_level is not None else None
     with open(source, "rb", buffering=0) as reader:
         writer = open(target, "xb", buffering=0) if target is not None else None
@@ -34,13 +37,14 @@ def copy_file(source: Path, target: Path | None, zstd_level: int | None) -> str:
                 zlib.crc32(piece)
                 if compressor is not None:
                     piece = compressor.compress(piece)
-                digest.update(piece)
+                if digest is not None:
+                    digest.update(piece)
                 if writer is not None:
                     writer.write(piece)
         finally:
             if writer is not None:
                 writer.close()
-    return digest.hexdigest()
+    return digest.hexdigest() if digest is not None else ""
 
 
 def main() -> None:
@@ -50,6 +54,7 @@ def main() -> None:
     parser.add_argument("threads", type=int, nargs="?", default=len(os.sched_getaffinity(0)))
     parser.add_argument("--zstd", type=int, default=None)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-sha256", action="store_true")
     args = parser.parse_args()
     if not args.no_write:
         args.target.mkdir()
@@ -58,7 +63,7 @@ def main() -> None:
     def copy_share(share: list[str]) -> None:
         for name in share:
             copy_file(args.source / name, None if args.no_write else args.target / name,
-                      args.zstd)
+                      args.zstd, sha256=not args.no_sha256)
 
     workers = [threading.Thread(target=copy_share, args=(names[index::args.threads],))
                for index in range(args.threads)]

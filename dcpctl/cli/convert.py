@@ -8,7 +8,7 @@ import click
 from click.core import ParameterSource
 
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
-                                threads_option)
+                                threads_option, workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.ops.convert.report import ConvertReport
@@ -93,6 +93,7 @@ class RenameRule(click.ParamType):
                    "world size would (dim 0 split like torch.chunk), one file per rank.")
 @click.option("--prefix", default="", help="dcp: nest every key under this one, e.g. `model.`.")
 @threads_option
+@workers_option
 @overwrite_option
 @json_option
 @click.pass_context
@@ -118,7 +119,10 @@ def convert_command(context: click.Context, source: str, target: str, output: st
       checkpoint that torch.distributed.checkpoint.load reads, laid out for --ranks ranks.
 
     The output is written under a temporary name beside OUTPUT and renamed at the end:
-    a failed or killed run leaves no partial output.
+    a failed or killed run leaves no partial output. With --workers (or under torchrun),
+    --to safetensors and torch share out the tensors (each process writes its tensors at
+    their places in the files, so the output must be local or on a shared file system);
+    --to dcp shares out the rank files.
 
     \b
     Examples:
@@ -145,9 +149,10 @@ def render_convert_report(report: ConvertReport) -> str:
     """What a convert did, for people."""
     objects = f" and {report.objects} objects" if report.objects else ""
     layout = f" for {report.ranks} ranks" if report.ranks else ""
+    workers = f" ({report.workers} workers)" if report.workers > 1 else ""
     lines = [f"{report.source}: wrote {report.tensors} tensors "
              f"({format_bytes(report.tensor_bytes)}){objects} as {report.target_format}"
-             f"{layout} to {report.output} in {report.seconds:.1f} s"]
+             f"{layout} to {report.output} in {report.seconds:.1f} s{workers}"]
     if report.cast_to:
         lines.append(f"floating-point tensors cast to {report.cast_to}")
     left_out = []

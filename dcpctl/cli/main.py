@@ -93,10 +93,10 @@ def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -
     'dcpctl[s3]'` for S3). Credentials and endpoints come the way boto finds them (environment,
     ~/.aws, instance roles; AWS_ENDPOINT_URL_S3 for an S3-compatible store).
 
-    Commands that move data (compress, decompress, reshard, verify, checksum) take --workers N
-    to share the work among N processes on this machine, and run across machines under
-    torchrun, each rank doing its share and rank 0 publishing; the output is the same byte for
-    byte either way:
+    Commands that move data (compress, decompress, reshard, convert, verify, checksum) take
+    --workers N to share the work among N processes on this machine, and run across machines
+    under torchrun, each rank doing its share and rank 0 publishing; the output is the same
+    byte for byte either way:
 
     \b
       torchrun --standalone --nproc-per-node 8 -m dcpctl reshard CKPT --ranks 256 -o OUT

@@ -34,6 +34,13 @@ def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
     return run_in_processes(job, workers, advance)
 
 
+def sharing_processes(workers: int) -> int:
+    """How many processes run_job(workers=workers) shares a job among: a torchrun job's ranks,
+    or `workers`."""
+    team = torchrun.current_team()
+    return team.size if team is not None else max(1, workers)
+
+
 def threads_per_worker(threads: int | None, path: StoragePath, workers: int) -> int:
     """Threads each worker runs: as asked, or the default for where path lies (storage/paths)
     shared among the workers of this machine (a torchrun job's ranks on this node)."""

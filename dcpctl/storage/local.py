@@ -192,6 +192,19 @@ def _remove_files_in(descriptor: int) -> str | None:
 
 
 @contextlib.contextmanager
+def scratch_directory_in(path: str | os.PathLike) -> Iterator[Path]:
+    """The scratch directory at path that a coordinator made (scratch_directory_beside) for its
+    workers to share, removed by the coordinator however a worker ends; where this machine does
+    not see it (a torchrun rank on another machine, its coordinator's in a temporary directory
+    there), one of this process's own, removed afterwards."""
+    if Path(path).is_dir():
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="dcpctl-scratch-") as directory:
+        yield Path(directory)
+
+
+@contextlib.contextmanager
 def scratch_directory_beside(path) -> Iterator[Path]:
     """A new hidden directory beside a local path for temporary files (on the output's file
     system, not a small /tmp), removed with everything in it afterwards; for a path in an

@@ -30,6 +30,8 @@ def ok(*args, **kwargs) -> str:
 
 
 def tree(path: Path) -> dict[str, bytes]:
+    if path.is_file():
+        return {"": path.read_bytes()}
     return {str(file.relative_to(path)): file.read_bytes()
             for file in sorted(path.rglob("*")) if file.is_file()}
 
@@ -47,7 +49,12 @@ WRITING_COMMANDS = {
     "compress": ["compress", "{source}", "-o", "{output}"],
     "floatsplit": ["compress", "{source}", "-o", "{output}", "--codec", "floatsplit"],
     "reshard": ["reshard", "{source}", "--ranks", "5", "-o", "{output}"],
+    # several shards, and tensors shared out inside each
+    "safetensors": ["convert", "{source}", "--to", "safetensors", "-o", "{output}", "--include",
+                    "*", "--max-shard-size", "3KB"],
+    "torch": ["convert", "{source}", "--to", "torch", "-o", "{output}"],
 }
+DCP_OUTPUTS = {"compress", "reshard"}
 
 
 @pytest.mark.parametrize("command", sorted(WRITING_COMMANDS))
@@ -60,8 +67,33 @@ def test_outputs_are_the_same_bytes_whatever_the_number_of_workers(command, tmp_
         ok(*args, "--workers", workers)
         outputs[workers] = tree(output)
     assert outputs[1] == outputs[2] == outputs[3]
-    if command != "floatsplit":
+    if command in DCP_OUTPUTS:
         assert loaded_tensors(tmp_path / "out-3") == expected_tensors()
+
+
+def test_convert_to_dcp_writes_the_same_rank_files_whatever_the_number_of_workers(tmp_path):
+    ok("convert", fixture_path(SOURCE), "--to", "safetensors", "-o", tmp_path / "hf",
+       "--include", "*", "--strip-prefix", "", "--max-shard-size", "3KB")
+    outputs = {}
+    for workers in (1, 2, 3):
+        output = tmp_path / f"dcp-{workers}"
+        ok("convert", tmp_path / "hf", "--to", "dcp", "--ranks", 4, "-o", output,
+           "--workers", workers)
+        metadata = open_checkpoint(output).metadata
+        # .metadata names its own directory and a random save id: compare what it records
+        outputs[workers] = ({name: data for name, data in tree(output).items()
+                             if name.endswith(".distcp")},
+                            metadata.storage_data, metadata.state_dict_metadata)
+    assert outputs[1] == outputs[2] == outputs[3]
+    assert len(outputs[3][0]) == 4
+    assert loaded_tensors(tmp_path / "dcp-3") == expected_tensors()
+
+
+def test_converting_into_a_bucket_takes_one_process(tmp_path):
+    result = run_dcpctl("convert", fixture_path(SOURCE), "--to", "torch", "-o",
+                        "memory://bucket/model.pt", "--workers", 2)
+    assert result.returncode == 2  # the options given cannot work together
+    assert "an object store cannot take" in result.stderr and "--workers 1" in result.stderr
 
 
 def test_in_place_compress_and_decompress_with_workers(tmp_path):
@@ -101,13 +133,21 @@ def _damage_one_item(checkpoint: Path, file_name: str) -> None:
     flip_bit(checkpoint / file_name, largest.start + payload_start)  # a CRC-32 covers it
 
 
-def test_damage_found_by_a_worker_fails_the_command_naming_it(copy_fixture, tmp_path):
+# the worker whose share holds the damaged item: the last rank file's writer for compress; for
+# convert, the writer of the first tensor (its chunk in __2_0.distcp is damaged)
+@pytest.mark.parametrize("command,worker", [
+    (["compress"], 2), (["convert", "--to", "safetensors"], 1), (["convert", "--to", "torch"], 1)],
+    ids=["compress", "safetensors", "torch"])
+def test_damage_found_by_a_worker_fails_the_command_naming_it(copy_fixture, tmp_path, command,
+                                                              worker):
     checkpoint = copy_fixture(SOURCE)
     _damage_one_item(checkpoint, "__2_0.distcp")
     before = directory_state(checkpoint)
-    result = run_dcpctl("compress", checkpoint, "-o", tmp_path / "out", "--workers", 2)
+    result = run_dcpctl(command[0], checkpoint, *command[1:], "-o", tmp_path / "out",
+                        "--workers", 2)
     assert result.returncode == 1
-    assert result.stderr.startswith("Error: worker 2 of 2: ") and "__2_0.distcp" in result.stderr
+    assert result.stderr.startswith(f"Error: worker {worker} of 2: ")
+    assert "__2_0.distcp" in result.stderr
     assert result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
     assert [path.name for path in tmp_path.iterdir()] == [SOURCE]  # no staging left either
@@ -116,13 +156,16 @@ def test_damage_found_by_a_worker_fails_the_command_naming_it(copy_fixture, tmp_
     assert report["status"] == "damaged" and report["problems"][0]["file"] == "__2_0.distcp"
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["new-output", "in-place"])
+@pytest.mark.parametrize("command", [["compress"], ["compress", "-o", "out"],
+                                     ["reshard", "--ranks", "5", "-o", "out"],
+                                     ["convert", "--to", "torch", "-o", "out"]],
+                         ids=["in-place", "new-output", "reshard", "convert"])
 def test_a_killed_worker_fails_the_command_and_publishes_nothing(copy_fixture, tmp_path,
-                                                                 in_place):
+                                                                 command):
     checkpoint = copy_fixture(SOURCE)
     before = directory_state(checkpoint)
-    output = [] if in_place else ["-o", tmp_path / "out"]
-    result = run_dcpctl("compress", checkpoint, *output, "--workers", 2,
+    arguments = [tmp_path / part if part == "out" else part for part in command[1:]]
+    result = run_dcpctl(command[0], checkpoint, *arguments, "--workers", 2,
                         failpoint="after-data-write@2")  # every worker dies at its 2nd write
     assert result.returncode == 1, result.stderr
     assert "ended without finishing its share (killed by SIGKILL)" in result.stderr

@@ -38,7 +38,7 @@ from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.torch_save.crc32 import shift_crc32
 from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_layout
 from dcpctl.format.torch_save.zip_records import ReadRange
-from dcpctl.storage.local import naming_failures, scratch_directory_beside
+from dcpctl.storage.local import naming_failures, scratch_directory_in
 from dcpctl.storage.paths import RangedFile, StoragePath, is_remote, open_ranged
 
 
@@ -314,13 +314,12 @@ class PayloadReader:
 
 
 @contextlib.contextmanager
-def open_payload_reader(output: StoragePath,
+def open_payload_reader(scratch: str | os.PathLike,
                         users_by_item: dict[ItemLocation, int] | None = None
                         ) -> Iterator[PayloadReader]:
-    """A PayloadReader that spools beside a local output (on its file system; in the system's
-    temporary directory for an output in an object store), closed and its spool removed
-    afterwards."""
-    with scratch_directory_beside(output) as spool:
+    """A PayloadReader that spools into the scratch directory its coordinator made
+    (storage/local.py scratch_directory_in), closed and its spool files removed afterwards."""
+    with scratch_directory_in(scratch) as spool:
         reader = PayloadReader(spool, users_by_item)
         try:
             yield reader

@@ -35,6 +35,13 @@ _PACK_CRC = struct.Struct("<I").pack
 _SERIALIZATION_ID_BYTES = 40
 
 
+def data_descriptor(crc: int, size: int) -> bytes:
+    """The data descriptor that ends a record of size bytes whose CRC-32 is crc."""
+    if size >= _ZIP64_LIMIT:
+        return struct.pack("<4sIQQ", DATA_DESCRIPTOR_SIGNATURE, crc, size, size)
+    return struct.pack("<4sIII", DATA_DESCRIPTOR_SIGNATURE, crc, size, size)
+
+
 def _global(module: str, name: str) -> bytes:
     return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
 
@@ -107,12 +114,19 @@ class ZipStreamWriter:
         """What ends the record begun last: its CRC-32 and size."""
         name, _, _, offset = self._entries[-1]
         self._entries[-1] = (name, crc, size, offset)
-        if size >= _ZIP64_LIMIT:
-            descriptor = struct.pack("<4sIQQ", DATA_DESCRIPTOR_SIGNATURE, crc, size, size)
-        else:
-            descriptor = struct.pack("<4sIII", DATA_DESCRIPTOR_SIGNATURE, crc, size, size)
+        descriptor = data_descriptor(crc, size)
         self.position += len(descriptor)
         return descriptor
+
+    def record_count(self) -> int:
+        """How many records were begun; record i is the i-th local_header."""
+        return len(self._entries)
+
+    def set_crc(self, record: int, crc: int) -> None:
+        """Give record (an index, see record_count) the CRC-32 its directory entry carries, for a
+        record whose data descriptor was laid out before its data was written."""
+        name, _, size, offset = self._entries[record]
+        self._entries[record] = (name, crc, size, offset)
 
     def record(self, name: str, data: bytes) -> bytes:
         """A whole record holding data."""

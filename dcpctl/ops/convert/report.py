@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.view import TensorEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.pipeline import Pipeline
@@ -43,6 +42,8 @@ class ConvertReport:
     objects_left_out: int = 0
     ranks: int | None = None
     threads: int = 1
+    """Threads of each worker."""
+    workers: int = 1
     seconds: float = 0.0
     files: list[WrittenFile] = field(default_factory=list)
 
@@ -71,21 +72,6 @@ class OutputTensor:
     def nbytes(self) -> int:
         """Bytes of its data in the output."""
         return math.prod(self.entry.shape) * self.dtype.itemsize
-
-
-def counted_pieces(source: str, tensor: OutputTensor, pieces: Iterable[bytes],
-                   on_progress: "ProgressCallback | None", total_bytes: int) -> Iterator[bytes]:
-    """The tensor's pieces, passed on with progress; raises DataError when they do not add up
-    to the bytes its shape needs."""
-    written = 0
-    for piece in pieces:
-        written += len(piece)
-        if on_progress is not None:
-            on_progress(len(piece), total_bytes)
-        yield piece
-    if written != tensor.nbytes:
-        raise DataError(f"tensor {tensor.entry.fqn!r} gave {written} bytes, not the "
-                        f"{tensor.nbytes} its shape needs", path=source)
 
 
 def cast_dtype(dtype: DType, cast_to: DType | None) -> DType:

@@ -32,16 +32,19 @@ def convert_checkpoint(source: str | os.PathLike, target: str, output: str | os.
                        renames: tuple[Rename, ...] = (),
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ranks: int = 1,
                        prefix: str = "", threads: int | None = None, overwrite: bool = False,
-                       on_progress: ProgressCallback | None = None) -> ConvertReport:
+                       on_progress: ProgressCallback | None = None,
+                       workers: int = 1) -> ConvertReport:
     """Convert source to the target format (SAFETENSORS_TARGET, TORCH_TARGET or DCP_TARGET)
-    at output. include empty takes the target's default selection."""
+    at output, on `workers` processes of `threads` threads each. include empty takes the
+    target's default selection."""
     if target not in TARGET_OPTIONS:
         raise InvalidOptionError(f"unknown target {target!r}; dcpctl converts to "
                                  f"{', '.join(TARGET_OPTIONS)}")
     if dtype is not None and dtype not in CAST_DTYPE_NAMES:
         raise InvalidOptionError(f"cannot cast to {dtype!r}; dcpctl casts to "
                                  f"{', '.join(CAST_DTYPE_NAMES)}")
-    common = {"threads": threads, "overwrite": overwrite, "on_progress": on_progress}
+    common = {"threads": threads, "overwrite": overwrite, "on_progress": on_progress,
+              "workers": workers}
     if target == DCP_TARGET:
         from dcpctl.ops.convert.to_dcp import convert_to_dcp
         return convert_to_dcp(source, output, ranks, prefix, **common)

@@ -20,7 +20,9 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dcpctl.errors import DataError, UnsupportedLayoutError, truncated_error
-from dcpctl.format.checkpoint.publishing import CheckpointOutput
+from dcpctl.execution.running import run_job, threads_per_worker
+from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
+                                                 merge_shares)
 from dcpctl.format.checkpoint.sharding import RankChunk, check_world_size, shard_dim0_chunks
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
 from dcpctl.format.file_names import rank_file_name
@@ -31,8 +33,7 @@ from dcpctl.format.safetensors import SafetensorsTensor, read_safetensors_model
 from dcpctl.format.torch_save.writer import iter_torch_save_archive
 from dcpctl.ops.convert.report import ConvertReport, ProgressCallback, WrittenFile, run_in_order
 from dcpctl.ops.convert.tensor_bytes import torch_dtype
-from dcpctl.storage.paths import (StoragePath, default_threads_for, is_remote, open_ranged,
-                                  storage_path)
+from dcpctl.storage.paths import StoragePath, is_remote, open_ranged, storage_path
 
 if TYPE_CHECKING:
     import torch
@@ -198,34 +199,64 @@ def _item_bytes(item: _Item) -> Iterator[bytes]:
     yield buffer.getbuffer()
 
 
-def write_dcp(entries: list[SourceEntry], ranks: int, output: CheckpointOutput, threads: int,
+def _item_nbytes(item: _Item) -> int:
+    """The tensor bytes of an item (0 for an object)."""
+    return 0 if item.chunk is None else math.prod(item.chunk.sizes) * item.entry.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DcpWriteJob:
+    """Writing the rank files of a conversion to DCP (execution/jobs.py): its lanes are the
+    rank files, by tensor bytes. Each worker reads the source's entries again."""
+
+    source: str
+    prefix: str
+    ranks: int
+    files: DataFileSet
+    threads: int
+
+    def plan(self) -> list[list[_Item]]:
+        return plan_items(read_source(storage_path(self.source), self.prefix)[1], self.ranks)
+
+    def lane_sizes(self, plan: list[list[_Item]]) -> list[int]:
+        return [sum(map(_item_nbytes, items)) for items in plan]
+
+    def run_share(self, plan: list[list[_Item]], lanes: list[int],
+                  advance: Callable[[int], None]) -> WrittenShare:
+        storage_data: dict[MetadataIndex, StorageInfo] = {}
+        for rank in lanes:
+            name = rank_file_name(rank)
+            writer = self.files.data_file(name)
+
+            def write(item: _Item, pieces) -> None:
+                start = writer.size_bytes
+                for piece in pieces:
+                    writer.write(piece)
+                offsets = None if item.chunk is None else item.chunk.offsets
+                storage_data[MetadataIndex(item.entry.fqn, offsets, item.chunk_index)] = \
+                    StorageInfo(name, start, writer.size_bytes - start)
+                advance(_item_nbytes(item))
+
+            run_in_order(_item_bytes, plan[rank], write, self.threads)
+            self.files.finish_data_file(name)
+        return WrittenShare(storage_data, self.files.finish_data_files())
+
+
+def write_dcp(source: str, prefix: str, entries: list[SourceEntry], ranks: int,
+              output: CheckpointOutput, threads: int, workers: int = 1,
               on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
-    """Write every rank's file and publish the metadata naming them."""
-    storage_data: dict[MetadataIndex, StorageInfo] = {}
-    files = []
-    total_bytes = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries if e.is_tensor)
-    data_files = output.data_files(rank_file_name(rank) for rank in range(ranks))
-    for rank, items in enumerate(plan_items(entries, ranks)):
-        name = rank_file_name(rank)
-        writer = data_files.data_file(name)
-
-        def write(item: _Item, pieces) -> None:
-            start = writer.size_bytes
-            for piece in pieces:
-                writer.write(piece)
-            offsets = None if item.chunk is None else item.chunk.offsets
-            storage_data[MetadataIndex(item.entry.fqn, offsets, item.chunk_index)] = StorageInfo(
-                name, start, writer.size_bytes - start)
-            if on_progress is not None and item.chunk is not None:
-                on_progress(math.prod(item.chunk.sizes) * item.entry.dtype.itemsize, total_bytes)
-
-        run_in_order(_item_bytes, items, write, threads)
-        files.append(WrittenFile(name, writer.size_bytes,
-                                 sum(item.chunk is not None for item in items)))
-        data_files.finish_data_file(name)
-    output.publish(_metadata(entries, ranks, storage_data, output.destination),
-                   data_files.digests)
-    return files
+    """Write every rank's file, on `workers` processes, and publish the metadata naming
+    them."""
+    plan = plan_items(entries, ranks)
+    names = [rank_file_name(rank) for rank in range(ranks)]
+    job = DcpWriteJob(source, prefix, ranks, output.data_files(names), threads)
+    storage_data, digests = merge_shares(run_job(job, plan, workers, on_progress))
+    output.publish(_metadata(entries, ranks, storage_data, output.destination), digests)
+    sizes = {name: 0 for name in names}
+    for info in storage_data.values():
+        sizes[info.relative_path] = max(sizes[info.relative_path], info.offset + info.length)
+    return [WrittenFile(name, sizes[name], sum(item.chunk is not None for item in items))
+            for name, items in zip(names, plan, strict=True)]
 
 
 def _metadata(entries: list[SourceEntry], ranks: int, storage_data: dict,
@@ -255,24 +286,27 @@ def _checkpoint_id(destination: StoragePath) -> str | PurePosixPath:
 
 def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: int = 1,
                    prefix: str = "", threads: int | None = None, overwrite: bool = False,
-                   on_progress: ProgressCallback | None = None) -> ConvertReport:
+                   on_progress: ProgressCallback | None = None,
+                   workers: int = 1) -> ConvertReport:
     """Convert safetensors files (a file, or a directory with an index) or a torch.save file
-    into a DCP checkpoint at output, laid out for `ranks` ranks."""
+    into a DCP checkpoint at output, laid out for `ranks` ranks, on `workers` processes of
+    `threads` threads each (each process writes whole rank files)."""
     started = time.perf_counter()
-    threads = threads or default_threads_for(storage_path(source))
+    threads = threads_per_worker(threads, storage_path(source), workers)
     check_world_size(ranks)
     source_format, entries = read_source(storage_path(source), prefix)
     output_path = storage_path(output)
     checkpoint_output = CheckpointOutput(output_path, in_place=False, source=storage_path(source),
                                          overwrite=overwrite)
     try:
-        files = write_dcp(entries, ranks, checkpoint_output, threads, on_progress)
+        files = write_dcp(str(source), prefix, entries, ranks, checkpoint_output, threads,
+                          workers, on_progress)
     except BaseException:
         checkpoint_output.abort()
         raise
     report = ConvertReport(str(source), str(output), source_format, "dcp",
                            objects=sum(not entry.is_tensor for entry in entries), ranks=ranks,
-                           threads=threads, files=files)
+                           threads=threads, workers=workers, files=files)
     report.count_tensors(math.prod(entry.shape) * entry.dtype.itemsize
                          for entry in entries if entry.is_tensor)
     report.seconds = time.perf_counter() - started

@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
+from dcpctl.execution.running import threads_per_worker
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.dtypes import DType
@@ -21,11 +20,10 @@ from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTenso
                                        check_tensor_name, encode_header, encode_index, plan_shards,
                                        shard_file_name)
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
+from dcpctl.ops.convert.placed_tensors import FileLayout, TensorSlot, write_placed_tensors
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                       cast_dtype, counted_pieces, run_in_order)
-from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes
-from dcpctl.storage.local import OutputFile
-from dcpctl.storage.paths import default_threads_for, storage_path
+                                       cast_dtype)
+from dcpctl.storage.paths import StoragePath, new_output_file, storage_path
 from dcpctl.storage.staging import staged_output
 
 
@@ -62,34 +60,35 @@ def plan_safetensors(checkpoint: Checkpoint, selection: KeySelection, cast_to: D
     return SafetensorsPlan(files, len(checkpoint.tensors) - len(tensors), len(checkpoint.objects))
 
 
-def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, payloads: PayloadReader,
-                      directory: Path, threads: int,
-                      on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
-    """Write every planned file (and the index when there are several) into directory."""
-    total_bytes = sum(tensor.nbytes for tensor in plan.tensors)
-    written_files = []
+def safetensors_layouts(plan: SafetensorsPlan, directory: StoragePath) -> list[FileLayout]:
+    """Each planned file laid out: its header, then its tensors back to back."""
+    layouts = []
     for file_name, tensors in plan.files:
         header = encode_header([SafetensorsTensor(tensor.name, tensor.dtype, tensor.entry.shape,
                                                   nbytes=tensor.nbytes) for tensor in tensors])
-        with OutputFile(directory / file_name) as stream:
-            stream.write(header)
+        path, offset, slots = directory / file_name, len(header), []
+        for tensor in tensors:
+            slots.append(TensorSlot(tensor.entry.fqn, tensor.dtype, str(path), offset, b"",
+                                    tensor.nbytes, described=False))
+            offset += tensor.nbytes
+        layouts.append(FileLayout(path, header, slots))
+    return layouts
 
-            def write(tensor: OutputTensor, pieces) -> None:
-                for piece in counted_pieces(str(checkpoint.path), tensor, pieces, on_progress,
-                                            total_bytes):
-                    stream.write(piece)
 
-            run_in_order(lambda tensor: iter_tensor_bytes(payloads, checkpoint, tensor.entry,
-                                                          tensor.dtype),
-                         tensors, write, threads)
-            size_bytes = stream.tell()
-            stream.finish()
-        written_files.append(WrittenFile(file_name, size_bytes, len(tensors)))
+def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: StoragePath,
+                      threads: int, workers: int = 1,
+                      on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
+    """Write every planned file (and the index when there are several) into directory, the
+    tensors on `workers` processes."""
+    sizes = write_placed_tensors(safetensors_layouts(plan, directory), checkpoint, directory,
+                                 threads, workers, on_progress)
+    written_files = [WrittenFile(file_name, sizes[str(directory / file_name)], len(tensors))
+                     for file_name, tensors in plan.files]
     if len(plan.files) > 1:
         weight_map = {tensor.name: file_name for file_name, tensors in plan.files
                       for tensor in tensors}
-        index = encode_index(total_bytes, weight_map)
-        with OutputFile(directory / HF_INDEX_FILE_NAME) as stream:
+        index = encode_index(sum(tensor.nbytes for tensor in plan.tensors), weight_map)
+        with new_output_file(directory / HF_INDEX_FILE_NAME) as stream:
             stream.write(index)
             stream.finish()
         written_files.append(WrittenFile(HF_INDEX_FILE_NAME, len(index), 0))
@@ -100,17 +99,18 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
                            selection: KeySelection, cast_to: DType | None = None,
                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                            threads: int | None = None, overwrite: bool = False,
-                           on_progress: ProgressCallback | None = None) -> ConvertReport:
-    """Convert the DCP checkpoint at source into safetensors files in the directory output."""
+                           on_progress: ProgressCallback | None = None,
+                           workers: int = 1) -> ConvertReport:
+    """Convert the DCP checkpoint at source into safetensors files in the directory output,
+    on `workers` processes of `threads` threads each."""
     started = time.perf_counter()
-    threads = threads or default_threads_for(storage_path(source))
     with checked_checkpoint(source, threads=threads, on_progress=on_progress) as checkpoint:
+        threads = threads_per_worker(threads, checkpoint.path, workers)
         plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path)
         try:
-            with open_payload_reader(staged.destination) as payloads:
-                files = write_safetensors(plan, checkpoint, payloads, staged.path, threads,
-                                          on_progress)
+            files = write_safetensors(plan, checkpoint, staged.path, threads, workers,
+                                      on_progress)
             staged.publish()
         except BaseException:
             staged.abort()
@@ -118,7 +118,8 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     report = ConvertReport(str(source), str(output), "dcp", "safetensors",
                            cast_to=cast_to.name if cast_to else None,
                            tensors_left_out=plan.tensors_left_out,
-                           objects_left_out=plan.objects_left_out, threads=threads, files=files)
+                           objects_left_out=plan.objects_left_out, threads=threads, workers=workers,
+                           files=files)
     report.count_tensors(tensor.nbytes for tensor in plan.tensors)
     report.seconds = time.perf_counter() - started
     return report

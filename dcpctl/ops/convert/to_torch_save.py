@@ -1,11 +1,13 @@
-"""DCP to one torch.save file, as torch's `dcp_to_torch_save` writes it, in one streaming pass.
+"""DCP to one torch.save file, as torch's `dcp_to_torch_save` writes it, streaming.
 
-The archive is written front to back the way torch.save lays it out: `data.pkl` (the nested
-state, each tensor pickled as torch pickles it, naming a storage record by key), the small
-format records, then each tensor's storage record, its bytes assembled from the checkpoint's
-chunks on the way and its CRC-32 computed as they pass, then the central directory. Memory
-holds a few chunks, never the state. The nesting follows the checkpoint's planner_data, the
-keys of the state dict that was saved, as `dcp_to_torch_save` nests it.
+The archive is laid out the way torch.save lays it out: `data.pkl` (the nested state, each
+tensor pickled as torch pickles it, naming a storage record by key), the small format records,
+then each tensor's storage record, then the central directory. Every record's place is known
+before a tensor is read, so the tensors' records are written at their places by one process
+or several (placed_tensors.py), each tensor's bytes assembled from the checkpoint's chunks on
+the way and its CRC-32 computed as they pass. Memory holds a few chunks, never the state. The
+nesting follows the checkpoint's planner_data, the keys of the state dict that was saved, as
+`dcp_to_torch_save` nests it.
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ import torch
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import read_item
 from dcpctl.format.checkpoint.locations import locate_object
-from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
+from dcpctl.execution.running import threads_per_worker
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
 from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
+from dcpctl.ops.convert.placed_tensors import FileLayout, TensorSlot, write_placed_tensors
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
-                                       cast_dtype, counted_pieces, run_in_order)
-from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes, torch_dtype
-from dcpctl.storage.paths import default_threads_for, new_output_file, storage_path
+                                       cast_dtype)
+from dcpctl.ops.convert.tensor_bytes import torch_dtype
+from dcpctl.storage.paths import StoragePath, storage_path
 from dcpctl.storage.staging import staged_output
 
 _PICKLE_PROTOCOL = 2  # torch.save's default
@@ -114,35 +117,35 @@ def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
                          len(checkpoint.objects) - len(objects))
 
 
-def write_torch_save(plan: TorchSavePlan, checkpoint: Checkpoint, payloads: PayloadReader,
-                     stream, threads: int,
-                     on_progress: ProgressCallback | None = None) -> None:
-    """Write the planned entries to stream as one torch.save archive."""
+def torch_save_layout(plan: TorchSavePlan, checkpoint: Checkpoint, path: StoragePath
+                      ) -> FileLayout:
+    """The archive laid out: the records before the tensors, a record per tensor (its CRC-32
+    in its data descriptor and directory entry, filled in as it is written), then the last
+    records and the central directory."""
     stored, state_pickle = _pickle_state(plan, checkpoint)
     archive = ZipStreamWriter()
-    for name, data in (("data.pkl", state_pickle), (".format_version", b"1"),
-                       (".storage_alignment", b"64"), ("byteorder", b"little")):
-        stream.write(archive.record(ARCHIVE_PREFIX + name, data))
-    total_bytes = sum(tensor.nbytes for tensor in stored)
-
-    def write(task: tuple[int, OutputTensor], pieces) -> None:
-        key, tensor = task
-        stream.write(archive.local_header(f"{ARCHIVE_PREFIX}data/{key}"))
-        crc = 0
-        for piece in counted_pieces(str(checkpoint.path), tensor, pieces, on_progress,
-                                    total_bytes):
-            stream.write(piece)
-            crc = zlib.crc32(piece, crc)
+    front = b"".join(archive.record(ARCHIVE_PREFIX + name, data) for name, data in (
+        ("data.pkl", state_pickle), (".format_version", b"1"), (".storage_alignment", b"64"),
+        ("byteorder", b"little")))
+    first_tensor_record = archive.record_count()
+    slots = []
+    for key, tensor in enumerate(stored):
+        offset = archive.position
+        header = archive.local_header(f"{ARCHIVE_PREFIX}data/{key}")
         archive.position += tensor.nbytes
-        stream.write(archive.data_descriptor(crc, tensor.nbytes))
+        archive.data_descriptor(0, tensor.nbytes)
+        slots.append(TensorSlot(tensor.entry.fqn, tensor.dtype, str(path), offset, header,
+                                tensor.nbytes, described=True))
 
-    run_in_order(lambda task: iter_tensor_bytes(payloads, checkpoint, task[1].entry,
-                                                task[1].dtype),
-                 list(enumerate(stored)), write, threads)
-    stream.write(archive.record(ARCHIVE_PREFIX + "version", b"3\n"))
-    serialization_id = f"{zlib.crc32(state_pickle):040d}".encode()
-    stream.write(archive.record(ARCHIVE_PREFIX + ".data/serialization_id", serialization_id))
-    stream.write(archive.directory())
+    def tail(crcs: list[int]) -> bytes:
+        for record, crc in enumerate(crcs, start=first_tensor_record):
+            archive.set_crc(record, crc)
+        serialization_id = f"{zlib.crc32(state_pickle):040d}".encode()
+        return (archive.record(ARCHIVE_PREFIX + "version", b"3\n")
+                + archive.record(ARCHIVE_PREFIX + ".data/serialization_id", serialization_id)
+                + archive.directory())
+
+    return FileLayout(path, front, slots, tail)
 
 
 def _pickle_state(plan: TorchSavePlan, checkpoint: Checkpoint) -> tuple[list[OutputTensor], bytes]:
@@ -162,20 +165,21 @@ def _pickle_state(plan: TorchSavePlan, checkpoint: Checkpoint) -> tuple[list[Out
 def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
                           selection: KeySelection, cast_to: DType | None = None,
                           threads: int | None = None, overwrite: bool = False,
-                          on_progress: ProgressCallback | None = None) -> ConvertReport:
-    """Convert the DCP checkpoint at source into the torch.save file output."""
+                          on_progress: ProgressCallback | None = None,
+                          workers: int = 1) -> ConvertReport:
+    """Convert the DCP checkpoint at source into the torch.save file output, on `workers`
+    processes of `threads` threads each."""
     started = time.perf_counter()
-    threads = threads or default_threads_for(storage_path(source))
     with checked_checkpoint(source, threads=threads, on_progress=on_progress) as checkpoint:
+        threads = threads_per_worker(threads, checkpoint.path, workers)
         plan = plan_torch_save(checkpoint, selection, cast_to)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path,
                                is_directory=False)
         try:
-            with (new_output_file(staged.path) as stream,
-                  open_payload_reader(staged.destination) as payloads):
-                write_torch_save(plan, checkpoint, payloads, stream, threads, on_progress)
-                size_bytes = stream.tell()
-                stream.finish()
+            layout = torch_save_layout(plan, checkpoint, staged.path)
+            sizes = write_placed_tensors([layout], checkpoint, staged.path, threads, workers,
+                                         on_progress)
+            size_bytes = sizes[str(staged.path)]
             staged.publish()
         except BaseException:
             staged.abort()
@@ -185,6 +189,7 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
                            cast_to=cast_to.name if cast_to else None,
                            tensors_left_out=plan.tensors_left_out,
                            objects_left_out=plan.objects_left_out, threads=threads,
+                           workers=workers,
                            files=[WrittenFile(Path(output).name, size_bytes, len(plan.tensors))])
     report.count_tensors(tensor.nbytes for tensor in plan.tensors)
     report.seconds = time.perf_counter() - started

@@ -28,6 +28,7 @@ from dcpctl.ops.reshard.assembly import chunk_archive
 from dcpctl.ops.reshard.planning import (ChunkTask, ObjectTask, ReshardPlan, group_tasks_into_runs,
                                          plan_reshard)
 from dcpctl.pipeline import Pipeline, Run, coalesce, produce_run
+from dcpctl.storage.local import scratch_directory_beside
 from dcpctl.storage.paths import storage_path
 
 # The codec names are named here for the command line, which reaches the format only through
@@ -117,6 +118,8 @@ class ReshardJob:
     world_size: int
     codec: Codec
     files: DataFileSet
+    scratch: str
+    """The scratch directory for payloads decoded whole (storage/local.py)."""
     threads: int
     piece_bytes: int = DEFAULT_PIECE_BYTES
 
@@ -137,14 +140,14 @@ class ReshardJob:
         inputs = {source.location.path for _, task in indexed if isinstance(task, ChunkTask)
                   for source in task.sources}
         _allow_open_files(len(mine) + len(inputs) + 64)
-        storage = _write_tasks(plan, indexed, self.files, self.threads, advance,
+        storage = _write_tasks(plan, indexed, self.files, self.scratch, self.threads, advance,
                                self.piece_bytes)
         return WrittenShare(storage, self.files.finish_data_files())
 
 
 def _write_tasks(plan: ReshardPlan, indexed: list[tuple[int, ChunkTask | ObjectTask]],
-                 files: DataFileSet, threads: int, advance: Callable[[int], None],
-                 piece_bytes: int) -> dict[int, StorageInfo]:
+                 files: DataFileSet, scratch: str, threads: int,
+                 advance: Callable[[int], None], piece_bytes: int) -> dict[int, StorageInfo]:
     """Write the tasks (with their indexes in the plan) into their rank files; their storage
     records by index."""
     tasks = [task for _, task in indexed]
@@ -167,7 +170,7 @@ def _write_tasks(plan: ReshardPlan, indexed: list[tuple[int, ChunkTask | ObjectT
             offset += length
         advance(run.size_bytes)
 
-    with open_payload_reader(files.directory, users) as reader:
+    with open_payload_reader(scratch, users) as reader:
         Pipeline(_produce(plan, reader, piece_bytes), threads=threads,
                  bytes_in_flight=4 * threads * piece_bytes).run(
                      group_tasks_into_runs(tasks, piece_bytes), consume,
@@ -180,9 +183,11 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
                     piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1) -> int:
     """Write every planned item into output, on `workers` processes (or the ranks of a
     torchrun job), and publish it; returns the stored bytes after."""
-    job = ReshardJob(str(checkpoint.path), plan.world_size, plan.codec,
-                     output.data_files(plan.output_file_bytes), threads, piece_bytes)
-    storage_by_task, digests = merge_shares(run_job(job, plan, workers, on_progress))
+    with scratch_directory_beside(output.directory) as scratch:
+        job = ReshardJob(str(checkpoint.path), plan.world_size, plan.codec,
+                         output.data_files(plan.output_file_bytes), str(scratch), threads,
+                         piece_bytes)
+        storage_by_task, digests = merge_shares(run_job(job, plan, workers, on_progress))
     output.publish(_new_metadata(checkpoint, plan, storage_by_task), digests)
     return sum(info.length for info in storage_by_task.values())
 

@@ -19,7 +19,7 @@ from dcpctl.errors import OutputError, SelectionError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.payloads import PayloadReader
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.dtypes import dtype_by_name
-from dcpctl.ops.convert import to_safetensors
+from dcpctl.ops.convert import placed_tensors
 from dcpctl.ops.convert.key_selection import KeySelection, Rename
 from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes
 from dcpctl.ops.convert.to_dcp import convert_to_dcp
@@ -241,7 +241,7 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
         return iter_tensor_bytes(payloads, checkpoint, tensor, dtype)
 
     fail_on_second_tensor.calls = 0
-    monkeypatch.setattr(to_safetensors, "iter_tensor_bytes", fail_on_second_tensor)
+    monkeypatch.setattr(placed_tensors, "iter_tensor_bytes", fail_on_second_tensor)
     with pytest.raises(RuntimeError, match="disk on fire"):
         convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path / "out", EVERYTHING)
     assert list(tmp_path.iterdir()) == []
