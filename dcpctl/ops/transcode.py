@@ -130,7 +130,10 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
         if data_file.serialization == SAFETENSORS:
             raise UnsupportedLayoutError(
                 "SAFETENSORS-serialized data file; compress and decompress rewrite checkpoints "
-                "saved with the default TORCH_SAVE layout", path=checkpoint.path / data_file.name)
+                "saved with the default TORCH_SAVE layout. reshard reads this one and writes "
+                f"that layout, in any codec: `dcpctl reshard {checkpoint.path} --ranks N -o OUT "
+                "--codec zstd` (or floatsplit; none stores items uncompressed), N the world "
+                "size to lay it out for", path=checkpoint.path / data_file.name)
     expected = {(tensor.fqn, tuple(chunk.offsets)): ExpectedTensor(tensor.dtype, tuple(chunk.sizes))
                 for tensor in checkpoint.tensors for chunk in tensor.chunks}
     storage_data = checkpoint.metadata.storage_data or {}

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
-from conftest import (TORCH_LOADABLE_FIXTURES, assert_plain_items_equal_decoded, directory_state,
-                      fixture_path, load_with_torch)
+from conftest import (MANIFEST, TORCH_LOADABLE_FIXTURES, assert_plain_items_equal_decoded,
+                      directory_state, fixture_path, load_with_torch, run_dcpctl)
 from make_fixtures import tensor_sha256
 from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 
-from dcpctl.errors import DataError, OutputError, UnsupportedLayoutError
+from dcpctl.errors import DataError, OutputError
 from dcpctl.format.checkpoint.publishing import DataFileWriter
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.codecs.registry import IDENTITY, zstd_codec
@@ -99,11 +100,19 @@ def test_dry_run_changes_nothing(copy_fixture):
     assert directory_state(checkpoint) == before
 
 
-def test_safetensors_layout_is_refused(tmp_path):
-    with pytest.raises(UnsupportedLayoutError, match="SAFETENSORS"):
-        transcode_checkpoint(fixture_path("safetensors_fsdp2_2ranks"), zstd_codec(),
-                             str(tmp_path / "out"))
+def test_safetensors_layout_is_refused_saying_what_to_run(tmp_path):
+    source = fixture_path("safetensors_fsdp2_2ranks")
+    result = run_dcpctl("compress", source, "-o", tmp_path / "out")
+    assert result.returncode == 1 and "SAFETENSORS" in result.stderr
     assert not (tmp_path / "out").exists()
+    advice = re.search(r"`dcpctl (reshard .*?)`", result.stderr).group(1)
+    arguments = [{"N": "2", "OUT": str(tmp_path / "out")}.get(word, word)
+                 for word in advice.split()]
+    assert run_dcpctl(*arguments).returncode == 0
+    expected = MANIFEST["safetensors_fsdp2_2ranks"]["tensors"]
+    loaded = load_with_torch(tmp_path / "out")  # stock torch reads what reshard wrote
+    assert {fqn: tensor_sha256(loaded[fqn]) for fqn in expected} == {
+        fqn: entry["sha256"] for fqn, entry in expected.items()}
 
 
 def _corrupt_first_zstd_item(checkpoint):
