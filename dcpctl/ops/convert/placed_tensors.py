@@ -190,11 +190,10 @@ def _write_tensor_bytes(file, slot: TensorSlot, pieces, source: str,
     needs none). Pieces that do not add up to the slot's size fail it."""
     received, crc = 0, 0
     for piece in pieces:
-        if received + len(piece) > slot.nbytes:
-            received += len(piece)
+        start, received = received, received + len(piece)
+        if received > slot.nbytes:
             break
-        file.write_at(slot.data_offset + received, piece)
-        received += len(piece)
+        file.write_at(slot.data_offset + start, piece)
         if slot.described:
             crc = zlib.crc32(piece, crc)
         advance(len(piece))
