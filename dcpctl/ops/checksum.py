@@ -1,5 +1,5 @@
-"""Write SHA256SUMS for a checkpoint: the SHA-256 of `.metadata` and of every data file, once
-each item is checked."""
+"""Write SHA256SUMS for a checkpoint: the SHA-256 of `.metadata`, of every data file and of the
+trainer's side files (side_files.py), once each item is checked."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from dcpctl.format.checkpoint.checksums import read_sha256sums, write_sha256sums
+from dcpctl.format.checkpoint.checksums import (checksummed_files, read_sha256sums,
+                                                write_sha256sums)
 from dcpctl.format.checkpoint.problems import Problem, problems_error
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
-from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.execution.running import threads_per_worker
 from dcpctl.ops.verify.scan import items_to_check, plan_scan
 from dcpctl.ops.verify.scan_job import ScanJob, run_scan
@@ -44,7 +44,7 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
     with checked_checkpoint(path, exclusive=True, check_sums=False) as checkpoint:
         remove_stale_temporaries(checkpoint.path, set(checkpoint.files))
         old_sums = read_sha256sums(checkpoint.path) or {}
-        names = [METADATA_FILE_NAME, *checkpoint.files]
+        names = checksummed_files(checkpoint)
         archive_items, safetensors_items, problems = items_to_check(
             checkpoint, list_stored_items(checkpoint))
         sums = {name: old_sums.get(name) for name in names}

@@ -24,6 +24,7 @@ from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, StoredSpan,
 from dcpctl.format.checkpoint.locations import ExpectedTensor, ItemLocation, locate_item
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares, storage_with)
+from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
@@ -293,7 +294,7 @@ def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in
         referenced = {info.relative_path for info in checkpoint.metadata.storage_data.values()}
         report.removed_stale_files = remove_stale_temporaries(checkpoint.path, referenced)
     output = CheckpointOutput(storage_path(report.output), in_place, checkpoint.path,
-                              overwrite=overwrite)
+                              overwrite=overwrite, side_files=side_files_of(checkpoint))
     try:
         report.stored_bytes_after = execute_transcode(plan, checkpoint, output, threads,
                                                       on_progress, workers=workers)

@@ -9,6 +9,7 @@ from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
+from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
@@ -58,7 +59,7 @@ def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = Non
     sums = read_sha256sums(checkpoint.path)
     if sums is None:
         return
-    listed = [name for name in (METADATA_FILE_NAME, *checkpoint.files) if name in sums]
+    listed = [name for name in checksummed_files(checkpoint) if name in sums]
     total = sum((checkpoint.path / name).stat().st_size for name in listed)
 
     def advance(done_bytes: int) -> None:
@@ -71,6 +72,11 @@ def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = Non
                   if digests[name] != sums[name]]
     if mismatches:
         raise problems_error(mismatches, checkpoint.path)
+
+
+def checksummed_files(checkpoint: Checkpoint) -> list[str]:
+    """The files SHA256SUMS covers: `.metadata`, the data files and the trainer's side files."""
+    return [METADATA_FILE_NAME, *checkpoint.files, *side_files_of(checkpoint)]
 
 
 def format_sha256sums(digests: dict[str, str]) -> str:

@@ -26,16 +26,17 @@ import os
 import posixpath
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Sequence
 
 from dcpctl.failpoints import Failpoint, failpoint
-from dcpctl.format.checkpoint.checksums import write_sha256sums
+from dcpctl.format.checkpoint.checksums import HASH_PIECE_BYTES, sha256_of_file, write_sha256sums
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
-from dcpctl.storage.paths import StoragePath, is_remote, new_output_file, write_whole
+from dcpctl.storage.paths import (StoragePath, is_remote, new_output_file, open_ranged,
+                                  write_whole)
 from dcpctl.storage.staging import staged_output
 
 
@@ -138,9 +139,13 @@ class CheckpointOutput:
     and published with their digests."""
 
     def __init__(self, destination: StoragePath, in_place: bool, source: StoragePath,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, side_files: Sequence[str] = ()) -> None:
+        """side_files: the source's trainer side files (side_files.py), copied into a new
+        directory as they are (left as they are in place) and listed in SHA256SUMS."""
         self.destination = destination
         self.in_place = in_place
+        self._source = source
+        self._side_files = tuple(side_files)
         self._sets: list[DataFileSet] = []
         self._planned_names: set[str] = set()
         self._metadata_switched = False
@@ -188,6 +193,8 @@ class CheckpointOutput:
 
     def _publish_new_directory(self, metadata: CheckpointMetadata, digests: dict[str, str]
                                ) -> None:
+        for name in self._side_files:
+            digests[name] = _copy_file(self._source / name, self.directory / name)
         metadata_bytes = serialize_metadata(metadata)
         digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
         write_sha256sums(self.directory, digests)
@@ -231,8 +238,23 @@ class CheckpointOutput:
             digests = {temporary_names[name]: digest for name, digest in digests.items()}
         _remove(directory, sorted(replaced_files - set(digests)))
         digests[METADATA_FILE_NAME] = metadata_digest
+        for name in self._side_files:
+            digests[name] = sha256_of_file(directory / name)
         write_sha256sums(directory, digests)
         _sync(directory, [*digests, *replaced_files])
+
+
+def _copy_file(source: StoragePath, destination: StoragePath) -> str:
+    """Copy a file in pieces; the hex SHA-256 of what was copied."""
+    writer = DataFileWriter(destination)
+    try:
+        with open_ranged(source) as reader:
+            for piece in reader.iter_pieces(0, reader.size(), HASH_PIECE_BYTES):
+                writer.write(piece)
+    except BaseException:
+        writer.discard()
+        raise
+    return writer.close()
 
 
 def _sync(directory: StoragePath, names: Iterable[str] = ()) -> None:

@@ -28,6 +28,8 @@ from dcpctl.storage.paths import StoragePath, read_whole, storage_path
 
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _TORCH_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+_TORCH_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+_MEGATRON_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
 _TORCH_LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
 _MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
 
@@ -71,8 +73,25 @@ def _reconstruct_record(cls: Any, base: Any, state: Any) -> Any:
     return cls.__new__(cls)
 
 
+class _SavePlanPart:
+    """Stands in for the classes of the save plans Megatron-Core keeps in `.metadata`
+    (`all_local_plans`: SavePlan, WriteItem, ...): built with no code run, checked by nothing,
+    dropped once the pickle is read (check_metadata_structure)."""
+
+
+_WRITE_ITEM_TYPES = (1, 2, 3)  # torch's WriteItemType: TENSOR, SHARD, BYTE_IO
+
+
+def _write_item_type(value: Any) -> int:
+    """Stands in for torch's WriteItemType enum, which pickles as a call with its value."""
+    if type(value) is not int or value not in _WRITE_ITEM_TYPES:
+        raise UnsafeMetadataError(f"names an unknown WriteItemType {value!r}")
+    return value
+
+
 _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     (_TORCH_METADATA_MODULE, "Metadata"): CheckpointMetadata,
+    (_MEGATRON_MODULE, "MCoreMetadata"): CheckpointMetadata,  # Metadata plus mcore_data
     (_TORCH_METADATA_MODULE, "TensorStorageMetadata"): TensorMetadata,
     (_TORCH_METADATA_MODULE, "BytesStorageMetadata"): BytesMetadata,
     (_TORCH_METADATA_MODULE, "ChunkStorageMetadata"): ChunkMetadata,
@@ -81,6 +100,12 @@ _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     (_TORCH_METADATA_MODULE, "StorageMeta"): StorageMeta,
     (_TORCH_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): int,
     (_TORCH_FILESYSTEM_MODULE, "_StorageInfo"): StorageInfo,
+    # Megatron-Core's save plans, dropped once read
+    **{(_TORCH_PLANNER_MODULE, name): _SavePlanPart
+       for name in ("SavePlan", "WriteItem", "TensorWriteData")},
+    (_TORCH_PLANNER_MODULE, "WriteItemType"): _write_item_type,
+    (_TORCH_FILESYSTEM_MODULE, "_StoragePrefix"): _SavePlanPart,
+    (_MEGATRON_MODULE, "MCoreSavePlan"): _SavePlanPart,
     # What these stand for must not copy their arguments: a short pickle could make each
     # rebuild a long memoized string or list into a fresh object, hundreds of times. torch.Size
     # of a tuple is that tuple (`().__add__` returns it, in C, and refuses anything else); an

@@ -87,3 +87,8 @@ class CheckpointMetadata:
     storage_data: dict[MetadataIndex, StorageInfo] | None = None
     storage_meta: StorageMeta | None = None
     version: str | None = None
+    mcore_data: dict | None = None
+    """Megatron-Core's data about each tensor (0.14 and 0.15 add it to torch's Metadata; its
+    loader needs it for the tensors it flattened): plain data, written back as it came. (The
+    save plans Megatron also keeps there, `all_local_plans`, describe the layout of the save
+    that wrote them: reading drops them, so no rewrite carries a stale plan.)"""

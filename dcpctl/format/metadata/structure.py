@@ -8,6 +8,7 @@ walk the entries again one by one, to name the entry and the rule.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import reprlib
 from itertools import chain, starmap
@@ -48,6 +49,7 @@ def check_metadata_structure(loaded: Any, source: str) -> None:
 def _check_records(loaded: Any, fail: Fail) -> None:
     if not isinstance(loaded, CheckpointMetadata):
         raise fail(f"holds a {type(loaded).__name__}, not DCP Metadata")
+    _check_attributes(loaded, fail)
     if loaded.version is not None and type(loaded.version) is not str:
         raise fail(f"version is a {type(loaded.version).__name__}, not a string")
     entries = loaded.state_dict_metadata
@@ -67,11 +69,30 @@ def _check_records(loaded: Any, fail: Fail) -> None:
     _normalize_transforms(storage_data.values())
     if not _planner_data_looks_sound(loaded.planner_data):
         _check_plain_value(loaded.planner_data, "planner_data", fail)
+    if loaded.mcore_data is not None:
+        if type(loaded.mcore_data) is not dict:
+            raise fail(f"mcore_data is a {type(loaded.mcore_data).__name__}, not a dict")
+        _check_plain_value(loaded.mcore_data, "mcore_data", fail)
     if loaded.storage_meta is not None:
         if type(loaded.storage_meta) is not StorageMeta:
             raise fail(f"storage_meta is a {type(loaded.storage_meta).__name__}, not torch's "
                        "StorageMeta")
         _check_plain_value(vars(loaded.storage_meta), "storage_meta", fail)
+
+
+_METADATA_FIELDS = frozenset(field.name for field in dataclasses.fields(CheckpointMetadata))
+_MEGATRON_SAVE_PLANS = "all_local_plans"
+
+
+def _check_attributes(loaded: CheckpointMetadata, fail: Fail) -> None:
+    """Drop Megatron-Core's save plans (see CheckpointMetadata.mcore_data); refuse any other
+    attribute torch's Metadata does not have: a rewrite would drop what a loader may need."""
+    attributes = vars(loaded)
+    attributes.pop(_MEGATRON_SAVE_PLANS, None)
+    unknown = sorted(map(str, attributes.keys() - _METADATA_FIELDS))
+    if unknown:
+        raise fail(f"Metadata has attributes {_shown(unknown)}, which neither torch nor a "
+                   "trainer dcpctl knows writes; refusing rather than dropping them")
 
 
 def _refuse_shared_entries(entries: dict, fail: Fail) -> None:

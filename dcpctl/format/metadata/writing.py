@@ -232,10 +232,14 @@ def _write_storage_meta(writer: _PickleWriter, meta: StorageMeta) -> None:
 
 
 def _write_checkpoint_metadata(writer: _PickleWriter, metadata: CheckpointMetadata) -> None:
-    writer.fields(_METADATA, "Metadata", {
-        "state_dict_metadata": metadata.state_dict_metadata,
-        "planner_data": metadata.planner_data, "storage_data": metadata.storage_data,
-        "storage_meta": metadata.storage_meta, "version": metadata.version})
+    """As torch's Metadata (Megatron-Core's mcore_data an attribute of it, as 0.14 writes it:
+    any torch reads that without Megatron's classes)."""
+    fields = {"state_dict_metadata": metadata.state_dict_metadata,
+              "planner_data": metadata.planner_data, "storage_data": metadata.storage_data,
+              "storage_meta": metadata.storage_meta, "version": metadata.version}
+    if metadata.mcore_data is not None:
+        fields["mcore_data"] = metadata.mcore_data
+    writer.fields(_METADATA, "Metadata", fields)
 
 
 def _write_pure_path(writer: _PickleWriter, path: PurePosixPath | PureWindowsPath) -> None:

@@ -19,6 +19,7 @@ from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.execution.running import run_job, threads_per_worker
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
+from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
@@ -218,7 +219,7 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     with checked_checkpoint(path, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_reshard(checkpoint, world_size, codec)
         output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, side_files=side_files_of(checkpoint))
         try:
             stored = execute_reshard(plan, checkpoint, output, threads, on_progress,
                                      piece_bytes, workers)

@@ -10,6 +10,7 @@ from typing import Callable
 from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
 from dcpctl.format.checkpoint.checksums import read_sha256sums
 from dcpctl.format.checkpoint.problems import Problem, Rule
+from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
@@ -101,14 +102,16 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
 def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
                       sums: dict[str, str] | None, problems_so_far: list[Problem]
                       ) -> list[Problem]:
-    """Files the metadata does not know; files SHA256SUMS lists that are absent, and files of
-    the checkpoint it does not list."""
+    """Files neither the metadata nor the trainer's layout knows (side_files.py); files
+    SHA256SUMS lists that are absent, and files of the checkpoint it does not list (a side
+    file need not be listed)."""
     present = (set(checkpoint.listing) if checkpoint is not None and checkpoint.listing
                is not None else file_names_in(directory))
     known = {METADATA_FILE_NAME, *(checkpoint.files if checkpoint is not None else ())}
+    side_files = set(side_files_of(checkpoint)) if checkpoint is not None else set()
     problems = []
     if checkpoint is not None:
-        for name in sorted(present - known - {SHA256SUMS_FILE_NAME}):
+        for name in sorted(present - known - side_files - {SHA256SUMS_FILE_NAME}):
             problems.append(Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name))
     if sums is None:
         return problems

@@ -301,3 +301,74 @@ def test_a_bytearray_too_large_to_allocate_is_refused_without_a_stray_line():
             "        raise AssertionError('read')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def _with_save_plans(metadata):
+    """What Megatron-Core's torch_dist saver leaves in `.metadata`: its local save plans."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+    items = [WriteItem(index=MetadataIndex(fqn, entry.chunks[0].offsets), type=WriteItemType.SHARD,
+                       tensor_data=TensorWriteData(entry.chunks[0], entry.properties, entry.size))
+             for fqn, entry in metadata.state_dict_metadata.items() if hasattr(entry, "chunks")]
+    metadata.all_local_plans = [SavePlan(items=items[:2]), SavePlan(items=items[2:])]
+
+
+def test_megatron_save_plans_are_read_inert_and_dropped():
+    metadata = torch_metadata(fixture_path("fsdp2_adamw_3ranks"))
+    plain = parse_metadata(pickle.dumps(metadata), "x/.metadata")
+    _with_save_plans(metadata)
+    read = parse_metadata(pickle.dumps(metadata), "x/.metadata")
+    assert read == plain and not hasattr(read, "all_local_plans")
+
+
+def test_a_save_plan_anywhere_but_all_local_plans_is_refused():
+    def edit(metadata):
+        _with_save_plans(metadata)
+        metadata.planner_data = metadata.all_local_plans
+
+    with pytest.raises(MetadataError, match="planner_data"):
+        parse_metadata(_edited_metadata(edit), "x/.metadata")
+
+
+def test_an_unknown_write_item_type_is_refused():
+    payload = b"ctorch.distributed.checkpoint.planner\nWriteItemType\n(K\x07tR."
+    with pytest.raises(UnsafeMetadataError, match="WriteItemType 7"):
+        parse_metadata(payload, "x/.metadata")
+
+
+def test_an_attribute_torch_does_not_write_is_refused_not_dropped():
+    def edit(metadata):
+        metadata.loader_hint = "keep me"
+
+    with pytest.raises(MetadataError, match="attributes.*loader_hint"):
+        parse_metadata(_edited_metadata(edit), "x/.metadata")
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("mcore_data,message", [
+    (["not", "a", "dict"], "mcore_data is a list"),
+    ({"w": {"grid": _nested(40)}}, "mcore_data nests deeper"),
+])
+def test_megatron_mcore_data_must_be_a_dict_of_plain_values(mcore_data, message):
+    def edit(metadata):
+        metadata.mcore_data = mcore_data
+
+    with pytest.raises(MetadataError, match=message):
+        parse_metadata(_edited_metadata(edit), "x/.metadata")
+
+
+def test_megatron_mcore_data_reads_and_writes_back():
+    def edit(metadata):
+        metadata.mcore_data = {"decoder.weight": {"nd_reformulated_orig_global_shape": (4, 8)}}
+
+    read = parse_metadata(_edited_metadata(edit), "x/.metadata")
+    assert read.mcore_data == {"decoder.weight": {"nd_reformulated_orig_global_shape": (4, 8)}}
+    assert parse_metadata(serialize_metadata(read)) == read
+    assert pickle.loads(serialize_metadata(read)).mcore_data == read.mcore_data

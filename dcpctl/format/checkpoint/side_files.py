@@ -1,0 +1,37 @@
+"""The files trainers keep in a DCP checkpoint directory beside torch's own.
+
+Megatron-Core's `torch_dist` saver writes `common.pt` (the state common to all ranks, one
+torch.save file) and `metadata.json` (its backend: without it Megatron's loader says the
+directory "is not a distributed checkpoint") next to `.metadata` and the `.distcp` files. They
+belong to the checkpoint: `verify` checks them against SHA256SUMS and does not call them
+unknown, `checksum` hashes them, and every command that writes a new checkpoint directory
+carries them over byte for byte (they do not depend on the layout of the DCP files).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from dcpctl.format.checkpoint.view import Checkpoint
+from dcpctl.storage.objects import ObjectPath
+
+MEGATRON_COMMON_STATE = "common.pt"
+MEGATRON_CONFIG = "metadata.json"
+SIDE_FILE_NAMES = (MEGATRON_COMMON_STATE, MEGATRON_CONFIG)
+
+
+def side_files_of(checkpoint: Checkpoint) -> list[str]:
+    """The side files this checkpoint holds: regular files (a link is never one) directly in
+    its directory that its metadata does not name as data files."""
+    names = [name for name in SIDE_FILE_NAMES if name not in checkpoint.files]
+    if isinstance(checkpoint.path, ObjectPath):
+        return [name for name in names if name in (checkpoint.listing or {})]
+    return [name for name in names if _is_regular_file(os.path.join(checkpoint.path, name))]
+
+
+def _is_regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,126 @@
+"""Megatron-Core `torch_dist` checkpoints: every command reads them, and the checkpoints
+dcpctl writes keep what Megatron's loader needs (common.pt, metadata.json, mcore_data) and
+drop the save plans that describe the old layout."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import pytest
+from conftest import load_with_torch
+from megatron_saves import MCORE_DATA, save_megatron_like
+
+from dcpctl.errors import DataError
+from dcpctl.format.checkpoint.checksums import read_sha256sums
+from dcpctl.format.metadata.reading import read_metadata
+from dcpctl.ops.checksum import checksum_checkpoint
+from dcpctl.ops.inspection.report import inspect_checkpoint
+from dcpctl.ops.reshard.execution import reshard_checkpoint
+from dcpctl.ops.transcode import compress_checkpoint
+from dcpctl.ops.verify.verifier import verify_checkpoint
+
+SIDE_FILES = ("common.pt", "metadata.json")
+
+
+@pytest.fixture(scope="module")
+def megatron_saves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+    return {"0.16": save_megatron_like(root / "plans"),
+            "0.14": save_megatron_like(root / "plans_mcore_data", with_mcore_data=True)}
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _raw_metadata_attributes(checkpoint) -> dict:
+    import torch.distributed.checkpoint  # noqa: F401  registers torch's classes
+
+    return vars(pickle.loads((checkpoint / ".metadata").read_bytes()))
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.14"])
+def test_inspect_and_verify_read_megatron_checkpoints(megatron_saves, version):
+    source = megatron_saves[version]
+    assert "all_local_plans" in _raw_metadata_attributes(source)
+    report = inspect_checkpoint(source)
+    assert {tensor.fqn for tensor in report.tensors} == {"decoder.weight", "decoder.bias"}
+    verified = verify_checkpoint(source)
+    assert verified.status == "ok", verified.problems
+    expected_mcore_data = MCORE_DATA if version == "0.14" else None
+    assert read_metadata(source).mcore_data == expected_mcore_data
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.14"])
+@pytest.mark.parametrize("command", ["compress", "reshard"])
+def test_rewrites_carry_side_files_and_mcore_data_and_drop_save_plans(megatron_saves, tmp_path,
+                                                                      version, command):
+    source = megatron_saves[version]
+    output = tmp_path / "out"
+    if command == "compress":
+        compress_checkpoint(source, output_path=str(output))
+    else:
+        reshard_checkpoint(source, 3, str(output))
+    for name in SIDE_FILES:
+        assert _sha256(output / name) == _sha256(source / name)
+    sums = read_sha256sums(output)
+    assert {name: sums[name] for name in SIDE_FILES} == {
+        name: _sha256(source / name) for name in SIDE_FILES}
+    attributes = _raw_metadata_attributes(output)
+    assert "all_local_plans" not in attributes
+    assert attributes.get("mcore_data") == (MCORE_DATA if version == "0.14" else None)
+    assert verify_checkpoint(output).status == "ok"
+    original, rewritten = load_with_torch(source), load_with_torch(output)
+    assert original.keys() == rewritten.keys()
+    for key, value in original.items():
+        if hasattr(value, "equal"):
+            assert value.equal(rewritten[key]), key
+        else:
+            assert value.getvalue() == rewritten[key].getvalue(), key
+
+
+def test_compress_in_place_lists_side_files_in_sha256sums(megatron_saves, tmp_path):
+    import shutil
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(megatron_saves["0.16"], checkpoint)
+    compress_checkpoint(checkpoint)
+    sums = read_sha256sums(checkpoint)
+    assert all(sums[name] == _sha256(checkpoint / name) for name in SIDE_FILES)
+    assert verify_checkpoint(checkpoint).status == "ok"
+
+
+def test_a_damaged_side_file_is_caught_by_its_checksum(megatron_saves, tmp_path):
+    import shutil
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(megatron_saves["0.16"], checkpoint)
+    report = checksum_checkpoint(checkpoint)
+    assert set(SIDE_FILES) <= set(report.digests)
+    common = checkpoint / "common.pt"
+    data = bytearray(common.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    common.write_bytes(bytes(data))
+    problems = verify_checkpoint(checkpoint).problems
+    assert [(problem.rule, problem.file) for problem in problems] == [
+        ("checksum-mismatch", "common.pt")]
+    with pytest.raises(DataError, match="common.pt"):
+        compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_linked_side_file_is_neither_carried_nor_trusted(megatron_saves, tmp_path):
+    import shutil
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(megatron_saves["0.16"], checkpoint)
+    outside = tmp_path / "outside.pt"
+    (checkpoint / "common.pt").rename(outside)
+    (checkpoint / "common.pt").symlink_to(outside)
+    problems = verify_checkpoint(checkpoint).problems
+    assert [(problem.rule, problem.file) for problem in problems] == [
+        ("unknown-file", "common.pt")]
+    compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "common.pt").exists()
+    assert (tmp_path / "out" / "metadata.json").is_file()
