@@ -167,6 +167,24 @@ def add_checkpoint(run_dir: Path, name: str, complete: bool = True, age_seconds:
     return path
 
 
+ACCELERATE_PARTS = ("optimizer_0", "pytorch_model_fsdp_0")
+
+
+def add_accelerate_checkpoint(run_dir, name, parts_complete=(True, True), rng_states=True,
+                              age_seconds=30 * 86400):
+    """A checkpoint as accelerate's save_state writes it with FSDP's SHARDED_STATE_DICT: the
+    model and optimizer as DCP directories, then the scheduler and each rank's RNG states."""
+    checkpoint = run_dir / name
+    for part, complete in zip(ACCELERATE_PARTS, parts_complete):
+        add_checkpoint(checkpoint, part, complete=complete)
+    (checkpoint / "scheduler.bin").write_bytes(b"scheduler state")
+    if rng_states:
+        for rank in range(2):
+            (checkpoint / f"random_states_{rank}.pkl").write_bytes(b"rng state")
+    back_date(checkpoint, age_seconds)
+    return checkpoint
+
+
 def tree_listing(path: Path) -> dict[str, tuple[int, int]]:
     """Every entry under path (symlinks not followed) with its size and mtime, to compare."""
     status = os.lstat(path)

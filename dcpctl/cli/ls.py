@@ -6,6 +6,7 @@ import click
 
 from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.render import format_age, format_bytes, format_table, print_report
+from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.listing import ListReport, list_run_directory
 from dcpctl.ops.runs.scan import CheckpointEntry, IgnoredEntry
 
@@ -24,6 +25,14 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     complete when it holds `.metadata` (torch writes it last) and incomplete when it holds
     only data files, `.metadata.tmp`, or nothing yet: a save in progress or one that died.
 
+    Trainers' layouts: torchtitan's step-N, torchtune's dist_epoch_N and Megatron's
+    iter_0000100 are one DCP directory each. accelerate's checkpoint_N holds several
+    (pytorch_model_fsdp_0/, optimizer_0/: its parts) beside its RNG and scheduler files: it
+    is listed as one checkpoint, complete when every part holds `.metadata` and
+    random_states_0.pkl (written last) is there. Give accelerate's `checkpoints/` directory,
+    not one checkpoint_N. Megatron's latest_checkpointed_iteration.txt is shown as the
+    tracked step.
+
     One row per checkpoint: step, name, complete or incomplete, size, compression (read
     from `.metadata`), age (time since anything inside it last changed) and whether it
     holds SHA256SUMS. Entries named like a checkpoint that are symlinks, files or not DCP
@@ -39,7 +48,8 @@ def ls_command(run_dir: str, as_json: bool) -> None:
 
 def checkpoint_cells(entry: CheckpointEntry) -> list[str]:
     """The cells of CHECKPOINT_HEADERS for one checkpoint, shared by ls and prune tables."""
-    return [str(entry.step), entry.name, "complete" if entry.complete else "incomplete",
+    name = f"{entry.name} ({len(entry.parts)} parts)" if entry.parts else entry.name
+    return [str(entry.step), name, "complete" if entry.complete else "incomplete",
             format_bytes(entry.size_bytes), format_age(entry.age_seconds)]
 
 
@@ -60,4 +70,7 @@ def render_listing(report: ListReport) -> str:
         lines = [format_table((*CHECKPOINT_HEADERS, "COMPRESSION", "SHA256SUMS"), rows,
                               right_aligned=(0, 3, 4))]
         lines += [f"problem: {listed.problem}" for listed in report.checkpoints if listed.problem]
+    if report.scan.tracked_step is not None:
+        lines.append(f"tracked step: {report.scan.tracked_step} (named by {MEGATRON_TRACKER}; "
+                     "prune keeps it)")
     return "\n".join(lines + render_ignored(report.scan.ignored))

@@ -62,8 +62,9 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     directories are checkpoints, and how age is measured).
 
     A complete checkpoint is kept if ANY rule keeps it: it is the newest complete one
-    (always, whatever the options), one of the last N (--keep-last), its step is a
-    multiple of --keep-every, its name matches a --keep GLOB, or it changed within
+    (always, whatever the options), the one Megatron's latest_checkpointed_iteration.txt
+    names (always: the trainer resumes from it), one of the last N (--keep-last), its step
+    is a multiple of --keep-every, its name matches a --keep GLOB, or it changed within
     --older-than. Every other complete checkpoint is deleted. So --older-than only ever
     narrows the deletions: with it, a checkpoint is deleted only when it is older than
     DURATION and no other rule keeps it.
@@ -74,7 +75,8 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
 
     Never touched: symlinks (not followed, not deleted, nor their targets), files, and
     anything not named and laid out like a checkpoint. A directory is deleted `.metadata`
-    first, so one whose deletion fails part-way is left looking incomplete, never complete.
+    first (every part's, for accelerate's checkpoint_N: always whole, never one part), so
+    one whose deletion fails part-way is left looking incomplete, never complete.
 
     DURATION is a whole number and a unit: s, m, h, d or w (30m, 12h, 7d, 2w).
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Sequence
 
 from dcpctl.errors import OutputError
 from dcpctl.failpoints import Failpoint, failpoint
@@ -98,12 +99,14 @@ class ObjectStoreOutput:
             self.destination.unlink(missing_ok=True)
 
 
-def delete_checkpoint_objects(directory: ObjectPath) -> None:
-    """Delete every object under a checkpoint's prefix, `.metadata` first (so that a deletion
-    cut short leaves an incomplete checkpoint rather than one that looks complete), then the
-    rest, listed once `.metadata` is gone, in batches."""
+def delete_checkpoint_objects(directory: ObjectPath,
+                              metadata_names: Sequence[str] = (METADATA_FILE_NAME,)) -> None:
+    """Delete every object under a checkpoint's prefix, its `.metadata` files first (so that
+    a deletion cut short leaves an incomplete checkpoint rather than one that looks complete;
+    `part/.metadata` where its parts are DCP directories), then the rest, listed once they
+    are gone, in batches."""
     store = directory.store
-    store.delete([(directory / METADATA_FILE_NAME).key])
+    store.delete([(directory / name).key for name in metadata_names])
     failpoint(Failpoint.AFTER_METADATA_REMOVED)
     store.delete([(directory / name).key for name in sorted(store.list_tree(directory.key))])
 

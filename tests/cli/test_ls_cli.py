@@ -33,11 +33,12 @@ def test_table_has_one_row_per_checkpoint_sorted_by_step(run_cli, tmp_path):
 def test_json_shape(run_cli, tmp_path):
     add_checkpoint(tmp_path, "global_step10")
     payload = json.loads(run_cli("ls", tmp_path, "--json").output)
-    assert set(payload) == {"run_dir", "checkpoints", "ignored"}
+    assert set(payload) == {"run_dir", "checkpoints", "ignored", "tracked_step"}
     (entry,) = payload["checkpoints"]
     assert set(entry) == {"name", "path", "step", "complete", "size_bytes", "modified_at",
-                          "age_seconds", "sha256sums", "compression", "problem"}
+                          "age_seconds", "sha256sums", "compression", "problem", "parts"}
     assert (entry["step"], entry["complete"], entry["problem"]) == (10, True, None)
+    assert (entry["parts"], payload["tracked_step"]) == ([], None)
     assert 3500 < entry["age_seconds"] < 3700 and entry["size_bytes"] > 0
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import add_checkpoint, fail_deletion_part_way, tree_listing
+from conftest import add_accelerate_checkpoint, add_checkpoint, fail_deletion_part_way, tree_listing
 
 from dcpctl.cli.prune import parse_duration
 
@@ -107,3 +108,31 @@ def test_missing_run_directory_exits_1(run_cli, tmp_path):
                                            ("7d", 604800), ("2w", 1209600)])
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
+
+
+def test_accelerate_checkpoints_are_listed_and_pruned_whole(run_cli, tmp_path):
+    for step in range(3):
+        add_accelerate_checkpoint(tmp_path, f"checkpoint_{step}")
+    listing = run_cli("ls", tmp_path)
+    assert listing.exit_code == 0
+    assert [line.split()[1:4] for line in listing.output.splitlines()[1:]] == [
+        [f"checkpoint_{step}", "(2", "parts)"] for step in range(3)]
+    result = run_cli("prune", tmp_path, "--keep-last", "2")
+    assert result.exit_code == 0
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_1", "checkpoint_2"]
+    before = tree_listing(tmp_path)
+    refused = run_cli("prune", tmp_path / "checkpoint_1", "--keep-last", "1")
+    assert refused.exit_code == 1 and tree_listing(tmp_path) == before
+    assert refused.stderr == (f"Error: {tmp_path / 'checkpoint_1'}: is an accelerate checkpoint "
+                              "itself (holds pytorch_model_fsdp_0); give the run directory "
+                              "above it (accelerate's `checkpoints/`)\n")
+
+
+def test_ls_shows_the_step_megatron_resumes_from(run_cli, tmp_path):
+    for iteration in (1, 2):
+        add_checkpoint(tmp_path, f"iter_{iteration:07d}")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    listing = run_cli("ls", tmp_path)
+    assert listing.output.splitlines()[-1] == ("tracked step: 1 (named by "
+                                               "latest_checkpointed_iteration.txt; prune keeps it)")
+    assert json.loads(run_cli("ls", tmp_path, "--json").stdout)["tracked_step"] == 1

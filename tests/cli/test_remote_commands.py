@@ -11,8 +11,9 @@ import re
 
 import pytest
 import torch
-from conftest import (MANIFEST, download_prefix, fixture_path, load_with_dcpctl_reader,
-                      load_with_torch, run_dcpctl, upload_directory)
+from conftest import (ACCELERATE_PARTS, MANIFEST, add_accelerate_checkpoint, download_prefix,
+                      fixture_path, load_with_dcpctl_reader, load_with_torch, run_dcpctl,
+                      upload_directory)
 from make_fixtures import tensor_sha256
 from s3_servers import Faults, faulty_proxy
 from safetensors.torch import load_file
@@ -184,6 +185,24 @@ def test_ls_and_prune_a_run_in_a_bucket(bucket_checkpoint, s3_server):
     assert [entry["step"] for entry in listing["checkpoints"]] == [300]
     client = s3_server.client()
     assert not client.list_objects_v2(Bucket=bucket, Prefix="run/step-100/").get("Contents")
+
+
+def test_ls_and_prune_accelerate_checkpoints_in_a_bucket(s3_server, tmp_path):
+    bucket = s3_server.new_bucket()
+    for step in range(3):
+        local = add_accelerate_checkpoint(tmp_path, f"checkpoint_{step}")
+        upload_directory(s3_server, local, bucket, f"checkpoints/checkpoint_{step}")
+    run = f"s3://{bucket}/checkpoints"
+    listing = json.loads(ok("ls", run, "--json"))["checkpoints"]
+    assert [(entry["name"], entry["complete"], entry["parts"]) for entry in listing] == [
+        (f"checkpoint_{step}", True, list(ACCELERATE_PARTS)) for step in range(3)]
+    assert failure("prune", f"{run}/checkpoint_1", "--keep-last", "1") == (
+        f"Error: {run}/checkpoint_1: is an accelerate checkpoint itself (holds "
+        "pytorch_model_fsdp_0); give the run directory above it (accelerate's `checkpoints/`)\n")
+    ok("prune", run, "--keep-last", "1")
+    client = s3_server.client()
+    left = {item["Key"] for item in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert {key.split("/")[1] for key in left} == {"checkpoint_2"}
 
 
 def test_an_existing_output_in_a_bucket_is_refused_without_overwrite(bucket_checkpoint):

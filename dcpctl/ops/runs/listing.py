@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 from dcpctl.errors import DcpctlError, describe_os_error
@@ -36,7 +37,8 @@ class ListReport:
 
 def list_run_directory(run_dir: str | os.PathLike) -> ListReport:
     """The checkpoints under run_dir; complete ones also with their compression, read from
-    `.metadata` (a damaged one is listed with its problem instead)."""
+    `.metadata` (summed over its parts where it has several; a damaged one is listed with its
+    problem instead)."""
     scan = scan_run_directory(run_dir)
     listed = []
     for entry in scan.checkpoints:
@@ -44,9 +46,17 @@ def list_run_directory(run_dir: str | os.PathLike) -> ListReport:
             listed.append(ListedCheckpoint(entry))
             continue
         try:
-            listed.append(ListedCheckpoint(entry, inspect_checkpoint(entry.path).compression))
+            listed.append(ListedCheckpoint(entry, _compression(entry)))
         except DcpctlError as error:
             listed.append(ListedCheckpoint(entry, problem=str(error)))
         except OSError as error:
             listed.append(ListedCheckpoint(entry, problem=describe_os_error(error)))
     return ListReport(scan, listed)
+
+
+def _compression(entry: CheckpointEntry) -> dict[str, int]:
+    """Item counts by codec name, most used first, over the checkpoint's parts."""
+    counts: Counter[str] = Counter()
+    for part in entry.parts or (None,):
+        counts.update(inspect_checkpoint(entry.path / part if part else entry.path).compression)
+    return dict(counts.most_common())

@@ -1,8 +1,9 @@
 """Delete the checkpoints of a run directory that no retention rule keeps, safely and under a lock.
 
 A complete checkpoint is kept when any rule keeps it: it is the newest complete one (always),
-one of the last `keep_last` complete ones, its step is a multiple of `keep_every_steps`, its
-name matches a `keep_globs` pattern, or it changed within `older_than_seconds`. An incomplete
+the one the trainer's tracker file names (always: Megatron resumes from it), one of the last
+`keep_last` complete ones, its step is a multiple of `keep_every_steps`, its name matches a
+`keep_globs` pattern, or it changed within `older_than_seconds`. An incomplete
 one (no `.metadata`) is deleted only when `incomplete_older_than_seconds` is given, nothing in
 it changed for longer than that, and no `keep_globs` pattern matches it.
 """
@@ -20,6 +21,7 @@ from typing import Callable
 from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
+from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_directory,
                                   scan_run_directory)
 from dcpctl.storage.local import empty_directory, open_directory_at
@@ -103,8 +105,10 @@ class PruneReport:
                 "failed": len(self.with_status(FAILED))}
 
 
-def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules) -> list[PruneDecision]:
-    """Decide for each checkpoint (sorted by step) whether to delete it, and why."""
+def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
+               tracked_step: int | None = None) -> list[PruneDecision]:
+    """Decide for each checkpoint (sorted by step) whether to delete it, and why; the ones of
+    tracked_step (the step the trainer's tracker file names) are always kept."""
     complete = [entry for entry in checkpoints if entry.complete]
     newest_name = complete[-1].name if complete else None
     last_names = {entry.name for entry in complete[-rules.keep_last:]}
@@ -112,6 +116,8 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules) -> lis
     for entry in checkpoints:
         reasons = [f"matches --keep {glob!r}" for glob in rules.keep_globs
                    if fnmatch.fnmatchcase(entry.name, glob)]
+        if entry.step == tracked_step:
+            reasons.append(f"named by {MEGATRON_TRACKER}: the trainer resumes from it")
         if entry.complete:
             reasons += _complete_keep_reasons(entry, rules, entry.name == newest_name,
                                               entry.name in last_names)
@@ -162,7 +168,8 @@ def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
         report = _planned(directory, rules, dry_run=False)
         for decision in report.to_delete:
             _carry_out(decision, functools.partial(delete_checkpoint_objects,
-                                                   decision.checkpoint.path))
+                                                   decision.checkpoint.path,
+                                                   decision.checkpoint.metadata_files))
         return report
     with locked_directory(directory, exclusive=True,
                           what="another dcpctl prune is pruning this run directory"
@@ -176,8 +183,8 @@ def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
 
 def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> PruneReport:
     scan = scan_run_directory(directory)
-    report = PruneReport(str(directory), rules, dry_run, plan_prune(scan.checkpoints, rules),
-                         scan.ignored)
+    report = PruneReport(str(directory), rules, dry_run,
+                         plan_prune(scan.checkpoints, rules, scan.tracked_step), scan.ignored)
     for decision in report.to_delete:
         decision.status = WOULD_DELETE
     return report
@@ -195,11 +202,11 @@ def _carry_out(decision: PruneDecision, delete: Callable[[], None]) -> None:
 
 
 def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> None:
-    """Delete a checkpoint directory of the run directory open as run_descriptor, `.metadata`
-    first, so that a deletion cut short leaves an incomplete checkpoint rather than one that
-    looks complete. Everything goes through descriptors: the entry must still be the directory
-    the scan saw (not a symlink, not another directory swapped in), and no other dcpctl may
-    be using it."""
+    """Delete a checkpoint directory of the run directory open as run_descriptor, its
+    `.metadata` files first (each part's, where it has parts), so that a deletion cut short
+    leaves an incomplete checkpoint rather than one that looks complete. Everything goes
+    through descriptors: the entry must still be the directory the scan saw (not a symlink,
+    not another directory swapped in), and no other dcpctl may be using it or its parts."""
     try:
         descriptor = open_directory_at(run_descriptor, entry.name)
     except OSError as error:
@@ -214,10 +221,35 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
                                   path=entry.path)
         lock_descriptor(descriptor, exclusive=True, path=entry.path,
                         what="another dcpctl is using this checkpoint; not deleted")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(METADATA_FILE_NAME, dir_fd=descriptor)
+        if entry.parts:
+            for part in entry.parts:
+                _unlink_part_metadata(descriptor, entry, part)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(METADATA_FILE_NAME, dir_fd=descriptor)
         failpoint(Failpoint.AFTER_METADATA_REMOVED)
         empty_directory(descriptor)
     finally:
         os.close(descriptor)
     os.rmdir(entry.name, dir_fd=run_descriptor)
+
+
+def _unlink_part_metadata(descriptor: int, entry: CheckpointEntry, part: str) -> None:
+    """Remove the `.metadata` of one part of a checkpoint open as descriptor, under the part's
+    own lock (a dcpctl working on the part holds it)."""
+    try:
+        part_descriptor = open_directory_at(descriptor, part)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError("is no longer a real directory (a symlink or file now?); "
+                                  "nothing deleted", path=entry.path / part) from None
+        raise
+    try:
+        lock_descriptor(part_descriptor, exclusive=True, path=entry.path / part,
+                        what="another dcpctl is using this part of the checkpoint; not deleted")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(METADATA_FILE_NAME, dir_fd=part_descriptor)
+    finally:
+        os.close(part_descriptor)

@@ -12,8 +12,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dcpctl.errors import CheckpointNotFoundError
-from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
-                                      METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
+from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
+from dcpctl.ops.runs.layouts import (MEGATRON_TRACKER, MEGATRON_TRACKER_MAX_BYTES,
+                                     CheckpointShape, checkpoint_shape, parse_tracked_iteration,
+                                     refuse_a_checkpoint_as_run_directory)
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
 from dcpctl.storage.paths import StoragePath, storage_path
 
@@ -22,7 +24,6 @@ from dcpctl.storage.paths import StoragePath, storage_path
 # 5000. A `-` inside the word or anything after the number (old-step-3-bak, step-3.tmp) means
 # the name only looks like a step, so the entry is none of our business.
 _CHECKPOINT_NAME = re.compile(r"(?:[A-Za-z]+(?:_[A-Za-z]+)*[-_]?)?([0-9]+)")
-_PARTIAL_SAVE_FILES = (DATA_FILE_SUFFIX, METADATA_TEMPORARY_FILE_NAME)
 
 
 def parse_step(name: str) -> int | None:
@@ -33,7 +34,8 @@ def parse_step(name: str) -> int | None:
 
 @dataclass
 class CheckpointEntry:
-    """A checkpoint directory of a run; age counts from the newest change anywhere inside it."""
+    """A checkpoint directory of a run; age counts from the newest change anywhere inside it.
+    Its parts are the DCP directories in it where it is not one itself (layouts.py)."""
 
     name: str
     path: StoragePath
@@ -46,6 +48,12 @@ class CheckpointEntry:
     identity: tuple[int, int]
     """The directory's device and inode when scanned: what a deletion checks it still is
     ((0, 0) in an object store, which has no directories)."""
+    parts: tuple[str, ...] = ()
+
+    @property
+    def metadata_files(self) -> list[str]:
+        """The `.metadata` files that make it complete (what a deletion removes first)."""
+        return CheckpointShape(self.parts, self.complete).metadata_files
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
@@ -53,7 +61,8 @@ class CheckpointEntry:
         return {"name": self.name, "path": str(self.path), "step": self.step,
                 "complete": self.complete, "size_bytes": self.size_bytes,
                 "modified_at": modified.isoformat(timespec="seconds"),
-                "age_seconds": round(self.age_seconds), "sha256sums": self.has_sha256sums}
+                "age_seconds": round(self.age_seconds), "sha256sums": self.has_sha256sums,
+                "parts": list(self.parts)}
 
 
 @dataclass
@@ -66,17 +75,20 @@ class IgnoredEntry:
 
 @dataclass
 class RunDirectoryScan:
-    """The checkpoints directly under a run directory, sorted by step, and the look-alikes."""
+    """The checkpoints directly under a run directory, sorted by step, the look-alikes, and
+    the step the trainer's tracker file names as the one it resumes from (layouts.py)."""
 
     path: StoragePath
     checkpoints: list[CheckpointEntry] = field(default_factory=list)
     ignored: list[IgnoredEntry] = field(default_factory=list)
+    tracked_step: int | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
         return {"run_dir": str(self.path),
                 "checkpoints": [entry.to_json() for entry in self.checkpoints],
-                "ignored": [asdict(entry) for entry in self.ignored]}
+                "ignored": [asdict(entry) for entry in self.ignored],
+                "tracked_step": self.tracked_step}
 
 
 def check_run_directory(directory: StoragePath) -> None:
@@ -98,75 +110,101 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
     if isinstance(scan.path, ObjectPath):
         _scan_prefixes(scan, now)
         return scan
-    for name in sorted(os.listdir(scan.path)):
+    names = sorted(os.listdir(scan.path))
+    refuse_a_checkpoint_as_run_directory(scan.path, names)
+    if MEGATRON_TRACKER in names:
+        scan.tracked_step = _read_tracker(scan.path / MEGATRON_TRACKER)
+    for name in names:
         step = parse_step(name)
         if step is None:
             continue
         path = scan.path / name
         try:
-            reason = _reason_not_a_checkpoint(path)
-            if reason is None:
-                scan.checkpoints.append(_describe_checkpoint(path, step, now))
+            shape = _checkpoint_shape(path)
+            if isinstance(shape, CheckpointShape):
+                scan.checkpoints.append(_describe_checkpoint(path, step, shape, now))
             else:
-                scan.ignored.append(IgnoredEntry(name, reason))
+                scan.ignored.append(IgnoredEntry(name, shape))
         except FileNotFoundError:
             continue  # removed while we looked (a trainer purging its own old checkpoints)
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     return scan
 
 
+def _read_tracker(path: Path) -> int | None:
+    """The step a local tracker file names; None unless it is a small regular file."""
+    try:
+        status = os.lstat(path)
+        if not stat.S_ISREG(status.st_mode) or status.st_size > MEGATRON_TRACKER_MAX_BYTES:
+            return None
+        with open(path, "rb") as file:
+            return parse_tracked_iteration(file.read(MEGATRON_TRACKER_MAX_BYTES))
+    except OSError:
+        return None
+
+
 def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
     """The checkpoints under a run's prefix in an object store, from one listing."""
     by_checkpoint: dict[str, dict[str, ObjectInfo]] = {}
-    for key, info in scan.path.store.list_tree(scan.path.key).items():
+    listing = scan.path.store.list_tree(scan.path.key)
+    refuse_a_checkpoint_as_run_directory(scan.path, listing)
+    tracker = listing.get(MEGATRON_TRACKER)
+    if tracker is not None and tracker.size <= MEGATRON_TRACKER_MAX_BYTES:
+        scan.tracked_step = parse_tracked_iteration((scan.path / MEGATRON_TRACKER).read_bytes())
+    for key, info in listing.items():
         name, slash, rest = key.partition("/")
         if slash and parse_step(name) is not None:
             by_checkpoint.setdefault(name, {})[rest] = info
     for name, objects in sorted(by_checkpoint.items()):
-        reason = _reason_not_a_checkpoint_prefix(set(objects))
-        if reason is not None:
-            scan.ignored.append(IgnoredEntry(name, reason))
+        shape = checkpoint_shape(objects.keys())
+        if not isinstance(shape, CheckpointShape):
+            scan.ignored.append(IgnoredEntry(name, shape))
             continue
         modified_at = max(info.modified for info in objects.values())
         scan.checkpoints.append(CheckpointEntry(
-            name=name, path=scan.path / name, step=parse_step(name),
-            complete=METADATA_FILE_NAME in objects,
+            name=name, path=scan.path / name, step=parse_step(name), complete=shape.complete,
             size_bytes=sum(info.size for info in objects.values()), modified_at=modified_at,
             age_seconds=max(0.0, now - modified_at),
-            has_sha256sums=SHA256SUMS_FILE_NAME in objects, identity=(0, 0)))
+            has_sha256sums=SHA256SUMS_FILE_NAME in objects, identity=(0, 0), parts=shape.parts))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
 
 
-def _reason_not_a_checkpoint_prefix(names: set[str]) -> str | None:
-    if METADATA_FILE_NAME in names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names):
-        return None
-    return f"no {METADATA_FILE_NAME} and no .distcp files: not a DCP checkpoint"
-
-
-def _reason_not_a_checkpoint(path: Path) -> str | None:
+def _checkpoint_shape(path: Path) -> CheckpointShape | str:
+    """The shape of a local entry named like a checkpoint (layouts.py), or why it is none."""
     mode = os.lstat(path).st_mode
     if stat.S_ISLNK(mode):
         return "a symlink: never followed, never deleted"
     if not stat.S_ISDIR(mode):
         return "not a directory"
-    if (path / METADATA_FILE_NAME).is_file():
-        return None
-    names = os.listdir(path)
-    # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
-    if not names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names):
-        return None
-    return f"no {METADATA_FILE_NAME} and no .distcp files: not a DCP checkpoint"
+    return checkpoint_shape(_names_two_levels_down(path))
 
 
-def _describe_checkpoint(path: Path, step: int, now: float) -> CheckpointEntry:
+def _names_two_levels_down(path: Path) -> set[str]:
+    """The names of what is in directory path, and `sub/name` for what is in its real
+    subdirectories (symlinks are named, never followed)."""
+    names = set()
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                names.add(entry.name)
+                continue
+            try:
+                with os.scandir(entry.path) as inner:
+                    names.update(f"{entry.name}/{item.name}" for item in inner)
+            except OSError:
+                continue  # gone since it was listed, or not ours to read
+    return names
+
+
+def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: float
+                         ) -> CheckpointEntry:
     status = os.lstat(path)
     size_bytes, modified_at = _measure_directory(path)
     return CheckpointEntry(
-        name=path.name, path=path, step=step,
-        complete=(path / METADATA_FILE_NAME).is_file(), size_bytes=size_bytes,
+        name=path.name, path=path, step=step, complete=shape.complete, size_bytes=size_bytes,
         modified_at=modified_at, age_seconds=max(0.0, now - modified_at),
         has_sha256sums=(path / SHA256SUMS_FILE_NAME).is_file(),
-        identity=(status.st_dev, status.st_ino))
+        identity=(status.st_dev, status.st_ino), parts=shape.parts)
 
 
 def _measure_directory(path: Path) -> tuple[int, float]:

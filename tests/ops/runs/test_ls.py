@@ -58,7 +58,8 @@ def test_complete_incomplete_and_not_a_checkpoint(tmp_path):
     assert [(entry.name, entry.complete) for entry in scan.checkpoints] == [
         ("step-1", True), ("step-2", False), ("step-3", False), ("step-4", False)]
     assert [(entry.name, entry.reason) for entry in scan.ignored] == [
-        ("checkpoint-5", "no .metadata and no .distcp files: not a DCP checkpoint")]
+        ("checkpoint-5", "no .metadata and no .distcp files, in it or in a directory in it: "
+                         "not a DCP checkpoint")]
 
 
 def test_symlinks_and_files_named_like_checkpoints_are_ignored(tmp_path):

@@ -1,0 +1,97 @@
+"""How trainers lay out the checkpoints of a run directory, as `ls` and `prune` read them.
+
+- One DCP directory per checkpoint: torchtitan `step-N/`, torchtune `dist_epoch_N/`,
+  Megatron-Core `iter_0000004/`, a plain `dcp.save`. Complete when it holds `.metadata`
+  (torch writes it last).
+- Several DCP directories per checkpoint: accelerate's `checkpoint_N/` holds
+  `pytorch_model_fsdp_<i>/` and `optimizer_<i>/` beside `random_states_<rank>.pkl`,
+  `scheduler.bin` and the like. The DCP directories are its parts; it is complete when every
+  part holds `.metadata` and `random_states_0.pkl` is there (accelerate's `save_state` writes
+  the models, then the optimizers, then the RNG states).
+- Megatron-Core names the iteration it resumes from in `latest_checkpointed_iteration.txt` in
+  the run directory (written once a save is finished), which prune always keeps.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Collection, Iterable
+
+from dcpctl.errors import CheckpointNotFoundError
+from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
+                                      METADATA_TEMPORARY_FILE_NAME)
+from dcpctl.storage.paths import StoragePath
+
+_PARTIAL_SAVE_FILES = (DATA_FILE_SUFFIX, METADATA_TEMPORARY_FILE_NAME)
+_ACCELERATE_MODEL_PART = re.compile(r"pytorch_model_fsdp_[0-9]+")
+_ACCELERATE_PART = re.compile(r"(?:pytorch_model_fsdp|optimizer)_[0-9]+")
+_ACCELERATE_RNG_STATE = re.compile(r"random_states_[0-9]+\.pkl")
+ACCELERATE_LAST_WRITTEN = "random_states_0.pkl"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+MEGATRON_TRACKER_MAX_BYTES = 64
+"""Megatron writes the iteration as decimal digits (or `release`); anything longer is not it."""
+
+
+@dataclass(frozen=True)
+class CheckpointShape:
+    """What a checkpoint directory holds: its DCP parts (none for a single DCP directory,
+    which is its own part) and whether the save finished."""
+
+    parts: tuple[str, ...]
+    complete: bool
+
+    @property
+    def metadata_files(self) -> list[str]:
+        """The `.metadata` files that make it complete, relative to it: what a deletion
+        removes first, so that a deletion cut short leaves it looking incomplete."""
+        if not self.parts:
+            return [METADATA_FILE_NAME]
+        return [f"{part}/{METADATA_FILE_NAME}" for part in self.parts]
+
+
+def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
+    """The shape of a checkpoint directory from the names of the files in it and in its
+    subdirectories (`part/file`), or why it is not a checkpoint."""
+    if METADATA_FILE_NAME in names:
+        return CheckpointShape((), complete=True)
+    parts = sorted(_dcp_subdirectories(names))
+    if parts:
+        complete = all(f"{part}/{METADATA_FILE_NAME}" in names for part in parts)
+        if any(_ACCELERATE_PART.fullmatch(part) for part in parts):
+            complete = complete and ACCELERATE_LAST_WRITTEN in names
+        return CheckpointShape(tuple(parts), complete)
+    # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
+    if not names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names if "/" not in name):
+        return CheckpointShape((), complete=False)
+    return (f"no {METADATA_FILE_NAME} and no .distcp files, in it or in a directory in it: "
+            "not a DCP checkpoint")
+
+
+def _dcp_subdirectories(names: Iterable[str]) -> set[str]:
+    parts = set()
+    for name in names:
+        part, slash, file_name = name.partition("/")
+        if slash and "/" not in file_name and (
+                file_name == METADATA_FILE_NAME or file_name.endswith(_PARTIAL_SAVE_FILES)):
+            parts.add(part)
+    return parts
+
+
+def refuse_a_checkpoint_as_run_directory(directory: StoragePath, names: Iterable[str]) -> None:
+    """Refuse a run directory that is an accelerate checkpoint, from the names in it (an
+    object's key names its directory first): it holds accelerate's RNG states or model parts.
+    Its `optimizer_0` and `pytorch_model_fsdp_0` would read as checkpoints of step 0, and
+    pruning them would delete part of one checkpoint."""
+    for name in sorted(names):
+        entry = name.partition("/")[0]
+        if _ACCELERATE_RNG_STATE.fullmatch(entry) or _ACCELERATE_MODEL_PART.fullmatch(entry):
+            raise CheckpointNotFoundError(
+                f"is an accelerate checkpoint itself (holds {entry}); give the run directory "
+                "above it (accelerate's `checkpoints/`)", path=directory)
+
+
+def parse_tracked_iteration(data: bytes) -> int | None:
+    """The iteration Megatron's tracker file names; None for `release` or anything else."""
+    text = data.decode("ascii", errors="replace").strip()
+    return int(text) if text.isdecimal() and text.isascii() else None

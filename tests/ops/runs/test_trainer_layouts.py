@@ -1,0 +1,142 @@
+"""ls and prune on the run directories trainers write (dcpctl/ops/runs/layouts.py): accelerate's
+`checkpoint_N/` of several DCP directories, Megatron's `iter_N/` with its tracker file."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from conftest import (ACCELERATE_PARTS, add_accelerate_checkpoint, add_checkpoint, fixture_path,
+                      tree_listing)
+
+from dcpctl.errors import CheckpointNotFoundError
+from dcpctl.ops.inspection.report import inspect_checkpoint
+from dcpctl.ops.runs import prune
+from dcpctl.ops.runs.listing import list_run_directory
+from dcpctl.ops.runs.prune import RetentionRules, prune_run_directory
+from dcpctl.ops.runs.scan import scan_run_directory
+from dcpctl.ops.transcode import compress_checkpoint
+
+DAY = 86400
+
+
+@pytest.fixture
+def accelerate_run(tmp_path):
+    run_dir = tmp_path / "checkpoints"
+    for step in range(3):
+        add_accelerate_checkpoint(run_dir, f"checkpoint_{step}")
+    return run_dir
+
+
+def test_each_accelerate_checkpoint_is_one_entry_with_its_parts(accelerate_run):
+    add_accelerate_checkpoint(accelerate_run, "checkpoint_3", parts_complete=(True, False))
+    add_accelerate_checkpoint(accelerate_run, "checkpoint_4", rng_states=False)
+    scan = scan_run_directory(accelerate_run)
+    assert [(entry.name, entry.step, entry.complete, entry.parts) for entry in scan.checkpoints] \
+        == [(f"checkpoint_{step}", step, step < 3, ACCELERATE_PARTS) for step in range(5)]
+    whole = sum(path.stat().st_size for path in (accelerate_run / "checkpoint_0").rglob("*")
+                if path.is_file())
+    assert scan.checkpoints[0].size_bytes == whole
+    assert scan.ignored == []
+
+
+def test_ls_sums_the_compression_of_the_parts(accelerate_run):
+    items = inspect_checkpoint(fixture_path("mesh2d_4ranks")).compression["none"]
+    compress_checkpoint(accelerate_run / "checkpoint_1" / "optimizer_0")
+    listed = {item.entry.name: item for item in list_run_directory(accelerate_run).checkpoints}
+    assert listed["checkpoint_0"].compression == {"none": 2 * items}
+    assert listed["checkpoint_1"].compression == {"none": items, "zstd": items}
+    assert all(item.problem is None for item in listed.values())
+
+
+def test_a_damaged_part_is_named_in_ls(accelerate_run):
+    (accelerate_run / "checkpoint_2" / "optimizer_0" / ".metadata").write_bytes(b"garbage")
+    listed = {item.entry.name: item for item in list_run_directory(accelerate_run).checkpoints}
+    assert "optimizer_0/.metadata" in listed["checkpoint_2"].problem
+
+
+def test_prune_deletes_whole_accelerate_checkpoints_only(accelerate_run):
+    add_accelerate_checkpoint(accelerate_run, "checkpoint_3", parts_complete=(True, False))
+    report = prune_run_directory(accelerate_run, RetentionRules(keep_last=1))
+    assert [decision.checkpoint.name for decision in report.with_status(prune.DELETED)] == [
+        "checkpoint_0", "checkpoint_1"]
+    assert sorted(os.listdir(accelerate_run)) == ["checkpoint_2", "checkpoint_3"]
+    assert sorted(os.listdir(accelerate_run / "checkpoint_3")) == [
+        *ACCELERATE_PARTS, "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"]
+
+
+@pytest.mark.parametrize("command", [scan_run_directory, list_run_directory,
+                                     lambda path: prune_run_directory(path, RetentionRules(1))])
+def test_an_accelerate_checkpoint_given_as_the_run_directory_is_refused(accelerate_run,
+                                                                        command):
+    before = tree_listing(accelerate_run)
+    with pytest.raises(CheckpointNotFoundError, match="checkpoint_1: is an accelerate "
+                                                      "checkpoint itself"):
+        command(accelerate_run / "checkpoint_1")
+    assert tree_listing(accelerate_run) == before
+
+
+def test_a_deletion_cut_short_leaves_every_part_incomplete(accelerate_run, monkeypatch):
+    def cut_short(descriptor):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(prune, "empty_directory", cut_short)
+    report = prune_run_directory(accelerate_run, RetentionRules(keep_last=2))
+    assert [decision.status for decision in report.decisions] == ["failed", "kept", "kept"]
+    for part in ACCELERATE_PARTS:
+        assert not (accelerate_run / "checkpoint_0" / part / ".metadata").exists()
+        assert (accelerate_run / "checkpoint_1" / part / ".metadata").exists()
+    entry = scan_run_directory(accelerate_run).checkpoints[0]
+    assert (entry.name, entry.complete) == ("checkpoint_0", False)
+
+
+def test_a_part_swapped_for_a_symlink_is_never_followed(accelerate_run, tmp_path):
+    outside = add_checkpoint(tmp_path / "elsewhere", "precious")
+    before = tree_listing(outside)
+    scan = scan_run_directory(accelerate_run)
+    part = accelerate_run / "checkpoint_0" / "optimizer_0"
+    os.rename(part, tmp_path / "moved-away")
+    os.symlink(outside, part)
+    decision = prune.PruneDecision(scan.checkpoints[0], delete=True, reasons=[])
+    prune._carry_out(decision, lambda: _delete(accelerate_run, scan.checkpoints[0]))
+    assert decision.status == "failed" and "no longer a real directory" in decision.error
+    assert tree_listing(outside) == before
+
+
+def _delete(run_dir, entry):
+    descriptor = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        prune.delete_checkpoint_directory(descriptor, entry)
+    finally:
+        os.close(descriptor)
+
+
+@pytest.mark.parametrize("tracker,kept", [
+    ("2\n", ["iter_0000002", "iter_0000004"]),
+    ("release", ["iter_0000004"]),
+    ("not a number", ["iter_0000004"]),
+])
+def test_prune_keeps_the_iteration_megatron_resumes_from(tmp_path, tracker, kept):
+    for iteration in range(1, 5):
+        add_checkpoint(tmp_path, f"iter_{iteration:07d}", age_seconds=30 * DAY)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(tracker)
+    report = prune_run_directory(tmp_path, RetentionRules(keep_last=1))
+    assert sorted(name for name in os.listdir(tmp_path) if name.startswith("iter_")) == kept
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == tracker
+    if len(kept) == 2:
+        decision = next(decision for decision in report.decisions
+                        if decision.checkpoint.name == "iter_0000002")
+        assert decision.reasons == ["named by latest_checkpointed_iteration.txt: the trainer "
+                                    "resumes from it"]
+
+
+def test_a_tracker_that_is_a_symlink_or_huge_is_not_read(tmp_path):
+    add_checkpoint(tmp_path, "iter_0000001")
+    secret = tmp_path / "secret"
+    secret.write_text("1")
+    (tmp_path / "latest_checkpointed_iteration.txt").symlink_to(secret)
+    assert scan_run_directory(tmp_path).tracked_step is None
+    (tmp_path / "latest_checkpointed_iteration.txt").unlink()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1" + " " * 10_000)
+    assert scan_run_directory(tmp_path).tracked_step is None
