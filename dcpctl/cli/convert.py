@@ -12,7 +12,7 @@ from dcpctl.cli.options import (checkpoint_argument, json_option, output_option,
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.ops.convert.report import ConvertReport
-from dcpctl.ops.convert.targets import (CAST_DTYPE_NAMES, DEFAULT_MAX_SHARD_BYTES, MODEL_PREFIX,
+from dcpctl.ops.convert.targets import (CAST_DTYPE_NAMES, DEFAULT_MAX_SHARD_BYTES,
                                         TARGET_OPTIONS, Rename, convert_checkpoint)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
@@ -76,14 +76,17 @@ class RenameRule(click.ParamType):
                    "bool tensors keep theirs).")
 @click.option("--include", multiple=True, metavar="GLOB",
               help="safetensors, torch: take the entries whose checkpoint fqn matches GLOB "
-                   "(repeatable). Default for safetensors: `model.*` when the checkpoint has "
-                   "both `model.` and `optim` entries (the weights, not the optimizer state), "
-                   "else everything; for torch: everything.")
+                   "(repeatable). Default for safetensors: the model's weights, every tensor "
+                   "but trainer state (entries under optimizer., optim., lr_scheduler, "
+                   "dataloader., train_state, rng_state, ...: the model at the top level, as "
+                   "torchtitan saves it, or under model.); for torch: everything.")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="safetensors, torch: leave out entries whose fqn matches GLOB (repeatable).")
-@click.option("--strip-prefix", default=MODEL_PREFIX, show_default=True,
+@click.option("--strip-prefix", default=None,
               help="safetensors: remove this prefix from names so that they match the module's "
-                   "own state_dict(); '' keeps names as they are.")
+                   "own state_dict(). Default: `model.` when every name taken starts with it "
+                   "(a model saved under a `model` key), else nothing; '' keeps names as they "
+                   "are.")
 @click.option("--rename", "renames", multiple=True, type=RenameRule(),
               help="safetensors: rewrite names with a regex, after --strip-prefix, e.g. "
                    "'^layers\\.(\\d+)\\.=model.layers.\\1.' (repeatable, applied in order; "

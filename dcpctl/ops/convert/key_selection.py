@@ -1,5 +1,15 @@
 """Which fqns a conversion takes (include/exclude globs) and what they are called in the output
-(prefix stripping, regex renames), with clashes refused."""
+(prefix stripping, regex renames), with clashes refused.
+
+By default a conversion to safetensors takes the model's weights, named as the model's own
+`state_dict()` names them. Trainers keep other state beside them: under `optimizer.` /
+`optim.` (torchtitan, torchtune, Megatron, `{"model", "optim"}` saves), `lr_scheduler`,
+`dataloader.dp_rank_<r>`, `train_state`, RNG states, a grad scaler. Those roots
+(TRAINER_STATE_ROOTS) are left out; what is left is the model, at the top level (torchtitan)
+or nested under `model.` (torchtune, accelerate, FSDP1, `{"model", "optim"}`), in which case
+`model.` comes off the names. A model whose own modules include one called `model` (a Hugging
+Face `LlamaForCausalLM`: `model.layers...` beside `lm_head.weight`) keeps its names.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +21,16 @@ from typing import Iterable
 from dcpctl.errors import SelectionError
 
 MODEL_PREFIX = "model."
-OPTIMIZER_PREFIX = "optim"
+TRAINER_STATE_ROOTS = frozenset({
+    "optimizer", "optim", "optimizers", "optimizer_state", "optim_state", "state",
+    "param_groups", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
+    "opt_param_scheduler", "dataloader", "data_loader", "dataloaders", "sampler",
+    "train_state", "trainer_state", "rng", "rng_state", "rng_states", "rng_tracker_states",
+    "random_states", "scaler", "grad_scaler", "rerun_state_machine_state", "args",
+    "iteration", "step", "epoch", "epochs_run", "global_step", "steps_run", "seed",
+    "num_floating_point_operations_so_far",
+})
+"""First names of the entries that are trainer state, not model weights."""
 _GLOBAL_FLAGS = re.compile(r"(?:\(\?[aiLmsux]+\))*")
 
 
@@ -48,48 +67,50 @@ class Rename:
 
 @dataclass(frozen=True)
 class KeySelection:
-    """Globs on the source fqns, then the renaming of those taken. include None: the default,
-    `model.*` when the checkpoint has a model/optimizer split, else everything."""
+    """Globs on the source fqns, then the renaming of those taken. include None: the model's
+    weights (every entry but trainer state, see the module docstring). strip_prefix None:
+    `model.` when every name taken starts with it, else nothing."""
 
     include: tuple[str, ...] | None = None
     exclude: tuple[str, ...] = ()
-    strip_prefix: str = ""
+    strip_prefix: str | None = ""
     renames: tuple[Rename, ...] = ()
 
 
-def default_include(fqns: Iterable[str]) -> tuple[str, ...]:
-    """`model.*` when some fqns start with `model.` and others with `optim`, else `*`."""
-    fqns = list(fqns)
-    has_model = any(fqn.startswith(MODEL_PREFIX) for fqn in fqns)
-    has_optimizer = any(fqn.startswith(OPTIMIZER_PREFIX) for fqn in fqns)
-    return (f"{MODEL_PREFIX}*",) if has_model and has_optimizer else ("*",)
+def is_trainer_state(fqn: str) -> bool:
+    """Whether fqn is trainer state beside the model (TRAINER_STATE_ROOTS)."""
+    return fqn.partition(".")[0] in TRAINER_STATE_ROOTS
 
 
-def is_selected(fqn: str, include: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
-    """Whether fqn matches an include glob and no exclude glob."""
-    return (any(fnmatch.fnmatchcase(fqn, glob) for glob in include)
-            and not any(fnmatch.fnmatchcase(fqn, glob) for glob in exclude))
+def is_selected(fqn: str, include: tuple[str, ...] | None, exclude: tuple[str, ...]) -> bool:
+    """Whether fqn matches an include glob (include None: is not trainer state) and no
+    exclude glob."""
+    included = (not is_trainer_state(fqn) if include is None
+                else any(fnmatch.fnmatchcase(fqn, glob) for glob in include))
+    return included and not any(fnmatch.fnmatchcase(fqn, glob) for glob in exclude)
 
 
-def output_name(fqn: str, selection: KeySelection) -> str:
-    """The fqn with the prefix stripped and every rename applied in order."""
-    name = fqn.removeprefix(selection.strip_prefix) if selection.strip_prefix else fqn
-    for rename in selection.renames:
+def _output_name(fqn: str, strip_prefix: str, renames: tuple[Rename, ...]) -> str:
+    name = fqn.removeprefix(strip_prefix) if strip_prefix else fqn
+    for rename in renames:
         name = rename.pattern.sub(rename.replacement, name)
     return name
 
 
 def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str, str]:
-    """Source fqn -> output name for every selected fqn, in source order; raises
-    SelectionError when two fqns get one name, a name is empty, or nothing is selected."""
+    """Source fqn -> output name for every selected fqn, in source order, the prefix stripped
+    and every rename applied in order; raises SelectionError when two fqns get one name, a
+    name is empty, or nothing is selected."""
     fqns = list(fqns)
-    include = selection.include if selection.include is not None else default_include(fqns)
+    selected = [fqn for fqn in fqns if is_selected(fqn, selection.include, selection.exclude)]
+    strip_prefix = selection.strip_prefix
+    if strip_prefix is None:
+        nested = selected and all(fqn.startswith(MODEL_PREFIX) for fqn in selected)
+        strip_prefix = MODEL_PREFIX if nested else ""
     names: dict[str, str] = {}
     taken: dict[str, str] = {}
-    for fqn in fqns:
-        if not is_selected(fqn, include, selection.exclude):
-            continue
-        name = output_name(fqn, selection)
+    for fqn in selected:
+        name = _output_name(fqn, strip_prefix, selection.renames)
         if not name:
             raise SelectionError(f"{fqn!r} is renamed to an empty name")
         if name in taken:
@@ -98,7 +119,16 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str,
         taken[name] = fqn
         names[fqn] = name
     if not names:
-        excluding = f" and no --exclude {list(selection.exclude)}" if selection.exclude else ""
-        raise SelectionError(f"nothing to convert: none of the {len(fqns)} entries matches "
-                             f"--include {list(include)}{excluding}")
+        raise SelectionError(_nothing_selected(fqns, selection))
     return names
+
+
+def _nothing_selected(fqns: list[str], selection: KeySelection) -> str:
+    excluding = f" and no --exclude {list(selection.exclude)}" if selection.exclude else ""
+    if selection.include is not None:
+        return (f"nothing to convert: none of the {len(fqns)} entries matches --include "
+                f"{list(selection.include)}{excluding}")
+    roots = sorted({fqn.partition(".")[0] for fqn in fqns if is_trainer_state(fqn)})
+    held = f"; it holds trainer state ({', '.join(roots)})" if roots else ""
+    return (f"nothing to convert: none of the {len(fqns)} entries is a model weight"
+            f"{excluding}{held}; give --include '*' to take them anyway")

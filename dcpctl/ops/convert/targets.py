@@ -11,7 +11,7 @@ import os
 from dcpctl.errors import InvalidOptionError
 from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.format.safetensors import DEFAULT_MAX_SHARD_BYTES
-from dcpctl.ops.convert.key_selection import MODEL_PREFIX, KeySelection, Rename
+from dcpctl.ops.convert.key_selection import KeySelection, Rename
 from dcpctl.ops.convert.report import ConvertReport, ProgressCallback
 
 SAFETENSORS_TARGET, TORCH_TARGET, DCP_TARGET = "safetensors", "torch", "dcp"
@@ -23,12 +23,12 @@ TARGET_OPTIONS = {
     TORCH_TARGET: {"dtype", "include", "exclude"},
     DCP_TARGET: {"ranks", "prefix"},
 }
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "MODEL_PREFIX", "Rename", "convert_checkpoint"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "Rename", "convert_checkpoint"]
 
 
 def convert_checkpoint(source: str | os.PathLike, target: str, output: str | os.PathLike,
                        dtype: str | None = None, include: tuple[str, ...] = (),
-                       exclude: tuple[str, ...] = (), strip_prefix: str = MODEL_PREFIX,
+                       exclude: tuple[str, ...] = (), strip_prefix: str | None = None,
                        renames: tuple[Rename, ...] = (),
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ranks: int = 1,
                        prefix: str = "", threads: int | None = None, overwrite: bool = False,
@@ -36,7 +36,8 @@ def convert_checkpoint(source: str | os.PathLike, target: str, output: str | os.
                        workers: int = 1) -> ConvertReport:
     """Convert source to the target format (SAFETENSORS_TARGET, TORCH_TARGET or DCP_TARGET)
     at output, on `workers` processes of `threads` threads each. include empty takes the
-    target's default selection."""
+    target's default selection (for safetensors the model's weights, key_selection.py);
+    strip_prefix None, safetensors' default (`model.` off names that all start with it)."""
     if target not in TARGET_OPTIONS:
         raise InvalidOptionError(f"unknown target {target!r}; dcpctl converts to "
                                  f"{', '.join(TARGET_OPTIONS)}")

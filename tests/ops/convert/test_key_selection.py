@@ -10,14 +10,51 @@ from dcpctl.ops.convert.key_selection import KeySelection, Rename, select_and_re
 TRAINING = ["model.embed.weight", "model.head.bias", "optim.state.embed.weight.exp_avg", "step"]
 
 
-def test_default_takes_the_model_when_there_is_an_optimizer():
-    names = select_and_rename(TRAINING, KeySelection(strip_prefix="model."))
+TORCHTITAN = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight",
+              "output.weight", "optimizer.state.tok_embeddings.weight.exp_avg",
+              "optimizer.state.tok_embeddings.weight.step", "lr_scheduler", "dataloader.dp_rank_0",
+              "dataloader.dp_rank_1", "train_state"]
+
+
+def test_default_takes_the_model_nested_under_model_named_as_its_state_dict():
+    names = select_and_rename(TRAINING, KeySelection(strip_prefix=None))
     assert names == {"model.embed.weight": "embed.weight", "model.head.bias": "head.bias"}
 
 
-def test_default_takes_everything_without_a_split():
-    fqns = ["model.a", "model.b", "extra"]
-    assert list(select_and_rename(fqns, KeySelection())) == fqns
+def test_default_takes_a_top_level_model_beside_trainer_state_as_it_is():
+    names = select_and_rename(TORCHTITAN, KeySelection(strip_prefix=None))
+    assert names == {fqn: fqn for fqn in TORCHTITAN[:4]}
+
+
+def test_default_leaves_out_an_rng_state_beside_a_model_without_optimizer():
+    names = select_and_rename(["model.a", "rng_state", "model.b"], KeySelection(strip_prefix=None))
+    assert names == {"model.a": "a", "model.b": "b"}
+
+
+def test_a_model_with_a_module_called_model_keeps_its_names():
+    fqns = ["model.embed_tokens.weight", "lm_head.weight", "optim.state.lm_head.weight.exp_avg"]
+    assert select_and_rename(fqns, KeySelection(strip_prefix=None)) == {
+        "model.embed_tokens.weight": "model.embed_tokens.weight",
+        "lm_head.weight": "lm_head.weight"}
+
+
+def test_options_still_rule_over_the_default():
+    assert list(select_and_rename(TRAINING, KeySelection(strip_prefix=""))) == TRAINING[:2]
+    assert select_and_rename(TORCHTITAN, KeySelection(include=("optimizer.*",),
+                                                      strip_prefix="optimizer.state.")) == {
+        fqn: fqn.removeprefix("optimizer.state.") for fqn in TORCHTITAN[4:6]}
+    assert list(select_and_rename(TORCHTITAN, KeySelection(exclude=("output.*",)))) == \
+        TORCHTITAN[:3]
+
+
+def test_a_checkpoint_of_trainer_state_alone_is_refused_by_default_with_the_way_out():
+    fqns = ["optimizer.state.w.exp_avg", "optimizer.state.w.exp_avg_sq", "lr_scheduler"]
+    with pytest.raises(SelectionError) as raised:
+        select_and_rename(fqns, KeySelection(strip_prefix=None))
+    assert str(raised.value) == (
+        "nothing to convert: none of the 3 entries is a model weight; it holds trainer state "
+        "(lr_scheduler, optimizer); give --include '*' to take them anyway")
+    assert list(select_and_rename(fqns, KeySelection(include=("*",)))) == fqns
 
 
 def test_globs_match_source_fqns_and_renames_apply_in_order():
