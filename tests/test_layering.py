@@ -20,7 +20,7 @@ LAYERS = [
     ("foundations", ["dcpctl.pipeline", "dcpctl.storage", "dcpctl.format.dtypes",
                      "dcpctl.format.file_names"]),
     ("file formats", ["dcpctl.format.metadata", "dcpctl.format.torch_save",
-                      "dcpctl.format.safetensors"]),
+                      "dcpctl.format.safetensors", "dcpctl.format.state_dict_layouts"]),
     ("codecs", ["dcpctl.format.codecs"]),
     ("checkpoint view", ["dcpctl.format.checkpoint"]),
     ("execution", ["dcpctl.execution"]),

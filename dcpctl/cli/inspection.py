@@ -24,7 +24,10 @@ def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
                     fqn_glob: str | None, by_file: bool) -> None:
     """Show what CHECKPOINT holds, reading only `.metadata` and file sizes.
 
-    The summary gives the DCP version, how many tensors and objects, their logical size
+    The summary gives the DCP version, the layout (whose state dict: torchtitan,
+    torchtune, {"model", "optim"}, an accelerate part, Megatron-Core torch_dist or a plain
+    one; where the model weights are and which trainer state lies beside them, which is
+    what `convert --to safetensors` leaves out), how many tensors and objects, their logical size
     (what the tensors occupy in memory) and stored size (bytes in the data files), sizes
     by dtype and by top-level key (`model`, `optim`...), the data files and the compression
     in use. Then one row per tensor: fqn, dtype, shape, number of stored chunks, logical
@@ -65,6 +68,7 @@ def render_summary(report: InspectReport) -> str:
     lines = [
         ("checkpoint", report.path),
         ("dcp version", report.version or "unknown"),
+        ("layout", report.layout),
         ("filter", report.filter),
         ("tensors", f"{len(report.tensors)}"),
         ("objects", f"{len(report.objects)}"),

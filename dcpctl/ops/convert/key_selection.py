@@ -1,14 +1,6 @@
 """Which fqns a conversion takes (include/exclude globs) and what they are called in the output
-(prefix stripping, regex renames), with clashes refused.
-
-By default a conversion to safetensors takes the model's weights, named as the model's own
-`state_dict()` names them. Trainers keep other state beside them: under `optimizer.` /
-`optim.` (torchtitan, torchtune, Megatron, `{"model", "optim"}` saves), `lr_scheduler`,
-`dataloader.dp_rank_<r>`, `train_state`, RNG states, a grad scaler. Those roots
-(TRAINER_STATE_ROOTS) are left out; what is left is the model, at the top level (torchtitan)
-or nested under `model.` (torchtune, accelerate, FSDP1, `{"model", "optim"}`), in which case
-`model.` comes off the names. A model whose own modules include one called `model` (a Hugging
-Face `LlamaForCausalLM`: `model.layers...` beside `lm_head.weight`) keeps its names.
+(prefix stripping, regex renames), with clashes refused. By default, to safetensors: the
+model's weights named as the model's own `state_dict()` names them (state_dict_layouts.py).
 """
 
 from __future__ import annotations
@@ -19,18 +11,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from dcpctl.errors import SelectionError
+from dcpctl.format.state_dict_layouts import is_trainer_state, model_prefix_of, root_of
 
-MODEL_PREFIX = "model."
-TRAINER_STATE_ROOTS = frozenset({
-    "optimizer", "optim", "optimizers", "optimizer_state", "optim_state", "state",
-    "param_groups", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
-    "opt_param_scheduler", "dataloader", "data_loader", "dataloaders", "sampler",
-    "train_state", "trainer_state", "rng", "rng_state", "rng_states", "rng_tracker_states",
-    "random_states", "scaler", "grad_scaler", "rerun_state_machine_state", "args",
-    "iteration", "step", "epoch", "epochs_run", "global_step", "steps_run", "seed",
-    "num_floating_point_operations_so_far",
-})
-"""First names of the entries that are trainer state, not model weights."""
 _GLOBAL_FLAGS = re.compile(r"(?:\(\?[aiLmsux]+\))*")
 
 
@@ -68,18 +50,13 @@ class Rename:
 @dataclass(frozen=True)
 class KeySelection:
     """Globs on the source fqns, then the renaming of those taken. include None: the model's
-    weights (every entry but trainer state, see the module docstring). strip_prefix None:
-    `model.` when every name taken starts with it, else nothing."""
+    weights (every entry but trainer state). strip_prefix None: `model.` when every name
+    taken starts with it, else nothing."""
 
     include: tuple[str, ...] | None = None
     exclude: tuple[str, ...] = ()
     strip_prefix: str | None = ""
     renames: tuple[Rename, ...] = ()
-
-
-def is_trainer_state(fqn: str) -> bool:
-    """Whether fqn is trainer state beside the model (TRAINER_STATE_ROOTS)."""
-    return fqn.partition(".")[0] in TRAINER_STATE_ROOTS
 
 
 def is_selected(fqn: str, include: tuple[str, ...] | None, exclude: tuple[str, ...]) -> bool:
@@ -105,8 +82,7 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str,
     selected = [fqn for fqn in fqns if is_selected(fqn, selection.include, selection.exclude)]
     strip_prefix = selection.strip_prefix
     if strip_prefix is None:
-        nested = selected and all(fqn.startswith(MODEL_PREFIX) for fqn in selected)
-        strip_prefix = MODEL_PREFIX if nested else ""
+        strip_prefix = model_prefix_of(selected)
     names: dict[str, str] = {}
     taken: dict[str, str] = {}
     for fqn in selected:
@@ -128,7 +104,7 @@ def _nothing_selected(fqns: list[str], selection: KeySelection) -> str:
     if selection.include is not None:
         return (f"nothing to convert: none of the {len(fqns)} entries matches --include "
                 f"{list(selection.include)}{excluding}")
-    roots = sorted({fqn.partition(".")[0] for fqn in fqns if is_trainer_state(fqn)})
+    roots = sorted({root_of(fqn) for fqn in fqns if is_trainer_state(fqn)})
     held = f"; it holds trainer state ({', '.join(roots)})" if roots else ""
     return (f"nothing to convert: none of the {len(fqns)} entries is a model weight"
             f"{excluding}{held}; give --include '*' to take them anyway")

@@ -6,12 +6,15 @@ import fnmatch
 import os
 import re
 from collections import Counter
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from dcpctl.cycle_collector import paused_cycle_collector
+from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, TensorEntry,
                                            open_checkpoint)
+from dcpctl.format.state_dict_layouts import describe_layout
 from dcpctl.format.codecs.names import describe_codec
 from dcpctl.ops.inspection.json_text import inspect_report_json_text
 from dcpctl.storage.locks import locked_checkpoint
@@ -27,6 +30,8 @@ class InspectReport:
     tensors: list[TensorEntry]
     objects: list[ObjectEntry]
     files: list[DataFile]
+    layout: str = ""
+    """Whose state dict it is and where its model weights are (state_dict_layouts.py)."""
     nbytes: int = 0
     stored_bytes: int = 0
     nbytes_by_dtype: dict[str, int] = field(default_factory=dict)
@@ -54,6 +59,7 @@ class InspectReport:
         return {
             "path": self.path,
             "version": self.version,
+            "layout": self.layout,
             "filter": self.filter,
             "tensor_count": len(self.tensors),
             "object_count": len(self.objects),
@@ -110,6 +116,12 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
         tensors=_matching(checkpoint.tensors, fqn_glob),
         objects=_matching(checkpoint.objects, fqn_glob),
         files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
+        layout=describe_layout(
+            chain((tensor.fqn for tensor in checkpoint.tensors),
+                  (entry.fqn for entry in checkpoint.objects)),
+            checkpoint.path.name,
+            megatron_files=bool(side_files_of(checkpoint))
+            or checkpoint.metadata.mcore_data is not None),
     )
     _add_size_totals(report)
     report.compression = _count_by_codec(_transforms_used(report).items())

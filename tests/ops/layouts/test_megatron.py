@@ -46,6 +46,7 @@ def test_inspect_and_verify_read_megatron_checkpoints(megatron_saves, version):
     assert "all_local_plans" in _raw_metadata_attributes(source)
     report = inspect_checkpoint(source)
     assert {tensor.fqn for tensor in report.tensors} == {"decoder.weight", "decoder.bias"}
+    assert report.layout.startswith("Megatron-Core torch_dist (model weights at the top level")
     verified = verify_checkpoint(source)
     assert verified.status == "ok", verified.problems
     expected_mcore_data = MCORE_DATA if version == "0.14" else None

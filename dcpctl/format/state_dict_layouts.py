@@ -1,0 +1,84 @@
+"""How trainers shape the state dict they save, read from the checkpoint's fqns alone.
+
+A trainer saves the model's weights beside its own state, each under a first name (the root
+of its fqns):
+- torchtitan: the model's state dict flattened into the top level (`tok_embeddings.weight`),
+  beside `optimizer.state.<fqn>.exp_avg`, `lr_scheduler`, `dataloader.dp_rank_<r>` and
+  `train_state`.
+- torch's recipe with `get_state_dict`: `{"model": ..., "optim": ...}`.
+- torchtune: `model.` beside `optimizer.`, `epochs_run`, `seed`, `steps_run`, ...
+- accelerate: a directory per state, `pytorch_model_fsdp_<i>/` holding `model.` alone and
+  `optimizer_<i>/` holding `optimizer.` alone.
+- Megatron-Core `torch_dist`: its own sharded keys beside `optimizer.state.` and `rng_state`,
+  with common.pt and metadata.json beside the DCP files.
+
+TRAINER_STATE_ROOTS are the roots of trainer state; every other entry is the model's. When
+every model entry lies under `model.`, the model was saved under a `model` key and its own
+names are what follows (a Hugging Face `LlamaForCausalLM`'s `model.layers...` beside
+`lm_head.weight` is a model with a module called `model`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Collection, Iterable
+
+MODEL_PREFIX = "model."
+TRAINER_STATE_ROOTS = frozenset({
+    "optimizer", "optim", "optimizers", "optimizer_state", "optim_state", "state",
+    "param_groups", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
+    "opt_param_scheduler", "dataloader", "data_loader", "dataloaders", "sampler",
+    "train_state", "trainer_state", "rng", "rng_state", "rng_states", "rng_tracker_states",
+    "random_states", "scaler", "grad_scaler", "rerun_state_machine_state", "args",
+    "iteration", "step", "epoch", "epochs_run", "global_step", "steps_run", "seed",
+    "total_epochs", "max_steps_per_epoch", "num_floating_point_operations_so_far",
+})
+_TORCHTUNE_ROOTS = frozenset({"epochs_run", "seed", "steps_run", "total_epochs",
+                              "max_steps_per_epoch"})
+_ACCELERATE_PART = re.compile(r"(pytorch_model_fsdp|optimizer)_[0-9]+")
+
+
+def root_of(fqn: str) -> str:
+    """The first name of an fqn."""
+    return fqn.partition(".")[0]
+
+
+def is_trainer_state(fqn: str) -> bool:
+    """Whether fqn is trainer state beside the model (TRAINER_STATE_ROOTS)."""
+    return root_of(fqn) in TRAINER_STATE_ROOTS
+
+
+def model_prefix_of(model_fqns: Collection[str]) -> str:
+    """`model.` when every model entry lies under it (the model saved under a `model` key),
+    else nothing."""
+    nested = model_fqns and all(fqn.startswith(MODEL_PREFIX) for fqn in model_fqns)
+    return MODEL_PREFIX if nested else ""
+
+
+def describe_layout(fqns: Iterable[str], directory_name: str, megatron_files: bool) -> str:
+    """Which trainer's state dict this is, and where its model weights are, in words."""
+    fqns = list(fqns)
+    roots = {root_of(fqn) for fqn in fqns}
+    model = [fqn for fqn in fqns if not is_trainer_state(fqn)]
+    state = sorted(roots & TRAINER_STATE_ROOTS)
+    part = _ACCELERATE_PART.fullmatch(directory_name)
+    if megatron_files:
+        trainer = "Megatron-Core torch_dist"
+    elif part and roots == {"model" if part.group(1) == "pytorch_model_fsdp" else "optimizer"}:
+        trainer = f"accelerate {'model' if roots == {'model'} else 'optimizer'} part"
+    elif "train_state" in roots or any(fqn.startswith("dataloader.dp_rank_") for fqn in fqns):
+        trainer = "torchtitan"
+    elif roots & _TORCHTUNE_ROOTS and "model" in roots:
+        trainer = "torchtune"
+    elif {"model", "optim"} <= roots:
+        trainer = '{"model", "optim"}'
+    else:
+        trainer = "plain state dict"
+    if not model:
+        where = "no model weights"
+    elif model_prefix_of(model):
+        where = "model weights under model."
+    else:
+        where = "model weights at the top level"
+    beside = f"; trainer state: {', '.join(state)}" if state else ""
+    return f"{trainer} ({where}{beside})"
