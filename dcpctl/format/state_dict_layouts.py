@@ -35,7 +35,9 @@ TRAINER_STATE_ROOTS = frozenset({
 })
 _TORCHTUNE_ROOTS = frozenset({"epochs_run", "seed", "steps_run", "total_epochs",
                               "max_steps_per_epoch"})
-_ACCELERATE_PART = re.compile(r"(pytorch_model_fsdp|optimizer)_[0-9]+")
+ACCELERATE_PART = re.compile(r"(pytorch_model_fsdp|optimizer)_[0-9]+")
+"""The name of a directory accelerate saves a model (FSDP) or an optimizer into, with DCP."""
+ACCELERATE_MODEL_PART = "pytorch_model_fsdp"
 
 
 def root_of(fqn: str) -> str:
@@ -61,10 +63,10 @@ def describe_layout(fqns: Iterable[str], directory_name: str, megatron_files: bo
     roots = {root_of(fqn) for fqn in fqns}
     model = [fqn for fqn in fqns if not is_trainer_state(fqn)]
     state = sorted(roots & TRAINER_STATE_ROOTS)
-    part = _ACCELERATE_PART.fullmatch(directory_name)
+    part = ACCELERATE_PART.fullmatch(directory_name)
     if megatron_files:
         trainer = "Megatron-Core torch_dist"
-    elif part and roots == {"model" if part.group(1) == "pytorch_model_fsdp" else "optimizer"}:
+    elif part and roots == {"model" if part.group(1) == ACCELERATE_MODEL_PART else "optimizer"}:
         trainer = f"accelerate {'model' if roots == {'model'} else 'optimizer'} part"
     elif "train_state" in roots or any(fqn.startswith("dataloader.dp_rank_") for fqn in fqns):
         trainer = "torchtitan"

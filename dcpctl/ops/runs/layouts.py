@@ -21,11 +21,10 @@ from typing import Collection, Iterable
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME)
+from dcpctl.format.state_dict_layouts import ACCELERATE_MODEL_PART, ACCELERATE_PART
 from dcpctl.storage.paths import StoragePath
 
 _PARTIAL_SAVE_FILES = (DATA_FILE_SUFFIX, METADATA_TEMPORARY_FILE_NAME)
-_ACCELERATE_MODEL_PART = re.compile(r"pytorch_model_fsdp_[0-9]+")
-_ACCELERATE_PART = re.compile(r"(?:pytorch_model_fsdp|optimizer)_[0-9]+")
 _ACCELERATE_RNG_STATE = re.compile(r"random_states_[0-9]+\.pkl")
 ACCELERATE_LAST_WRITTEN = "random_states_0.pkl"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -58,7 +57,7 @@ def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
     parts = sorted(_dcp_subdirectories(names))
     if parts:
         complete = all(f"{part}/{METADATA_FILE_NAME}" in names for part in parts)
-        if any(_ACCELERATE_PART.fullmatch(part) for part in parts):
+        if any(ACCELERATE_PART.fullmatch(part) for part in parts):
             complete = complete and ACCELERATE_LAST_WRITTEN in names
         return CheckpointShape(tuple(parts), complete)
     # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
@@ -85,7 +84,9 @@ def refuse_a_checkpoint_as_run_directory(directory: StoragePath, names: Iterable
     pruning them would delete part of one checkpoint."""
     for name in sorted(names):
         entry = name.partition("/")[0]
-        if _ACCELERATE_RNG_STATE.fullmatch(entry) or _ACCELERATE_MODEL_PART.fullmatch(entry):
+        part = ACCELERATE_PART.fullmatch(entry)
+        model_part = part is not None and part.group(1) == ACCELERATE_MODEL_PART
+        if model_part or _ACCELERATE_RNG_STATE.fullmatch(entry):
             raise CheckpointNotFoundError(
                 f"is an accelerate checkpoint itself (holds {entry}); give the run directory "
                 "above it (accelerate's `checkpoints/`)", path=directory)

@@ -3,6 +3,7 @@ and state; `ls` lists them and `prune` decides over them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -132,15 +133,17 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
 
 
 def _read_tracker(path: Path) -> int | None:
-    """The step a local tracker file names; None unless it is a small regular file."""
+    """The step a local tracker file names; None unless it is a small regular file (a
+    symlink is never followed)."""
     try:
-        status = os.lstat(path)
-        if not stat.S_ISREG(status.st_mode) or status.st_size > MEGATRON_TRACKER_MAX_BYTES:
-            return None
-        with open(path, "rb") as file:
-            return parse_tracked_iteration(file.read(MEGATRON_TRACKER_MAX_BYTES))
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    with os.fdopen(descriptor, "rb") as file:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_size > MEGATRON_TRACKER_MAX_BYTES:
+            return None
+        return parse_tracked_iteration(file.read(MEGATRON_TRACKER_MAX_BYTES))
 
 
 def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
@@ -150,7 +153,9 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
     refuse_a_checkpoint_as_run_directory(scan.path, listing)
     tracker = listing.get(MEGATRON_TRACKER)
     if tracker is not None and tracker.size <= MEGATRON_TRACKER_MAX_BYTES:
-        scan.tracked_step = parse_tracked_iteration((scan.path / MEGATRON_TRACKER).read_bytes())
+        with contextlib.suppress(FileNotFoundError):  # replaced since it was listed
+            data = (scan.path / MEGATRON_TRACKER).read_bytes()[:MEGATRON_TRACKER_MAX_BYTES]
+            scan.tracked_step = parse_tracked_iteration(data)
     for key, info in listing.items():
         name, slash, rest = key.partition("/")
         if slash and parse_step(name) is not None:
