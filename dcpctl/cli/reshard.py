@@ -8,7 +8,9 @@ from dcpctl.cli.options import (checkpoint_argument, json_option, output_option,
                                 threads_option, workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
-from dcpctl.ops.reshard.execution import CODEC_NAMES, ReshardReport, reshard_checkpoint
+from dcpctl.ops.reshard.execution import (CODEC_NAMES, PER_RANK_OBJECT_CHOICES, ReshardReport,
+                                          reshard_checkpoint)
+from dcpctl.ops.reshard.planning import describe_ranks
 
 
 @click.command("reshard")
@@ -20,22 +22,38 @@ from dcpctl.ops.reshard.execution import CODEC_NAMES, ReshardReport, reshard_che
 @click.option("--codec", "codec_name", type=click.Choice(CODEC_NAMES), default=None,
               help="Codec of the output items (default: the input's, so zstd stays zstd); "
                    "none stores them as they are.")
+@click.option("--per-rank-objects", type=click.Choice(PER_RANK_OBJECT_CHOICES), default="keep",
+              show_default=True,
+              help="What to do with objects each rank saved for itself (torchtitan's "
+                   "dataloader.dp_rank_<r>) when the new world size does not match them: keep "
+                   "them (rank r's on rank r's file, those past the new world size on rank "
+                   "0's), drop them, or refuse to reshard.")
 @threads_option
 @workers_option
 @overwrite_option
 @json_option
 def reshard_command(checkpoint: str, world_size: int, output: str, codec_name: str | None,
-                    threads: int | None, workers: int, overwrite: bool, as_json: bool) -> None:
+                    per_rank_objects: str, threads: int | None, workers: int, overwrite: bool,
+                    as_json: bool) -> None:
     """Write CHECKPOINT laid out for a job of --ranks ranks, one file per rank.
 
-    Every tensor is split along dim 0 exactly as a real N-rank FSDP2 save (`fully_shard`,
-    `Shard(0)` on a 1-D mesh) splits it: ceil(rows / N) rows per rank, the last ranks smaller
-    or empty, like torch.chunk. Rank r's chunks go to `__r_0.distcp`, so each rank of the next
-    job reads only its own file. 0-d tensors and non-tensor objects go to rank 0. Any DCP
-    input works: FSDP2 or 2-D mesh shards, zstd or plain, TORCH_SAVE or SAFETENSORS
-    serialization. Output chunks are assembled from the byte ranges of the input chunks they
-    overlap, a large chunk in blocks of rows, so memory stays near a few 4 MiB blocks per
-    thread; zstd inputs are decoded once, a chunk of up to 4 MiB in memory and a larger one
+    The output is what a real N-rank FSDP2 save (`fully_shard`, `Shard(0)` on a 1-D mesh)
+    writes. Every sharded tensor is split along dim 0 as FSDP2 splits it: ceil(rows / N) rows
+    per rank, the last ranks smaller or empty, like torch.chunk; rank r's chunks go to
+    `__r_0.distcp`, so each rank of the next job reads only its own file. A tensor that was
+    never sharded (in a save of several ranks, one chunk covering it: buffers, RNG states,
+    counters; any 0-d tensor) is written whole and once, and so is every object, on the rank
+    file torch's deduplication would pick (the rank with the least data planned at its turn).
+    A save of one rank cannot tell its buffers from its parameters: every tensor of it is
+    split. Objects a rank saved for itself (torchtitan's dataloader.dp_rank_<r>) stay on
+    their rank's file; the report names the new ranks that have none (--per-rank-objects).
+    A 2-D mesh source (FSDP + tensor parallel) becomes a 1-D FSDP2 layout: each tensor's
+    tensor-parallel shards are joined and its rows split over the N ranks. Any DCP input
+    works: FSDP2 or 2-D mesh shards, zstd or plain, TORCH_SAVE or SAFETENSORS serialization.
+
+    Output chunks are assembled from the byte ranges of the input chunks they overlap, a
+    large chunk in blocks of rows, so memory stays near a few 4 MiB blocks per thread; zstd
+    inputs are decoded once, a chunk of up to 4 MiB in memory and a larger one
     into a temporary spool file beside the output. The output is written into a hidden sibling
     directory and renamed into place, with SHA256SUMS.
 
@@ -47,15 +65,26 @@ def reshard_command(checkpoint: str, world_size: int, output: str, codec_name: s
     """
     with byte_progress("reshard") as progress:
         report = reshard_checkpoint(checkpoint, world_size, output, codec_name, threads=threads,
-                                    overwrite=overwrite, on_progress=progress, workers=workers)
+                                    overwrite=overwrite, on_progress=progress, workers=workers,
+                                    per_rank_objects=per_rank_objects)
     print_report(report, as_json, render_reshard_report)
 
 
 def render_reshard_report(report: ReshardReport) -> str:
     """What a reshard did, for people."""
     rate = report.logical_bytes / report.seconds if report.seconds else 0
-    return (f"{report.source} -> {report.output}: {report.tensors} tensors in "
-            f"{report.chunks_written} chunks and {report.objects} objects over "
-            f"{report.world_size} ranks ({report.files} files), codec {report.codec}\n"
-            f"wrote {format_bytes(report.stored_bytes_after)} in {report.seconds:.1f} s "
-            f"({format_bytes(int(rate))}/s of tensor data)")
+    lines = [f"{report.source} -> {report.output}: {report.tensors} tensors in "
+             f"{report.chunks_written} chunks and {report.objects} objects over "
+             f"{report.world_size} ranks ({report.files} files), codec {report.codec}",
+             f"wrote {format_bytes(report.stored_bytes_after)} in {report.seconds:.1f} s "
+             f"({format_bytes(int(rate))}/s of tensor data)"]
+    per_rank = report.per_rank_objects
+    if per_rank is not None and (per_rank.ranks_without or per_rank.dropped
+                                 or per_rank.ranks[-1] >= report.world_size):
+        what = "dropped" if per_rank.dropped else "kept"
+        without = (f"; new ranks {describe_ranks(per_rank.ranks_without)} have none of "
+                   "their own (a trainer that loads its own, as torchtitan's dataloader does, "
+                   "must skip them on resume)" if per_rank.ranks_without else "")
+        lines.append(f"per-rank objects ({per_rank.fqns[0]}, ...) of ranks "
+                     f"{describe_ranks(per_rank.ranks)}: {what}{without}")
+    return "\n".join(lines)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 METADATA_FILE_NAME = ".metadata"
 """The pickled metadata; torch writes it last, so a directory without it is incomplete."""
 METADATA_TEMPORARY_FILE_NAME = f"{METADATA_FILE_NAME}.tmp"
@@ -15,6 +17,16 @@ HF_INDEX_FILE_NAME = "model.safetensors.index.json"
 def rank_file_name(rank: int) -> str:
     """The data file of a rank, as torch's FileSystemWriter names it (one file per rank)."""
     return f"__{rank}_0{DATA_FILE_SUFFIX}"
+
+
+_RANK_FILE_NAME = re.compile(rf"__([0-9]+)_[0-9]+{re.escape(DATA_FILE_SUFFIX)}")
+
+
+def rank_of_file_name(name: str) -> int | None:
+    """The rank that wrote a data file named as torch's FileSystemWriter names them
+    (`__<rank>_<n>.distcp`, perhaps under a prefix), or None."""
+    match = _RANK_FILE_NAME.fullmatch(name.rpartition("/")[2])
+    return int(match.group(1)) if match else None
 
 
 def is_plain_file_name(name: str) -> bool:

@@ -40,6 +40,19 @@ ACCELERATE_PART = re.compile(r"(pytorch_model_fsdp|optimizer)_[0-9]+")
 ACCELERATE_MODEL_PART = "pytorch_model_fsdp"
 
 
+_PER_RANK_KEY = re.compile(r"dp_rank_([0-9]+)")
+
+
+def rank_of_per_rank_entry(fqn: str) -> int | None:
+    """The rank an entry belongs to alone (torchtitan's `dataloader.dp_rank_<r>`: each
+    data-parallel rank saves its own), or None for an entry every rank shares."""
+    for name in fqn.split("."):
+        match = _PER_RANK_KEY.fullmatch(name)
+        if match:
+            return int(match.group(1))
+    return None
+
+
 def root_of(fqn: str) -> str:
     """The first name of an fqn."""
     return fqn.partition(".")[0]

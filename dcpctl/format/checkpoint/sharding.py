@@ -1,19 +1,31 @@
-"""Where a real N-rank FSDP2 save puts each tensor's rows: `Shard(0)` with torch.chunk semantics."""
+"""Where a real N-rank FSDP2 save puts each tensor's rows (`Shard(0)` with torch.chunk
+semantics), and which rank's file each item lands in once DCP has deduplicated what several
+ranks hold (replicated tensors and objects, shared empty chunks)."""
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from typing import Sequence
 
 from dcpctl.errors import InvalidOptionError
 
 
 @dataclass(frozen=True)
 class RankChunk:
-    """The chunk of a tensor that one rank holds: its rank, offsets and sizes."""
+    """The chunk of a tensor that one rank holds: its rank, offsets and sizes. sharing_ranks:
+    how many ranks from `rank` on hold this very chunk (the empty chunk of the ranks past a
+    tensor's rows), which DCP saves once (place_like_a_save says on which)."""
 
     rank: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    sharing_ranks: int = 1
+
+    @property
+    def holders(self) -> range:
+        """The ranks whose save plans hold this chunk."""
+        return range(self.rank, self.rank + self.sharing_ranks)
 
 
 MAX_WORLD_SIZE = 1 << 20
@@ -31,12 +43,11 @@ def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk
     """The chunks an FSDP2 (`fully_shard`, 1-D mesh) save of world_size ranks writes for a
     tensor of this shape: ceil(rows / world_size) rows per rank, later ranks smaller or empty.
     An empty chunk starts at the end of dim 0; ranks whose chunks are equal (several empty ones)
-    share one entry, as DCP deduplicates them, given here to the lowest of those ranks (torch
-    gives it to the rank with the least data planned so far). A 0-d tensor is not sharded:
-    rank 0 holds it."""
+    share one entry, as DCP deduplicates them (its holders are those ranks; `rank` is the
+    lowest). A 0-d tensor is not sharded: one chunk that every rank holds."""
     check_world_size(world_size)
     if not shape:
-        return [RankChunk(0, (), ())]
+        return [RankChunk(0, (), (), sharing_ranks=world_size)]
     rows, rest = shape[0], tuple(shape[1:])
     rows_per_rank = -(-rows // world_size) if rows else 0
     ranks_with_rows = -(-rows // rows_per_rank) if rows else 0
@@ -45,5 +56,46 @@ def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk
                         (min(rows_per_rank, rows - rank * rows_per_rank),) + rest)
               for rank in range(ranks_with_rows)]
     if ranks_with_rows < world_size:  # every later rank holds the same empty chunk
-        chunks.append(RankChunk(ranks_with_rows, (rows,) + zeros, (0,) + rest))
+        chunks.append(RankChunk(ranks_with_rows, (rows,) + zeros, (0,) + rest,
+                                sharing_ranks=world_size - ranks_with_rows))
     return chunks
+
+
+def place_like_a_save(items: Sequence[tuple[range, int]], world_size: int) -> list[int]:
+    """The rank whose file holds each item of a world_size-rank save. items: for each item of
+    the state dict, in its order, the ranks whose save plans hold it and its size as torch
+    counts it (the bytes of the whole tensor, even for one chunk of it; 0 for an object).
+
+    This is torch's deduplication (dedup_save_plans, as DefaultSavePlanner runs it): the items
+    are taken plan by plan (rank 0's, then those rank 1's adds, ...), each plan in state-dict
+    order, and an item that several plans hold goes to the one with the fewest bytes planned
+    so far, the lowest rank on a tie; an item of no bytes counts one. So a replicated tensor or
+    object lands on the least loaded rank at its turn, not always on rank 0."""
+    planned = [0] * world_size
+    least_planned = [(0, rank) for rank in range(world_size)]  # a heap; stale entries skipped
+    placed = [0] * len(items)
+    for index in sorted(range(len(items)), key=lambda index: (items[index][0].start, index)):
+        holders, size = items[index]
+        rank = holders.start if len(holders) == 1 else _least_planned(least_planned, planned,
+                                                                      holders)
+        placed[index] = rank
+        planned[rank] += size or 1
+        heapq.heappush(least_planned, (planned[rank], rank))
+    return placed
+
+
+def _least_planned(heap: list[tuple[int, int]], planned: list[int], holders: range) -> int:
+    """The holder with the fewest bytes planned (the lowest on a tie); the entries of ranks
+    outside holders are set aside and put back."""
+    set_aside = []
+    while True:
+        size, rank = heap[0]
+        if size != planned[rank]:
+            heapq.heappop(heap)  # planned has grown since
+        elif rank in holders:
+            break
+        else:
+            set_aside.append(heapq.heappop(heap))
+    for entry in set_aside:
+        heapq.heappush(heap, entry)
+    return rank

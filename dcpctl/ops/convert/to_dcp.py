@@ -23,7 +23,8 @@ from dcpctl.errors import DataError, UnsupportedLayoutError, truncated_error
 from dcpctl.execution.running import run_job, threads_per_worker
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
-from dcpctl.format.checkpoint.sharding import RankChunk, check_world_size, shard_dim0_chunks
+from dcpctl.format.checkpoint.sharding import (RankChunk, check_world_size, place_like_a_save,
+                                               shard_dim0_chunks)
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
 from dcpctl.format.file_names import rank_file_name
 from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
@@ -170,13 +171,22 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
 
 
 def plan_items(entries: list[SourceEntry], ranks: int) -> list[list[_Item]]:
-    """Each rank's items in file order: objects (rank 0), then tensor chunks."""
+    """Each rank's items in file order, objects first, then tensor chunks, on the rank files
+    a real save of that many ranks puts them (sharding.py: objects and 0-d tensors once, where
+    torch's deduplication puts them)."""
+    planned = [(entry, chunk, index) for entry in entries
+               for index, chunk in (enumerate(shard_dim0_chunks(entry.shape, ranks))
+                                    if entry.is_tensor else [(None, None)])]
+    placed = place_like_a_save(
+        [(chunk.holders, math.prod(entry.shape) * entry.dtype.itemsize) if chunk is not None
+         else (range(ranks), 0) for entry, chunk, _ in planned], ranks)
     items: list[list[_Item]] = [[] for _ in range(ranks)]
-    items[0] = [_Item(entry, None, None) for entry in entries if not entry.is_tensor]
-    for entry in entries:
-        if entry.is_tensor:
-            for index, chunk in enumerate(shard_dim0_chunks(entry.shape, ranks)):
-                items[chunk.rank].append(_Item(entry, chunk, index))
+    for (entry, chunk, index), rank in zip(planned, placed):
+        if chunk is None:
+            items[rank].append(_Item(entry, None, None))
+    for (entry, chunk, index), rank in zip(planned, placed):
+        if chunk is not None:
+            items[rank].append(_Item(entry, chunk, index))
     return items
 
 

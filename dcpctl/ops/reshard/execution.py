@@ -26,7 +26,8 @@ from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.registry import CODEC_NAMES, Codec, codec_by_name
 from dcpctl.format.metadata.records import ChunkMetadata, MetadataIndex, StorageInfo
 from dcpctl.ops.reshard.assembly import chunk_archive
-from dcpctl.ops.reshard.planning import (ChunkTask, ObjectTask, ReshardPlan, group_tasks_into_runs,
+from dcpctl.ops.reshard.planning import (KEEP, PER_RANK_OBJECT_CHOICES, ChunkTask, ObjectTask,
+                                         PerRankObjects, ReshardPlan, group_tasks_into_runs,
                                          plan_reshard)
 from dcpctl.pipeline import Pipeline, Run, coalesce, produce_run
 from dcpctl.storage.local import scratch_directory_beside
@@ -34,7 +35,8 @@ from dcpctl.storage.paths import storage_path
 
 # The codec names are named here for the command line, which reaches the format only through
 # the operations.
-__all__ = ["CODEC_NAMES", "ReshardReport", "execute_reshard", "reshard_checkpoint"]
+__all__ = ["CODEC_NAMES", "PER_RANK_OBJECT_CHOICES", "ReshardReport", "execute_reshard",
+           "reshard_checkpoint"]
 
 # Pieces smaller than this are joined before they reach the writer: a run's archives come as
 # many small pieces, and per-piece costs (a write and a hash update, each a hand-over of the
@@ -57,6 +59,7 @@ class ReshardReport:
     logical_bytes: int
     stored_bytes_after: int
     seconds: float
+    per_rank_objects: PerRankObjects | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -95,7 +98,12 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
 
 def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
                   storage_by_task: dict[int, StorageInfo]):
-    entries = dict(checkpoint.metadata.state_dict_metadata)
+    dropped = set(plan.per_rank_objects.dropped if plan.per_rank_objects else ())
+    entries = {fqn: entry for fqn, entry in checkpoint.metadata.state_dict_metadata.items()
+               if fqn not in dropped}
+    planner_data = checkpoint.metadata.planner_data
+    if dropped and isinstance(planner_data, dict):
+        planner_data = {fqn: path for fqn, path in planner_data.items() if fqn not in dropped}
     chunks_by_fqn: dict[str, list[ChunkMetadata]] = {}
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     for index, task in enumerate(plan.tasks):
@@ -107,7 +115,7 @@ def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
     for fqn, chunks in chunks_by_fqn.items():
         entries[fqn] = dataclasses.replace(entries[fqn], chunks=chunks)
     return dataclasses.replace(checkpoint.metadata, state_dict_metadata=entries,
-                               storage_data=storage_data)
+                               planner_data=planner_data, storage_data=storage_data)
 
 
 @dataclass(frozen=True)
@@ -123,10 +131,11 @@ class ReshardJob:
     """The scratch directory for payloads decoded whole (storage/local.py)."""
     threads: int
     piece_bytes: int = DEFAULT_PIECE_BYTES
+    per_rank_objects: str = KEEP
 
     def plan(self) -> ReshardPlan:
         return plan_reshard(open_checkpoint(self.source, check_files=False), self.world_size,
-                            self.codec)
+                            self.codec, self.per_rank_objects)
 
     def lane_sizes(self, plan: ReshardPlan) -> list[int]:
         return list(plan.output_file_bytes.values())
@@ -185,9 +194,10 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
     """Write every planned item into output, on `workers` processes (or the ranks of a
     torchrun job), and publish it; returns the stored bytes after."""
     with scratch_directory_beside(output.directory) as scratch:
+        choice = plan.per_rank_objects.choice if plan.per_rank_objects else KEEP
         job = ReshardJob(str(checkpoint.path), plan.world_size, plan.codec,
                          output.data_files(plan.output_file_bytes), str(scratch), threads,
-                         piece_bytes)
+                         piece_bytes, choice)
         storage_by_task, digests = merge_shares(run_job(job, plan, workers, on_progress))
     output.publish(_new_metadata(checkpoint, plan, storage_by_task), digests)
     return sum(info.length for info in storage_by_task.values())
@@ -206,18 +216,18 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
                        codec_name: str | None = None, threads: int | None = None,
                        overwrite: bool = False,
                        on_progress: Callable[[int, int], None] | None = None,
-                       piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1
-                       ) -> ReshardReport:
+                       piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1,
+                       per_rank_objects: str = KEEP) -> ReshardReport:
     """Write the checkpoint at path laid out for world_size ranks into output_path, its items
     in the codec called codec_name (one of CODEC_NAMES; default: the input's), on `workers`
     processes of `threads` threads each; output chunks are assembled in blocks of about
-    piece_bytes."""
+    piece_bytes. per_rank_objects: one of PER_RANK_OBJECT_CHOICES (planning.py)."""
     started = time.perf_counter()
     threads = threads_per_worker(threads, storage_path(path), workers)
     codec = codec_by_name(codec_name) if codec_name is not None else None
     destination = storage_path(output_path)
     with checked_checkpoint(path, threads=threads, on_progress=on_progress) as checkpoint:
-        plan = plan_reshard(checkpoint, world_size, codec)
+        plan = plan_reshard(checkpoint, world_size, codec, per_rank_objects)
         output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
                                   overwrite=overwrite, side_files=side_files_of(checkpoint))
         try:
@@ -233,4 +243,4 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
         objects=len(plan.tasks) - len(chunk_tasks),
         files=len({task.output_file for task in plan.tasks}),
         logical_bytes=sum(task.nbytes for task in chunk_tasks), stored_bytes_after=stored,
-        seconds=time.perf_counter() - started)
+        seconds=time.perf_counter() - started, per_rank_objects=plan.per_rank_objects)

@@ -1,7 +1,14 @@
-"""The plan of a reshard: every output chunk of a world_size-rank save (`Shard(0)` with
-torch.chunk semantics, format/checkpoint/sharding.py), the input chunks that overlap it and the
-rank file it goes to; and how its tasks are grouped into runs for the pipeline. A pure function
-of the checkpoint and the target."""
+"""The plan of a reshard: every output item of a world_size-rank save, the input chunks that
+overlap it and the rank file it goes to; and how its tasks are grouped into runs for the
+pipeline. A pure function of the checkpoint and the target.
+
+What a real save writes (format/checkpoint/sharding.py): sharded tensors split as FSDP2 splits
+them (`Shard(0)`, torch.chunk semantics); a tensor that was never sharded (in a save of several
+ranks, one chunk that covers it: a buffer, an RNG state, a counter; and any 0-d tensor) whole
+and once, and objects once, each on the rank file DCP's deduplication picks; a per-rank object
+(torchtitan's `dataloader.dp_rank_<r>`) on its own rank's file, kept, dropped or refused by
+choice when the new world size has no such rank or lacks one.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +19,14 @@ from dataclasses import dataclass
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_chunk, locate_object
-from dcpctl.format.checkpoint.sharding import check_world_size, shard_dim0_chunks
-from dcpctl.format.checkpoint.view import Checkpoint, TensorEntry
+from dcpctl.format.checkpoint.sharding import (RankChunk, check_world_size, place_like_a_save,
+                                               shard_dim0_chunks)
+from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry, TensorEntry
 from dcpctl.format.codecs.registry import Codec, codec_for_descriptors
 from dcpctl.format.dtypes import DType
-from dcpctl.format.file_names import rank_file_name
+from dcpctl.format.file_names import rank_file_name, rank_of_file_name
 from dcpctl.format.metadata.records import ChunkMetadata
+from dcpctl.format.state_dict_layouts import rank_of_per_rank_entry
 from dcpctl.pipeline import Run, group_into_runs
 
 # Runs are formed within windows of this many bytes of tasks in plan order (see
@@ -53,20 +62,42 @@ class ChunkTask:
 
 @dataclass(frozen=True, slots=True)
 class ObjectTask:
-    """A non-tensor item, carried over as stored into rank 0's file."""
+    """A non-tensor item, carried over as stored into a rank file."""
 
     fqn: str
     location: ItemLocation
     output_file: str
 
 
+KEEP, DROP, REFUSE = "keep", "drop", "refuse"
+PER_RANK_OBJECT_CHOICES = (KEEP, DROP, REFUSE)
+"""What a reshard does with per-rank objects where the new world size does not match them:
+keep them (on their own rank's file, rank 0's past the new world size), leave them out, or
+refuse to reshard."""
+
+
+@dataclass(frozen=True)
+class PerRankObjects:
+    """The per-rank objects of a checkpoint and what the reshard did with them."""
+
+    fqns: tuple[str, ...]
+    ranks: tuple[int, ...]
+    """The ranks they belong to, in order."""
+    choice: str
+    dropped: tuple[str, ...]
+    ranks_without: tuple[int, ...]
+    """The new ranks that have none of their own."""
+
+
 @dataclass
 class ReshardPlan:
-    """Every output item in write order, and the codec they are written with."""
+    """Every output item in write order, the codec they are written with, and what became of
+    the per-rank objects (None where there are none)."""
 
     world_size: int
     codec: Codec
     tasks: list[ChunkTask | ObjectTask]
+    per_rank_objects: PerRankObjects | None = None
 
     @functools.cached_property
     def output_file_bytes(self) -> dict[str, int]:
@@ -77,21 +108,115 @@ class ReshardPlan:
         return dict(sorted(sizes.items()))
 
 
-def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None
-                 ) -> ReshardPlan:
-    """Plan the output of a world_size-rank save of the checkpoint's state."""
+def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None,
+                 per_rank_objects: str = KEEP) -> ReshardPlan:
+    """Plan the output of a world_size-rank save of the checkpoint's state; per_rank_objects
+    is one of PER_RANK_OBJECT_CHOICES."""
     check_world_size(world_size)
+    if per_rank_objects not in PER_RANK_OBJECT_CHOICES:
+        raise ValueError(f"per_rank_objects must be one of {PER_RANK_OBJECT_CHOICES}")
     codec = codec or _input_codec(checkpoint)
+    per_rank = _per_rank_objects(checkpoint, world_size, per_rank_objects)
+    never_sharded = _never_sharded(checkpoint)
+    tensors = {tensor.fqn: tensor for tensor in checkpoint.tensors}
+    objects = {entry.fqn: entry for entry in checkpoint.objects}
+    planned: list[tuple[TensorEntry | ObjectEntry, RankChunk | None]] = []
+    holders_and_sizes: list[tuple[range, int]] = []
+    for fqn in _state_dict_order(checkpoint):
+        if fqn in tensors:
+            tensor = tensors[fqn]
+            whole = [RankChunk(0, (0,) * len(tensor.shape), tensor.shape, world_size)]
+            for chunk in whole if never_sharded(tensor) else shard_dim0_chunks(tensor.shape,
+                                                                               world_size):
+                planned.append((tensor, chunk))
+                holders_and_sizes.append((chunk.holders, tensor.nbytes))
+        elif fqn in objects and fqn not in (per_rank.dropped if per_rank else ()):
+            rank = rank_of_per_rank_entry(fqn)
+            holders = (range(world_size) if rank is None
+                       else range(rank, rank + 1) if rank < world_size else range(1))
+            planned.append((objects[fqn], None))
+            holders_and_sizes.append((holders, 0))
+    placed = place_like_a_save(holders_and_sizes, world_size)
     tasks: list[ChunkTask | ObjectTask] = []
-    for tensor in checkpoint.tensors:
-        sources = _SourceChunks(checkpoint, tensor)
-        for target in shard_dim0_chunks(tensor.shape, world_size):
-            tasks.append(ChunkTask(tensor.fqn, tensor.dtype, target.offsets, target.sizes,
-                                   sources.overlapping(target.offsets, target.sizes),
-                                   rank_file_name(target.rank)))
-    for entry in checkpoint.objects:
-        tasks.append(ObjectTask(entry.fqn, locate_object(checkpoint, entry), rank_file_name(0)))
-    return ReshardPlan(world_size, codec, tasks)
+    sources_by_fqn: dict[str, _SourceChunks] = {}
+    for (entry, chunk), rank in zip(planned, placed):
+        if chunk is None:
+            tasks.append(ObjectTask(entry.fqn, locate_object(checkpoint, entry),
+                                    rank_file_name(rank)))
+            continue
+        sources = sources_by_fqn.get(entry.fqn)
+        if sources is None:
+            sources = sources_by_fqn[entry.fqn] = _SourceChunks(checkpoint, entry)
+        tasks.append(ChunkTask(entry.fqn, entry.dtype, chunk.offsets, chunk.sizes,
+                               sources.overlapping(chunk.offsets, chunk.sizes),
+                               rank_file_name(rank)))
+    return ReshardPlan(world_size, codec, tasks, per_rank)
+
+
+def _state_dict_order(checkpoint: Checkpoint) -> list[str]:
+    """The fqns in the order of the saved state dict, which is the order of each rank's save
+    plan. `.metadata` lists them as the plans kept them after deduplication; its planner_data
+    (torch's flattening of the state dict, merged over the ranks) lists rank 0's in state-dict
+    order, then what later ranks add."""
+    entries = checkpoint.metadata.state_dict_metadata
+    planner_data = checkpoint.metadata.planner_data
+    order = [fqn for fqn in planner_data if fqn in entries] if isinstance(
+        planner_data, dict) else []
+    listed = set(order)
+    return order + [fqn for fqn in entries if fqn not in listed]
+
+
+def _never_sharded(checkpoint: Checkpoint):
+    """Whether a tensor was saved whole by every rank, not sharded: a 0-d tensor, or, in a
+    save of several ranks (told by its rank files), one chunk that covers the tensor. A save
+    of one rank cannot tell: its tensors are taken as sharded."""
+    ranks = {rank_of_file_name(name) for name in checkpoint.files}
+    several_ranks = len(ranks - {None}) > 1 or (None in ranks and len(checkpoint.files) > 1)
+
+    def never_sharded(tensor: TensorEntry) -> bool:
+        if not tensor.shape:
+            return True
+        if not several_ranks or len(tensor.chunks) != 1:
+            return False
+        chunk = tensor.chunks[0]
+        return tuple(chunk.sizes) == tuple(tensor.shape) and not any(chunk.offsets)
+
+    return never_sharded
+
+
+def _per_rank_objects(checkpoint: Checkpoint, world_size: int, choice: str
+                      ) -> PerRankObjects | None:
+    """The per-rank objects and what becomes of them at world_size (refused by choice)."""
+    by_rank = {entry.fqn: rank for entry in checkpoint.objects
+               if (rank := rank_of_per_rank_entry(entry.fqn)) is not None}
+    if not by_rank:
+        return None
+    ranks = tuple(sorted(set(by_rank.values())))
+    ranks_without = tuple(rank for rank in range(world_size) if rank not in ranks)
+    fits = not ranks_without and ranks[-1] < world_size
+    if not fits and choice == REFUSE:
+        raise UnsupportedLayoutError(
+            f"holds per-rank objects of ranks {describe_ranks(ranks)} ({_fqns_text(by_rank)}), "
+            f"which a {world_size}-rank job cannot take as they are; --per-rank-objects keep "
+            "writes them anyway, drop leaves them out", path=checkpoint.path)
+    if choice == DROP and not fits:
+        return PerRankObjects(tuple(by_rank), ranks, choice, tuple(by_rank),
+                              tuple(range(world_size)))
+    return PerRankObjects(tuple(by_rank), ranks, choice, (), ranks_without)
+
+
+def describe_ranks(ranks: tuple[int, ...]) -> str:
+    """`2-1023` for a run of more than two ranks, else the ranks listed."""
+    contiguous = ranks == tuple(range(ranks[0], ranks[-1] + 1))
+    if contiguous and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def _fqns_text(by_rank: dict[str, int]) -> str:
+    shown = list(by_rank)[:2]
+    more = f" and {len(by_rank) - len(shown)} more" if len(by_rank) > len(shown) else ""
+    return ", ".join(shown) + more
 
 
 def _input_codec(checkpoint: Checkpoint) -> Codec:
