@@ -134,20 +134,33 @@ def encode_index(total_size: int, weight_map: dict[str, str]) -> bytes:
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
+SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+"""What torch's HuggingFaceStorageWriter puts in the header of a file holding one rank's
+chunks (format/checkpoint/hf_storage.py)."""
+
+
 def read_safetensors_file(path: Path) -> list[SafetensorsTensor]:
-    """The tensors a safetensors file holds, checked against the file's size."""
+    """The tensors a safetensors file holds, checked against the file's size. A file of one
+    rank's chunks is refused: its tensors are not whole."""
     header, data_start = read_safetensors_header(path, 0)
+    if isinstance(header.get(METADATA_KEY), dict) and SHARDING_INFO_KEY in header[METADATA_KEY]:
+        raise UnsupportedLayoutError(
+            f"holds one rank's chunks of a checkpoint torch's HuggingFaceStorageWriter wrote "
+            f"({SHARDING_INFO_KEY}), not whole tensors; give the directory of all the ranks' "
+            "files", path=path)
     file_bytes = path.stat().st_size
     tensors = []
     for name, entry in header.items():
         if name == METADATA_KEY:
             continue
-        tensors.append(_parse_entry(path, name, entry, data_start, file_bytes))
+        tensors.append(parse_entry(path, name, entry, data_start, file_bytes))
     return tensors
 
 
-def _parse_entry(path: Path, name: str, entry, data_start: int,
-                 file_bytes: int) -> SafetensorsTensor:
+def parse_entry(path: Path, name: str, entry, data_start: int,
+                file_bytes: int) -> SafetensorsTensor:
+    """One tensor entry of a header, checked: a known dtype, a shape torch can hold, and
+    exactly its bytes inside the file (file_bytes long, its data from data_start)."""
     try:
         code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not all(type(value) is int and value >= 0 for value in [*shape, begin, end]):

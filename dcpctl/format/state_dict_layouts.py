@@ -70,15 +70,17 @@ def model_prefix_of(model_fqns: Collection[str]) -> str:
     return MODEL_PREFIX if nested else ""
 
 
-def describe_layout(fqns: Iterable[str], directory_name: str, megatron_files: bool) -> str:
-    """Which trainer's state dict this is, and where its model weights are, in words."""
+def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None = None) -> str:
+    """Which trainer's state dict this is, and where its model weights are, in words; saver,
+    where the files already tell who wrote them (Megatron-Core's side files, torch's HF
+    writer), names it."""
     fqns = list(fqns)
     roots = {root_of(fqn) for fqn in fqns}
     model = [fqn for fqn in fqns if not is_trainer_state(fqn)]
     state = sorted(roots & TRAINER_STATE_ROOTS)
     part = ACCELERATE_PART.fullmatch(directory_name)
-    if megatron_files:
-        trainer = "Megatron-Core torch_dist"
+    if saver:
+        trainer = saver
     elif part and roots == {"model" if part.group(1) == ACCELERATE_MODEL_PART else "optimizer"}:
         trainer = f"accelerate {'model' if roots == {'model'} else 'optimizer'} part"
     elif "train_state" in roots or any(fqn.startswith("dataloader.dp_rank_") for fqn in fqns):

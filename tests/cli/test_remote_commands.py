@@ -205,6 +205,29 @@ def test_ls_and_prune_accelerate_checkpoints_in_a_bucket(s3_server, tmp_path):
     assert {key.split("/")[1] for key in left} == {"checkpoint_2"}
 
 
+def test_hf_storage_writer_shards_in_a_bucket(s3_server, tmp_path):
+    """Each rank's file as torch's HuggingFaceStorageWriter writes it (DCP_SHARDING_INFO in the
+    header), read from a bucket: inspect, verify and convert to whole tensors."""
+    from safetensors.torch import save_file
+
+    whole = torch.arange(30, dtype=torch.float32).reshape(6, 5)
+    local = tmp_path / "shards"
+    local.mkdir()
+    for rank, rows in enumerate((slice(0, 3), slice(3, 6))):
+        info = json.dumps({"w": {"saved_offsets": [rows.start, 0]}})
+        save_file({"w": whole[rows].contiguous()},
+                  local / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors",
+                  metadata={"DCP_SHARDING_INFO": info, "format": "pt"})
+    bucket = s3_server.new_bucket()
+    url = upload_directory(s3_server, local, bucket, "hf")
+    inspected = json.loads(ok("inspect", url, "--json"))
+    assert [(tensor["fqn"], tensor["shape"], len(tensor["chunks"]))
+            for tensor in inspected["tensors"]] == [("w", [6, 5], 2)]
+    assert "status      ok" in ok("verify", url)
+    ok("convert", url, "--to", "safetensors", "-o", tmp_path / "hf")
+    assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], whole)
+
+
 def test_an_existing_output_in_a_bucket_is_refused_without_overwrite(bucket_checkpoint):
     bucket, url = bucket_checkpoint
     ok("compress", url, "-o", f"s3://{bucket}/out")

@@ -9,9 +9,9 @@ from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
-from dcpctl.format.checkpoint.side_files import side_files_of
+from dcpctl.format.checkpoint.side_files import files_beside_data
 from dcpctl.format.checkpoint.view import Checkpoint
-from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME, is_plain_file_name
+from dcpctl.format.file_names import SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.paths import StoragePath, open_ranged, read_whole, storage_path, write_whole
 
@@ -75,8 +75,9 @@ def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = Non
 
 
 def checksummed_files(checkpoint: Checkpoint) -> list[str]:
-    """The files SHA256SUMS covers: `.metadata`, the data files and the trainer's side files."""
-    return [METADATA_FILE_NAME, *checkpoint.files, *side_files_of(checkpoint)]
+    """The files SHA256SUMS covers: the data files and the checkpoint's own files beside them
+    (`.metadata`, the trainer's side files: side_files.py)."""
+    return sorted({*checkpoint.files, *files_beside_data(checkpoint)})
 
 
 def format_sha256sums(digests: dict[str, str]) -> str:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import os
 import stat
 
+from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
 from dcpctl.format.checkpoint.view import Checkpoint
+from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.storage.objects import ObjectPath
+from dcpctl.storage.paths import file_names_in
 
 MEGATRON_COMMON_STATE = "common.pt"
 MEGATRON_CONFIG = "metadata.json"
@@ -28,6 +31,17 @@ def side_files_of(checkpoint: Checkpoint) -> list[str]:
     if isinstance(checkpoint.path, ObjectPath):
         return [name for name in names if name in (checkpoint.listing or {})]
     return [name for name in names if _is_regular_file(os.path.join(checkpoint.path, name))]
+
+
+def files_beside_data(checkpoint: Checkpoint) -> list[str]:
+    """The checkpoint's own files besides its data files: what `verify` knows and SHA256SUMS
+    covers. `.metadata` and the side files; for one torch's HuggingFaceStorageWriter wrote,
+    which has no `.metadata`, its index and the rank files consolidation left (hf_storage.py)."""
+    if checkpoint.hf_storage:
+        names = (checkpoint.listing if checkpoint.listing is not None
+                 else file_names_in(checkpoint.path))
+        return hf_storage_extra_files(names)
+    return [METADATA_FILE_NAME, *side_files_of(checkpoint)]
 
 
 def _is_regular_file(path: str) -> bool:

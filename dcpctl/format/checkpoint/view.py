@@ -7,17 +7,19 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from typing import Callable, Iterable
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
-                           UnsafePathError, UnsupportedLayoutError)
+                           UnsafePathError)
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
                                       is_plain_file_name)
+from dcpctl.format.checkpoint.hf_storage import (check_index, hf_storage_files,
+                                                 hf_storage_metadata)
 from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
@@ -80,6 +82,9 @@ class Checkpoint:
     files: dict[str, DataFile] = field(default_factory=dict)
     listing: dict[str, ObjectInfo] | None = field(default=None, repr=False)
     """For a checkpoint in an object store: every object under its prefix, from one listing."""
+    hf_storage: bool = False
+    """Whether torch's HuggingFaceStorageWriter wrote it (hf_storage.py): its metadata is read
+    from its safetensors files, and it has no `.metadata`."""
     _checked_paths: dict[str, StoragePath] = field(default_factory=dict, repr=False)
 
     def data_path(self, relative_path: str) -> StoragePath:
@@ -126,12 +131,18 @@ def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = T
     directory = storage_path(path)
     if isinstance(directory, ObjectPath):
         listing = directory.store.list_tree(directory.key)
-        _check_is_checkpoint_prefix(directory, listing)
+        hf_files = _check_is_checkpoint_prefix(directory, listing)
     else:
         listing = None
-        _check_is_checkpoint_directory(directory)
+        hf_files = _check_is_checkpoint_directory(directory)
     with paused_cycle_collector():
-        checkpoint = Checkpoint(directory, read_metadata(directory), listing=listing)
+        if hf_files:
+            metadata = hf_storage_metadata(directory, hf_files,
+                                           _file_sizes(directory, listing, hf_files))
+            check_index(directory, metadata)
+        else:
+            metadata = read_metadata(directory)
+        checkpoint = Checkpoint(directory, metadata, listing=listing, hf_storage=bool(hf_files))
         _collect_entries(checkpoint)
         _collect_files(checkpoint)
     if check_files:
@@ -143,39 +154,61 @@ def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = T
     return checkpoint
 
 
-def _check_is_checkpoint_directory(directory: Path) -> None:
+def _check_is_checkpoint_directory(directory: Path) -> list[str]:
+    """Refuse what is no checkpoint; the safetensors files of one without `.metadata`."""
     if not directory.exists():
         raise CheckpointNotFoundError("no such file or directory", path=directory)
     if not directory.is_dir():
         raise CheckpointNotFoundError("not a directory; a DCP checkpoint is a directory holding "
                                       ".metadata and .distcp files", path=directory)
-    _refuse_unless_checkpoint(directory, lambda name: (directory / name).exists(),
-                              lambda: any(directory.glob(f"*{DATA_FILE_SUFFIX}")))
+    return _refuse_unless_checkpoint(directory, lambda name: (directory / name).exists(),
+                                     lambda: any(directory.glob(f"*{DATA_FILE_SUFFIX}")),
+                                     lambda: os.listdir(directory))
 
 
 def _check_is_checkpoint_prefix(directory: ObjectPath, listing: dict[str, ObjectInfo]
-                                ) -> None:
+                                ) -> list[str]:
     if not listing:
         raise CheckpointNotFoundError("no objects under this prefix", path=directory)
-    _refuse_unless_checkpoint(directory, listing.__contains__,
-                              lambda: any(name.endswith(DATA_FILE_SUFFIX) for name in listing))
+    return _refuse_unless_checkpoint(
+        directory, listing.__contains__,
+        lambda: any(name.endswith(DATA_FILE_SUFFIX) for name in listing), lambda: listing)
 
 
 def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], bool],
-                              holds_data_files: Callable[[], bool]) -> None:
-    """Refuse a directory (or prefix) without `.metadata`, saying what it looks like."""
+                              holds_data_files: Callable[[], bool],
+                              names: Callable[[], Iterable[str]]) -> list[str]:
+    """Refuse a directory (or prefix) without `.metadata`, saying what it looks like, unless
+    torch's HuggingFaceStorageWriter wrote it: then its safetensors files (hf_storage.py)."""
     if holds(METADATA_FILE_NAME):
-        return
+        return []
+    hf_files = hf_storage_files(names())
+    if hf_files:
+        return hf_files
     if holds(HF_INDEX_FILE_NAME):
-        raise UnsupportedLayoutError(
-            f"holds {HF_INDEX_FILE_NAME} but no {METADATA_FILE_NAME}: this is a Hugging Face "
-            "safetensors checkpoint (HuggingFaceStorageWriter), not DCP metadata", path=directory)
+        raise DataError(f"holds {HF_INDEX_FILE_NAME} of a Hugging Face safetensors checkpoint "
+                        "but no .safetensors file beside it", path=directory)
     if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():
         raise IncompleteCheckpointError(
             f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
             "running, or one that died before finishing)", path=directory)
     raise IncompleteCheckpointError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}",
                                     path=directory)
+
+
+def _file_sizes(directory: StoragePath, listing: dict[str, ObjectInfo] | None,
+                names: list[str]) -> dict[str, int]:
+    """The sizes of files a checkpoint's metadata is read from, refused unless regular files
+    inside the directory."""
+    if listing is not None:
+        return {name: listing[name].size for name in names}
+    sizes = {}
+    for name in names:
+        status = resolve_inside(directory, name).stat()
+        if not stat.S_ISREG(status.st_mode):
+            raise DataError("is not a regular file", path=directory / name)
+        sizes[name] = status.st_size
+    return sizes
 
 
 def _file_status(checkpoint: Checkpoint, relative_path: str) -> tuple[int | None, bool]:

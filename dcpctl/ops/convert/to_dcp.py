@@ -15,16 +15,19 @@ import math
 import os
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from dcpctl.errors import DataError, UnsupportedLayoutError, truncated_error
+from dcpctl.errors import DataError, InvalidOptionError, UnsupportedLayoutError, truncated_error
 from dcpctl.execution.running import run_job, threads_per_worker
+from dcpctl.format.checkpoint.hf_storage import is_hf_storage_shards
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
 from dcpctl.format.checkpoint.sharding import (RankChunk, check_world_size, place_like_a_save,
                                                shard_dim0_chunks)
+from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
 from dcpctl.format.file_names import rank_file_name
 from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
@@ -304,6 +307,9 @@ def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: 
     started = time.perf_counter()
     threads = threads_per_worker(threads, storage_path(source), workers)
     check_world_size(ranks)
+    if is_hf_storage_shards(storage_path(source)):
+        return _convert_shards(source, output, ranks, prefix, threads, overwrite, on_progress,
+                               workers, started)
     source_format, entries = read_source(storage_path(source), prefix)
     output_path = storage_path(output)
     checkpoint_output = CheckpointOutput(output_path, in_place=False, source=storage_path(source),
@@ -319,5 +325,32 @@ def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: 
                            threads=threads, workers=workers, files=files)
     report.count_tensors(math.prod(entry.shape) * entry.dtype.itemsize
                          for entry in entries if entry.is_tensor)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _convert_shards(source: str | os.PathLike, output: str | os.PathLike, ranks: int,
+                    prefix: str, threads: int, overwrite: bool,
+                    on_progress: ProgressCallback | None, workers: int,
+                    started: float) -> ConvertReport:
+    """A directory of the ranks' files of torch's HuggingFaceStorageWriter: its tensors are in
+    chunks, which a reshard lays out for `ranks` ranks as they are."""
+    from dcpctl.ops.reshard.execution import reshard_checkpoint
+
+    if prefix:
+        raise InvalidOptionError(
+            f"--prefix does not apply to {source}, the ranks' files of torch's "
+            "HuggingFaceStorageWriter: their keys are kept as they are")
+    resharded = reshard_checkpoint(source, ranks, str(output), threads=threads,
+                                   overwrite=overwrite, on_progress=on_progress, workers=workers)
+    written = open_checkpoint(output)
+    tensors_by_file = Counter(chunk.storage.relative_path for tensor in written.tensors
+                              for chunk in tensor.chunks)
+    report = ConvertReport(
+        str(source), str(output), "safetensors (HuggingFaceStorageWriter shards)", "dcp",
+        objects=resharded.objects, ranks=ranks, threads=threads, workers=workers,
+        files=[WrittenFile(name, data_file.size_bytes or 0, tensors_by_file[name])
+               for name, data_file in sorted(written.files.items())])
+    report.count_tensors(tensor.nbytes for tensor in written.tensors)
     report.seconds = time.perf_counter() - started
     return report

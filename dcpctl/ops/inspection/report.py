@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from dcpctl.cycle_collector import paused_cycle_collector
+from dcpctl.format.checkpoint.hf_storage import describe_hf_storage
 from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, TensorEntry,
                                            open_checkpoint)
@@ -116,17 +117,23 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
         tensors=_matching(checkpoint.tensors, fqn_glob),
         objects=_matching(checkpoint.objects, fqn_glob),
         files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
-        layout=describe_layout(
-            chain((tensor.fqn for tensor in checkpoint.tensors),
-                  (entry.fqn for entry in checkpoint.objects)),
-            checkpoint.path.name,
-            megatron_files=bool(side_files_of(checkpoint))
-            or checkpoint.metadata.mcore_data is not None),
+        layout=describe_layout(chain((tensor.fqn for tensor in checkpoint.tensors),
+                                     (entry.fqn for entry in checkpoint.objects)),
+                               checkpoint.path.name, _saver(checkpoint)),
     )
     _add_size_totals(report)
     report.compression = _count_by_codec(_transforms_used(report).items())
     report.codecs_by_file = _codecs_by_file(checkpoint)
     return report
+
+
+def _saver(checkpoint: Checkpoint) -> str | None:
+    """Who wrote the checkpoint, where its files tell."""
+    if checkpoint.hf_storage:
+        return describe_hf_storage(checkpoint.files)
+    if side_files_of(checkpoint) or checkpoint.metadata.mcore_data is not None:
+        return "Megatron-Core torch_dist"
+    return None
 
 
 def _matching(entries: list, fqn_glob: str | None) -> list:

@@ -9,8 +9,9 @@ from typing import Callable
 
 from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
 from dcpctl.format.checkpoint.checksums import read_sha256sums
+from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
-from dcpctl.format.checkpoint.side_files import side_files_of
+from dcpctl.format.checkpoint.side_files import files_beside_data, side_files_of
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
@@ -73,9 +74,12 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         report.status = INCOMPLETE
         report.problems.append(Problem(Rule.INCOMPLETE, error.message))
         return report
-    except (MetadataError, UnsafePathError) as error:
-        checkpoint = None
-        report.problems.append(Problem(Rule.METADATA, error.message, METADATA_FILE_NAME))
+    except (MetadataError, UnsafePathError, DataError) as error:
+        checkpoint = None  # .metadata, or the safetensors headers it is read from (hf_storage.py)
+        report.problems.append(Problem(Rule.METADATA, error.message,
+                                       _name_below(directory, error.path) or (
+                                           METADATA_FILE_NAME if (directory / METADATA_FILE_NAME
+                                                                  ).exists() else None)))
     try:
         sums = read_sha256sums(directory)
     except DataError as error:
@@ -99,6 +103,12 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
     return report
 
 
+def _name_below(directory: StoragePath, path: str | None) -> str | None:
+    """The name of path below directory, or None when it is not below it."""
+    prefix = str(directory).rstrip("/") + "/"
+    return path[len(prefix):] if path and path.startswith(prefix) else None
+
+
 def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
                       sums: dict[str, str] | None, problems_so_far: list[Problem]
                       ) -> list[Problem]:
@@ -107,11 +117,15 @@ def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
     file need not be listed)."""
     present = (set(checkpoint.listing) if checkpoint is not None and checkpoint.listing
                is not None else file_names_in(directory))
-    known = {METADATA_FILE_NAME, *(checkpoint.files if checkpoint is not None else ())}
-    side_files = set(side_files_of(checkpoint)) if checkpoint is not None else set()
+    known = ({*checkpoint.files, *files_beside_data(checkpoint)} if checkpoint is not None
+             else {METADATA_FILE_NAME})
     problems = []
     if checkpoint is not None:
-        for name in sorted(present - known - side_files - {SHA256SUMS_FILE_NAME}):
+        # Beside safetensors files, a Hugging Face directory holds config.json, tokenizer files
+        # and the like: only a stray safetensors file is unknown there.
+        candidates = ({name for name in present if name.endswith(SAFETENSORS_SUFFIX)}
+                      if checkpoint.hf_storage else present)
+        for name in sorted(candidates - known - {SHA256SUMS_FILE_NAME}):
             problems.append(Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name))
     if sums is None:
         return problems
@@ -125,6 +139,7 @@ def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
             continue
         if not exists and name not in reported_missing:
             problems.append(Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name))
-    for name in sorted(known & present - set(sums)):
+    side_files = set(side_files_of(checkpoint)) if checkpoint is not None else set()
+    for name in sorted(known & present - side_files - set(sums)):
         problems.append(Problem(Rule.NOT_CHECKSUMMED, "file is not listed in SHA256SUMS", name))
     return problems

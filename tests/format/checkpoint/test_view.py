@@ -10,7 +10,7 @@ import torch
 from conftest import FIXTURE_NAMES, fixture_path, item_locations, load_with_torch
 
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
-                           MetadataError, UnsafePathError, UnsupportedLayoutError)
+                           MetadataError, UnsafePathError)
 from dcpctl.format.checkpoint.items import StoredSpan, iter_item_pieces, read_item
 from dcpctl.format.checkpoint.locations import locate_chunk, locate_object
 from dcpctl.format.checkpoint.view import SAFETENSORS, open_checkpoint
@@ -81,9 +81,10 @@ def test_directory_without_metadata_is_incomplete(copy_fixture, tmp_path):
         open_checkpoint(tmp_path / "empty")
 
 
-def test_hugging_face_layout_is_named(tmp_path):
+def test_a_hugging_face_index_without_its_files_is_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("{}")
-    with pytest.raises(UnsupportedLayoutError, match="Hugging Face"):
+    with pytest.raises(DataError, match="Hugging Face safetensors checkpoint but no "
+                                        ".safetensors file"):
         open_checkpoint(tmp_path)
 
 

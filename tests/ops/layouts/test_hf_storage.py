@@ -1,0 +1,172 @@
+"""Checkpoints torch's HuggingFaceStorageWriter writes from a 3-rank FSDP2 job, each rank's
+chunks in its own safetensors file (and, consolidated, whole tensors beside them): inspect,
+verify, checksum, convert and reshard read them as torch's HuggingFaceStorageReader does."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+
+import pytest
+import torch
+from conftest import load_with_torch
+from make_fixtures import TinyModel, run_gloo_job
+from safetensors.torch import load_file
+
+from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
+from dcpctl.ops.checksum import checksum_checkpoint
+from dcpctl.ops.convert.targets import convert_checkpoint
+from dcpctl.ops.inspection.report import inspect_checkpoint
+from dcpctl.ops.reshard.execution import reshard_checkpoint
+from dcpctl.ops.verify.verifier import verify_checkpoint
+
+pytestmark = pytest.mark.slow
+SHARD = "shard-{:05d}-model-00001-of-00001.safetensors"
+
+
+def _save(rank: int, world_size: int, path: str, consolidate: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyModel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in (model.embed, model.norm, model.proj, model.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    dcp.save(get_model_state_dict(model), storage_writer=HuggingFaceStorageWriter(
+        path, save_distributed=True, enable_consolidation=consolidate))
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_storage")
+    for name, consolidate in (("sharded", False), ("consolidated", True)):
+        run_gloo_job(3, _save, str(root / name), consolidate)
+    return root
+
+
+@pytest.fixture(scope="module")
+def expected():
+    torch.manual_seed(0)
+    return TinyModel().state_dict()
+
+
+def _equal(loaded: dict, expected: dict) -> bool:
+    return loaded.keys() == expected.keys() and all(
+        torch.equal(loaded[name], value) for name, value in expected.items())
+
+
+@pytest.mark.parametrize("name", ["sharded", "consolidated"])
+def test_inspect_and_verify_read_what_torchs_reader_reads(saves, expected, name):
+    report = inspect_checkpoint(saves / name)
+    assert {tensor.fqn: tensor.shape for tensor in report.tensors} == {
+        fqn: tuple(value.shape) for fqn, value in expected.items()}
+    kind = "each rank's chunks" if name == "sharded" else "consolidated"
+    assert report.layout == (f"torch HuggingFaceStorageWriter, {kind} (model weights at the "
+                             "top level)")
+    verified = verify_checkpoint(saves / name)
+    assert verified.status == "ok", verified.problems
+
+
+def test_a_hugging_face_directorys_other_files_are_not_unknown_but_stray_shards_are(saves,
+                                                                                    tmp_path):
+    directory = shutil.copytree(saves / "consolidated", tmp_path / "hub")
+    (directory / "config.json").write_text("{}")
+    (directory / "tokenizer.json").write_text("{}")
+    assert verify_checkpoint(directory).status == "ok"
+    (directory / "old").mkdir()
+    shutil.copy(directory / "model-00001-of-00001.safetensors", directory / "old")
+    problems = verify_checkpoint(directory).problems
+    assert [(problem.rule, problem.file) for problem in problems] == [
+        ("unknown-file", "old/model-00001-of-00001.safetensors")]
+
+
+@pytest.mark.parametrize("name", ["sharded", "consolidated"])
+def test_convert_to_safetensors_and_torch_give_the_whole_tensors(saves, expected, tmp_path,
+                                                                 name):
+    convert_checkpoint(saves / name, "safetensors", tmp_path / "hf")
+    assert _equal(load_file(tmp_path / "hf" / "model.safetensors"), expected)
+    convert_checkpoint(saves / name, "torch", tmp_path / "model.pt")
+    assert _equal(torch.load(tmp_path / "model.pt", weights_only=True), expected)
+
+
+def test_reshard_and_convert_to_dcp_write_what_stock_torch_loads(saves, expected, tmp_path):
+    reshard_checkpoint(saves / "sharded", 2, str(tmp_path / "resharded"))
+    assert _equal(load_with_torch(tmp_path / "resharded"), expected)
+    report = convert_checkpoint(saves / "sharded", "dcp", tmp_path / "converted", ranks=2)
+    assert (report.tensors, report.ranks) == (len(expected), 2)
+    assert _equal(load_with_torch(tmp_path / "converted"), expected)
+
+
+def test_one_ranks_file_alone_or_a_prefix_is_refused(saves, tmp_path):
+    with pytest.raises(UnsupportedLayoutError, match="holds one rank's chunks"):
+        convert_checkpoint(saves / "sharded" / SHARD.format(1), "dcp", tmp_path / "one")
+    with pytest.raises(InvalidOptionError, match="--prefix does not apply"):
+        convert_checkpoint(saves / "sharded", "dcp", tmp_path / "prefixed", prefix="model.")
+    assert not (tmp_path / "one").exists() and not (tmp_path / "prefixed").exists()
+
+
+def test_a_missing_ranks_file_and_damage_are_found(saves, tmp_path):
+    gap = shutil.copytree(saves / "sharded", tmp_path / "gap")
+    (gap / SHARD.format(2)).unlink()
+    report = verify_checkpoint(gap)
+    assert report.status == "damaged"
+    assert "none of shard 2: a rank's file is missing" in report.problems[0].message
+    truncated = shutil.copytree(saves / "sharded", tmp_path / "truncated")
+    with open(truncated / SHARD.format(3), "r+b") as file:
+        file.truncate(file.seek(0, 2) - 4)
+    problem = verify_checkpoint(truncated).problems[0]
+    assert problem.file == SHARD.format(3) and "do not hold" in problem.message
+    flipped = shutil.copytree(saves / "sharded", tmp_path / "flipped")
+    checksum_checkpoint(flipped)
+    data = bytearray((flipped / SHARD.format(1)).read_bytes())
+    data[-1] ^= 0x40
+    (flipped / SHARD.format(1)).write_bytes(bytes(data))
+    problems = verify_checkpoint(flipped).problems
+    assert [(problem.rule, problem.file) for problem in problems] == [
+        ("checksum-mismatch", SHARD.format(1))]
+
+
+def _rewrite_sharding_info(path, edit) -> None:
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    header["__metadata__"]["DCP_SHARDING_INFO"] = edit(info)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length:])
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda info: "not json", "is not a JSON object of chunk offsets"),
+    (lambda info: json.dumps({**info, "embed.weight": {"saved_offsets": [-1, 0]}}),
+     "gives tensor 'embed.weight' no 2 non-negative saved_offsets"),
+    (lambda info: json.dumps({key: value for key, value in info.items() if key != "proj.bias"}),
+     "gives tensor 'proj.bias' no 1 non-negative saved_offsets"),
+    (lambda info: json.dumps({**info, "embed.weight": {"saved_offsets": [0, 0]}}),
+     "chunk at \\[0, 0\\] that shard-00001"),
+])
+def test_hostile_sharding_info_is_refused_naming_the_file(saves, tmp_path, edit, message):
+    hostile = shutil.copytree(saves / "sharded", tmp_path / "hostile")
+    _rewrite_sharding_info(hostile / SHARD.format(2), edit)
+    problem = verify_checkpoint(hostile).problems[0]
+    assert problem.file == SHARD.format(2) and re.search(message, problem.message)
+
+
+def test_an_index_that_misplaces_a_tensor_is_found(saves, tmp_path):
+    directory = shutil.copytree(saves / "consolidated", tmp_path / "misplaced")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    index["weight_map"]["proj.bias"] = "model-00002-of-00002.safetensors"
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    problem = verify_checkpoint(directory).problems[0]
+    assert problem.file == "model.safetensors.index.json"
+    assert problem.message == ("weight_map puts 'proj.bias' in "
+                               "'model-00002-of-00002.safetensors', but "
+                               "model-00001-of-00001.safetensors holds it")
