@@ -72,7 +72,7 @@ def place_like_a_save(items: Sequence[tuple[range, int]], world_size: int) -> li
     so far, the lowest rank on a tie; an item of no bytes counts one. So a replicated tensor or
     object lands on the least loaded rank at its turn, not always on rank 0."""
     planned = [0] * world_size
-    least_planned = [(0, rank) for rank in range(world_size)]  # a heap; stale entries skipped
+    least_planned = [(0, rank) for rank in range(world_size)]  # a heap, one entry a rank
     placed = [0] * len(items)
     for index in sorted(range(len(items)), key=lambda index: (items[index][0].start, index)):
         holders, size = items[index]
@@ -80,18 +80,18 @@ def place_like_a_save(items: Sequence[tuple[range, int]], world_size: int) -> li
                                                                       holders)
         placed[index] = rank
         planned[rank] += size or 1
-        heapq.heappush(least_planned, (planned[rank], rank))
     return placed
 
 
 def _least_planned(heap: list[tuple[int, int]], planned: list[int], holders: range) -> int:
-    """The holder with the fewest bytes planned (the lowest on a tie); the entries of ranks
-    outside holders are set aside and put back."""
+    """The holder with the fewest bytes planned (the lowest on a tie). The heap holds one entry
+    a rank, whose key may lag behind what has been planned since (it only grows): a lagging
+    top is brought up to date and sunk; ranks outside holders are set aside and put back."""
     set_aside = []
     while True:
         size, rank = heap[0]
         if size != planned[rank]:
-            heapq.heappop(heap)  # planned has grown since
+            heapq.heapreplace(heap, (planned[rank], rank))
         elif rank in holders:
             break
         else:
