@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 from conftest import load_with_torch
-from make_fixtures import TinyModel, run_gloo_job
+from make_fixtures import TinyModel, fully_sharded_tiny_model, run_gloo_job
 from safetensors.torch import load_file
 
 from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
@@ -30,15 +30,8 @@ def _save(rank: int, world_size: int, path: str, consolidate: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    model = TinyModel()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in (model.embed, model.norm, model.proj, model.head):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fully_sharded_tiny_model(world_size)
     dcp.save(get_model_state_dict(model), storage_writer=HuggingFaceStorageWriter(
         path, save_distributed=True, enable_consolidation=consolidate))
 
