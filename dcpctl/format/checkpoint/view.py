@@ -182,16 +182,16 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
     torch's HuggingFaceStorageWriter wrote it: then its safetensors files (hf_storage.py)."""
     if holds(METADATA_FILE_NAME):
         return []
+    if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():
+        raise IncompleteCheckpointError(
+            f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
+            "running, or one that died before finishing)", path=directory)
     hf_files = hf_storage_files(names())
     if hf_files:
         return hf_files
     if holds(HF_INDEX_FILE_NAME):
         raise DataError(f"holds {HF_INDEX_FILE_NAME} of a Hugging Face safetensors checkpoint "
                         "but no .safetensors file beside it", path=directory)
-    if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():
-        raise IncompleteCheckpointError(
-            f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
-            "running, or one that died before finishing)", path=directory)
     raise IncompleteCheckpointError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}",
                                     path=directory)
 

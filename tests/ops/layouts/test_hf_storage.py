@@ -163,3 +163,10 @@ def test_an_index_that_misplaces_a_tensor_is_found(saves, tmp_path):
     assert problem.message == ("weight_map puts 'proj.bias' in "
                                "'model-00002-of-00002.safetensors', but "
                                "model-00001-of-00001.safetensors holds it")
+
+
+def test_a_dcp_save_that_died_stays_incomplete_whatever_else_lies_there(tmp_path):
+    (tmp_path / "__0_0.distcp").write_bytes(b"partial")
+    (tmp_path / "model.safetensors").write_bytes(b"unrelated")
+    report = verify_checkpoint(tmp_path)
+    assert report.status == "incomplete"
