@@ -98,4 +98,23 @@ def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None 
     else:
         where = "model weights at the top level"
     beside = f"; trainer state: {', '.join(state)}" if state else ""
-    return f"{trainer} ({where}{beside})"
+    return f"{trainer} ({where}{beside}{_optimizer_form(fqns, roots)})"
+
+
+_OPTIMIZER_ROOTS = ("optimizer", "optim")
+
+
+def _optimizer_form(fqns: list[str], roots: set[str]) -> str:
+    """How the optimizer's state was taken, where it tells: torch's get_optimizer_state_dict
+    with flatten_optimizer_state_dict keys its param_groups by parameter
+    (`optim.param_groups.<fqn>.lr`), without it by the group's place in a list
+    (`optim.param_groups.0.lr`)."""
+    for root in _OPTIMIZER_ROOTS:
+        if root not in roots:
+            continue
+        prefix = f"{root}.param_groups."
+        groups = {fqn[len(prefix):].partition(".")[0] for fqn in fqns if fqn.startswith(prefix)}
+        if groups:
+            flattened = not all(group.isdecimal() for group in groups)
+            return f"; optimizer state {'flattened' if flattened else 'nested'}"
+    return ""

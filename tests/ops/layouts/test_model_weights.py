@@ -89,15 +89,17 @@ def test_convert_to_safetensors_takes_exactly_the_models_state_dict(trained, tmp
 
 @pytest.mark.parametrize("layout,directory,described", [
     (torchtitan_state, "step-10", "torchtitan (model weights at the top level; trainer state: "
-                                  "dataloader, lr_scheduler, optimizer, train_state)"),
+                                  "dataloader, lr_scheduler, optimizer, train_state; optimizer "
+                                  "state flattened)"),
     (model_optim_state, "step-10", '{"model", "optim"} (model weights under model.; trainer '
-                                   'state: optim)'),
+                                   'state: optim; optimizer state nested)'),
     (model_and_rng_state, "step-10", "plain state dict (model weights under model.; trainer "
                                      "state: rng_state)"),
     (lambda model, optimizer: {"model": model.state_dict()}, "pytorch_model_fsdp_0",
      "accelerate model part (model weights under model.)"),
     (lambda model, optimizer: {"optimizer": get_optimizer_state_dict(model, optimizer)},
-     "optimizer_0", "accelerate optimizer part (no model weights; trainer state: optimizer)"),
+     "optimizer_0", "accelerate optimizer part (no model weights; trainer state: optimizer; "
+                    "optimizer state nested)"),
 ])
 def test_inspect_says_whose_state_dict_it_is(trained, tmp_path, layout, directory, described):
     dcp.save(layout(*trained), checkpoint_id=tmp_path / directory)
