@@ -202,16 +202,24 @@ def read_safetensors_model(source: Path) -> list[tuple[Path, SafetensorsTensor]]
     return tensors
 
 
+def read_weight_map(index_path: Path) -> dict:
+    """The weight_map of a `model.safetensors.index.json`: tensor name to file name."""
+    try:
+        weight_map = json.loads(read_whole(index_path))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise DataError("not a safetensors index (no weight_map)", path=index_path) from None
+    return weight_map
+
+
 def _model_files(source: Path) -> tuple[list[Path], dict | None]:
     if source.is_file():
         return [source], None
     index_path = source / HF_INDEX_FILE_NAME
     if index_path.is_file():
-        try:
-            weight_map = json.loads(read_whole(index_path))["weight_map"]
-            names = list(dict.fromkeys(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise DataError("not a safetensors index (no weight_map)", path=index_path) from None
+        weight_map = read_weight_map(index_path)
+        names = list(dict.fromkeys(weight_map.values()))
         return [_file_named_by_index(source, index_path, name) for name in names], weight_map
     if (source / SINGLE_FILE_NAME).is_file():
         return [source / SINGLE_FILE_NAME], None

@@ -83,7 +83,7 @@ def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None 
         trainer = saver
     elif part and roots == {"model" if part.group(1) == ACCELERATE_MODEL_PART else "optimizer"}:
         trainer = f"accelerate {'model' if roots == {'model'} else 'optimizer'} part"
-    elif "train_state" in roots or any(fqn.startswith("dataloader.dp_rank_") for fqn in fqns):
+    elif "train_state" in roots or any(rank_of_per_rank_entry(fqn) is not None for fqn in fqns):
         trainer = "torchtitan"
     elif roots & _TORCHTUNE_ROOTS and "model" in roots:
         trainer = "torchtune"

@@ -28,8 +28,8 @@ from dcpctl.format.metadata.records import (ChunkMetadata, CheckpointMetadata, M
                                             StorageInfo, TensorMetadata, TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
 from dcpctl.format.safetensors import (METADATA_KEY, SHARDING_INFO_KEY, parse_entry,
-                                       read_safetensors_header)
-from dcpctl.storage.paths import StoragePath, file_names_in, read_whole
+                                       read_safetensors_header, read_weight_map)
+from dcpctl.storage.paths import StoragePath, file_names_in
 
 SAFETENSORS_SUFFIX = ".safetensors"
 SAVED_OFFSETS_KEY = "saved_offsets"
@@ -111,12 +111,7 @@ def check_index(directory: StoragePath, metadata: CheckpointMetadata) -> None:
     path = directory / HF_INDEX_FILE_NAME
     if not path.exists():
         return
-    try:
-        weight_map = json.loads(read_whole(path))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise DataError("is not a safetensors index (no weight_map object)", path=path) from None
+    weight_map = read_weight_map(path)
     files_of: dict[str, set[str]] = {}
     for index, info in (metadata.storage_data or {}).items():
         files_of.setdefault(index.fqn, set()).add(info.relative_path)

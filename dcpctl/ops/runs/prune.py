@@ -207,13 +207,7 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
     leaves an incomplete checkpoint rather than one that looks complete. Everything goes
     through descriptors: the entry must still be the directory the scan saw (not a symlink,
     not another directory swapped in), and no other dcpctl may be using it or its parts."""
-    try:
-        descriptor = open_directory_at(run_descriptor, entry.name)
-    except OSError as error:
-        if error.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafePathError("no longer a real directory (a symlink or file now?); not "
-                                  "deleted", path=entry.path) from None
-        raise
+    descriptor = _open_real_directory(run_descriptor, entry.name, entry.path, "not deleted")
     try:
         status = os.fstat(descriptor)
         if (status.st_dev, status.st_ino) != entry.identity:
@@ -234,18 +228,27 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
     os.rmdir(entry.name, dir_fd=run_descriptor)
 
 
+def _open_real_directory(parent_descriptor: int, name: str, path: StoragePath,
+                         consequence: str) -> int:
+    """A descriptor of directory name in the open parent, refused (UnsafePathError naming the
+    consequence) when a symlink or a file has taken its place."""
+    try:
+        return open_directory_at(parent_descriptor, name)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(f"no longer a real directory (a symlink or file now?); "
+                                  f"{consequence}", path=path) from None
+        raise
+
+
 def _unlink_part_metadata(descriptor: int, entry: CheckpointEntry, part: str) -> None:
     """Remove the `.metadata` of one part of a checkpoint open as descriptor, under the part's
     own lock (a dcpctl working on the part holds it)."""
     try:
-        part_descriptor = open_directory_at(descriptor, part)
+        part_descriptor = _open_real_directory(descriptor, part, entry.path / part,
+                                               "nothing deleted")
     except FileNotFoundError:
         return
-    except OSError as error:
-        if error.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafePathError("is no longer a real directory (a symlink or file now?); "
-                                  "nothing deleted", path=entry.path / part) from None
-        raise
     try:
         lock_descriptor(part_descriptor, exclusive=True, path=entry.path / part,
                         what="another dcpctl is using this part of the checkpoint; not deleted")
