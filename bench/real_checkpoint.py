@@ -51,9 +51,11 @@ def _rows_of_rank(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + per_rank, rows)
 
 
-def _save_rank(rank: int, world_size: int, out_dir: str, units: int, zstd: bool) -> None:
+def rank_state(rank: int, world_size: int, units: int) -> dict:
+    """This rank's state dict of `units` units: its rows of every tensor as a Shard(0) DTensor
+    (0-d tensors whole), as an FSDP2 job holds them, and the step counter. Needs the gloo
+    process group of the job."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -84,9 +86,14 @@ def _save_rank(rank: int, world_size: int, out_dir: str, units: int, zstd: bool)
             state[key] = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False,
                                             shape=full_shape, stride=stride)
     state["step"] = 1564500
+    return state
+
+
+def _save_rank(rank: int, world_size: int, out_dir: str, units: int, zstd: bool) -> None:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._extension import ZStandard
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(
+    dcp.save(rank_state(rank, world_size, units), storage_writer=dcp.FileSystemWriter(
         out_dir, thread_count=1, _extensions=[ZStandard()] if zstd else None))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dcpctl.version import __version__
 
-__all__ = ["__version__", "storage_reader"]
+__all__ = ["FloatSplit", "__version__", "storage_reader", "storage_writer"]
 
 
 def storage_reader(path):
@@ -15,3 +15,24 @@ def storage_reader(path):
     from dcpctl.ops.torch_loading import storage_reader as new_storage_reader
 
     return new_storage_reader(path)
+
+
+def storage_writer(path, codec="floatsplit", level=None, thread_count=1, **writer_options):
+    """A torch `StorageWriter` that saves to path (a local directory or a URL) with every item
+    coded as it is written: `dcp.save(state_dict, storage_writer=dcpctl.storage_writer(path,
+    thread_count=8))`, from any number of ranks, and `dcp.async_save` too. codec is `floatsplit`
+    (dcpctl's, the smallest; loaded by `dcpctl.storage_reader`), `zstd` (torch's own ZStandard,
+    which stock torch loads) or `none`; level is floatsplit's zstd level. Other keywords go to
+    torch's FileSystemWriter (for a URL, its FsspecWriter, and on to fsspec)."""
+    from dcpctl.ops.torch_saving import storage_writer as new_storage_writer
+
+    return new_storage_writer(path, codec, level, thread_count, **writer_options)
+
+
+def __getattr__(name):
+    # FloatSplit is a torch extension class: importing torch waits until it is asked for.
+    if name == "FloatSplit":
+        from dcpctl.format.codecs.torch_extension import FloatSplit
+
+        return FloatSplit
+    raise AttributeError(f"module 'dcpctl' has no attribute {name!r}")

@@ -15,7 +15,7 @@ import stat
 
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
 from dcpctl.format.checkpoint.view import Checkpoint
-from dcpctl.format.file_names import METADATA_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import file_names_in
 
@@ -42,6 +42,26 @@ def files_beside_data(checkpoint: Checkpoint) -> list[str]:
                  else file_names_in(checkpoint.path))
         return hf_storage_extra_files(names)
     return [METADATA_FILE_NAME, *side_files_of(checkpoint)]
+
+
+def empty_writer_files(checkpoint: Checkpoint, names: set[str]) -> list[str]:
+    """Those of names (files the metadata does not name) that torch's FileSystemWriter left
+    empty: it opens a data file per writer thread, so a rank with fewer items than
+    `thread_count` writes `__<rank>_<n>.distcp` files of 0 bytes. They hold nothing, so nothing
+    checks or copies them, and they are not unknown files."""
+    candidates = [name for name in sorted(names) if rank_of_file_name(name) is not None]
+    if isinstance(checkpoint.path, ObjectPath):
+        listing = checkpoint.listing or {}
+        return [name for name in candidates if name in listing and listing[name].size == 0]
+    return [name for name in candidates if _is_empty_file(os.path.join(checkpoint.path, name))]
+
+
+def _is_empty_file(path: str) -> bool:
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(status.st_mode) and status.st_size == 0
 
 
 def _is_regular_file(path: str) -> bool:

@@ -1,47 +1,99 @@
-"""dcpctl's transforms as torch DCP extensions, so that torch's own FileSystemReader loads them."""
+"""dcpctl's floatsplit codec as a torch DCP stream transform extension, for both directions:
+a training job saves with it (`FileSystemWriter(path, _extensions=[FloatSplit()])`) and torch's
+own readers load with it (`extension_registry()`).
+
+torch hands a writing extension nothing but the output stream, and torch.save writes a tensor's
+archive through it front to back: data.pkl, which names the dtype, comes before the tensor's
+bytes, so the encoder reads the dtype there (encoder.py). The stream equals what `dcpctl compress
+--codec floatsplit` writes for the same item.
+"""
 
 from __future__ import annotations
 
+import io
 from typing import IO
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
-from dcpctl.format.codecs.base import PieceStream, iter_decoded
+from dcpctl.format.codecs.base import Encoder, PieceStream, iter_decoded
 from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME
-from dcpctl.format.codecs.registry import floatsplit_codec
+from dcpctl.format.codecs.registry import DEFAULT_ZSTD_LEVEL, floatsplit_codec
 
 _READ_BYTES = 4 << 20
+_WRITE_SLICE_BYTES = 4 << 20
 
 
-class FloatSplitExtension(StreamTransformExtension):
-    """Reads items stored with `dcpctl.floatsplit/1`; `dcpctl compress` writes them."""
+class FloatSplit(StreamTransformExtension):
+    """dcpctl's `dcpctl.floatsplit/1` transform for torch's DCP writers and readers: float
+    tensors coded plane by plane (about a third smaller than bf16 weights as saved, where
+    torch's ZStandard saves about a fifth), everything else with zstd; level is that of its
+    plain zstd parts. `dcpctl.storage_reader` and every dcpctl command read what it writes."""
+
+    def __init__(self, level: int = DEFAULT_ZSTD_LEVEL) -> None:
+        self._codec = floatsplit_codec(level)
 
     @staticmethod
     def registry_name() -> str:
         return FLOATSPLIT_NAME
 
     @staticmethod
-    def from_descriptor(version: str) -> "FloatSplitExtension":
+    def from_descriptor(version: str) -> "FloatSplit":
         if version.partition(".")[0] != "1":
             raise ValueError(f"Unknown extension version {FLOATSPLIT_NAME}/{version}; this "
                              f"dcpctl reads {FLOATSPLIT_DESCRIPTOR}")
-        return FloatSplitExtension()
+        return FloatSplit()
 
     def get_descriptor(self) -> str:
         return FLOATSPLIT_DESCRIPTOR
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        # The encoder needs each tensor's dtype, which a byte stream does not carry.
-        raise NotImplementedError(f"{FLOATSPLIT_DESCRIPTOR} is written by `dcpctl compress "
-                                  "--codec floatsplit`, not by torch's writer")
+        return _EncodingWriter(self._codec.new_encoder(), output)
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         stored_pieces = iter(lambda: input.read(_READ_BYTES), b"")
-        return PieceStream(iter_decoded(floatsplit_codec().new_decoder(), stored_pieces))
+        return PieceStream(iter_decoded(self._codec.new_decoder(), stored_pieces))
+
+
+class _EncodingWriter(io.RawIOBase):
+    """A write-only stream that encodes what is written to it into output; closing it ends the
+    item and closes output (torch hands each item a stream whose close keeps the file open)."""
+
+    def __init__(self, encoder: Encoder, output: IO[bytes]) -> None:
+        self._encoder = encoder
+        self._output: IO[bytes] | None = output
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self._output is None:
+            raise ValueError("write to a closed stream")
+        # torch.save hands a tensor's whole storage over in one write: coded a slice at a
+        # time, its coded bytes go out as they come instead of piling up.
+        for start in range(0, len(view), _WRITE_SLICE_BYTES):
+            encoded = self._encoder.encode(view[start:start + _WRITE_SLICE_BYTES])
+            if encoded:
+                self._output.write(encoded)
+        return len(view)
+
+    def flush(self) -> None:
+        if self._output is not None:
+            self._output.flush()
+
+    def close(self) -> None:
+        if self._output is None:
+            return
+        output, self._output = self._output, None
+        try:
+            output.write(self._encoder.finish())
+            output.close()
+        finally:
+            super().close()
 
 
 def extension_registry() -> ExtensionRegistry:
     """torch's registry (its own zstd included) with every transform dcpctl writes."""
     registry = ExtensionRegistry()
-    registry.register(FloatSplitExtension)
+    registry.register(FloatSplit)
     return registry

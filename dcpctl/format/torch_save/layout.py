@@ -23,7 +23,7 @@ from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
 from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, CentralEntry, ReadRange,
                                                   ZipRecord, local_record_in, locate_record,
-                                                  read_central_directory)
+                                                  read_central_directory, whole_record_in)
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
 _FIRST_STORAGE_SUFFIX = "/data/0"
@@ -101,6 +101,25 @@ def find_payload_start(head: bytes) -> int | None:
             return data_offset
         position = head.find(LOCAL_SIGNATURE, position + len(LOCAL_SIGNATURE))
     return None
+
+
+def saved_tensor_in_head(head: bytes) -> SavedTensor | None:
+    """The tensor of a torch.save archive read front to back, from its head (its records up to
+    where find_payload_start finds the storage's bytes): the first record must be an intact
+    data.pkl of one plain tensor whose storage is that first storage record. None otherwise, as
+    for any archive of something else."""
+    if not head.startswith(LOCAL_SIGNATURE):
+        return None
+    record = whole_record_in(head, 0)
+    if record is None or not record[0].endswith(PICKLE_RECORD_SUFFIX):
+        return None
+    name, pickle_bytes = record
+    prefix = name[:-len(PICKLE_RECORD_SUFFIX)]
+    try:
+        tensor = parse_tensor_pickle(pickle_bytes, f"{prefix}/data/")
+    except DataError:
+        return None
+    return tensor if tensor.storage_record == prefix + _FIRST_STORAGE_SUFFIX else None
 
 
 def max_tensor_archive_bytes(tensor_nbytes: int) -> int:

@@ -17,6 +17,7 @@ equal), names that are UTF-8, every local header where its entry says.
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -39,6 +40,10 @@ _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_END = struct.Struct("<4sQ2H2I4Q")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+# After a record whose local header has flag bit 3: signature, CRC-32 and the two sizes, in 32
+# or (zip64) 64 bits.
+_DATA_DESCRIPTORS = (struct.Struct("<4s3I"), struct.Struct("<4sI2Q"))
+_SIZES_FOLLOW_FLAG = 0x0008
 _MAX_COMMENT_BYTES = 0xFFFF
 _FIRST_TAIL_BYTES = 1024
 # General purpose flags torch's reader refuses: encrypted, patched data, strongly encrypted,
@@ -236,6 +241,35 @@ def local_record_in(head: bytes, position: int) -> tuple[str, int] | None:
     if data_offset > len(head):
         return None
     return head[name_start:name_start + name_length].decode("utf-8", "replace"), data_offset
+
+
+def whole_record_in(head: bytes, position: int) -> tuple[str, bytes] | None:
+    """The name and data of the stored record whose local header is at `position` of head,
+    read front to back, when head holds it whole: up to the next local header, its size and
+    CRC-32 checked against the data descriptor before that header (or against the local header,
+    where that carries them). None when head ends too soon or the record does not check out."""
+    record = local_record_in(head, position)
+    if record is None:
+        return None
+    name, data_offset = record
+    _, _, flags, method, _, _, crc32, size_bytes, _, _, _ = _LOCAL_HEADER.unpack_from(
+        head, position)
+    if method != STORED:
+        return None
+    if not flags & _SIZES_FOLLOW_FLAG:
+        data = head[data_offset:data_offset + size_bytes]
+        return (name, data) if len(data) == size_bytes and zlib.crc32(data) == crc32 else None
+    next_header = head.find(LOCAL_SIGNATURE, data_offset)
+    for descriptor in _DATA_DESCRIPTORS if next_header >= 0 else ():
+        data = head[data_offset:next_header - descriptor.size]
+        if len(data) + descriptor.size != next_header - data_offset:
+            continue
+        signature, crc32, size_bytes, uncompressed_bytes = descriptor.unpack_from(
+            head, next_header - descriptor.size)
+        if (signature == DATA_DESCRIPTOR_SIGNATURE and size_bytes == uncompressed_bytes == len(data)
+                and zlib.crc32(data) == crc32):
+            return name, data
+    return None
 
 
 def locate_record(read_range: ReadRange, entry: CentralEntry, data_limit: int) -> ZipRecord:

@@ -11,7 +11,8 @@ from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, U
 from dcpctl.format.checkpoint.checksums import read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
-from dcpctl.format.checkpoint.side_files import files_beside_data, side_files_of
+from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_beside_data,
+                                                 side_files_of)
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
@@ -125,7 +126,8 @@ def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
         # and the like: only a stray safetensors file is unknown there.
         candidates = ({name for name in present if name.endswith(SAFETENSORS_SUFFIX)}
                       if checkpoint.hf_storage else present)
-        for name in sorted(candidates - known - {SHA256SUMS_FILE_NAME}):
+        unknown = candidates - known - {SHA256SUMS_FILE_NAME}
+        for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown))):
             problems.append(Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name))
     if sums is None:
         return problems

@@ -13,14 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcpctl.errors import DataError
-from dcpctl.format.codecs.base import PayloadHint, iter_decoded
+from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded
 from dcpctl.format.codecs.floatsplit.planes import (BFLOAT16, FLOAT16, FLOAT32, LAYOUTS_BY_CODE,
                                                     join_planes, split_planes)
-from dcpctl.format.codecs.floatsplit.stream_format import (END_BLOCK, FLOATS_BLOCK, FLOATS_HEADER,
-                                                           MAGIC, STREAM_HEADER)
+from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, FLOATS_BLOCK,
+                                                           FLOATS_HEADER, MAGIC, STREAM_HEADER)
 from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR, describe_codec
-from dcpctl.format.codecs.registry import codec_for_descriptors, floatsplit_codec
+from dcpctl.format.codecs.registry import codec_for_descriptors, floatsplit_codec, zstd_codec
 from dcpctl.format.torch_save.layout import find_payload_start
+from floatsplit_streams import block_structure
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex32,
           torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -109,8 +110,44 @@ def test_bfloat16_weights_code_below_plain_zstd():
     tensor = (torch.randn(200_000, generator=generator) * 0.02).to(torch.bfloat16)
     item = torch_save_bytes(tensor)
     split = encode(item, hint_for(tensor), 1 << 22)
-    plain = encode(item, None, 1 << 22)
+    plain = b"".join(iter_encoded(zstd_codec().new_encoder(len(item)), [item]))
     assert len(split) < 0.9 * len(plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_the_stream_depends_on_the_item_alone(dtype):
+    """Blocks are cut where the item's bytes say: the same stream whatever pieces the item
+    arrives in, and whether the caller knows the tensor (compress, from the metadata) or the
+    encoder reads it from data.pkl (torch's writer, through the extension)."""
+    generator = torch.Generator().manual_seed(2)
+    tensor = (torch.randn(2_300_001, generator=generator) * 0.02).to(dtype)
+    item = torch_save_bytes(tensor)
+    known = encode(item, hint_for(tensor), len(item))
+    assert known.count(bytes((FLOATS_BLOCK,))) >= 2
+    for piece_bytes in (1, 7, 4093, 999_983, (4 << 20) + 1):
+        if piece_bytes < 4093:
+            head = encode(item[:70_000], None, piece_bytes)
+            assert head == encode(item[:70_000], None, len(item)), piece_bytes
+            continue
+        assert encode(item, None, piece_bytes) == known, piece_bytes
+        assert encode(item, hint_for(tensor), piece_bytes) == known, piece_bytes
+
+
+def test_without_a_hint_only_a_tensor_archive_is_split():
+    """A torch.save of anything but one tensor (an object, a tensor inside a list), and an
+    archive whose data.pkl fails its CRC-32, are coded as plain bytes and decode unchanged."""
+    tensor = torch.randn(50_000).to(torch.bfloat16)
+    damaged = bytearray(torch_save_bytes(tensor))
+    pickle_at = damaged.index(b"data.pkl") + len(b"data.pkl") + 20
+    damaged[pickle_at] ^= 0x01
+    for item in (torch_save_bytes([tensor]), torch_save_bytes({"step": 3, "w": tensor}),
+                 bytes(damaged)):
+        stream = encode(item, None, 65_537)
+        assert {block[0] for block in block_structure(stream)} == {BYTES_BLOCK, END_BLOCK}
+        assert decode(stream, 4096) == item
+    split = block_structure(encode(torch_save_bytes(tensor), None, 65_537))
+    assert [block[:3] for block in split if block[0] == FLOATS_BLOCK] == [
+        (FLOATS_BLOCK, BFLOAT16.code, 50_000)]
 
 
 def test_view_with_a_larger_storage_round_trips():

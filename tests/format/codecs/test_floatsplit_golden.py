@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 
 from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded
-from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, END_HEADER,
-                                                           FLOATS_BLOCK, FLOATS_HEADER, MAGIC,
-                                                           STREAM_HEADER)
+from dcpctl.format.codecs.floatsplit.stream_format import FLOATS_BLOCK
 from dcpctl.format.codecs.registry import floatsplit_codec
+from floatsplit_streams import block_structure
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 # name -> (dtype, shape) of the tensors; "object" is a pickled Python object.
@@ -51,38 +50,6 @@ def _encode(item: bytes, name: str) -> bytes:
 def _decode(stream: bytes, piece_bytes: int) -> bytes:
     pieces = [stream[start:start + piece_bytes] for start in range(0, len(stream), piece_bytes)]
     return b"".join(iter_decoded(floatsplit_codec().new_decoder(), pieces))
-
-
-def block_structure(stream: bytes) -> list[tuple]:
-    """Every block's kind and header, and each sub-stream's coding and decoded length: what
-    the format fixes, leaving out the bytes zstd chose."""
-    assert stream[:len(MAGIC)] == MAGIC
-    position, blocks = len(MAGIC), []
-
-    def sub_streams(count: int) -> list[tuple[int, int]]:
-        nonlocal position
-        found = []
-        for _ in range(count):
-            coding, decoded, stored = STREAM_HEADER.unpack_from(stream, position)
-            found.append((coding, decoded))
-            position += STREAM_HEADER.size + stored
-        return found
-
-    while True:
-        kind = stream[position]
-        if kind == END_BLOCK:
-            blocks.append(END_HEADER.unpack_from(stream, position))
-            assert position + END_HEADER.size == len(stream)
-            return blocks
-        if kind == BYTES_BLOCK:
-            position += 1
-            blocks.append((BYTES_BLOCK, *sub_streams(1)))
-        else:
-            assert kind == FLOATS_BLOCK
-            header = FLOATS_HEADER.unpack_from(stream, position)
-            position += FLOATS_HEADER.size
-            planes = {1: 2, 2: 2, 3: 4, 4: 8}[header[1]]
-            blocks.append((*header, *sub_streams(planes)))
 
 
 @pytest.mark.parametrize("name", sorted(ITEMS))

@@ -138,6 +138,20 @@ def test_missing_and_extra_files(copy_fixture):
     assert only_problem(report, "unknown-file").file == "notes.txt"
 
 
+def test_empty_files_of_idle_writer_threads_are_not_unknown(tmp_path):
+    """torch's FileSystemWriter opens a file per thread: with more threads than items, some
+    stay empty. A data file that holds bytes the metadata does not name is still unknown."""
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = tmp_path / "saved"
+    dcp.save({"w": torch.ones(4), "step": 3}, no_dist=True,
+             storage_writer=dcp.FileSystemWriter(checkpoint, thread_count=4))
+    empty = sorted(path.name for path in checkpoint.glob("*.distcp") if path.stat().st_size == 0)
+    assert empty and verify_checkpoint(checkpoint).problems == []
+    (checkpoint / empty[0]).write_bytes(b"x")
+    assert only_problem(verify_checkpoint(checkpoint), "unknown-file").file == empty[0]
+
+
 def test_overlapping_chunks(copy_fixture):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
 

@@ -1,0 +1,146 @@
+"""Compression at save time, side by side: a training job saves the real weights with `dcp.save`
+and torch's FileSystemWriter as it is (baseline), with torch's ZStandard extension, and with
+dcpctl's FloatSplit extension (`dcpctl.storage_writer`), then loads each back.
+
+The state is the real-weights unit of bench/real_checkpoint.py: Whisper tiny.en's weights cast
+to bfloat16 (the model) and the GE2E speaker encoder in float32 with the real Adam state of its
+training (`optim.*`), each rank holding its rows of every tensor as a Shard(0) DTensor, as an
+FSDP2 job does. For 1 and 2 gloo ranks and thread_count 1 and 2 (torch's writer threads per
+rank), every codec saves into a fresh directory and loads back into a zeroed state dict through
+`dcpctl.storage_reader` (torch's FileSystemReader with dcpctl's extensions registered, which is
+stock torch for the baseline and ZStandard); codecs take turns, --repeats times, and each keeps
+its fastest time. Times are wall seconds between barriers on rank 0. Sizes are the stored item
+bytes: of the bf16 model weights, and of the whole state.
+
+Usage: python bench/bench_save.py [--units 2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import print_table  # noqa: E402
+from real_checkpoint import OUT_ROOT, rank_state  # noqa: E402
+
+CODECS = ("none", "zstd", "floatsplit")
+LABELS = {"none": "baseline", "zstd": "ZStandard", "floatsplit": "FloatSplit"}
+THREAD_COUNTS = (1, 2)
+MODEL_PREFIX = "model."
+BF16_WEIGHTS = ".whisper."  # the fqns of the bf16 model weights
+
+
+def _zeroed(state: dict) -> dict:
+    import torch
+
+    return {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
+            for key, value in state.items()}
+
+
+def _timed(action) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    action()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _job(rank: int, world_size: int, out_root: str, units: int, repeats: int,
+         results_file: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import dcpctl
+
+    state = rank_state(rank, world_size, units)
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        for thread_count in THREAD_COUNTS:
+            for codec in CODECS:
+                path = f"{out_root}/{world_size}r-{thread_count}t-{codec}"
+                if rank == 0:
+                    shutil.rmtree(path, ignore_errors=True)
+                writer = dcpctl.storage_writer(path, codec=codec, thread_count=thread_count)
+                save = _timed(lambda: dcp.save(state, storage_writer=writer))
+                target = _zeroed(state)
+                load = _timed(lambda: dcp.load(target, storage_reader=dcpctl.storage_reader(path)))
+                for name, seconds in ((f"save {path}", save), (f"load {path}", load)):
+                    best[name] = min(best.get(name, seconds), seconds)
+    if rank == 0:
+        Path(results_file).write_text(json.dumps(best))
+
+
+def stored_bytes(checkpoint: Path) -> tuple[int, int, int]:
+    """(bf16 model weights, all tensors and objects, raw bytes of the bf16 weights) stored."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    weights = sum(info.length for index, info in metadata.storage_data.items()
+                  if index.fqn.startswith(MODEL_PREFIX) and BF16_WEIGHTS in index.fqn)
+    total = sum(info.length for info in metadata.storage_data.values())
+    raw = sum(2 * _numel(entry.size) for fqn, entry in metadata.state_dict_metadata.items()
+              if fqn.startswith(MODEL_PREFIX) and BF16_WEIGHTS in fqn)
+    return weights, total, raw
+
+
+def _numel(size) -> int:
+    count = 1
+    for dimension in size:
+        count *= dimension
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--units", type=int, default=2, help="units of ~93 MB of state")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))
+    from make_fixtures import run_gloo_job
+
+    out_root = OUT_ROOT / "save"
+    out_root.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    for world_size in (1, 2):
+        with tempfile.NamedTemporaryFile(suffix=".json") as results:
+            run_gloo_job(world_size, _job, str(out_root), args.units, args.repeats, results.name)
+            times.update(json.loads(Path(results.name).read_text()))
+    rows, bars = [], []
+    for world_size in (1, 2):
+        for thread_count in THREAD_COUNTS:
+            figures = {}
+            for codec in CODECS:
+                path = out_root / f"{world_size}r-{thread_count}t-{codec}"
+                figures[codec] = (*stored_bytes(path), times[f"save {path}"],
+                                  times[f"load {path}"])
+            base_weights, base_total, raw, base_save, base_load = figures["none"]
+            for codec in CODECS:
+                weights, total, _, save, load = figures[codec]
+                rows.append((f"{world_size} rank(s), {thread_count} thread(s)", LABELS[codec],
+                             f"{weights / raw:.4f}", f"{total / base_total:.4f}",
+                             f"{total / 1e6:.1f}", f"{save:.2f}",
+                             f"{save / base_save - 1:+.1%}", f"{load:.2f}"))
+            bars.append((world_size, thread_count, figures))
+    print(f"{args.units} unit(s) of state; best of {args.repeats}; sizes over the baseline's "
+          "bf16 weights (raw bytes) and whole checkpoint")
+    print_table(rows, ("job", "codec", "bf16 weights", "whole", "MB", "save s",
+                       "save overhead", "load s"))
+    print()
+    for world_size, thread_count, figures in bars:
+        zstd, split, base = figures["zstd"], figures["floatsplit"], figures["none"]
+        print(f"{world_size} rank(s), {thread_count} thread(s): "
+              f"weights floatsplit/ZStandard {split[0] / zstd[0]:.3f} (bar <= 0.90); "
+              f"whole {split[1] / zstd[1]:.3f} (bar < 1); "
+              f"save overhead {split[3] / base[3] - 1:+.1%} vs {zstd[3] / base[3] - 1:+.1%}; "
+              f"load {split[4]:.2f} s vs {zstd[4]:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""floatsplit at save time: a training job saves through `dcpctl.storage_writer` (torch's
+FileSystemWriter with the FloatSplit extension), from several gloo ranks, with `dcp.save` and
+`dcp.async_save`; what it writes is item for item what `dcpctl compress --codec floatsplit`
+writes, loads on any world size, and every command reads it."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import tracemalloc
+
+import pytest
+import torch
+from conftest import load_with_dcpctl_reader, load_with_torch, run_dcpctl, torch_metadata
+from floatsplit_streams import block_structure
+from make_fixtures import run_gloo_job
+
+import dcpctl
+from dcpctl.errors import InvalidOptionError
+from dcpctl.format.codecs.floatsplit.stream_format import BYTES_BLOCK, FLOATS_BLOCK
+from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR
+
+WIDTH = 192  # bf16 rows of 384 bytes: every rank's shard of a weight is split into planes
+
+
+class SmallModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(300, WIDTH)
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("rope", torch.randn(64, 32))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.embed(tokens)).sum() + self.rope.sum()
+
+
+def _model(world_size: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = SmallModel().to(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model.embed, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _trainer_state(rank: int, world_size: int) -> dict:
+    """A bf16 model and its AdamW state (fp32 moments), an object and a per-rank object."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _model(world_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.arange(16) % 300).backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    rank_object = io.BytesIO()
+    torch.save({"rank": rank, "seen": list(range(100))}, rank_object)
+    rank_object.seek(0)
+    return {"model": model_state, "optim": optimizer_state, "step": 12,
+            "dataloader": {f"dp_rank_{rank}": rank_object}}
+
+
+def _save_all_ways(rank: int, world_size: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = _trainer_state(rank, world_size)
+    dcp.save(state, checkpoint_id=f"{root}/plain")
+    dcp.save(state, storage_writer=dcpctl.storage_writer(f"{root}/floatsplit", thread_count=2))
+    dcp.async_save(state, storage_writer=dcpctl.storage_writer(f"{root}/async")).result()
+    dcp.save(state, storage_writer=dcpctl.storage_writer(f"{root}/zstd", codec="zstd"))
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("save_time")
+    run_gloo_job(2, _save_all_ways, str(root))
+    return root
+
+
+def stored_items(checkpoint) -> dict:
+    """MetadataIndex -> (transform descriptors, stored bytes) of every item."""
+    items = {}
+    for index, info in torch_metadata(checkpoint).storage_data.items():
+        with open(checkpoint / info.relative_path, "rb") as data_file:
+            data_file.seek(info.offset)
+            items[index] = (info.transform_descriptors, data_file.read(info.length))
+    return items
+
+
+@pytest.mark.parametrize("name", ["floatsplit", "async"])
+def test_a_save_writes_what_compress_writes(saves, tmp_path, name):
+    compressed = tmp_path / "compressed"
+    result = run_dcpctl("compress", saves / "plain", "--codec", "floatsplit", "-o", compressed)
+    assert result.returncode == 0, result.stderr
+    saved, expected = stored_items(saves / name), stored_items(compressed)
+    assert saved.keys() == expected.keys()
+    for index, (descriptors, data) in saved.items():
+        assert descriptors == [FLOATSPLIT_DESCRIPTOR]
+        assert data == expected[index][1], index
+    weight = next(data for index, (_, data) in saved.items() if index.fqn == "model.proj.weight")
+    assert FLOATS_BLOCK in {block[0] for block in block_structure(weight)}
+    rank_object = next(data for index, (_, data) in saved.items() if "dp_rank_1" in index.fqn)
+    assert {block[0] for block in block_structure(rank_object)} <= {BYTES_BLOCK, 0}
+
+
+@pytest.mark.parametrize("name", ["floatsplit", "async", "zstd"])
+def test_it_loads_equal_to_the_plain_save(saves, name):
+    plain = load_with_torch(saves / "plain")
+    loaded = load_with_dcpctl_reader(str(saves / name))
+    assert loaded.keys() == plain.keys()
+    for key, value in plain.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value), key
+        elif isinstance(value, io.BytesIO):
+            assert loaded[key].getvalue() == value.getvalue(), key
+        else:
+            assert loaded[key] == value, key
+
+
+def test_the_zstd_writer_is_stock_torch(saves):
+    assert load_with_torch(saves / "zstd").keys() == load_with_torch(saves / "plain").keys()
+    assert {info.transform_descriptors[0] for info in
+            torch_metadata(saves / "zstd").storage_data.values()} == {"stream.zstd/1"}
+
+
+def test_it_is_smaller_than_torchs_zstandard(saves):
+    def tensor_bytes(name):
+        return sum(len(data) for index, (_, data) in stored_items(saves / name).items()
+                   if index.fqn.startswith("model."))
+
+    assert tensor_bytes("floatsplit") < 0.9 * tensor_bytes("zstd")
+
+
+def _load_model_on_ranks(rank: int, world_size: int, checkpoint: str, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _model(world_size)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, storage_reader=dcpctl.storage_reader(checkpoint))
+    full = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in state["model"].items()}
+    if rank == 0:
+        torch.save(full, out)
+
+
+@pytest.mark.slow
+def test_three_ranks_load_what_two_saved(saves, tmp_path):
+    out = tmp_path / "loaded.pt"
+    run_gloo_job(3, _load_model_on_ranks, str(saves / "floatsplit"), str(out))
+    plain = load_with_torch(saves / "plain")
+    loaded = torch.load(out)
+    assert loaded.keys() and all(torch.equal(value, plain[f"model.{name}"])
+                                 for name, value in loaded.items())
+
+
+def test_every_command_reads_it(saves, tmp_path):
+    checkpoint = saves / "floatsplit"
+    report = json.loads(run_dcpctl("inspect", checkpoint, "--json").stdout)
+    assert report["tensors"] and run_dcpctl("verify", checkpoint).returncode == 0
+    plain = load_with_torch(saves / "plain")
+    for args in (["decompress", "-o", tmp_path / "plain"],
+                 ["reshard", "--ranks", "3", "--codec", "none", "-o", tmp_path / "three"]):
+        result = run_dcpctl(args[0], checkpoint, *args[1:])
+        assert result.returncode == 0, result.stderr
+        restored = load_with_torch(args[-1])
+        assert all(torch.equal(restored[key], value) for key, value in plain.items()
+                   if isinstance(value, torch.Tensor))
+    result = run_dcpctl("convert", checkpoint, "--to", "safetensors", "-o", tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert weights.keys() == {"embed.weight", "proj.weight", "proj.bias", "rope"}
+    assert all(torch.equal(value, plain[f"model.{name}"]) for name, value in weights.items())
+
+
+class _Sink(io.RawIOBase):
+    def __init__(self) -> None:
+        self.stored = 0
+        self.closed_by_writer = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.stored += memoryview(data).nbytes
+        return memoryview(data).nbytes
+
+    def close(self) -> None:
+        self.closed_by_writer = True
+        super().close()
+
+
+def test_the_extension_holds_a_few_blocks_not_the_tensor():
+    """torch.save hands the whole storage over in one write; the extension codes it where it
+    lies, holding at most a block or two of its own."""
+    tensor = (torch.randn(32 << 20) * 0.02).to(torch.bfloat16)  # 64 MiB
+    warm_up = dcpctl.FloatSplit().transform_to(_Sink())  # imports allocate, once
+    torch.save(tensor[:100_000], warm_up)
+    warm_up.close()
+    sink = _Sink()
+    tracemalloc.start()
+    stream = dcpctl.FloatSplit().transform_to(sink)
+    torch.save(tensor, stream)
+    stream.close()
+    _, peak_bytes = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert sink.closed_by_writer and sink.stored < 0.8 * tensor.nbytes
+    assert peak_bytes < 16 << 20, peak_bytes
+
+
+def test_the_extension_survives_pickling_for_async_saves_in_a_process():
+    extension = pickle.loads(pickle.dumps(dcpctl.FloatSplit(level=5)))
+    assert extension.get_descriptor() == FLOATSPLIT_DESCRIPTOR
+    sink = _Sink()
+    stream = extension.transform_to(sink)
+    torch.save(torch.ones(10), stream)
+    stream.close()
+    assert sink.stored > 0
+
+
+def test_storage_writer_refuses_what_it_cannot_write(tmp_path):
+    with pytest.raises(InvalidOptionError, match="unknown codec 'lz4'"):
+        dcpctl.storage_writer(tmp_path, codec="lz4")
+    with pytest.raises(InvalidOptionError, match="takes no level"):
+        dcpctl.storage_writer(tmp_path, codec="zstd", level=9)
+    with pytest.raises(InvalidOptionError, match="outside 1..22"):
+        dcpctl.storage_writer(tmp_path, level=30)
+
+
+def test_a_save_into_a_bucket(s3_server, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    url = f"s3://{s3_server.new_bucket()}/run/step-5"
+    state = {"w": (torch.randn(256, 256) * 0.02).to(torch.bfloat16), "step": 5}
+    dcp.save(state, storage_writer=dcpctl.storage_writer(url, thread_count=2), no_dist=True)
+    loaded = load_with_dcpctl_reader(url)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 5
+    result = run_dcpctl("verify", url)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(run_dcpctl("inspect", url, "--json").stdout)
+    assert set(report["compression"]) == {"floatsplit"}
