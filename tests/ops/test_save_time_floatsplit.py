@@ -157,6 +157,24 @@ def test_three_ranks_load_what_two_saved(saves, tmp_path):
                                  for name, value in loaded.items())
 
 
+def _save_in_a_background_process(rank: int, world_size: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    dcp.async_save(_trainer_state(rank, world_size),
+                   storage_writer=dcpctl.storage_writer(f"{root}/process", thread_count=2),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+
+
+@pytest.mark.slow
+def test_an_async_save_from_a_background_process(saves, tmp_path):
+    """torch pickles the writer, extension included, into a checkpoint process of its own."""
+    run_gloo_job(2, _save_in_a_background_process, str(tmp_path))
+    saved, expected = stored_items(tmp_path / "process"), stored_items(saves / "floatsplit")
+    assert saved.keys() == expected.keys()
+    assert all(data == expected[index][1] for index, (_, data) in saved.items())
+
+
 def test_every_command_reads_it(saves, tmp_path):
     checkpoint = saves / "floatsplit"
     report = json.loads(run_dcpctl("inspect", checkpoint, "--json").stdout)

@@ -21,6 +21,7 @@ from dcpctl.format.codecs.registry import DEFAULT_ZSTD_LEVEL, floatsplit_codec
 
 _READ_BYTES = 4 << 20
 _WRITE_SLICE_BYTES = 4 << 20
+_GATHERED_BYTES = 64 << 10
 
 
 class FloatSplit(StreamTransformExtension):
@@ -56,26 +57,42 @@ class FloatSplit(StreamTransformExtension):
 
 class _EncodingWriter(io.RawIOBase):
     """A write-only stream that encodes what is written to it into output; closing it ends the
-    item and closes output (torch hands each item a stream whose close keeps the file open)."""
+    item and closes output (torch hands each item a stream whose close keeps the file open).
+
+    torch.save writes an archive's records in a score of small writes, then a tensor's whole
+    storage in one: the small ones are gathered and encoded together (the GIL is held for each
+    encoder call, whatever it is given), the large one is encoded a slice at a time, so that
+    its coded bytes go out as they come instead of piling up."""
 
     def __init__(self, encoder: Encoder, output: IO[bytes]) -> None:
         self._encoder = encoder
         self._output: IO[bytes] | None = output
+        self._gathered = bytearray()
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
         if self._output is None:
             raise ValueError("write to a closed stream")
-        # torch.save hands a tensor's whole storage over in one write: coded a slice at a
-        # time, its coded bytes go out as they come instead of piling up.
+        view = memoryview(data).cast("B")
+        if len(self._gathered) + len(view) < _GATHERED_BYTES:
+            self._gathered += view
+            return len(view)
+        self._encode_gathered()
         for start in range(0, len(view), _WRITE_SLICE_BYTES):
-            encoded = self._encoder.encode(view[start:start + _WRITE_SLICE_BYTES])
-            if encoded:
-                self._output.write(encoded)
+            self._encode(view[start:start + _WRITE_SLICE_BYTES])
         return len(view)
+
+    def _encode_gathered(self) -> None:
+        if self._gathered:
+            self._encode(self._gathered)
+            self._gathered = bytearray()
+
+    def _encode(self, data) -> None:
+        encoded = self._encoder.encode(data)
+        if encoded:
+            self._output.write(encoded)
 
     def flush(self) -> None:
         if self._output is not None:
@@ -84,11 +101,13 @@ class _EncodingWriter(io.RawIOBase):
     def close(self) -> None:
         if self._output is None:
             return
-        output, self._output = self._output, None
+        output = self._output
         try:
+            self._encode_gathered()
             output.write(self._encoder.finish())
             output.close()
         finally:
+            self._output = None
             super().close()
 
 

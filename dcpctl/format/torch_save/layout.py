@@ -91,6 +91,8 @@ def find_payload_start(head: bytes) -> int | None:
     torch.save archive read front to back, or None if the head does not show them (yet).
     torch.save's local headers carry no sizes, so records are walked by name: each record of
     the head is a local header, found by its signature."""
+    if _FIRST_STORAGE_SUFFIX.encode() not in head:  # the cheap test, while the head grows
+        return None
     position = head.find(LOCAL_SIGNATURE)
     while position >= 0:
         record = local_record_in(head, position)
