@@ -8,6 +8,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import StreamTransformExtension, ZStandard
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 from dcpctl.errors import InvalidOptionError
 from dcpctl.format.codecs.names import FLOATSPLIT, ZSTD
@@ -24,6 +25,11 @@ def storage_writer(path: str | os.PathLike, codec: str = FLOATSPLIT, level: int 
     loads) or `none`. level is floatsplit's zstd level; the rest goes to torch's writer (and
     for a URL to fsspec, after the storage options in DCPCTL_STORAGE_OPTIONS)."""
     extensions = _extensions_for(codec, level)
+    serialization = writer_options.get("serialization_format", SerializationFormat.TORCH_SAVE)
+    if extensions and serialization != SerializationFormat.TORCH_SAVE:
+        # torch writes such tensors past its extensions, each item's stream left empty
+        raise InvalidOptionError(f"codec {codec!r} codes torch.save items; torch's writer "
+                                 f"passes {serialization} tensors around its extensions")
     if is_remote(storage_path(path)):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 

@@ -247,6 +247,11 @@ def test_storage_writer_refuses_what_it_cannot_write(tmp_path):
         dcpctl.storage_writer(tmp_path, codec="zstd", level=9)
     with pytest.raises(InvalidOptionError, match="outside 1..22"):
         dcpctl.storage_writer(tmp_path, level=30)
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    with pytest.raises(InvalidOptionError, match="around its extensions"):
+        dcpctl.storage_writer(tmp_path, serialization_format=SerializationFormat.SAFETENSORS)
+    assert dcpctl.storage_writer(tmp_path, codec="none",
+                                 serialization_format=SerializationFormat.SAFETENSORS)
 
 
 def test_a_save_into_a_bucket(s3_server, tmp_path):
