@@ -4,7 +4,8 @@ A checkpoint of --tensors bf16 tensors, each split by rows over --ranks ranks (o
 rank, FSDP2's layout), is described by a `.metadata` built with torch's own classes and pickled
 as torch's FileSystemWriter pickles it; its data files are sparse files of the right sizes
 (nothing here reads them). Each contender runs in a fresh process under /usr/bin/time -v, best
-of --repeat: torch's `FileSystemReader.read_metadata`, `dcpctl inspect` (the table), `dcpctl
+of --repeat: torch's `FileSystemReader.read_metadata`, the floor of any reader built on Python's
+C unpickler (the unpickler alone, into stand-in classes), `dcpctl inspect` (the table), `dcpctl
 inspect --json` and `dcpctl verify --quick`, with wall time, peak RSS and each one's time as a
 fraction of torch's. --also-ranks repeats it at a second rank count (4096 gives 4 M chunks at
 the default 1,000 tensors), to show how time and memory grow.
@@ -32,6 +33,28 @@ import sys
 from torch.distributed.checkpoint import FileSystemReader
 metadata = FileSystemReader(sys.argv[1]).read_metadata()
 print(sum(len(entry.chunks) for entry in metadata.state_dict_metadata.values()))
+"""
+
+# The floor of any reader that builds records with Python's C unpickler: the unpickler alone,
+# its globals mapped to the cheapest stand-ins (no checks, no allowlist, no report). Its peak
+# memory is a floor too: the unpickler's memo keeps every object it memoized until it ends.
+UNPICKLE_FLOOR = """
+import gc, pickle, sys
+gc.disable()  # as dcpctl's reader pauses the cycle collector
+class Record:
+    pass
+class TupleRecord:  # TensorProperties pickles its state as a tuple
+    def __setstate__(self, state):
+        self.state = state
+STAND_INS = {("torch", "Size"): tuple, ("collections", "OrderedDict"): dict,
+             ("torch.serialization", "_get_layout"): str,
+             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): int,
+             ("torch.distributed.checkpoint.metadata", "TensorProperties"): TupleRecord}
+class StandIns(pickle.Unpickler):
+    def find_class(self, module, name):
+        return STAND_INS.get((module, name), Record)
+with open(sys.argv[1] + "/.metadata", "rb") as stream:
+    StandIns(stream).load()
 """
 
 
@@ -80,6 +103,7 @@ def bench(tensors: int, ranks: int, repeat: int) -> list[tuple]:
     checkpoint = checkpoint_of(tensors, ranks)
     contenders = [
         ("torch FileSystemReader.read_metadata", python_command(TORCH_READ) + [str(checkpoint)]),
+        ("floor: C unpickle to stand-ins", python_command(UNPICKLE_FLOOR) + [str(checkpoint)]),
         ("dcpctl inspect", dcpctl_command("inspect", str(checkpoint))),
         ("dcpctl inspect --json", dcpctl_command("inspect", str(checkpoint), "--json")),
         ("dcpctl verify --quick", dcpctl_command("verify", str(checkpoint), "--quick")),

@@ -3,6 +3,18 @@
 import contextlib
 import gc
 
+_freezes_on_resume = False
+
+
+def freeze_built_objects_on_resume() -> None:
+    """For the command-line process: when the collector resumes after a pause, move every
+    object then alive to its permanent generation (gc.freeze). Resumed as it is, the collector
+    would walk the millions of records just built at its next collections, several times over,
+    though none of them is ever cyclic garbage. A program using dcpctl as a library keeps
+    Python's default."""
+    global _freezes_on_resume
+    _freezes_on_resume = True
+
 
 @contextlib.contextmanager
 def paused_cycle_collector():
@@ -14,4 +26,6 @@ def paused_cycle_collector():
         yield
     finally:
         if was_enabled:
+            if _freezes_on_resume:
+                gc.freeze()
             gc.enable()

@@ -12,6 +12,7 @@ import click
 from dcpctl.allocator import reuse_large_buffers
 from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.cli.render import escape_control_characters
+from dcpctl.cycle_collector import freeze_built_objects_on_resume
 from dcpctl.errors import DcpctlError, describe_os_error
 from dcpctl.ops.distributed import join_torchrun, launched_by_torchrun
 from dcpctl.ops.storage_options import add_storage_options
@@ -126,6 +127,7 @@ def _parsed_storage_option(text: str) -> tuple[str, object]:
 def main() -> None:
     """Console-script entry point."""
     reuse_large_buffers()
+    freeze_built_objects_on_resume()
     stop_on_signals()
     if launched_by_torchrun():
         sys.exit(_run_as_torchrun_rank())

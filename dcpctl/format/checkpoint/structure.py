@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.format.checkpoint.checksums import refuse_sha256sums_mismatch
 from dcpctl.format.checkpoint.locations import ExpectedTensor
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
@@ -24,7 +25,7 @@ from dcpctl.format.metadata.records import ChunkMetadata, StorageInfo
 from dcpctl.storage.locks import locked_checkpoint
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoredItem:
     """One item of the metadata: an fqn's stored bytes, with its chunk if it is a tensor's."""
 
@@ -90,7 +91,8 @@ def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Open a checkpoint to move its data, refusing it if the metadata and file sizes already
     show it damaged (what `verify --quick` reports, SHA256SUMS aside)."""
     checkpoint = open_checkpoint(path, check_files=False)  # check_structure words those too
-    problems = check_structure(checkpoint, list_stored_items(checkpoint))
+    with paused_cycle_collector():
+        problems = check_structure(checkpoint, list_stored_items(checkpoint))
     if problems:
         raise problems_error(problems, checkpoint.path)
     return checkpoint
@@ -109,46 +111,73 @@ def check_structure(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Pro
 
 
 def _overlapping_items(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
-    by_file: dict[str, list[StoredItem]] = defaultdict(list)
-    for item in items:
-        if item.storage.length and not is_safetensors_tensor(checkpoint, item):
-            by_file[item.storage.relative_path].append(item)
+    safetensors_files = _safetensors_files(checkpoint)
+    spans_by_file: dict[str, list[tuple[int, int, int]]] = defaultdict(list)  # offset, index, end
+    for index, item in enumerate(items):
+        storage = item.storage
+        if storage.length and not (item.tensor is not None
+                                   and storage.relative_path in safetensors_files):
+            spans_by_file[storage.relative_path].append(
+                (storage.offset, index, storage.offset + storage.length))
     problems = []
-    for name, file_items in sorted(by_file.items()):
-        file_items.sort(key=lambda item: item.storage.offset)
-        furthest = file_items[0]
-        for item in file_items[1:]:
-            if item.storage.offset < furthest.end:
+    for name, spans in sorted(spans_by_file.items()):
+        spans.sort()
+        _, furthest, furthest_end = spans[0]
+        for offset, index, end in spans[1:]:
+            if offset < furthest_end:
                 problems.append(Problem(
-                    Rule.ITEM_OVERLAP, f"items share bytes {item.storage.offset}.."
-                    f"{min(item.end, furthest.end)}", name, item.storage.offset,
-                    min(item.end, furthest.end), (furthest.fqn, item.fqn)))
-            if item.end > furthest.end:
-                furthest = item
+                    Rule.ITEM_OVERLAP, f"items share bytes {offset}..{min(end, furthest_end)}",
+                    name, offset, min(end, furthest_end), (items[furthest].fqn, items[index].fqn)))
+            if end > furthest_end:
+                furthest_end, furthest = end, index
     return problems
 
 
+def _safetensors_files(checkpoint: Checkpoint) -> set[str]:
+    return {name for name, data_file in checkpoint.files.items()
+            if data_file.serialization == SAFETENSORS}
+
+
 def _storage_link_problems(checkpoint: Checkpoint) -> list[Problem]:
+    """Chunks and objects without storage, and storage entries that no chunk or object has."""
     problems = []
-    expected_keys = set()
+    linked = [chunk.storage for tensor in checkpoint.tensors for chunk in tensor.chunks]
+    linked += [entry.storage for entry in checkpoint.objects]
+    if any(storage is None for storage in linked):
+        problems += _unlinked_entries(checkpoint)
+    storage_data = checkpoint.metadata.storage_data or {}
+    # Opening the checkpoint gave each chunk and object the entry of its key, so when every
+    # entry is a record of its own, an entry no key reached is one that no chunk has.
+    entries = {id(info) for info in storage_data.values()}
+    if len(entries) != len(storage_data) or len({id(info) for info in linked
+                                                 if info is not None}) != len(entries):
+        problems += _orphan_entries(checkpoint)
+    return problems
+
+
+def _unlinked_entries(checkpoint: Checkpoint) -> list[Problem]:
+    problems = []
     for tensor in checkpoint.tensors:
         for chunk in tensor.chunks:
-            expected_keys.add((tensor.fqn, chunk.offsets))
             if chunk.storage is None:
                 problems.append(Problem(Rule.NO_STORAGE, f"chunk at offsets {list(chunk.offsets)} "
                                         "has no storage_data entry", fqns=(tensor.fqn,)))
     for entry in checkpoint.objects:
-        expected_keys.add((entry.fqn, None))
         if entry.storage is None:
             problems.append(Problem(Rule.NO_STORAGE, "object has no storage_data entry",
                                     fqns=(entry.fqn,)))
-    for key, info in (checkpoint.metadata.storage_data or {}).items():
-        if (key.fqn, key.offset) not in expected_keys:
-            problems.append(Problem(
-                Rule.ORPHAN_STORAGE, f"storage_data entry at offsets {key.offset} matches no chunk "
-                "of the entry", info.relative_path, info.offset, info.offset + info.length,
-                (key.fqn,)))
     return problems
+
+
+def _orphan_entries(checkpoint: Checkpoint) -> list[Problem]:
+    expected_keys = {(tensor.fqn, chunk.offsets)
+                     for tensor in checkpoint.tensors for chunk in tensor.chunks}
+    expected_keys.update((entry.fqn, None) for entry in checkpoint.objects)
+    return [Problem(Rule.ORPHAN_STORAGE, f"storage_data entry at offsets {key.offset} matches no "
+                    "chunk of the entry", info.relative_path, info.offset,
+                    info.offset + info.length, (key.fqn,))
+            for key, info in (checkpoint.metadata.storage_data or {}).items()
+            if (key.fqn, key.offset) not in expected_keys]
 
 
 def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
@@ -196,21 +225,26 @@ def find_overlapping_boxes(boxes: list[Box]) -> tuple[Box, Box] | None:
 def _stored_length_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
     """SAFETENSORS items hold exactly the chunk's bytes; a plain torch.save archive at least;
     an item under a codec no more than the codec can decode its stored bytes to."""
+    safetensors_files = _safetensors_files(checkpoint)
+    elements_of_sizes: dict[tuple[int, ...], int] = {}
     problems = []
     for item in items:
         if item.tensor is None:
             continue
-        nbytes = item.chunk_nbytes
-        if item.storage.transform_descriptors:
-            wrong = nbytes > max_decoded_bytes(item.storage.length)
-        elif is_safetensors_tensor(checkpoint, item):
-            wrong = item.storage.length != nbytes
+        storage, sizes = item.storage, item.chunk.sizes
+        elements = elements_of_sizes.get(sizes)
+        if elements is None:
+            elements = elements_of_sizes[sizes] = math.prod(sizes)
+        nbytes = elements * item.tensor.dtype.itemsize
+        if storage.transform_descriptors:
+            wrong = nbytes > max_decoded_bytes(storage.length)
+        elif storage.relative_path in safetensors_files:
+            wrong = storage.length != nbytes
         else:
-            wrong = item.storage.length < nbytes
+            wrong = storage.length < nbytes
         if wrong:
             problems.append(Problem(
-                Rule.STORED_LENGTH, f"item of {item.storage.length} bytes cannot hold a "
-                f"{item.tensor.dtype.name} chunk of sizes {list(item.chunk.sizes)} "
-                f"({nbytes} bytes)", item.storage.relative_path, item.storage.offset, item.end,
-                (item.fqn,)))
+                Rule.STORED_LENGTH, f"item of {storage.length} bytes cannot hold a "
+                f"{item.tensor.dtype.name} chunk of sizes {list(sizes)} ({nbytes} bytes)",
+                storage.relative_path, storage.offset, item.end, (item.fqn,)))
     return problems

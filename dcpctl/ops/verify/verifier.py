@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
 from dcpctl.format.checkpoint.checksums import read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
@@ -87,9 +88,10 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         sums = None
         report.problems.append(Problem(Rule.CHECKSUMS_FILE, error.message, SHA256SUMS_FILE_NAME))
     report.checksummed_files = None if sums is None else len(sums)
-    items = list_stored_items(checkpoint) if checkpoint is not None else []
-    if checkpoint is not None:
-        report.problems += check_structure(checkpoint, items)
+    with paused_cycle_collector():
+        items = list_stored_items(checkpoint) if checkpoint is not None else []
+        if checkpoint is not None:
+            report.problems += check_structure(checkpoint, items)
     report.problems += _listing_problems(directory, checkpoint, sums, report.problems)
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
