@@ -6,6 +6,8 @@ import math
 import os
 import stat
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable
 
@@ -224,21 +226,27 @@ def _file_status(checkpoint: Checkpoint, relative_path: str) -> tuple[int | None
 
 
 def _collect_entries(checkpoint: Checkpoint) -> None:
-    storage_by_key = {(key.fqn, key.offset): info
-                      for key, info in (checkpoint.metadata.storage_data or {}).items()}
+    """Join each chunk and object to the storage entry of its key, tensor by tensor (the
+    lookups of a tensor's chunks loop in C: metadata can hold millions)."""
+    storage_data = checkpoint.metadata.storage_data or {}
+    storage_by_key = dict(zip(map(_KEY_FIELDS, storage_data.keys()), storage_data.values()))
     for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
         if isinstance(entry, TensorMetadata):
-            stored_bytes = 0
-            for chunk in entry.chunks:
-                chunk.storage = storage = storage_by_key.get((fqn, chunk.offsets))
-                if storage is not None:
-                    stored_bytes += storage.length
+            storages = list(map(storage_by_key.get,
+                                zip(repeat(fqn), map(_CHUNK_OFFSETS, entry.chunks))))
+            for chunk, storage in zip(entry.chunks, storages):
+                chunk.storage = storage
+            stored_bytes = sum(map(_STORED_LENGTH, filter(None, storages)))
             dtype = entry.properties.dtype
             nbytes = math.prod(entry.size) * dtype.itemsize
             checkpoint.tensors.append(
                 TensorEntry(fqn, dtype, entry.size, entry.chunks, nbytes, stored_bytes))
         else:
             checkpoint.objects.append(ObjectEntry(fqn, storage_by_key.get((fqn, None))))
+
+
+_KEY_FIELDS = attrgetter("fqn", "offset")  # a storage key as (fqn, offsets)
+_CHUNK_OFFSETS, _STORED_LENGTH = attrgetter("offsets"), attrgetter("length")
 
 
 def _collect_files(checkpoint: Checkpoint) -> None:
