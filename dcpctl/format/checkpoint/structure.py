@@ -11,6 +11,8 @@ import contextlib
 import math
 import os
 from collections import defaultdict
+from itertools import accumulate, chain, repeat
+from operator import attrgetter, eq, is_, itemgetter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -141,18 +143,26 @@ def _safetensors_files(checkpoint: Checkpoint) -> set[str]:
 def _storage_link_problems(checkpoint: Checkpoint) -> list[Problem]:
     """Chunks and objects without storage, and storage entries that no chunk or object has."""
     problems = []
-    linked = [chunk.storage for tensor in checkpoint.tensors for chunk in tensor.chunks]
-    linked += [entry.storage for entry in checkpoint.objects]
-    if any(storage is None for storage in linked):
+    linked = list(chain.from_iterable(map(_storages_of_chunks, checkpoint.tensors)))
+    linked += map(_STORAGE, checkpoint.objects)
+    if any(map(is_, linked, repeat(None))):
         problems += _unlinked_entries(checkpoint)
     storage_data = checkpoint.metadata.storage_data or {}
     # Opening the checkpoint gave each chunk and object the entry of its key, so when every
     # entry is a record of its own, an entry no key reached is one that no chunk has.
-    entries = {id(info) for info in storage_data.values()}
-    if len(entries) != len(storage_data) or len({id(info) for info in linked
-                                                 if info is not None}) != len(entries):
+    entries = set(map(id, storage_data.values()))
+    linked_entries = set(map(id, linked))
+    linked_entries.discard(id(None))
+    if len(entries) != len(storage_data) or len(linked_entries) != len(entries):
         problems += _orphan_entries(checkpoint)
     return problems
+
+
+_STORAGE = attrgetter("storage")
+
+
+def _storages_of_chunks(tensor: TensorEntry) -> Iterator[StorageInfo | None]:
+    return map(_STORAGE, tensor.chunks)
 
 
 def _unlinked_entries(checkpoint: Checkpoint) -> list[Problem]:
@@ -182,6 +192,8 @@ def _orphan_entries(checkpoint: Checkpoint) -> list[Problem]:
 
 def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
     """The chunks must tile the tensor: no two overlap, and together they hold every element."""
+    if _tiles_by_rows(tensor):
+        return []
     boxes = [(chunk.offsets, chunk.sizes) for chunk in tensor.chunks if math.prod(chunk.sizes)]
     overlap = find_overlapping_boxes(boxes)
     if overlap is not None:
@@ -196,6 +208,26 @@ def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
                         f"{list(tensor.shape)}", fqns=(tensor.fqn,))]
     return []
 
+
+def _tiles_by_rows(tensor: TensorEntry) -> bool:
+    """Whether the chunks split the tensor's rows (dim 0) into consecutive runs, each whole in
+    every other dim, as FSDP2 and most savers lay tensors out: the common case, told with loops
+    in C. False does not mean they fail to tile (find_overlapping_boxes decides)."""
+    shape = tensor.shape
+    if not shape:
+        return False
+    offsets, sizes = list(map(_OFFSETS, tensor.chunks)), list(map(_SIZES, tensor.chunks))
+    if not (all(map(eq, map(_BEYOND_ROWS, offsets), repeat((0,) * (len(shape) - 1))))
+            and all(map(eq, map(_BEYOND_ROWS, sizes), repeat(shape[1:])))):
+        return False
+    first, second = itemgetter(0), itemgetter(1)
+    rows = sorted(filter(second, zip(map(first, offsets), map(first, sizes))))  # non-empty
+    ends = list(accumulate(map(second, rows)))
+    return bool(rows) and ends[-1] == shape[0] and list(map(first, rows)) == [0, *ends[:-1]]
+
+
+_OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
+_BEYOND_ROWS = itemgetter(slice(1, None))
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
 
 import pytest
 import torch
 from conftest import FIXTURE_NAMES, REPO_ROOT, fixture_path, flip_bit, torch_metadata
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcpctl.format.checkpoint.problems import ALL_RULES
-from dcpctl.format.checkpoint.structure import find_overlapping_boxes
-from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.checkpoint.structure import _tiles_by_rows, find_overlapping_boxes
+from dcpctl.format.checkpoint.view import TensorEntry, open_checkpoint
+from dcpctl.format.dtypes import DTYPES_BY_NAME
+from dcpctl.format.metadata.records import ChunkMetadata
 from dcpctl.format.torch_save.layout import read_torch_save_layout
 from dcpctl.ops.checksum import checksum_checkpoint
 from dcpctl.ops.verify.verifier import verify_checkpoint
@@ -272,6 +277,29 @@ def test_safetensors_header_checked_against_metadata(copy_fixture):
 ])
 def test_find_overlapping_boxes(boxes, overlapping):
     assert (find_overlapping_boxes(boxes) is not None) == overlapping
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(0, 12), columns=st.integers(0, 3),
+       cuts=st.lists(st.tuples(st.integers(0, 14), st.integers(0, 6), st.integers(-1, 1),
+                               st.integers(-1, 1)), max_size=6))
+def test_row_tiling_agrees_with_the_general_check(rows, columns, cuts):
+    """The fast test for chunks that split rows never passes chunks the box sweep would
+    refuse (an overlap or a gap), and passes every exact row split it is given."""
+    chunks = [ChunkMetadata((start, max(column_shift, 0)), (size, columns + column_grow))
+              for start, size, column_shift, column_grow in cuts]
+    tensor = TensorEntry("t", DTYPES_BY_NAME["float32"], (rows, columns), chunks)
+    boxes = [(chunk.offsets, chunk.sizes) for chunk in chunks if math.prod(chunk.sizes)]
+    tiles = (find_overlapping_boxes(boxes) is None and all(
+        min(offsets) >= 0 and all(o + s <= n for o, s, n in zip(offsets, sizes, (rows, columns)))
+        for offsets, sizes in boxes) and sum(math.prod(s) for _, s in boxes) == rows * columns)
+    if _tiles_by_rows(tensor):
+        assert tiles
+    if rows and columns:  # an empty tensor is left to the general check
+        bounds = sorted({0, rows, *(min(start, rows) for start, *_ in cuts)})
+        split = [ChunkMetadata((a, 0), (b - a, columns)) for a, b in zip(bounds, bounds[1:])]
+        assert _tiles_by_rows(TensorEntry("t", DTYPES_BY_NAME["float32"], (rows, columns),
+                                          split + [ChunkMetadata((rows, 0), (0, columns))]))
 
 
 class _CountedInt(int):
