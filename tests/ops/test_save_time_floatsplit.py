@@ -181,6 +181,7 @@ def test_every_command_reads_it(saves, tmp_path):
     assert report["tensors"] and run_dcpctl("verify", checkpoint).returncode == 0
     plain = load_with_torch(saves / "plain")
     for args in (["decompress", "-o", tmp_path / "plain"],
+                 ["compress", "--codec", "zstd", "-o", tmp_path / "stock"],
                  ["reshard", "--ranks", "3", "--codec", "none", "-o", tmp_path / "three"]):
         result = run_dcpctl(args[0], checkpoint, *args[1:])
         assert result.returncode == 0, result.stderr

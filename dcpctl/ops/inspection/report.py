@@ -7,6 +7,7 @@ import os
 import re
 from collections import Counter
 from itertools import chain
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -169,14 +170,14 @@ def _add_size_totals(report: InspectReport) -> None:
 
 def _transforms_used(report: InspectReport) -> Counter[tuple[str, ...] | None]:
     """How many of the report's items use each list of transform descriptors."""
-    used: Counter[tuple[str, ...] | None] = Counter()
-    for tensor in report.tensors:
-        for chunk in tensor.chunks:
-            if chunk.storage is not None:
-                used[chunk.storage.transform_descriptors] += 1
-    used.update(entry.storage.transform_descriptors
-                for entry in report.objects if entry.storage is not None)
-    return used
+    chunks = chain.from_iterable(map(_CHUNKS, report.tensors))
+    storages = chain(map(_STORAGE, chunks), map(_STORAGE, report.objects))
+    # counted by loops in C: a checkpoint can hold millions of chunks
+    return Counter(map(_TRANSFORMS, filter(None, storages)))
+
+
+_CHUNKS, _STORAGE = attrgetter("chunks"), attrgetter("storage")
+_TRANSFORMS, _FILE = attrgetter("transform_descriptors"), attrgetter("relative_path")
 
 
 def _count_by_codec(transforms_counts: Iterable[tuple[tuple[str, ...] | None, int]]
@@ -189,8 +190,8 @@ def _count_by_codec(transforms_counts: Iterable[tuple[tuple[str, ...] | None, in
 
 
 def _codecs_by_file(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
-    used = Counter((info.relative_path, info.transform_descriptors)
-                   for info in (checkpoint.metadata.storage_data or {}).values())
+    infos = (checkpoint.metadata.storage_data or {}).values()
+    used = Counter(zip(map(_FILE, infos), map(_TRANSFORMS, infos)))
     by_file: dict[str, list] = {name: [] for name in checkpoint.files}
     for (name, transforms), count in used.items():
         by_file[name].append((transforms, count))
