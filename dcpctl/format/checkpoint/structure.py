@@ -192,7 +192,7 @@ def _orphan_entries(checkpoint: Checkpoint) -> list[Problem]:
 
 def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
     """The chunks must tile the tensor: no two overlap, and together they hold every element."""
-    if _tiles_by_rows(tensor):
+    if len(tensor.chunks) >= _MANY_CHUNKS and _tiles_by_rows(tensor):
         return []
     boxes = [(chunk.offsets, chunk.sizes) for chunk in tensor.chunks if math.prod(chunk.sizes)]
     overlap = find_overlapping_boxes(boxes)
@@ -227,6 +227,7 @@ def _tiles_by_rows(tensor: TensorEntry) -> bool:
 
 
 _OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
+_MANY_CHUNKS = 8  # below this, the general check costs less than setting up the C loops
 _BEYOND_ROWS = itemgetter(slice(1, None))
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -6,8 +6,6 @@ import math
 import os
 import stat
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable
 
@@ -226,27 +224,21 @@ def _file_status(checkpoint: Checkpoint, relative_path: str) -> tuple[int | None
 
 
 def _collect_entries(checkpoint: Checkpoint) -> None:
-    """Join each chunk and object to the storage entry of its key, tensor by tensor (the
-    lookups of a tensor's chunks loop in C: metadata can hold millions)."""
-    storage_data = checkpoint.metadata.storage_data or {}
-    storage_by_key = dict(zip(map(_KEY_FIELDS, storage_data.keys()), storage_data.values()))
+    storage_by_key = {(key.fqn, key.offset): info
+                      for key, info in (checkpoint.metadata.storage_data or {}).items()}
     for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
         if isinstance(entry, TensorMetadata):
-            storages = list(map(storage_by_key.get,
-                                zip(repeat(fqn), map(_CHUNK_OFFSETS, entry.chunks))))
-            for chunk, storage in zip(entry.chunks, storages):
-                chunk.storage = storage
-            stored_bytes = sum(map(_STORED_LENGTH, filter(None, storages)))
+            stored_bytes = 0
+            for chunk in entry.chunks:
+                chunk.storage = storage = storage_by_key.get((fqn, chunk.offsets))
+                if storage is not None:
+                    stored_bytes += storage.length
             dtype = entry.properties.dtype
             nbytes = math.prod(entry.size) * dtype.itemsize
             checkpoint.tensors.append(
                 TensorEntry(fqn, dtype, entry.size, entry.chunks, nbytes, stored_bytes))
         else:
             checkpoint.objects.append(ObjectEntry(fqn, storage_by_key.get((fqn, None))))
-
-
-_KEY_FIELDS = attrgetter("fqn", "offset")  # a storage key as (fqn, offsets)
-_CHUNK_OFFSETS, _STORED_LENGTH = attrgetter("offsets"), attrgetter("length")
 
 
 def _collect_files(checkpoint: Checkpoint) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import reprlib
-from itertools import chain, repeat, starmap
+from itertools import chain, starmap
 from operator import add, gt
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, Callable, Iterable
@@ -23,12 +23,6 @@ from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, C
                                             TensorProperties)
 
 _INT_TYPE_SET = {int}
-# Fields read as whole columns, each by a loop in C.
-_OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
-_FQN, _KEY_OFFSET = operator.attrgetter("fqn"), operator.attrgetter("offset")
-_PATH, _DESCRIPTORS = operator.attrgetter("relative_path"), operator.attrgetter(
-    "transform_descriptors")
-_BYTE_OFFSET, _LENGTH = operator.attrgetter("offset"), operator.attrgetter("length")
 
 Fail = Callable[[str], MetadataError]
 # Values named in messages come from the file: shown shortened, and never recursed into deeply.
@@ -160,14 +154,16 @@ def _entries_look_sound(entries: dict) -> bool:
         if kind is TensorMetadata:
             properties, size, chunks = entry.properties, entry.size, entry.chunks
             if (type(properties) is not TensorProperties or type(properties.dtype) is not DType
-                    or type(size) is not tuple or type(chunks) is not list
-                    or not _only(chunks, ChunkMetadata)):
+                    or type(size) is not tuple or type(chunks) is not list):
                 return False
             sizes.append(size)
             shapes.add((size, properties.dtype.itemsize))
-            offsets += map(_OFFSETS, chunks)
-            extents += map(_SIZES, chunks)
-            tensor_size_of_chunks += repeat(size, len(chunks))
+            for chunk in chunks:
+                if type(chunk) is not ChunkMetadata:
+                    return False
+                offsets.append(chunk.offsets)
+                extents.append(chunk.sizes)
+                tensor_size_of_chunks.append(size)
         elif kind is not BytesMetadata:
             return False
     return (_only(entries, str)
@@ -194,12 +190,16 @@ def _chunk_lies_inside(offsets: tuple, extents: tuple, size: tuple) -> bool:
 
 
 def _storage_looks_sound(storage_data: dict, entries: dict) -> bool:
-    keys, infos = storage_data.keys(), storage_data.values()
-    if not (_only(keys, MetadataIndex) and _only(infos, StorageInfo)):
-        return False
-    fqns, key_offsets = list(map(_FQN, keys)), list(map(_KEY_OFFSET, keys))
-    paths, descriptors = list(map(_PATH, infos)), list(map(_DESCRIPTORS, infos))
-    byte_numbers = [*map(_BYTE_OFFSET, infos), *map(_LENGTH, infos)]
+    fqns, key_offsets, paths, byte_numbers, descriptors = [], [], [], [], []
+    for key, info in storage_data.items():
+        if type(key) is not MetadataIndex or type(info) is not StorageInfo:
+            return False
+        fqns.append(key.fqn)
+        key_offsets.append(key.offset)
+        paths.append(info.relative_path)
+        byte_numbers.append(info.offset)
+        byte_numbers.append(info.length)
+        descriptors.append(info.transform_descriptors)
     return (_only(fqns, str) and all(map(entries.__contains__, fqns))
             and set(map(type, key_offsets)) <= {type(None), tuple}
             and _only(chain.from_iterable(filter(None, key_offsets)), int)
