@@ -8,9 +8,10 @@ training (`optim.*`), each rank holding its rows of every tensor as a Shard(0) D
 FSDP2 job does. For 1 and 2 gloo ranks and thread_count 1 and 2 (torch's writer threads per
 rank), every codec saves into a fresh directory and loads back into a zeroed state dict through
 `dcpctl.storage_reader` (torch's FileSystemReader with dcpctl's extensions registered, which is
-stock torch for the baseline and ZStandard); codecs take turns, --repeats times, and each keeps
-its fastest time. Times are wall seconds between barriers on rank 0. Sizes are the stored item
-bytes: of the bf16 model weights, and of the whole state.
+stock torch for the baseline and ZStandard); codecs take turns (each repeat starts with the
+next), --repeats times, and each keeps its fastest time. Times are wall seconds between
+barriers on rank 0. Sizes are the stored item bytes: of the bf16 model weights, and of the
+whole state.
 
 Usage: python bench/bench_save.py [--units 2] [--repeats 3]
 """
@@ -61,9 +62,9 @@ def _job(rank: int, world_size: int, out_root: str, units: int, repeats: int,
 
     state = rank_state(rank, world_size, units)
     best: dict[str, float] = {}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for thread_count in THREAD_COUNTS:
-            for codec in CODECS:
+            for codec in CODECS[repeat % 3:] + CODECS[:repeat % 3]:  # each goes first in turn
                 path = f"{out_root}/{world_size}r-{thread_count}t-{codec}"
                 if rank == 0:
                     shutil.rmtree(path, ignore_errors=True)
