@@ -29,6 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import STAND_IN_UNPICKLER  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -99,21 +102,8 @@ print(time.perf_counter() - start)
 
 # The floor of any reader that builds the records: Python's C unpickler alone on the same
 # bytes, its globals mapped to the cheapest stand-ins (no checks, no allowlist, no report).
-_UNPICKLE_FLOOR_CODE = """
-import gc, io, pickle, sys, time
-gc.disable()  # as dcpctl's reader pauses the cycle collector
-class Record:
-    pass
-class TupleRecord:  # TensorProperties pickles its state as a tuple
-    def __setstate__(self, state):
-        self.state = state
-STAND_INS = {("torch", "Size"): tuple, ("collections", "OrderedDict"): dict,
-             ("torch.serialization", "_get_layout"): str, ("pathlib", "PosixPath"): lambda *parts: parts,
-             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): int,
-             ("torch.distributed.checkpoint.metadata", "TensorProperties"): TupleRecord}
-class StandIns(pickle.Unpickler):
-    def find_class(self, module, name):
-        return STAND_INS.get((module, name), Record)
+_UNPICKLE_FLOOR_CODE = STAND_IN_UNPICKLER + """
+import io, sys, time
 data = open(sys.argv[1] + "/.metadata", "rb").read()
 start = time.perf_counter()
 StandIns(io.BytesIO(data)).load()

@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import dcpctl_command, measure, print_table, python_command  # noqa: E402
+from harness import (STAND_IN_UNPICKLER, dcpctl_command, measure,  # noqa: E402
+                     print_table, python_command)
 from real_checkpoint import OUT_ROOT  # noqa: E402
 
 ROWS_PER_RANK, COLUMNS = 2, 64
@@ -38,21 +39,8 @@ print(sum(len(entry.chunks) for entry in metadata.state_dict_metadata.values()))
 # The floor of any reader that builds records with Python's C unpickler: the unpickler alone,
 # its globals mapped to the cheapest stand-ins (no checks, no allowlist, no report). Its peak
 # memory is a floor too: the unpickler's memo keeps every object it memoized until it ends.
-UNPICKLE_FLOOR = """
-import gc, pickle, sys
-gc.disable()  # as dcpctl's reader pauses the cycle collector
-class Record:
-    pass
-class TupleRecord:  # TensorProperties pickles its state as a tuple
-    def __setstate__(self, state):
-        self.state = state
-STAND_INS = {("torch", "Size"): tuple, ("collections", "OrderedDict"): dict,
-             ("torch.serialization", "_get_layout"): str,
-             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): int,
-             ("torch.distributed.checkpoint.metadata", "TensorProperties"): TupleRecord}
-class StandIns(pickle.Unpickler):
-    def find_class(self, module, name):
-        return STAND_INS.get((module, name), Record)
+UNPICKLE_FLOOR = STAND_IN_UNPICKLER + """
+import sys
 with open(sys.argv[1] + "/.metadata", "rb") as stream:
     StandIns(stream).load()
 """
