@@ -65,11 +65,17 @@ def list_stored_items(checkpoint: Checkpoint) -> list[StoredItem]:
     return items
 
 
-def is_safetensors_tensor(checkpoint: Checkpoint, item: StoredItem) -> bool:
+def safetensors_files(checkpoint: Checkpoint) -> set[str]:
+    """The names of the checkpoint's SAFETENSORS-serialized data files."""
+    return {name for name, data_file in checkpoint.files.items()
+            if data_file.serialization == SAFETENSORS}
+
+
+def is_safetensors_tensor(item: StoredItem, safetensors_file_names: set[str]) -> bool:
     """Whether the item is a tensor inside a SAFETENSORS-serialized file (located through the
-    file's safetensors header, not by its own byte range)."""
-    return (item.tensor is not None
-            and checkpoint.files[item.storage.relative_path].serialization == SAFETENSORS)
+    file's safetensors header, not by its own byte range); safetensors_file_names as
+    safetensors_files gives them."""
+    return item.tensor is not None and item.storage.relative_path in safetensors_file_names
 
 
 @contextlib.contextmanager
@@ -113,12 +119,11 @@ def check_structure(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Pro
 
 
 def _overlapping_items(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
-    safetensors_files = _safetensors_files(checkpoint)
+    safetensors_names = safetensors_files(checkpoint)
     spans_by_file: dict[str, list[tuple[int, int, int]]] = defaultdict(list)  # offset, index, end
     for index, item in enumerate(items):
         storage = item.storage
-        if storage.length and not (item.tensor is not None
-                                   and storage.relative_path in safetensors_files):
+        if storage.length and not is_safetensors_tensor(item, safetensors_names):
             spans_by_file[storage.relative_path].append(
                 (storage.offset, index, storage.offset + storage.length))
     problems = []
@@ -133,11 +138,6 @@ def _overlapping_items(checkpoint: Checkpoint, items: list[StoredItem]) -> list[
             if end > furthest_end:
                 furthest_end, furthest = end, index
     return problems
-
-
-def _safetensors_files(checkpoint: Checkpoint) -> set[str]:
-    return {name for name, data_file in checkpoint.files.items()
-            if data_file.serialization == SAFETENSORS}
 
 
 def _storage_link_problems(checkpoint: Checkpoint) -> list[Problem]:
@@ -258,7 +258,7 @@ def find_overlapping_boxes(boxes: list[Box]) -> tuple[Box, Box] | None:
 def _stored_length_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
     """SAFETENSORS items hold exactly the chunk's bytes; a plain torch.save archive at least;
     an item under a codec no more than the codec can decode its stored bytes to."""
-    safetensors_files = _safetensors_files(checkpoint)
+    safetensors_names = safetensors_files(checkpoint)
     elements_of_sizes: dict[tuple[int, ...], int] = {}
     problems = []
     for item in items:
@@ -271,7 +271,7 @@ def _stored_length_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> 
         nbytes = elements * item.tensor.dtype.itemsize
         if storage.transform_descriptors:
             wrong = nbytes > max_decoded_bytes(storage.length)
-        elif storage.relative_path in safetensors_files:
+        elif is_safetensors_tensor(item, safetensors_names):
             wrong = storage.length != nbytes
         else:
             wrong = storage.length < nbytes

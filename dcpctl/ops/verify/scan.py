@@ -23,7 +23,8 @@ from dcpctl.format.checkpoint.item_check import ItemCheck
 from dcpctl.format.checkpoint.items import iter_decoded_item
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_item
 from dcpctl.format.checkpoint.problems import Problem, Rule
-from dcpctl.format.checkpoint.structure import StoredItem, is_safetensors_tensor
+from dcpctl.format.checkpoint.structure import (StoredItem, is_safetensors_tensor,
+                                                safetensors_files)
 from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
 from dcpctl.storage.paths import RangedFile, StoragePath, open_ranged
@@ -95,11 +96,12 @@ def items_to_check(checkpoint: Checkpoint | None, items: list[StoredItem], deep:
     undecodable: list[Problem] = []
     if not deep or checkpoint is None:
         return archive_items, safetensors_items, undecodable
+    safetensors_names = safetensors_files(checkpoint)
     for item in items:
         size_bytes = checkpoint.files[item.storage.relative_path].size_bytes
         if size_bytes is None:
             continue
-        if is_safetensors_tensor(checkpoint, item):
+        if is_safetensors_tensor(item, safetensors_names):
             safetensors_items.append(item)
         elif item.end <= size_bytes:
             try:
