@@ -28,9 +28,7 @@ def side_files_of(checkpoint: Checkpoint) -> list[str]:
     """The side files this checkpoint holds: regular files (a link is never one) directly in
     its directory that its metadata does not name as data files."""
     names = [name for name in SIDE_FILE_NAMES if name not in checkpoint.files]
-    if isinstance(checkpoint.path, ObjectPath):
-        return [name for name in names if name in (checkpoint.listing or {})]
-    return [name for name in names if _is_regular_file(os.path.join(checkpoint.path, name))]
+    return list(_regular_file_sizes(checkpoint, names))
 
 
 def files_beside_data(checkpoint: Checkpoint) -> list[str]:
@@ -50,22 +48,22 @@ def empty_writer_files(checkpoint: Checkpoint, names: set[str]) -> list[str]:
     `thread_count` writes `__<rank>_<n>.distcp` files of 0 bytes. They hold nothing, so nothing
     checks or copies them, and they are not unknown files."""
     candidates = [name for name in sorted(names) if rank_of_file_name(name) is not None]
+    return [name for name, size in _regular_file_sizes(checkpoint, candidates).items()
+            if size == 0]
+
+
+def _regular_file_sizes(checkpoint: Checkpoint, names: list[str]) -> dict[str, int]:
+    """The size of each of names that is a regular file of the checkpoint's directory (an
+    object under its prefix): never a link, a directory or a missing name."""
     if isinstance(checkpoint.path, ObjectPath):
         listing = checkpoint.listing or {}
-        return [name for name in candidates if name in listing and listing[name].size == 0]
-    return [name for name in candidates if _is_empty_file(os.path.join(checkpoint.path, name))]
-
-
-def _is_empty_file(path: str) -> bool:
-    try:
-        status = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISREG(status.st_mode) and status.st_size == 0
-
-
-def _is_regular_file(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
+        return {name: listing[name].size for name in names if name in listing}
+    sizes = {}
+    for name in names:
+        try:
+            status = os.lstat(os.path.join(checkpoint.path, name))
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(status.st_mode):
+            sizes[name] = status.st_size
+    return sizes
