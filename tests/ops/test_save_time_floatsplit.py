@@ -18,7 +18,7 @@ from make_fixtures import run_gloo_job
 
 import dcpctl
 from dcpctl.errors import InvalidOptionError
-from dcpctl.format.codecs.floatsplit.stream_format import BYTES_BLOCK, FLOATS_BLOCK
+from dcpctl.format.codecs.floatsplit.stream_format import BYTES_BLOCK, END_BLOCK, FLOATS_BLOCK
 from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR
 
 WIDTH = 192  # bf16 rows of 384 bytes: every rank's shard of a weight is split into planes
@@ -103,7 +103,7 @@ def test_a_save_writes_what_compress_writes(saves, tmp_path, name):
     weight = next(data for index, (_, data) in saved.items() if index.fqn == "model.proj.weight")
     assert FLOATS_BLOCK in {block[0] for block in block_structure(weight)}
     rank_object = next(data for index, (_, data) in saved.items() if "dp_rank_1" in index.fqn)
-    assert {block[0] for block in block_structure(rank_object)} <= {BYTES_BLOCK, 0}
+    assert {block[0] for block in block_structure(rank_object)} <= {BYTES_BLOCK, END_BLOCK}
 
 
 @pytest.mark.parametrize("name", ["floatsplit", "async", "zstd"])
