@@ -133,6 +133,24 @@ def test_the_stream_depends_on_the_item_alone(dtype):
         assert encode(item, hint_for(tensor), piece_bytes) == known, piece_bytes
 
 
+_ARCHIVE = torch_save_bytes((torch.randn(20_000) * 0.02).to(torch.bfloat16))
+
+
+@settings(max_examples=200, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 800), st.integers(0, 255)), min_size=1,
+                      max_size=8),
+       piece=st.integers(1, 5000))
+def test_a_damaged_archive_head_without_a_hint_still_round_trips(edits, piece):
+    """The encoder reads data.pkl from the item itself when no hint is given: whatever the
+    head's records, names, descriptors or pickle hold, it never fails and never loses a
+    byte (the head only steers compression)."""
+    item = bytearray(_ARCHIVE)
+    for position, value in edits:
+        item[position] = value
+    stream = encode(bytes(item), None, piece)
+    assert decode(stream, 4096) == bytes(item)
+
+
 def test_without_a_hint_only_a_tensor_archive_is_split():
     """A torch.save of anything but one tensor (an object, a tensor inside a list), and an
     archive whose data.pkl fails its CRC-32, are coded as plain bytes and decode unchanged."""

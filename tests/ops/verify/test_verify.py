@@ -155,6 +155,10 @@ def test_empty_files_of_idle_writer_threads_are_not_unknown(tmp_path):
     assert empty and verify_checkpoint(checkpoint).problems == []
     (checkpoint / empty[0]).write_bytes(b"x")
     assert only_problem(verify_checkpoint(checkpoint), "unknown-file").file == empty[0]
+    (checkpoint / empty[0]).unlink()
+    (checkpoint / empty[0]).symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_bytes(b"")  # a link is no file of the writer's, empty or not
+    assert only_problem(verify_checkpoint(checkpoint), "unknown-file").file == empty[0]
 
 
 def test_overlapping_chunks(copy_fixture):
