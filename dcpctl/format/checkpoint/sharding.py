@@ -13,19 +13,14 @@ from dcpctl.errors import InvalidOptionError
 
 @dataclass(frozen=True)
 class RankChunk:
-    """The chunk of a tensor that one rank holds: its rank, offsets and sizes. sharing_ranks:
-    how many ranks from `rank` on hold this very chunk (the empty chunk of the ranks past a
-    tensor's rows), which DCP saves once (place_like_a_save says on which)."""
+    """A chunk of a tensor as a save writes it: its offsets and sizes, and the ranks whose save
+    plans hold this very chunk (ascending; several where ranks hold equal chunks: a replicated
+    tensor, or the empty chunk of the ranks past a tensor's rows), which DCP saves once
+    (place_like_a_save says on which)."""
 
-    rank: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    sharing_ranks: int = 1
-
-    @property
-    def holders(self) -> range:
-        """The ranks whose save plans hold this chunk."""
-        return range(self.rank, self.rank + self.sharing_ranks)
+    holders: Sequence[int]
 
 
 MAX_WORLD_SIZE = 1 << 20
@@ -43,25 +38,26 @@ def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk
     """The chunks an FSDP2 (`fully_shard`, 1-D mesh) save of world_size ranks writes for a
     tensor of this shape: ceil(rows / world_size) rows per rank, later ranks smaller or empty.
     An empty chunk starts at the end of dim 0; ranks whose chunks are equal (several empty ones)
-    share one entry, as DCP deduplicates them (its holders are those ranks; `rank` is the
-    lowest). A 0-d tensor is not sharded: one chunk that every rank holds."""
+    share one entry, as DCP deduplicates them (its holders are those ranks). A 0-d tensor is
+    not sharded: one chunk that every rank holds."""
     check_world_size(world_size)
     if not shape:
-        return [RankChunk(0, (), (), sharing_ranks=world_size)]
+        return [RankChunk((), (), range(world_size))]
     rows, rest = shape[0], tuple(shape[1:])
     rows_per_rank = -(-rows // world_size) if rows else 0
     ranks_with_rows = -(-rows // rows_per_rank) if rows else 0
     zeros = (0,) * len(rest)
-    chunks = [RankChunk(rank, (rank * rows_per_rank,) + zeros,
-                        (min(rows_per_rank, rows - rank * rows_per_rank),) + rest)
+    chunks = [RankChunk((rank * rows_per_rank,) + zeros,
+                        (min(rows_per_rank, rows - rank * rows_per_rank),) + rest,
+                        range(rank, rank + 1))
               for rank in range(ranks_with_rows)]
     if ranks_with_rows < world_size:  # every later rank holds the same empty chunk
-        chunks.append(RankChunk(ranks_with_rows, (rows,) + zeros, (0,) + rest,
-                                sharing_ranks=world_size - ranks_with_rows))
+        chunks.append(RankChunk((rows,) + zeros, (0,) + rest,
+                                range(ranks_with_rows, world_size)))
     return chunks
 
 
-def place_like_a_save(items: Sequence[tuple[range, int]], world_size: int) -> list[int]:
+def place_like_a_save(items: Sequence[tuple[Sequence[int], int]], world_size: int) -> list[int]:
     """The rank whose file holds each item of a world_size-rank save. items: for each item of
     the state dict, in its order, the ranks whose save plans hold it and its size as torch
     counts it (the bytes of the whole tensor, even for one chunk of it; 0 for an object).
@@ -74,19 +70,22 @@ def place_like_a_save(items: Sequence[tuple[range, int]], world_size: int) -> li
     planned = [0] * world_size
     least_planned = [(0, rank) for rank in range(world_size)]  # a heap, one entry a rank
     placed = [0] * len(items)
-    for index in sorted(range(len(items)), key=lambda index: (items[index][0].start, index)):
+    for index in sorted(range(len(items)), key=lambda index: (items[index][0][0], index)):
         holders, size = items[index]
-        rank = holders.start if len(holders) == 1 else _least_planned(least_planned, planned,
-                                                                      holders)
+        rank = holders[0] if len(holders) == 1 else _least_planned(least_planned, planned,
+                                                                   holders)
         placed[index] = rank
         planned[rank] += size or 1
     return placed
 
 
-def _least_planned(heap: list[tuple[int, int]], planned: list[int], holders: range) -> int:
+def _least_planned(heap: list[tuple[int, int]], planned: list[int], holders: Sequence[int]
+                   ) -> int:
     """The holder with the fewest bytes planned (the lowest on a tie). The heap holds one entry
     a rank, whose key may lag behind what has been planned since (it only grows): a lagging
     top is brought up to date and sunk; ranks outside holders are set aside and put back."""
+    if not isinstance(holders, range):
+        holders = frozenset(holders)
     set_aside = []
     while True:
         size, rank = heap[0]

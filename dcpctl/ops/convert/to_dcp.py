@@ -166,7 +166,7 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
         stride = placeholder.stride()
 
         def read_chunk(chunk: RankChunk) -> bytearray:
-            whole = _read_rows(path, start, dtype, (span,), RankChunk(0, (0,), (span,)))
+            whole = _read_rows(path, start, dtype, (span,), RankChunk((0,), (span,), range(1)))
             rows = torch.frombuffer(whole, dtype=torch_dtype(dtype)).as_strided(shape, stride)
             rows = rows.narrow(0, chunk.offsets[0], chunk.sizes[0]) if chunk.sizes else rows
             return bytearray(bytes_of(rows))

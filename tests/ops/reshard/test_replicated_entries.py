@@ -135,7 +135,8 @@ def test_per_rank_objects_can_be_dropped_or_refused(real_saves, tmp_path):
 @pytest.mark.parametrize("seed", range(20))
 def test_placement_is_torchs_deduplication(seed):
     """place_like_a_save against torch's own dedup_save_plans, on plans of random items:
-    sharded (one holder), replicated (every rank), shared empty chunks (a suffix of ranks)."""
+    sharded (one holder), replicated (every rank), shared empty chunks (a suffix of ranks),
+    and chunks a scattered set of ranks holds (the empty chunks of a 2-D mesh)."""
     import random
 
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -149,9 +150,11 @@ def test_placement_is_torchs_deduplication(seed):
     items = []
     for _ in range(generator.randint(1, 40)):
         first = generator.randrange(world_size)
-        kind = generator.choice(["sharded", "replicated", "shared", "object"])
-        holders = {"sharded": range(first, first + 1), "shared": range(first, world_size)
-                   }.get(kind, range(world_size))
+        kind = generator.choice(["sharded", "replicated", "shared", "scattered", "object"])
+        others = generator.sample(range(world_size), generator.randint(0, min(3, world_size)))
+        scattered = tuple(sorted({first, *others}))
+        holders = {"sharded": range(first, first + 1), "shared": range(first, world_size),
+                   "scattered": scattered}.get(kind, range(world_size))
         items.append((holders, 0 if kind == "object" else 4 * generator.randint(0, 50)))
 
     def write_item(index: int, size: int) -> WriteItem:
