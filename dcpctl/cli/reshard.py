@@ -8,15 +8,21 @@ from dcpctl.cli.options import (checkpoint_argument, json_option, output_option,
                                 threads_option, workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
-from dcpctl.ops.reshard.execution import (CODEC_NAMES, PER_RANK_OBJECT_CHOICES, ReshardReport,
-                                          reshard_checkpoint)
+from dcpctl.errors import InvalidOptionError
+from dcpctl.ops.reshard.execution import (CODEC_NAMES, PER_RANK_OBJECT_CHOICES, Mesh,
+                                          ReshardReport, parse_mesh, reshard_checkpoint)
 from dcpctl.ops.reshard.planning import describe_ranks
 
 
 @click.command("reshard")
 @checkpoint_argument()
-@click.option("--ranks", "world_size", type=click.IntRange(min=1), required=True,
-              help="World size of the job that will load the result.")
+@click.option("--ranks", "world_size", type=click.IntRange(min=1), default=None,
+              help="World size of the job that will load the result (a 1-D FSDP2 layout).")
+@click.option("--mesh", "mesh_text", metavar="DPxTP", default=None,
+              help="Lay it out for a 2-D mesh of DP data-parallel by TP tensor-parallel ranks "
+                   "(FSDP2 over tensor parallel, rank = dp * TP + tp), keeping the source's "
+                   "tensor-parallel layout: TP must be the source's tensor-parallel size; only "
+                   "the data-parallel size changes. Instead of --ranks.")
 @output_option(required=True, help="Directory for the new checkpoint; must not exist or be "
                                    "empty, unless --overwrite.")
 @click.option("--codec", "codec_name", type=click.Choice(CODEC_NAMES), default=None,
@@ -32,10 +38,10 @@ from dcpctl.ops.reshard.planning import describe_ranks
 @workers_option
 @overwrite_option
 @json_option
-def reshard_command(checkpoint: str, world_size: int, output: str, codec_name: str | None,
-                    per_rank_objects: str, threads: int | None, workers: int, overwrite: bool,
-                    as_json: bool) -> None:
-    """Write CHECKPOINT laid out for a job of --ranks ranks, one file per rank.
+def reshard_command(checkpoint: str, world_size: int | None, mesh_text: str | None, output: str,
+                    codec_name: str | None, per_rank_objects: str, threads: int | None,
+                    workers: int, overwrite: bool, as_json: bool) -> None:
+    """Write CHECKPOINT laid out for a job of --ranks ranks (or a --mesh), one file per rank.
 
     The output is what a real N-rank FSDP2 save (`fully_shard`, `Shard(0)` on a 1-D mesh)
     writes. Every sharded tensor is split along dim 0 as FSDP2 splits it: ceil(rows / N) rows
@@ -47,9 +53,14 @@ def reshard_command(checkpoint: str, world_size: int, output: str, codec_name: s
     A save of one rank cannot tell its buffers from its parameters: every tensor of it is
     split. Objects a rank saved for itself (torchtitan's dataloader.dp_rank_<r>) stay on
     their rank's file; the report names the new ranks that have none (--per-rank-objects).
-    A 2-D mesh source (FSDP + tensor parallel) becomes a 1-D FSDP2 layout: each tensor's
-    tensor-parallel shards are joined and its rows split over the N ranks. Any DCP input
-    works: FSDP2 or 2-D mesh shards, zstd or plain, TORCH_SAVE or SAFETENSORS serialization.
+    With --ranks, a 2-D mesh source (FSDP + tensor parallel) becomes a 1-D FSDP2 layout: each
+    tensor's tensor-parallel shards are joined and its rows split over the N ranks. With
+    --mesh DPxTP, the output is what a save from a DP x TP mesh writes: each tensor keeps the
+    tensor-parallel placement it was saved with (sharded on a dim, ColwiseParallel's 0 or
+    RowwiseParallel's 1, or replicated), told from its chunks and the rank files they are in,
+    and FSDP2 splits each tensor-parallel part over the DP ranks (torch's _StridedShard where
+    both shard dim 0); the report counts the placements found. Any DCP input works: FSDP2 or
+    2-D mesh shards, zstd or plain, TORCH_SAVE or SAFETENSORS serialization.
 
     Output chunks are assembled from the byte ranges of the input chunks they overlap, a
     large chunk in blocks of rows, so memory stays near a few 4 MiB blocks per thread; zstd
@@ -62,11 +73,17 @@ def reshard_command(checkpoint: str, world_size: int, output: str, codec_name: s
       dcpctl reshard ckpt/ --ranks 16 -o ckpt-16/
       dcpctl reshard ckpt/ --ranks 1 -o consolidated/      # one file
       dcpctl reshard ckpt/ --ranks 8 -o out/ --codec zstd --json
+      dcpctl reshard fsdp2x_tp2/ --mesh 4x2 -o out/      # 8 ranks, same TP layout
     """
+    if (world_size is None) == (mesh_text is None):
+        raise InvalidOptionError("give the new layout as --ranks N or as --mesh DPxTP (one of "
+                                 "the two)")
+    mesh = parse_mesh(mesh_text) if mesh_text is not None else Mesh(world_size)
     with byte_progress("reshard") as progress:
-        report = reshard_checkpoint(checkpoint, world_size, output, codec_name, threads=threads,
+        report = reshard_checkpoint(checkpoint, mesh.ranks, output, codec_name, threads=threads,
                                     overwrite=overwrite, on_progress=progress, workers=workers,
-                                    per_rank_objects=per_rank_objects)
+                                    per_rank_objects=per_rank_objects,
+                                    tensor_parallel=mesh.tensor_parallel)
     print_report(report, as_json, render_reshard_report)
 
 
@@ -75,9 +92,13 @@ def render_reshard_report(report: ReshardReport) -> str:
     rate = report.logical_bytes / report.seconds if report.seconds else 0
     lines = [f"{report.source} -> {report.output}: {report.tensors} tensors in "
              f"{report.chunks_written} chunks and {report.objects} objects over "
-             f"{report.world_size} ranks ({report.files} files), codec {report.codec}",
+             f"{report.world_size} ranks ({report.files} files), codec {report.codec}"
+             + (f", mesh {report.mesh}" if report.mesh else ""),
              f"wrote {format_bytes(report.stored_bytes_after)} in {report.seconds:.1f} s "
              f"({format_bytes(int(rate))}/s of tensor data)"]
+    if report.placements:
+        lines.append("tensor-parallel placements kept: " + ", ".join(
+            f"{placement} {count}" for placement, count in report.placements.items()))
     per_rank = report.per_rank_objects
     if per_rank is not None and (per_rank.ranks_without or per_rank.dropped
                                  or per_rank.ranks[-1] >= report.world_size):

@@ -31,14 +31,15 @@ def _row_blocks(task: ChunkTask, piece_bytes: int) -> Iterator[tuple[int, int]]:
 
 def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
                out: memoryview) -> None:
-    """Write rows [begin, end) of the output chunk into out, from the overlapping input rows."""
+    """Write rows [begin, end) of the output chunk into out, from the overlapping input
+    elements (an input chunk may be wider or narrower than the output chunk: a 2-D mesh)."""
     itemsize = task.dtype.itemsize
     if not task.offsets:
         source = task.sources[0]
         reader.read_into(reader.source_of(source.location), 0, out)
         return
-    inner = task.sizes[1:]
-    whole_rows = [s for s in task.sources if s.sizes[1:] == inner
+    inner_offsets, inner = task.offsets[1:], task.sizes[1:]
+    whole_rows = [s for s in task.sources if s.sizes[1:] == inner and s.offsets[1:] == inner_offsets
                   and s.offsets[0] <= begin and end <= s.offsets[0] + s.sizes[0]]
     if whole_rows:  # one input chunk holds these rows whole: a single contiguous read
         source = whole_rows[0]
@@ -56,11 +57,17 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
         payload = reader.source_of(source.location)
         rows = memoryview(numpy.empty((last - first) * row_bytes, dtype=numpy.uint8))
         reader.read_into(payload, (first - source.offsets[0]) * row_bytes, rows)
-        region = (slice(first - begin, last - begin),) + tuple(
-            slice(offset, offset + size) for offset, size in zip(source.offsets[1:],
-                                                                 source.sizes[1:]))
-        block[region] = numpy.frombuffer(rows, dtype=numpy.uint8).reshape(
-            (last - first, *source.sizes[1:], itemsize))
+        overlaps = [(max(offset, source_offset), min(offset + size, source_offset + source_size))
+                    for offset, size, source_offset, source_size
+                    in zip(inner_offsets, inner, source.offsets[1:], source.sizes[1:])]
+        into = (slice(first - begin, last - begin),) + tuple(
+            slice(low - offset, high - offset) for (low, high), offset in zip(overlaps,
+                                                                              inner_offsets))
+        taken = (slice(None),) + tuple(
+            slice(low - offset, high - offset) for (low, high), offset in zip(overlaps,
+                                                                              source.offsets[1:]))
+        block[into] = numpy.frombuffer(rows, dtype=numpy.uint8).reshape(
+            (last - first, *source.sizes[1:], itemsize))[taken]
 
 
 def _read_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> memoryview:

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from dcpctl.format.checkpoint.mesh_sharding import Mesh, MeshPlacement, parse_mesh
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_stored_pieces,
                                             iter_item_pieces, iter_stored_pieces)
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
@@ -33,10 +34,10 @@ from dcpctl.pipeline import Pipeline, Run, coalesce, produce_run
 from dcpctl.storage.local import scratch_directory_beside
 from dcpctl.storage.paths import storage_path
 
-# The codec names are named here for the command line, which reaches the format only through
-# the operations.
-__all__ = ["CODEC_NAMES", "PER_RANK_OBJECT_CHOICES", "ReshardReport", "execute_reshard",
-           "reshard_checkpoint"]
+# The codec names and the mesh are named here for the command line, which reaches the format
+# only through the operations.
+__all__ = ["CODEC_NAMES", "PER_RANK_OBJECT_CHOICES", "Mesh", "ReshardReport", "execute_reshard",
+           "parse_mesh", "reshard_checkpoint"]
 
 # Pieces smaller than this are joined before they reach the writer: a run's archives come as
 # many small pieces, and per-piece costs (a write and a hash update, each a hand-over of the
@@ -60,6 +61,12 @@ class ReshardReport:
     stored_bytes_after: int
     seconds: float
     per_rank_objects: PerRankObjects | None = None
+    mesh: str | None = None
+    """For a 2-D target (`--mesh`): `DPxTP`."""
+    placements: dict[str, int] | None = None
+    """For a 2-D target: how many sharded tensors keep each placement over the tensor-parallel
+    ranks (`replicated`, `dim 0`, `dim 1`, ...; `(replicated over data parallel)` where FSDP2
+    did not shard it)."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -132,10 +139,11 @@ class ReshardJob:
     threads: int
     piece_bytes: int = DEFAULT_PIECE_BYTES
     per_rank_objects: str = KEEP
+    tensor_parallel: int = 1
 
     def plan(self) -> ReshardPlan:
         return plan_reshard(open_checkpoint(self.source, check_files=False), self.world_size,
-                            self.codec, self.per_rank_objects)
+                            self.codec, self.per_rank_objects, self.tensor_parallel)
 
     def lane_sizes(self, plan: ReshardPlan) -> list[int]:
         return list(plan.output_file_bytes.values())
@@ -197,7 +205,7 @@ def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: Checkpoin
         choice = plan.per_rank_objects.choice if plan.per_rank_objects else KEEP
         job = ReshardJob(str(checkpoint.path), plan.world_size, plan.codec,
                          output.data_files(plan.output_file_bytes), str(scratch), threads,
-                         piece_bytes, choice)
+                         piece_bytes, choice, plan.tensor_parallel)
         storage_by_task, digests = merge_shares(run_job(job, plan, workers, on_progress))
     output.publish(_new_metadata(checkpoint, plan, storage_by_task), digests)
     return sum(info.length for info in storage_by_task.values())
@@ -217,17 +225,19 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
                        overwrite: bool = False,
                        on_progress: Callable[[int, int], None] | None = None,
                        piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1,
-                       per_rank_objects: str = KEEP) -> ReshardReport:
+                       per_rank_objects: str = KEEP, tensor_parallel: int = 1) -> ReshardReport:
     """Write the checkpoint at path laid out for world_size ranks into output_path, its items
     in the codec called codec_name (one of CODEC_NAMES; default: the input's), on `workers`
     processes of `threads` threads each; output chunks are assembled in blocks of about
-    piece_bytes. per_rank_objects: one of PER_RANK_OBJECT_CHOICES (planning.py)."""
+    piece_bytes. per_rank_objects: one of PER_RANK_OBJECT_CHOICES (planning.py).
+    tensor_parallel > 1: a 2-D mesh of world_size / tensor_parallel data-parallel ranks that
+    keeps the source's tensor-parallel layout of that size."""
     started = time.perf_counter()
     threads = threads_per_worker(threads, storage_path(path), workers)
     codec = codec_by_name(codec_name) if codec_name is not None else None
     destination = storage_path(output_path)
     with checked_checkpoint(path, threads=threads, on_progress=on_progress) as checkpoint:
-        plan = plan_reshard(checkpoint, world_size, codec, per_rank_objects)
+        plan = plan_reshard(checkpoint, world_size, codec, per_rank_objects, tensor_parallel)
         output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
                                   overwrite=overwrite, side_files=side_files_of(checkpoint))
         try:
@@ -243,4 +253,13 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
         objects=len(plan.tasks) - len(chunk_tasks),
         files=len({task.output_file for task in plan.tasks}),
         logical_bytes=sum(task.nbytes for task in chunk_tasks), stored_bytes_after=stored,
-        seconds=time.perf_counter() - started, per_rank_objects=plan.per_rank_objects)
+        seconds=time.perf_counter() - started, per_rank_objects=plan.per_rank_objects,
+        mesh=str(plan.mesh) if plan.mesh else None,
+        placements=_count_placements(plan.placements))
+
+
+def _count_placements(placements: dict[str, MeshPlacement] | None) -> dict[str, int] | None:
+    """How many tensors keep each placement."""
+    if placements is None:
+        return None
+    return dict(sorted(Counter(map(str, placements.values())).items()))

@@ -8,6 +8,10 @@ ranks, one chunk that covers it: a buffer, an RNG state, a counter; and any 0-d 
 and once, and objects once, each on the rank file DCP's deduplication picks; a per-rank object
 (torchtitan's `dataloader.dp_rank_<r>`) on its own rank's file, kept, dropped or refused by
 choice when the new world size has no such rank or lacks one.
+
+With a tensor-parallel size (`--mesh DPxTP`), the target is a 2-D mesh that keeps the source's
+tensor-parallel layout (format/checkpoint/mesh_sharding.py): each tensor's placement is told
+from its saved chunks, and only the data-parallel size changes.
 """
 
 from __future__ import annotations
@@ -16,17 +20,19 @@ import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_chunk, locate_object
-from dcpctl.format.checkpoint.sharding import (RankChunk, check_world_size, place_like_a_save,
-                                               shard_dim0_chunks)
+from dcpctl.format.checkpoint.mesh_sharding import Mesh, MeshPlacement
+from dcpctl.format.checkpoint.sharding import RankChunk, check_world_size, place_like_a_save
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry, TensorEntry
 from dcpctl.format.codecs.registry import Codec, codec_for_descriptors
 from dcpctl.format.dtypes import DType
-from dcpctl.format.file_names import rank_file_name, rank_of_file_name
+from dcpctl.format.file_names import rank_file_name
 from dcpctl.format.metadata.records import ChunkMetadata
 from dcpctl.format.state_dict_layouts import rank_of_per_rank_entry
+from dcpctl.ops.reshard.target_layout import object_holders, target_chunks, target_mesh
 from dcpctl.pipeline import Run, group_into_runs
 
 # Runs are formed within windows of this many bytes of tasks in plan order (see
@@ -92,12 +98,20 @@ class PerRankObjects:
 @dataclass
 class ReshardPlan:
     """Every output item in write order, the codec they are written with, and what became of
-    the per-rank objects (None where there are none)."""
+    the per-rank objects (None where there are none); for a 2-D target, its mesh and the
+    placement each sharded tensor keeps, by fqn."""
 
     world_size: int
     codec: Codec
     tasks: list[ChunkTask | ObjectTask]
     per_rank_objects: PerRankObjects | None = None
+    mesh: Mesh | None = None
+    placements: dict[str, MeshPlacement] | None = None
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The target's tensor-parallel size (1: a 1-D layout)."""
+        return self.mesh.tensor_parallel if self.mesh else 1
 
     @functools.cached_property
     def output_file_bytes(self) -> dict[str, int]:
@@ -109,33 +123,31 @@ class ReshardPlan:
 
 
 def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None,
-                 per_rank_objects: str = KEEP) -> ReshardPlan:
+                 per_rank_objects: str = KEEP, tensor_parallel: int = 1) -> ReshardPlan:
     """Plan the output of a world_size-rank save of the checkpoint's state; per_rank_objects
-    is one of PER_RANK_OBJECT_CHOICES."""
+    is one of PER_RANK_OBJECT_CHOICES. tensor_parallel > 1: a save from a 2-D mesh of
+    world_size / tensor_parallel data-parallel ranks that keeps the source's tensor-parallel
+    layout of that size."""
     check_world_size(world_size)
     if per_rank_objects not in PER_RANK_OBJECT_CHOICES:
         raise ValueError(f"per_rank_objects must be one of {PER_RANK_OBJECT_CHOICES}")
+    mesh = target_mesh(world_size, tensor_parallel)
     codec = codec or _input_codec(checkpoint)
-    per_rank = _per_rank_objects(checkpoint, world_size, per_rank_objects)
-    never_sharded = _never_sharded(checkpoint)
+    per_rank = _per_rank_objects(checkpoint, mesh.data_parallel, per_rank_objects)
+    chunks_of, placements = target_chunks(checkpoint, mesh)
     tensors = {tensor.fqn: tensor for tensor in checkpoint.tensors}
     objects = {entry.fqn: entry for entry in checkpoint.objects}
     planned: list[tuple[TensorEntry | ObjectEntry, RankChunk | None]] = []
-    holders_and_sizes: list[tuple[range, int]] = []
+    holders_and_sizes: list[tuple[Sequence[int], int]] = []
     for fqn in _state_dict_order(checkpoint):
         if fqn in tensors:
             tensor = tensors[fqn]
-            whole = [RankChunk(0, (0,) * len(tensor.shape), tensor.shape, world_size)]
-            for chunk in whole if never_sharded(tensor) else shard_dim0_chunks(tensor.shape,
-                                                                               world_size):
+            for chunk in chunks_of(tensor):
                 planned.append((tensor, chunk))
                 holders_and_sizes.append((chunk.holders, tensor.nbytes))
         elif fqn in objects and fqn not in (per_rank.dropped if per_rank else ()):
-            rank = rank_of_per_rank_entry(fqn)
-            holders = (range(world_size) if rank is None
-                       else range(rank, rank + 1) if rank < world_size else range(1))
             planned.append((objects[fqn], None))
-            holders_and_sizes.append((holders, 0))
+            holders_and_sizes.append((object_holders(fqn, mesh), 0))
     placed = place_like_a_save(holders_and_sizes, world_size)
     tasks: list[ChunkTask | ObjectTask] = []
     sources_by_fqn: dict[str, _SourceChunks] = {}
@@ -150,7 +162,8 @@ def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = 
         tasks.append(ChunkTask(entry.fqn, entry.dtype, chunk.offsets, chunk.sizes,
                                sources.overlapping(chunk.offsets, chunk.sizes),
                                rank_file_name(rank)))
-    return ReshardPlan(world_size, codec, tasks, per_rank)
+    return ReshardPlan(world_size, codec, tasks, per_rank,
+                       mesh if mesh.tensor_parallel > 1 else None, placements)
 
 
 def _state_dict_order(checkpoint: Checkpoint) -> list[str]:
@@ -166,27 +179,10 @@ def _state_dict_order(checkpoint: Checkpoint) -> list[str]:
     return order + [fqn for fqn in entries if fqn not in listed]
 
 
-def _never_sharded(checkpoint: Checkpoint):
-    """Whether a tensor was saved whole by every rank, not sharded: a 0-d tensor, or, in a
-    save of several ranks (told by its rank files), one chunk that covers the tensor. A save
-    of one rank cannot tell: its tensors are taken as sharded."""
-    ranks = {rank_of_file_name(name) for name in checkpoint.files}
-    several_ranks = len(ranks - {None}) > 1 or (None in ranks and len(checkpoint.files) > 1)
-
-    def never_sharded(tensor: TensorEntry) -> bool:
-        if not tensor.shape:
-            return True
-        if not several_ranks or len(tensor.chunks) != 1:
-            return False
-        chunk = tensor.chunks[0]
-        return tuple(chunk.sizes) == tuple(tensor.shape) and not any(chunk.offsets)
-
-    return never_sharded
-
-
 def _per_rank_objects(checkpoint: Checkpoint, world_size: int, choice: str
                       ) -> PerRankObjects | None:
-    """The per-rank objects and what becomes of them at world_size (refused by choice)."""
+    """The per-rank objects and what becomes of them at world_size data-parallel ranks (refused
+    by choice)."""
     by_rank = {entry.fqn: rank for entry in checkpoint.objects
                if (rank := rank_of_per_rank_entry(entry.fqn)) is not None}
     if not by_rank:
@@ -239,14 +235,17 @@ class _SourceChunks:
 
     def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]
                     ) -> tuple[SourceChunk, ...]:
-        """The input chunks holding any of the output chunk's rows."""
+        """The input chunks holding any of the output chunk's elements."""
         chunks = self._tensor.chunks
         if not offsets:  # 0-d: the one chunk there is
             return (self._source(0, chunks[0]),)
         begin, end = offsets[0], offsets[0] + sizes[0]
+        inner = [(offset, offset + size) for offset, size in zip(offsets[1:], sizes[1:])]
         return tuple(self._source(index, chunk) for index, chunk in enumerate(chunks)
                      if chunk.sizes[0] and math.prod(chunk.sizes) and (
-                         chunk.offsets[0] < end and begin < chunk.offsets[0] + chunk.sizes[0]))
+                         chunk.offsets[0] < end and begin < chunk.offsets[0] + chunk.sizes[0])
+                     and all(offset < last and first < offset + size for (first, last), offset,
+                             size in zip(inner, chunk.offsets[1:], chunk.sizes[1:])))
 
     def _source(self, index: int, chunk: ChunkMetadata) -> SourceChunk:
         source = self._made.get(index)
