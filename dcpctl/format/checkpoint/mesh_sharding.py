@@ -86,52 +86,51 @@ def _piece(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(per_part, size - start)
 
 
-def _strided_rows(rows: int, mesh: Mesh, data_rank: int, tensor_rank: int
-                  ) -> tuple[int, int]:
-    """First row and row count of rank (data_rank, tensor_rank) where both dimensions of the
-    mesh shard dim 0, as torch's `(_StridedShard(0, split_factor=tp), Shard(0))` computes them:
-    the rows are cut into tp blocks, the data-parallel rank takes its torch.chunk part of each
-    block, and the tensor-parallel rank its part of those rows, taken in order. Evenly split,
-    that is the tensor-parallel rank's block split over the data-parallel ranks. (Unevenly,
-    torch's own saves write rows of other shapes than this under these offsets; dcpctl writes
-    what torch's metadata says, which is what a load asks for.)"""
+def _strided_rows(rows: int, mesh: Mesh, data_rank: int) -> list[tuple[int, int]]:
+    """First row and row count of each tensor-parallel rank of data_rank where both dimensions
+    of the mesh shard dim 0, as torch's `(_StridedShard(0, split_factor=tp), Shard(0))` computes
+    them: the rows are cut into tp blocks, the data-parallel rank takes its torch.chunk part of
+    each block, and each tensor-parallel rank its part of those rows, taken in order. Evenly
+    split, that is the tensor-parallel rank's block split over the data-parallel ranks.
+    (Unevenly, torch's own saves write rows of other shapes than this under these offsets;
+    dcpctl writes what torch's metadata says, which is what a load asks for.)"""
+    tensor_parallel = mesh.tensor_parallel
     spans = []  # the data-parallel rank's rows: (first, count) in each block
-    for block in range(mesh.tensor_parallel):
-        block_start, block_rows = _piece(rows, mesh.tensor_parallel, block)
+    for block in range(tensor_parallel):
+        block_start, block_rows = _piece(rows, tensor_parallel, block)
         start, count = _piece(block_rows, mesh.data_parallel, data_rank)
         spans.append((block_start + start, count))
-    skip, count = _piece(sum(count for _, count in spans), mesh.tensor_parallel, tensor_rank)
-    for first, span_rows in spans:
-        if skip < span_rows:
-            return (first + skip, count) if count else (rows, 0)
-        skip -= span_rows
-    return rows, 0
+    held = sum(count for _, count in spans)
+    parts = []
+    span, passed = 0, 0  # the span holding the next part's first row; rows in spans before it
+    for tensor_rank in range(tensor_parallel):
+        skip, count = _piece(held, tensor_parallel, tensor_rank)
+        while span < len(spans) and passed + spans[span][1] <= skip:
+            passed += spans[span][1]
+            span += 1
+        parts.append((spans[span][0] + skip - passed, count) if count else (rows, 0))
+    return parts
 
 
-def _rank_chunk(shape: tuple[int, ...], mesh: Mesh, placement: MeshPlacement,
-                data_rank: int, tensor_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Offsets and sizes of the chunk rank (data_rank, tensor_rank) holds of a tensor placed
-    so; an empty chunk starts at the end of its dim, as torch computes it."""
-    offsets, sizes = [0] * len(shape), list(shape)
-    dim = placement.tensor_parallel_dim
-    if placement.data_parallel_sharded:
-        if dim == 0:
-            offsets[0], sizes[0] = _strided_rows(shape[0], mesh, data_rank, tensor_rank)
-        else:
-            offsets[0], sizes[0] = _piece(shape[0], mesh.data_parallel, data_rank)
-    if dim is not REPLICATED and not (dim == 0 and placement.data_parallel_sharded):
-        offsets[dim], sizes[dim] = _piece(shape[dim], mesh.tensor_parallel, tensor_rank)
-    for index, size in enumerate(sizes):
-        if not size:
-            offsets[index] = shape[index]
-    return tuple(offsets), tuple(sizes)
+def _row_parts(rows: int, mesh: Mesh, placement: MeshPlacement) -> list[list[tuple[int, int]]]:
+    """For each data-parallel rank, each tensor-parallel rank's first row and row count."""
+    tensor_parallel = mesh.tensor_parallel
+    if not placement.data_parallel_sharded:
+        whole = [(0, rows)] if placement.tensor_parallel_dim != 0 else [
+            _piece(rows, tensor_parallel, tensor_rank) for tensor_rank in range(tensor_parallel)]
+        return [whole * (tensor_parallel // len(whole))] * mesh.data_parallel
+    if placement.tensor_parallel_dim == 0:
+        return [_strided_rows(rows, mesh, data_rank) for data_rank in range(mesh.data_parallel)]
+    return [[_piece(rows, mesh.data_parallel, data_rank)] * tensor_parallel
+            for data_rank in range(mesh.data_parallel)]
 
 
 def mesh_chunks(shape: tuple[int, ...], mesh: Mesh, placement: MeshPlacement
                 ) -> list[RankChunk]:
     """The chunks a save from mesh writes for a tensor of this shape placed so; equal chunks
-    of several ranks are one entry, as DCP deduplicates them, held by those ranks. A 0-d
-    tensor is one chunk every rank holds."""
+    of several ranks are one entry, as DCP deduplicates them, held by those ranks. An empty
+    chunk starts at the end of its dim, as torch computes it. A 0-d tensor is one chunk every
+    rank holds."""
     if not shape:
         return [RankChunk((), (), range(mesh.ranks))]
     tensor_parallel = mesh.tensor_parallel
@@ -143,11 +142,23 @@ def mesh_chunks(shape: tuple[int, ...], mesh: Mesh, placement: MeshPlacement
     dim = placement.tensor_parallel_dim
     if dim is not REPLICATED and not 0 <= dim < len(shape):
         raise ValueError(f"dim {dim} of a {len(shape)}-d tensor")
+    inner = dim if dim is not REPLICATED and dim > 0 else None
+    inner_parts = [_piece(shape[dim], tensor_parallel, tensor_rank) if inner else (0, 0)
+                   for tensor_rank in range(tensor_parallel)]
+    offsets, sizes = [0] * len(shape), list(shape)
     holders: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
-    for data_rank in range(mesh.data_parallel):
-        for tensor_rank in range(tensor_parallel):
-            chunk = _rank_chunk(shape, mesh, placement, data_rank, tensor_rank)
-            holders.setdefault(chunk, []).append(data_rank * tensor_parallel + tensor_rank)
+    rank = 0
+    for parts in _row_parts(shape[0], mesh, placement):
+        for (first_row, rows), (start, size) in zip(parts, inner_parts):
+            offsets[0], sizes[0] = (first_row, rows) if rows else (shape[0], 0)
+            if inner:
+                offsets[inner], sizes[inner] = (start, size) if size else (shape[inner], 0)
+            key = (tuple(offsets), tuple(sizes))
+            if key in holders:
+                holders[key].append(rank)
+            else:
+                holders[key] = [rank]
+            rank += 1
     return [RankChunk(offsets, sizes, tuple(ranks))
             for (offsets, sizes), ranks in holders.items()]
 
