@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Iterable
 
 METADATA_FILE_NAME = ".metadata"
 """The pickled metadata; torch writes it last, so a directory without it is incomplete."""
@@ -27,6 +28,15 @@ def rank_of_file_name(name: str) -> int | None:
     (`__<rank>_<n>.distcp`, perhaps under a prefix), or None."""
     match = _RANK_FILE_NAME.fullmatch(name.rpartition("/")[2])
     return int(match.group(1)) if match else None
+
+
+def world_size_of_rank_files(names: Iterable[str]) -> int | None:
+    """How many ranks saved a checkpoint whose data files are these, told by their rank
+    numbers (`__<rank>_<n>.distcp`); None where a file is not named by rank, or none is."""
+    ranks = {rank_of_file_name(name) for name in names}
+    if not ranks or None in ranks:
+        return None
+    return max(ranks) + 1
 
 
 def is_plain_file_name(name: str) -> bool:

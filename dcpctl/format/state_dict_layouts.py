@@ -104,6 +104,12 @@ def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None 
 _OPTIMIZER_ROOTS = ("optimizer", "optim")
 
 
+def is_optimizer_state(fqn: str) -> bool:
+    """Whether fqn is an optimizer's state of a parameter (`optim.state.<param>.exp_avg`)."""
+    root, _, rest = fqn.partition(".")
+    return root in _OPTIMIZER_ROOTS and rest.startswith("state.")
+
+
 def _optimizer_form(fqns: list[str], roots: set[str]) -> str:
     """How the optimizer's state was taken, where it tells: torch's get_optimizer_state_dict
     with flatten_optimizer_state_dict keys its param_groups by parameter

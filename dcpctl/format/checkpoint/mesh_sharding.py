@@ -22,7 +22,7 @@ from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.sharding import (MAX_WORLD_SIZE, RankChunk, check_world_size,
                                                shard_dim0_chunks)
 from dcpctl.format.checkpoint.view import Checkpoint, TensorEntry
-from dcpctl.format.file_names import rank_of_file_name
+from dcpctl.format.file_names import rank_of_file_name, world_size_of_rank_files
 
 REPLICATED = None
 """The tensor-parallel dim of a tensor that every tensor-parallel rank holds whole."""
@@ -166,12 +166,11 @@ def mesh_chunks(shape: tuple[int, ...], mesh: Mesh, placement: MeshPlacement
 def source_mesh(checkpoint: Checkpoint, tensor_parallel: int) -> Mesh:
     """The mesh that saved the checkpoint, given its tensor-parallel size: its world size is
     told by its rank files (`__<rank>_<n>.distcp`)."""
-    ranks = {rank_of_file_name(name) for name in checkpoint.files}
-    if not ranks or None in ranks:
+    world_size = world_size_of_rank_files(checkpoint.files)
+    if world_size is None:
         raise UnsupportedLayoutError("its data files are not named by rank (__<rank>_<n>.distcp)"
                                      ", so the mesh that saved it cannot be told",
                                      path=checkpoint.path)
-    world_size = max(ranks) + 1
     if world_size % tensor_parallel:
         raise UnsupportedLayoutError(
             f"was saved by {world_size} ranks, which a tensor-parallel size of "

@@ -16,8 +16,9 @@ from dcpctl.format.checkpoint.hf_storage import describe_hf_storage
 from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, TensorEntry,
                                            open_checkpoint)
-from dcpctl.format.state_dict_layouts import describe_layout
+from dcpctl.format.state_dict_layouts import describe_layout, is_optimizer_state
 from dcpctl.format.codecs.names import describe_codec
+from dcpctl.format.file_names import world_size_of_rank_files
 from dcpctl.ops.inspection.json_text import inspect_report_json_text
 from dcpctl.storage.locks import locked_checkpoint
 
@@ -120,12 +121,40 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
         files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
         layout=describe_layout(chain((tensor.fqn for tensor in checkpoint.tensors),
                                      (entry.fqn for entry in checkpoint.objects)),
-                               checkpoint.path.name, _saver(checkpoint)),
+                               checkpoint.path.name, _saver(checkpoint))
+        + _sharding_api(checkpoint),
     )
     _add_size_totals(report)
     report.compression = _count_by_codec(_transforms_used(report).items())
     report.codecs_by_file = _codecs_by_file(checkpoint)
     return report
+
+
+def _sharding_api(checkpoint: Checkpoint) -> str:
+    """`; FSDP2/DTensor chunks` or `; FSDP1/ShardedTensor chunks`, where the chunks tell.
+
+    Among tensors with fewer rows than the ranks that saved them, a DTensor (FSDP2, tensor
+    parallel) leaves an empty chunk for the ranks past its rows; a ShardedTensor (FSDP1's
+    SHARDED_STATE_DICT) leaves them out. So with no empty chunk anywhere, a tensor split into
+    one-row chunks, or a parameter's optimizer state in one chunk where other tensors are
+    split (a buffer has no optimizer state; DDP splits nothing), tell FSDP1."""
+    world_size = world_size_of_rank_files(checkpoint.files) or 1
+    split_somewhere = one_row_split = optimizer_state_whole = False
+    for tensor in checkpoint.tensors:
+        chunks = tensor.chunks
+        split_somewhere = split_somewhere or len(chunks) > 1
+        if not tensor.shape or tensor.shape[0] >= world_size:
+            continue
+        if any(not chunk.sizes[0] for chunk in chunks):
+            return "; FSDP2/DTensor chunks"
+        whole_rows = all(tuple(chunk.sizes[1:]) == tensor.shape[1:] for chunk in chunks)
+        one_row_split = one_row_split or (len(chunks) > 1 and whole_rows and all(
+            chunk.sizes[0] == 1 for chunk in chunks))
+        optimizer_state_whole = optimizer_state_whole or (
+            len(chunks) == 1 and is_optimizer_state(tensor.fqn))
+    if one_row_split or (split_somewhere and optimizer_state_whole):
+        return "; FSDP1/ShardedTensor chunks"
+    return ""
 
 
 def _saver(checkpoint: Checkpoint) -> str | None:
