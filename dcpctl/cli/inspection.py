@@ -30,9 +30,9 @@ def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
     what `convert --to safetensors` leaves out; FSDP2/DTensor or FSDP1/ShardedTensor chunks,
     where a tensor with fewer rows than ranks tells), how many tensors and objects, their
     logical size (what the tensors occupy in memory) and stored size (bytes in the data
-    files), sizes by dtype and by top-level key (`model`, `optim`...), the data files and the compression
-    in use. Then one row per tensor: fqn, dtype, shape, number of stored chunks, logical
-    and stored bytes.
+    files), sizes by dtype and by top-level key (`model`, `optim`...), the data files and
+    the compression in use. Then one row per tensor: fqn, dtype, shape, number of stored
+    chunks, logical and stored bytes.
 
     \b
     Examples:
