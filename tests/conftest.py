@@ -92,6 +92,19 @@ def load_with_torch(checkpoint: Path) -> dict:
     return flat
 
 
+def assert_torch_loads_equal(original: Path, *rewritten: Path) -> None:
+    """Stock torch reads every rewritten checkpoint with the original's entries and tensors."""
+    import torch
+
+    expected = load_with_torch(original)
+    for path in rewritten:
+        loaded = load_with_torch(path)
+        assert loaded.keys() == expected.keys(), path
+        for fqn, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(loaded[fqn], value), (path, fqn)
+
+
 def directory_state(path: Path) -> dict[str, str]:
     """Name -> SHA-256 of every file in a directory, to show it did or did not change."""
     return {entry.name: hashlib.sha256(entry.read_bytes()).hexdigest()

@@ -5,13 +5,9 @@ wrote equal to what was saved."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import FIXTURES_DIR
+from trainer_jobs import TRAINER_FIXTURES, import_job, run_job
 
 from dcpctl.ops.inspection.report import inspect_checkpoint
 from dcpctl.ops.reshard.execution import reshard_checkpoint
@@ -19,19 +15,13 @@ from dcpctl.ops.runs.listing import list_run_directory
 from dcpctl.ops.transcode import compress_checkpoint
 from dcpctl.ops.verify.verifier import verify_checkpoint
 
-TRAINER_FIXTURES = FIXTURES_DIR / "trainers"
 RUN = TRAINER_FIXTURES / "megatron_core_0.16.1_2ranks"
 ITERATION = RUN / "iter_0000007"
 
 
 @pytest.fixture(scope="module")
 def megatron_job():
-    """The job script (it imports Megatron only when a job runs), importable here and in the
-    job's spawned ranks."""
-    if str(TRAINER_FIXTURES) not in sys.path:
-        sys.path.insert(0, str(TRAINER_FIXTURES))
-    import megatron_job
-    return megatron_job
+    return import_job("megatron_job")
 
 
 def test_dcpctl_reads_megatrons_own_save():
@@ -60,13 +50,10 @@ def test_side_files_travel_with_the_outputs(rewritten):
                 ITERATION / side_file).read_bytes()
 
 
-def _loaded_by_megatron(megatron_job, checkpoint: Path, world_size: int, tmp_path: Path,
+def _loaded_by_megatron(megatron_job, checkpoint, world_size: int, tmp_path,
                         with_objects: bool = True) -> dict:
-    from make_fixtures import run_gloo_job
-
-    out_file = tmp_path / f"loaded-{checkpoint.name}-{world_size}.json"
-    run_gloo_job(world_size, megatron_job.load, str(checkpoint), str(out_file), with_objects)
-    return json.loads(out_file.read_text())
+    return run_job(megatron_job.load, world_size, str(checkpoint), with_objects,
+                   out_file=tmp_path / f"loaded-{checkpoint.name}-{world_size}.json")
 
 
 @pytest.mark.slow

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES_DIR, load_with_torch
+from conftest import assert_torch_loads_equal, load_with_torch
+from trainer_jobs import TRAINER_FIXTURES, import_job, run_job
 
 from dcpctl.ops.convert.targets import SAFETENSORS_TARGET, convert_checkpoint
 from dcpctl.ops.inspection.report import inspect_checkpoint
@@ -21,7 +20,6 @@ from dcpctl.ops.runs.listing import list_run_directory
 from dcpctl.ops.transcode import compress_checkpoint
 from dcpctl.ops.verify.verifier import verify_checkpoint
 
-TRAINER_FIXTURES = FIXTURES_DIR / "trainers"
 FIXTURE = TRAINER_FIXTURES / "torchtitan_0.3.0_2ranks"
 STEP = FIXTURE / "checkpoint" / "step-2"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
@@ -29,12 +27,7 @@ EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 
 @pytest.fixture(scope="module")
 def torchtitan_job():
-    """The job script (it imports torchtitan only when a job runs), importable here and in the
-    job's spawned ranks."""
-    if str(TRAINER_FIXTURES) not in sys.path:
-        sys.path.insert(0, str(TRAINER_FIXTURES))
-    import torchtitan_job
-    return torchtitan_job
+    return import_job("torchtitan_job")
 
 
 def test_dcpctl_reads_the_layout(tmp_path, torchtitan_job):
@@ -72,21 +65,13 @@ def rewritten(tmp_path_factory):
 
 
 def test_stock_torch_loads_the_outputs_equal(rewritten):
-    original = load_with_torch(STEP)
-    for name in ("resharded", "zstd"):
-        loaded = load_with_torch(rewritten / name / "step-2")
-        assert loaded.keys() == original.keys()
-        for fqn, value in original.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(loaded[fqn], value), (name, fqn)
+    assert_torch_loads_equal(STEP, rewritten / "resharded" / "step-2",
+                             rewritten / "zstd" / "step-2")
 
 
-def _resume(torchtitan_job, folder: Path, world_size: int, tmp_path: Path) -> dict:
-    from make_fixtures import run_gloo_job
-
-    out_file = tmp_path / f"resumed-{folder.name}-{world_size}.json"
-    run_gloo_job(world_size, torchtitan_job.resume, str(folder), str(out_file))
-    return json.loads(out_file.read_text())
+def _resume(torchtitan_job, folder, world_size: int, tmp_path) -> dict:
+    return run_job(torchtitan_job.resume, world_size, str(folder),
+                   out_file=tmp_path / f"resumed-{folder.name}-{world_size}.json")
 
 
 @pytest.mark.slow

@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES_DIR, load_with_torch
+from conftest import assert_torch_loads_equal, load_with_torch
+from trainer_jobs import TRAINER_FIXTURES, import_job, run_job
 
 from dcpctl.ops.convert.targets import SAFETENSORS_TARGET, convert_checkpoint
 from dcpctl.ops.inspection.report import inspect_checkpoint
@@ -23,7 +22,6 @@ from dcpctl.ops.runs.listing import list_run_directory
 from dcpctl.ops.transcode import compress_checkpoint
 from dcpctl.ops.verify.verifier import verify_checkpoint
 
-TRAINER_FIXTURES = FIXTURES_DIR / "trainers"
 FIXTURE = TRAINER_FIXTURES / "torchtune_0.6.1_2ranks"
 EPOCH = FIXTURE / "run" / "dist_epoch_0"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
@@ -31,12 +29,7 @@ EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 
 @pytest.fixture(scope="module")
 def torchtune_job():
-    """The job script (it imports torchtune only when a job runs), importable here and in the
-    job's spawned ranks."""
-    if str(TRAINER_FIXTURES) not in sys.path:
-        sys.path.insert(0, str(TRAINER_FIXTURES))
-    import torchtune_job
-    return torchtune_job
+    return import_job("torchtune_job")
 
 
 def test_dcpctl_reads_the_layout():
@@ -74,21 +67,13 @@ def rewritten(tmp_path_factory):
 
 
 def test_stock_torch_loads_the_outputs_equal(rewritten):
-    original = load_with_torch(EPOCH)
-    for name in ("resharded", "zstd"):
-        loaded = load_with_torch(rewritten / name / "dist_epoch_0")
-        assert loaded.keys() == original.keys()
-        for fqn, value in original.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(loaded[fqn], value), (name, fqn)
+    assert_torch_loads_equal(EPOCH, rewritten / "resharded" / "dist_epoch_0",
+                             rewritten / "zstd" / "dist_epoch_0")
 
 
-def _resume(torchtune_job, run_dir: Path, world_size: int, tmp_path: Path) -> dict:
-    from make_fixtures import run_gloo_job
-
-    out_file = tmp_path / f"resumed-{run_dir.name}-{world_size}.json"
-    run_gloo_job(world_size, torchtune_job.resume, str(run_dir), str(out_file))
-    return json.loads(out_file.read_text())
+def _resume(torchtune_job, run_dir, world_size: int, tmp_path) -> dict:
+    return run_job(torchtune_job.resume, world_size, str(run_dir),
+                   out_file=tmp_path / f"resumed-{run_dir.name}-{world_size}.json")
 
 
 @pytest.mark.slow

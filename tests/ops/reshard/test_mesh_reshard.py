@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import fixture_path, load_with_torch, torch_metadata
+from conftest import assert_torch_loads_equal, fixture_path, load_with_torch, torch_metadata
 from make_fixtures import run_gloo_job
 
 from dcpctl.cli.main import cli
@@ -152,11 +152,7 @@ def test_mesh_output_is_a_real_save_of_that_mesh(mesh_saves, tmp_path, data_para
     assert written[("dataloader.dp_rank_1", None)] in (
         ("__2_0.distcp", "__3_0.distcp") if data_parallel > 1 else ("__0_0.distcp",))
     assert report.per_rank_objects.ranks_without == tuple(range(2, data_parallel))
-    loaded, original = load_with_torch(out), load_with_torch(mesh_saves[2])
-    assert loaded.keys() == original.keys()
-    for fqn, value in original.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(loaded[fqn], value), fqn
+    assert_torch_loads_equal(mesh_saves[2], out)
 
 
 @pytest.mark.slow
@@ -196,9 +192,7 @@ def test_mixed_placements_of_distribute_tensor(tmp_path):
     chunks = {fqn: sorted((tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks)
               for fqn, entry in torch_metadata(out).state_dict_metadata.items()}
     assert chunks["bias"] == [((0,), (3,)), ((3,), (2,))]  # only tensor parallel splits it
-    loaded, original = load_with_torch(out), load_with_torch(fixture_path("mesh2d_4ranks"))
-    for fqn, value in original.items():
-        assert torch.equal(loaded[fqn], value), fqn
+    assert_torch_loads_equal(fixture_path("mesh2d_4ranks"), out)
     by_workers = tmp_path / "by_workers"
     reshard_checkpoint(fixture_path("mesh2d_4ranks"), 6, str(by_workers), tensor_parallel=2,
                        workers=2)

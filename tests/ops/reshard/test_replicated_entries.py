@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from conftest import load_with_torch, torch_metadata
+from conftest import assert_torch_loads_equal, torch_metadata
 from make_fixtures import run_gloo_job
 
 from dcpctl.errors import UnsupportedLayoutError
@@ -105,12 +105,7 @@ def test_every_entry_lands_where_a_real_save_puts_it(real_saves, tmp_path, sourc
         assert written[(f"dataloader.dp_rank_{rank}", None)] == f"__{rank}_0.distcp"
     assert report.per_rank_objects.ranks == tuple(range(source))
     assert report.per_rank_objects.ranks_without == tuple(range(source, target))
-    loaded = load_with_torch(out)
-    original = load_with_torch(real_saves[source])
-    assert loaded.keys() == original.keys()
-    for fqn, value in original.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(loaded[fqn], value), fqn
+    assert_torch_loads_equal(real_saves[source], out)
 
 
 @pytest.mark.slow
