@@ -24,6 +24,12 @@ from dcpctl.format.checkpoint.sharding import (MAX_WORLD_SIZE, RankChunk, check_
 from dcpctl.format.checkpoint.view import Checkpoint, TensorEntry
 from dcpctl.format.file_names import rank_of_file_name, world_size_of_rank_files
 
+# Telling each tensor's placement costs work in proportion to the source's world size, which
+# the highest rank file number gives. torch writes a file for every rank, dcpctl's reshard for
+# every rank that holds an item; a world size this many times the files is a name that claims
+# ranks nobody saved, refused before that work.
+_RANKS_PER_FILE_AT_MOST = 64
+
 REPLICATED = None
 """The tensor-parallel dim of a tensor that every tensor-parallel rank holds whole."""
 
@@ -171,6 +177,11 @@ def source_mesh(checkpoint: Checkpoint, tensor_parallel: int) -> Mesh:
         raise UnsupportedLayoutError("its data files are not named by rank (__<rank>_<n>.distcp)"
                                      ", so the mesh that saved it cannot be told",
                                      path=checkpoint.path)
+    if world_size > _RANKS_PER_FILE_AT_MOST * len(checkpoint.files):
+        raise UnsupportedLayoutError(
+            f"its {len(checkpoint.files)} data files name ranks up to {world_size - 1}: no save "
+            f"of {world_size} ranks writes so few (torch writes one or more for every rank), so "
+            "the mesh that saved it cannot be told", path=checkpoint.path)
     if world_size % tensor_parallel:
         raise UnsupportedLayoutError(
             f"was saved by {world_size} ranks, which a tensor-parallel size of "

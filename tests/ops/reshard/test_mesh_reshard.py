@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,21 @@ def test_mesh_option_errors(tmp_path, arguments, message):
 def test_tensor_parallel_size_must_divide_the_world_size():
     with pytest.raises(InvalidOptionError, match="does not divide 6 ranks"):
         reshard_checkpoint(fixture_path("mesh2d_4ranks"), 6, "unused", tensor_parallel=4)
+
+
+def test_a_rank_file_claiming_a_huge_world_is_refused_at_once(tmp_path):
+    """Telling placements costs work in proportion to the source's world size, which the rank
+    file names give: rank 3's file renamed for rank 999,999 does not buy a million ranks of
+    work."""
+    source = tmp_path / "source"
+    shutil.copytree(fixture_path("mesh2d_4ranks"), source)
+    (source / "__3_0.distcp").rename(source / "__999999_0.distcp")
+    metadata = torch_metadata(source)
+    for info in metadata.storage_data.values():
+        if info.relative_path == "__3_0.distcp":
+            info.relative_path = "__999999_0.distcp"
+    with open(source / ".metadata", "wb") as stream:
+        pickle.dump(metadata, stream)
+    with pytest.raises(UnsupportedLayoutError, match="4 data files name ranks up to 999999"):
+        reshard_checkpoint(source, 4, str(tmp_path / "out"), tensor_parallel=2)
+    assert not (tmp_path / "out").exists()
