@@ -321,3 +321,15 @@ def test_workers_share_a_bucket_checkpoint(moto_s3, moto_checkpoint):
     assert tensor_digests(load_with_dcpctl_reader(f"s3://{bucket}/run/two")) == expected_tensors()
     assert json.loads(ok("verify", f"s3://{bucket}/run/two", "--json", "--workers", 3)
                       )["status"] == "ok"
+
+
+def test_reshard_to_a_mesh_from_a_bucket_into_a_bucket(s3_server, tmp_path):
+    """--mesh reads the rank files of a bucket's checkpoint to tell the source mesh, and writes
+    the new mesh's layout into a bucket; equal to the same reshard done locally."""
+    bucket = s3_server.new_bucket()
+    url = upload_directory(s3_server, fixture_path("mesh2d_4ranks"), bucket, "tp/step-1")
+    ok("reshard", url, "--mesh", "3x2", "-o", f"s3://{bucket}/tp6/step-1")
+    ok("reshard", fixture_path("mesh2d_4ranks"), "--mesh", "3x2", "-o", tmp_path / "local")
+    downloaded = download_prefix(s3_server, bucket, "tp6/step-1", tmp_path / "downloaded")
+    for path in (tmp_path / "local").iterdir():
+        assert (downloaded / path.name).read_bytes() == path.read_bytes(), path.name
