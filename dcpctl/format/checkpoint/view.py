@@ -144,7 +144,6 @@ def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = T
             metadata = read_metadata(directory)
         checkpoint = Checkpoint(directory, metadata, listing=listing, hf_storage=bool(hf_files))
         _collect_entries(checkpoint)
-        _collect_files(checkpoint)
     if check_files:
         problems = find_file_problems(checkpoint)
         if problems:
@@ -224,39 +223,86 @@ def _file_status(checkpoint: Checkpoint, relative_path: str) -> tuple[int | None
 
 
 def _collect_entries(checkpoint: Checkpoint) -> None:
-    storage_by_key = {(key.fqn, key.offset): info
-                      for key, info in (checkpoint.metadata.storage_data or {}).items()}
+    """The tensors and objects of the metadata, each chunk and object joined with its storage
+    entry, and the data files those entries name."""
+    stored_by_fqn, first_tensor_items = _scan_storage(checkpoint)
+    storage_by_key: dict | None = None  # built only for tensors _join_in_order cannot join
     for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
+        stored = stored_by_fqn.get(fqn, ())
         if isinstance(entry, TensorMetadata):
-            stored_bytes = 0
-            for chunk in entry.chunks:
-                chunk.storage = storage = storage_by_key.get((fqn, chunk.offsets))
-                if storage is not None:
-                    stored_bytes += storage.length
+            stored_bytes = _join_in_order(entry.chunks, stored)
+            if stored_bytes is None:
+                if storage_by_key is None:
+                    storage_by_key = {(key.fqn, key.offset): info for key, info
+                                      in checkpoint.metadata.storage_data.items()}
+                stored_bytes = _join_by_key(fqn, entry.chunks, storage_by_key)
             dtype = entry.properties.dtype
             nbytes = math.prod(entry.size) * dtype.itemsize
             checkpoint.tensors.append(
                 TensorEntry(fqn, dtype, entry.size, entry.chunks, nbytes, stored_bytes))
         else:
-            checkpoint.objects.append(ObjectEntry(fqn, storage_by_key.get((fqn, None))))
+            checkpoint.objects.append(ObjectEntry(fqn, next(
+                (info for offset, info in stored if offset is None), None)))
+    for name, (fqn, info) in first_tensor_items.items():
+        checkpoint.files[name].serialization = _detect_serialization(checkpoint, fqn, info)
 
 
-def _collect_files(checkpoint: Checkpoint) -> None:
-    first_tensor_item: dict[str, tuple[str, StorageInfo]] = {}
+def _scan_storage(checkpoint: Checkpoint
+                  ) -> tuple[dict[str, list[tuple[tuple | None, StorageInfo]]],
+                             dict[str, tuple[str, StorageInfo]]]:
+    """One pass over the storage entries: each fqn's (key offsets, entry) in the order the
+    metadata lists them, and each data file they name, with its item count and where its last
+    item ends (into checkpoint.files); and each file's first tensor item, which tells how its
+    items are serialized."""
+    stored_by_fqn: dict[str, list[tuple[tuple | None, StorageInfo]]] = {}
+    first_tensor_items: dict[str, tuple[str, StorageInfo]] = {}
+    files = checkpoint.files
     for key, info in (checkpoint.metadata.storage_data or {}).items():
-        data_file = checkpoint.files.get(info.relative_path)
+        fqn = key.fqn
+        stored = stored_by_fqn.get(fqn)
+        if stored is None:
+            stored = stored_by_fqn[fqn] = []
+        stored.append((key.offset, info))
+        data_file = files.get(info.relative_path)
         if data_file is None:
             checkpoint.data_path(info.relative_path)  # refuses a path that escapes
-            data_file = checkpoint.files[info.relative_path] = DataFile(
+            data_file = files[info.relative_path] = DataFile(
                 info.relative_path, *_file_status(checkpoint, info.relative_path))
+        if key.offset is not None and info.relative_path not in first_tensor_items:
+            first_tensor_items[info.relative_path] = (fqn, info)
         data_file.item_count += 1
         end = info.offset + info.length
         if end > data_file.end_bytes:
-            data_file.end_bytes, data_file.last_fqn = end, key.fqn
-        if key.offset is not None and info.relative_path not in first_tensor_item:
-            first_tensor_item[info.relative_path] = (key.fqn, info)
-    for name, (fqn, info) in first_tensor_item.items():
-        checkpoint.files[name].serialization = _detect_serialization(checkpoint, fqn, info)
+            data_file.end_bytes, data_file.last_fqn = end, fqn
+    return stored_by_fqn, first_tensor_items
+
+
+def _join_in_order(chunks: list[ChunkMetadata], stored: list) -> int | None:
+    """Give each chunk its storage entry where the fqn's entries list the chunks' offsets in
+    the chunks' own order, as torch writes them (both follow the ranks' plans); the bytes
+    stored, or None (nothing joined) where they do not line up. Keys are unique, so a chunk
+    joined here gets the entry of its key, as _join_by_key would give it."""
+    if len(stored) != len(chunks):
+        return None
+    for chunk, (offset, _) in zip(chunks, stored):
+        if offset != chunk.offsets:
+            return None
+    stored_bytes = 0
+    for chunk, (_, info) in zip(chunks, stored):
+        chunk.storage = info
+        stored_bytes += info.length
+    return stored_bytes
+
+
+def _join_by_key(fqn: str, chunks: list[ChunkMetadata], storage_by_key: dict) -> int:
+    """Give each chunk the storage entry of its key (None where there is none); the bytes
+    stored."""
+    stored_bytes = 0
+    for chunk in chunks:
+        chunk.storage = storage = storage_by_key.get((fqn, chunk.offsets))
+        if storage is not None:
+            stored_bytes += storage.length
+    return stored_bytes
 
 
 def _detect_serialization(checkpoint: Checkpoint, fqn: str, info: StorageInfo) -> str:

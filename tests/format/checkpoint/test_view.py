@@ -209,3 +209,52 @@ def test_symlink_inside_the_directory_is_fine(copy_fixture):
     (checkpoint / "__0_0.distcp").rename(checkpoint / "real.bin")
     (checkpoint / "__0_0.distcp").symlink_to("real.bin")
     assert open_checkpoint(checkpoint).files["__0_0.distcp"].size_bytes > 0
+
+
+def _joined(checkpoint) -> tuple:
+    """Each chunk's and object's storage entry, each tensor's stored bytes, each file's stats."""
+    def entry(storage):
+        return None if storage is None else (storage.relative_path, storage.offset,
+                                             storage.length, storage.transform_descriptors)
+    return ({(tensor.fqn, tuple(chunk.offsets)): entry(chunk.storage)
+             for tensor in checkpoint.tensors for chunk in tensor.chunks},
+            {tensor.fqn: tensor.stored_bytes for tensor in checkpoint.tensors},
+            {item.fqn: entry(item.storage) for item in checkpoint.objects},
+            {name: (f.item_count, f.end_bytes, f.last_fqn, f.serialization)
+             for name, f in checkpoint.files.items()})
+
+
+@pytest.mark.parametrize("name", ["fsdp2_adamw_3ranks", "mesh2d_4ranks"])
+@pytest.mark.parametrize("reorder", ["reversed", "chunks reversed", "entry dropped"])
+def test_chunks_join_their_entries_whatever_order_the_metadata_lists_them(copy_fixture, name,
+                                                                          reorder):
+    """Chunks are joined to their storage entries by order where the two line up (as torch
+    writes them) and by key where they do not: storage listed backwards, a tensor's chunks
+    listed backwards, or an entry missing give the same join as the key would."""
+    import pickle
+
+    from conftest import torch_metadata
+
+    path = copy_fixture(name)
+    expected = _joined(open_checkpoint(path, check_files=False))
+    metadata = torch_metadata(path)
+    if reorder == "reversed":
+        metadata.storage_data = dict(reversed(list(metadata.storage_data.items())))
+    elif reorder == "chunks reversed":
+        for entry in metadata.state_dict_metadata.values():
+            if hasattr(entry, "chunks"):
+                entry.chunks.reverse()
+    else:
+        dropped = next(key for key in metadata.storage_data if key.offset is not None)
+        del metadata.storage_data[dropped]
+        chunks, stored_bytes, objects, _ = expected
+        removed = chunks[dropped.fqn, tuple(dropped.offset)]
+        chunks[dropped.fqn, tuple(dropped.offset)] = None
+        stored_bytes[dropped.fqn] -= removed[2]
+    with open(path / ".metadata", "wb") as stream:
+        pickle.dump(metadata, stream)
+    joined = _joined(open_checkpoint(path, check_files=False))
+    assert joined[:3] == expected[:3]
+    if reorder != "entry dropped":
+        assert {name: stats[0] for name, stats in joined[3].items()} == {
+            name: stats[0] for name, stats in expected[3].items()}
