@@ -86,7 +86,8 @@ def parse_mesh(text: str) -> Mesh:
 
 
 def _piece(size: int, parts: int, index: int) -> tuple[int, int]:
-    """Start and length of part index of size split as torch.chunk splits it."""
+    """Start and length of part index of size split as torch.chunk splits it; an empty part
+    starts at the end, as torch computes it."""
     per_part = -(-size // parts)
     start = min(per_part * index, size)
     return start, min(per_part, size - start)
@@ -121,10 +122,13 @@ def _strided_rows(rows: int, mesh: Mesh, data_rank: int) -> list[tuple[int, int]
 def _row_parts(rows: int, mesh: Mesh, placement: MeshPlacement) -> list[list[tuple[int, int]]]:
     """For each data-parallel rank, each tensor-parallel rank's first row and row count."""
     tensor_parallel = mesh.tensor_parallel
-    if not placement.data_parallel_sharded:
-        whole = [(0, rows)] if placement.tensor_parallel_dim != 0 else [
-            _piece(rows, tensor_parallel, tensor_rank) for tensor_rank in range(tensor_parallel)]
-        return [whole * (tensor_parallel // len(whole))] * mesh.data_parallel
+    if not placement.data_parallel_sharded:  # every data-parallel rank holds the same rows
+        if placement.tensor_parallel_dim == 0:
+            parts = [_piece(rows, tensor_parallel, tensor_rank)
+                     for tensor_rank in range(tensor_parallel)]
+        else:
+            parts = [(0, rows)] * tensor_parallel
+        return [parts] * mesh.data_parallel
     if placement.tensor_parallel_dim == 0:
         return [_strided_rows(rows, mesh, data_rank) for data_rank in range(mesh.data_parallel)]
     return [[_piece(rows, mesh.data_parallel, data_rank)] * tensor_parallel
@@ -135,8 +139,8 @@ def mesh_chunks(shape: tuple[int, ...], mesh: Mesh, placement: MeshPlacement
                 ) -> list[RankChunk]:
     """The chunks a save from mesh writes for a tensor of this shape placed so; equal chunks
     of several ranks are one entry, as DCP deduplicates them, held by those ranks. An empty
-    chunk starts at the end of its dim, as torch computes it. A 0-d tensor is one chunk every
-    rank holds."""
+    chunk starts at the end of its dim (_piece, _strided_rows), as torch computes it. A 0-d
+    tensor is one chunk every rank holds."""
     if not shape:
         return [RankChunk((), (), range(mesh.ranks))]
     tensor_parallel = mesh.tensor_parallel
@@ -155,10 +159,10 @@ def mesh_chunks(shape: tuple[int, ...], mesh: Mesh, placement: MeshPlacement
     holders: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
     rank = 0
     for parts in _row_parts(shape[0], mesh, placement):
-        for (first_row, rows), (start, size) in zip(parts, inner_parts):
-            offsets[0], sizes[0] = (first_row, rows) if rows else (shape[0], 0)
+        for (first_row, rows), inner_part in zip(parts, inner_parts):
+            offsets[0], sizes[0] = first_row, rows
             if inner:
-                offsets[inner], sizes[inner] = (start, size) if size else (shape[inner], 0)
+                offsets[inner], sizes[inner] = inner_part
             key = (tuple(offsets), tuple(sizes))
             if key in holders:
                 holders[key].append(rank)
