@@ -92,6 +92,27 @@ def load_with_torch(checkpoint: Path) -> dict:
     return flat
 
 
+def entry_files(checkpoint: Path, leave_out=lambda fqn: False) -> dict:
+    """(fqn, (chunk offsets, chunk sizes), or None for an object) -> the file holding it, as
+    torch's own metadata classes read it; entries whose fqn leave_out(fqn) are not listed."""
+    metadata = torch_metadata(checkpoint)
+    sizes = {(fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
+             for fqn, entry in metadata.state_dict_metadata.items()
+             for chunk in getattr(entry, "chunks", ())}
+
+    def where(key) -> tuple | None:
+        return None if key.offset is None else (tuple(key.offset),
+                                                sizes[key.fqn, tuple(key.offset)])
+
+    return {(key.fqn, where(key)): info.relative_path
+            for key, info in metadata.storage_data.items() if not leave_out(key.fqn)}
+
+
+def is_per_rank_object(fqn: str) -> bool:
+    """torchtitan's dataloader state, one object per data-parallel rank."""
+    return fqn.startswith("dataloader.dp_rank_")
+
+
 def assert_torch_loads_equal(original: Path, *rewritten: Path) -> None:
     """Stock torch reads every rewritten checkpoint with the original's entries and tensors."""
     import torch

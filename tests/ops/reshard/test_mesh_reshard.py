@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import assert_torch_loads_equal, fixture_path, load_with_torch, torch_metadata
+from conftest import (assert_torch_loads_equal, entry_files, fixture_path, is_per_rank_object,
+                      load_with_torch, torch_metadata)
 from make_fixtures import run_gloo_job
 
 from dcpctl.cli.main import cli
@@ -116,27 +117,6 @@ def mesh_saves(tmp_path_factory):
     return saves
 
 
-def layout(checkpoint: Path) -> dict:
-    """(fqn, chunk offsets and sizes, or None for an object) -> the file holding it."""
-    metadata = torch_metadata(checkpoint)
-    sizes = {(fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
-             for fqn, entry in metadata.state_dict_metadata.items()
-             for chunk in getattr(entry, "chunks", ())}
-
-    def where(key) -> tuple | None:
-        return None if key.offset is None else (tuple(key.offset),
-                                                sizes[key.fqn, tuple(key.offset)])
-
-    return {(key.fqn, where(key)): info.relative_path
-            for key, info in metadata.storage_data.items()}
-
-
-def _shared(entries: dict) -> dict:
-    """The entries other than per-rank objects."""
-    return {key: file for key, file in entries.items()
-            if not key[0].startswith("dataloader.dp_rank_")}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("data_parallel", [1, 3])
 def test_mesh_output_is_a_real_save_of_that_mesh(mesh_saves, tmp_path, data_parallel):
@@ -146,8 +126,9 @@ def test_mesh_output_is_a_real_save_of_that_mesh(mesh_saves, tmp_path, data_para
     report = reshard_checkpoint(mesh_saves[2], data_parallel * 2, str(out), tensor_parallel=2)
     assert report.mesh == f"{data_parallel}x2"
     assert report.placements == {"dim 0": 9, "dim 1": 6, "replicated": 9}
-    written, real = layout(out), layout(mesh_saves[data_parallel])
-    assert _shared(written) == _shared(real)
+    real = entry_files(mesh_saves[data_parallel], is_per_rank_object)
+    assert entry_files(out, is_per_rank_object) == real
+    written = entry_files(out)
     # each data-parallel rank's own object is in its mesh row's file; one past the new mesh
     # is kept on rank 0's file
     assert written[("dataloader.dp_rank_0", None)] in ("__0_0.distcp", "__1_0.distcp")

@@ -9,7 +9,8 @@ import io
 
 import pytest
 import torch
-from conftest import assert_torch_loads_equal, torch_metadata
+from conftest import (assert_torch_loads_equal, entry_files, is_per_rank_object,
+                      torch_metadata)
 from make_fixtures import run_gloo_job
 
 from dcpctl.errors import UnsupportedLayoutError
@@ -81,25 +82,15 @@ def real_saves(tmp_path_factory):
     return saves
 
 
-def placement(checkpoint, leave_out=lambda fqn: False) -> dict:
-    """(fqn, chunk offsets or None for an object) -> the file holding it."""
-    return {(key.fqn, None if key.offset is None else tuple(key.offset)): info.relative_path
-            for key, info in torch_metadata(checkpoint).storage_data.items()
-            if not leave_out(key.fqn)}
-
-
-def _per_rank(fqn: str) -> bool:
-    return fqn.startswith("dataloader.dp_rank_")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("source,target", [(2, 3), (4, 3), (3, 2), (2, 4)])
 def test_every_entry_lands_where_a_real_save_puts_it(real_saves, tmp_path, source, target):
     out = tmp_path / "out"
     report = reshard_checkpoint(real_saves[source], target, str(out))
-    assert placement(out, _per_rank) == placement(real_saves[target], _per_rank)
-    written = placement(out)
-    kept = {fqn for fqn, _ in written if _per_rank(fqn)}
+    real = entry_files(real_saves[target], is_per_rank_object)
+    assert entry_files(out, is_per_rank_object) == real
+    written = entry_files(out)
+    kept = {fqn for fqn, _ in written if is_per_rank_object(fqn)}
     assert kept == {f"dataloader.dp_rank_{rank}" for rank in range(source)}
     for rank in range(min(source, target)):
         assert written[(f"dataloader.dp_rank_{rank}", None)] == f"__{rank}_0.distcp"
@@ -120,9 +111,9 @@ def test_per_rank_objects_can_be_dropped_or_refused(real_saves, tmp_path):
                                 per_rank_objects="drop")
     assert report.per_rank_objects.dropped == ("dataloader.dp_rank_0", "dataloader.dp_rank_1")
     metadata = torch_metadata(tmp_path / "dropped")
-    assert not any(_per_rank(fqn) for fqn in metadata.state_dict_metadata)
-    assert not any(_per_rank(fqn) for fqn in metadata.planner_data)
-    assert placement(tmp_path / "dropped") == placement(real_saves[3], _per_rank)
+    assert not any(map(is_per_rank_object, metadata.state_dict_metadata))
+    assert not any(map(is_per_rank_object, metadata.planner_data))
+    assert entry_files(tmp_path / "dropped") == entry_files(real_saves[3], is_per_rank_object)
     same = reshard_checkpoint(real_saves[2], 2, str(tmp_path / "same"), per_rank_objects="refuse")
     assert same.per_rank_objects.ranks_without == () and same.per_rank_objects.dropped == ()
 
