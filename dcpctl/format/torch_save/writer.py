@@ -15,20 +15,23 @@ import functools
 import math
 import struct
 import zlib
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy
 
+from dcpctl.errors import DataError
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
 from dcpctl.format.torch_save.zip_records import (CENTRAL_SIGNATURE, DATA_DESCRIPTOR_SIGNATURE,
                                                   END_SIGNATURE, LOCAL_SIGNATURE,
                                                   ZIP64_END_SIGNATURE, ZIP64_EXTRA_ID,
-                                                  ZIP64_LOCATOR_SIGNATURE)
+                                                  ZIP64_LOCATOR_SIGNATURE, local_record_in,
+                                                  whole_record_in)
 
 ARCHIVE_PREFIX = "archive/"
 _ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
+_MADE_BY_UNIX = 0x031E  # "version made by" of the zip64 end record: Unix, zip 3.0, as miniz writes
 _ENTRY_CRC_OFFSET = 16
 _DESCRIPTOR_CRC_OFFSET = 4
 _PACK_CRC = struct.Struct("<I").pack
@@ -156,8 +159,8 @@ class ZipStreamWriter:
         directory_bytes = sum(map(len, entries))
         count = len(self._entries)
         end64 = self.position + directory_bytes
-        end = (struct.pack("<4sQHHIIQQQQ", ZIP64_END_SIGNATURE, 44, 0x1E03, 45, 0, 0, count, count,
-                           directory_bytes, start)
+        end = (struct.pack("<4sQHHIIQQQQ", ZIP64_END_SIGNATURE, 44, _MADE_BY_UNIX, 45, 0, 0,
+                           count, count, directory_bytes, start)
                + struct.pack("<4sIQI", ZIP64_LOCATOR_SIGNATURE, 0, end64, 1)
                + struct.pack("<4sHHHHIIH", END_SIGNATURE, 0, 0, count, count, directory_bytes,
                              min(start, _ZIP64_LIMIT), 0))
@@ -242,3 +245,114 @@ def torch_save_archive(dtype: DType, shape: tuple[int, ...],
     fill_payload(payload)
     archive[payload_end:] = template.suffix(zlib.crc32(payload))
     return archive
+
+
+class ArchiveTail(NamedTuple):
+    """What varies in the bytes torch.save writes after a tensor's payload, once its head and
+    payload are known: the payload's CRC-32, the `version` record's data and the serialization
+    id."""
+
+    payload_crc: int
+    version: bytes
+    serialization_id: bytes
+
+
+def rebuilt_tail(head: bytes, payload_bytes: int, fields: ArchiveTail) -> bytes | None:
+    """The bytes torch.save writes after the payload of an archive that starts with `head` (its
+    records up to the payload's local header, inclusive) and whose payload holds payload_bytes:
+    the payload's data descriptor, the `version` and `.data/serialization_id` records, the
+    central directory and the end records, laid out as ZipStreamWriter lays them out. None when
+    the head is not laid out that way, so that nothing after it can be rebuilt."""
+    template = _tail_template(head, payload_bytes, len(fields.version),
+                              len(fields.serialization_id))
+    if template is None:
+        return None
+    tail = bytearray(template.tail)
+    version_at, id_at = template.version_at, template.id_at
+    tail[version_at:version_at + len(fields.version)] = fields.version
+    tail[id_at:id_at + len(fields.serialization_id)] = fields.serialization_id
+    for places, crc in ((template.payload_crc_at, fields.payload_crc),
+                        (template.version_crc_at, zlib.crc32(fields.version)),
+                        (template.id_crc_at, zlib.crc32(fields.serialization_id))):
+        for at in places:
+            tail[at:at + 4] = _PACK_CRC(crc)
+    return bytes(tail)
+
+
+class _TailTemplate(NamedTuple):
+    """A tail laid out with zeros where the fields go, and where they go."""
+
+    tail: bytes
+    version_at: int
+    id_at: int
+    payload_crc_at: tuple[int, ...]
+    version_crc_at: tuple[int, ...]
+    id_crc_at: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _tail_template(head: bytes, payload_bytes: int, version_bytes: int,
+                   id_bytes: int) -> _TailTemplate | None:
+    """The tail for this head and payload length, as ZipStreamWriter writes it, with every CRC
+    and field zero and their places noted (checkpoints repeat heads chunk after chunk)."""
+    writer = ZipStreamWriter()
+    replayed, position = [], 0
+    while position < len(head):
+        record = whole_record_in(head, position)
+        if record is None:  # the payload's record, whose data is not in the head
+            found = local_record_in(head, position)
+            if found is None or found[1] != len(head):
+                return None
+            name = found[0]
+            replayed.append(writer.local_header(name))
+            break
+        replayed.append(writer.record(*record))
+        position += len(replayed[-1])
+    else:
+        return None
+    if b"".join(replayed) != head or not name.endswith("/data/0"):
+        return None
+    prefix = name[:-len("data/0")]
+    writer.position += payload_bytes
+    base = writer.position
+    parts = [writer.data_descriptor(0, payload_bytes)]
+    records_at = []
+    for record_name, size in (("version", version_bytes), (".data/serialization_id", id_bytes)):
+        records_at.append(writer.position - base)
+        header = writer.local_header(prefix + record_name)
+        writer.position += size
+        parts += [header, bytes(size), writer.data_descriptor(0, size)]
+    directory_at = writer.position - base
+    entries, end = writer.directory_parts()
+    parts += [*entries, end]
+    tail = b"".join(parts)
+    version_header, id_header = records_at
+    entry_at = [directory_at + sum(len(entry) for entry in entries[:index])
+                for index in range(len(entries))]
+    version_at = version_header + len(parts[1])
+    id_at = id_header + len(parts[4])
+    return _TailTemplate(
+        tail, version_at, id_at,
+        (_DESCRIPTOR_CRC_OFFSET, entry_at[-3] + _ENTRY_CRC_OFFSET),
+        (version_at + version_bytes + _DESCRIPTOR_CRC_OFFSET, entry_at[-2] + _ENTRY_CRC_OFFSET),
+        (id_at + id_bytes + _DESCRIPTOR_CRC_OFFSET, entry_at[-1] + _ENTRY_CRC_OFFSET))
+
+
+def tail_fields(head: bytes, payload_bytes: int, tail: bytes) -> ArchiveTail | None:
+    """What rebuilt_tail needs to give back `tail` exactly, where it can; else None."""
+    descriptor = data_descriptor(0, payload_bytes)
+    if len(tail) < len(descriptor) or not tail.startswith(descriptor[:4]):
+        return None
+    payload_crc = struct.unpack_from("<I", tail, _DESCRIPTOR_CRC_OFFSET)[0]
+    try:
+        version = whole_record_in(tail, len(descriptor))
+        id_header = tail.index(LOCAL_SIGNATURE, len(descriptor) + len(LOCAL_SIGNATURE))
+        id_record = local_record_in(tail, id_header)
+        if version is None or id_record is None:
+            return None
+        # the last record: its data ends where its data descriptor starts
+        serialization_id = tail[id_record[1]:tail.index(DATA_DESCRIPTOR_SIGNATURE, id_record[1])]
+    except (DataError, ValueError):
+        return None
+    fields = ArchiveTail(payload_crc, version[1], serialization_id)
+    return fields if rebuilt_tail(head, payload_bytes, fields) == tail else None

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dcpctl.format.dtypes import dtype_by_name
-from dcpctl.format.torch_save.layout import read_torch_save_layout
-from dcpctl.format.torch_save.writer import iter_torch_save_archive, torch_save_archive
+from dcpctl.format.torch_save.layout import find_payload_start, read_torch_save_layout
+from dcpctl.format.torch_save.writer import (iter_torch_save_archive, rebuilt_tail, tail_fields,
+                                             torch_save_archive)
 
 CASES = [
     (torch.bfloat16, (2, 3)), (torch.float32, (70_000, 3)), (torch.int64, ()),
@@ -87,3 +88,55 @@ def test_archive_built_in_one_buffer_is_the_streamed_archive(dtype, shape):
 
 def _bytes_of(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _saved(tensor) -> tuple[bytes, int, bytes, int]:
+    """torch.save's archive of tensor: its head (up to the storage's bytes), storage size, tail
+    (after them), and the whole archive's length."""
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    archive = buffer.getvalue()
+    start = find_payload_start(archive[:1 << 16])
+    size = tensor.untyped_storage().nbytes()
+    return archive[:start], size, archive[start + size:], len(archive)
+
+
+@pytest.mark.parametrize("dtype,shape", CASES)
+def test_torchs_own_tail_is_rebuilt_from_its_head_and_fields(dtype, shape):
+    """What torch.save writes after a tensor's bytes, byte for byte, from the archive's head,
+    the payload's size and the fields that vary (floatsplit version 2 stores just those)."""
+    tensor = _sample(dtype, shape)
+    if tensor.numel() == 0:
+        pytest.skip("an empty tensor's archive has no storage bytes to find")
+    head, size, tail, _ = _saved(tensor)
+    fields = tail_fields(head, size, tail)
+    assert fields is not None and fields.version == b"3\n"
+    assert len(fields.serialization_id) == 40 and fields.serialization_id.isdigit()
+    assert rebuilt_tail(head, size, fields) == tail
+
+
+def test_the_writers_own_tails_are_rebuilt_and_end_as_torchs_do():
+    """dcpctl's own archives (reshard's chunks) are laid out as torch lays them out after the
+    tensor's bytes too, and their zip64 end record names the system torch's names (Unix, zip
+    3.0); its data.pkl is torch's without the pickler's memo records."""
+    tensor = _sample(torch.bfloat16, (40, 64))
+    head, size, tail, _ = _saved(tensor)
+    payload = tensor.view(torch.uint8).numpy().tobytes()
+    ours = b"".join(iter_torch_save_archive(dtype_by_name("bfloat16"), (40, 64), [payload]))
+    our_head = ours[:find_payload_start(ours[:1 << 16])]
+    our_tail = ours[len(our_head) + size:]
+    fields = tail_fields(our_head, size, our_tail)
+    assert fields is not None and rebuilt_tail(our_head, size, fields) == our_tail
+    zip64_end = tail.rindex(b"PK\x06\x06")
+    our_zip64_end = our_tail.rindex(b"PK\x06\x06")
+    assert our_tail[our_zip64_end:our_zip64_end + 16] == tail[zip64_end:zip64_end + 16]
+
+
+def test_a_tail_that_is_not_torchs_layout_gives_no_fields():
+    head, size, tail, _ = _saved(_sample(torch.float32, (300, 2)))
+    for damaged in (tail[:-1], tail + b"\0", tail[:100] + b"X" + tail[101:],
+                    tail.replace(b"3\n", b"4\n", 1)[:len(tail)] + b"", b""):
+        fields = tail_fields(head, size, damaged)
+        assert fields is None or rebuilt_tail(head, size, fields) == damaged
+    assert tail_fields(head[:-1], size, tail) is None
+    assert tail_fields(head, size + 1, tail) is None
