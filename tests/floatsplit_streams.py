@@ -3,16 +3,27 @@ the bytes zstd chose."""
 
 from __future__ import annotations
 
+from dcpctl.format.codecs.floatsplit.prediction import stream_count
+from dcpctl.format.codecs.floatsplit.planes import LAYOUTS_BY_CODE
 from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, END_HEADER,
-                                                           FLOATS_BLOCK, FLOATS_HEADER, MAGIC,
-                                                           STREAM_HEADER)
+                                                           FLOATS_BLOCK, FLOATS_HEADER, MAGICS,
+                                                           PREDICTED_BLOCK, PREDICTED_HEADER,
+                                                           STREAM_HEADER, TAIL_BLOCK, TAIL_HEADER)
+
+FLOAT_BLOCKS = (FLOATS_BLOCK, PREDICTED_BLOCK)
+"""The kinds of block that hold float elements split or predicted."""
+
+
+def stream_version(stream: bytes) -> int:
+    """The version its magic names."""
+    return MAGICS[stream[:4]]
 
 
 def block_structure(stream: bytes) -> list[tuple]:
     """Every block's kind and header, and each sub-stream's coding and decoded length: what
     the format fixes, leaving out the bytes zstd chose."""
-    assert stream[:len(MAGIC)] == MAGIC
-    position, blocks = len(MAGIC), []
+    stream_version(stream)
+    position, blocks = 4, []
 
     def sub_streams(count: int) -> list[tuple[int, int]]:
         nonlocal position
@@ -32,9 +43,16 @@ def block_structure(stream: bytes) -> list[tuple]:
         if kind == BYTES_BLOCK:
             position += 1
             blocks.append((BYTES_BLOCK, *sub_streams(1)))
-        else:
-            assert kind == FLOATS_BLOCK
+        elif kind == FLOATS_BLOCK:
             header = FLOATS_HEADER.unpack_from(stream, position)
             position += FLOATS_HEADER.size
-            planes = {1: 2, 2: 2, 3: 4, 4: 8}[header[1]]
-            blocks.append((*header, *sub_streams(planes)))
+            blocks.append((*header, *sub_streams(LAYOUTS_BY_CODE[header[1]].itemsize)))
+        elif kind == PREDICTED_BLOCK:
+            header = PREDICTED_HEADER.unpack_from(stream, position)
+            position += PREDICTED_HEADER.size
+            blocks.append((*header, *sub_streams(stream_count(LAYOUTS_BY_CODE[header[1]]))))
+        else:
+            assert kind == TAIL_BLOCK
+            header = TAIL_HEADER.unpack_from(stream, position)
+            position += TAIL_HEADER.size + header[2] + header[4]
+            blocks.append((kind, *header[2:4]))  # the lengths: the CRC-32 and id vary

@@ -24,7 +24,7 @@ _output_option = output_option(
 @click.option("--codec", "codec_name", type=click.Choice(COMPRESSING_CODEC_NAMES), default=ZSTD,
               show_default=True,
               help="zstd: torch's own `stream.zstd/1`, loads with stock torch. floatsplit: "
-                   "dcpctl's `dcpctl.floatsplit/1`, smaller on float weights; loads through "
+                   "dcpctl's `dcpctl.floatsplit/2`, smaller on float weights; loads through "
                    "dcpctl.storage_reader.")
 @click.option("--level", type=click.IntRange(MIN_ZSTD_LEVEL, MAX_ZSTD_LEVEL), default=None,
               help=f"zstd level, {MIN_ZSTD_LEVEL}-{MAX_ZSTD_LEVEL} (default "

@@ -4,6 +4,7 @@ number of ranks, stock torch refuses them, and they turn back into plain or zstd
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,51 @@ def test_convert_reads_floatsplit(tmp_path):
     converted = load_file(tmp_path / "out" / "model.safetensors")
     assert {fqn: tensor_sha256(value) for fqn, value in converted.items()} == {
         fqn: described["sha256"] for fqn, described in MANIFEST[name]["tensors"].items()}
+
+
+def _version_1_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint whose items are the golden `dcpctl.floatsplit/1` streams, as an earlier
+    dcpctl wrote them: a data file of the streams and a `.metadata` naming version 1."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    golden = Path(__file__).resolve().parents[1] / "format" / "codecs" / "golden"
+    directory.mkdir()
+    tensors, state_metadata, storage, data = {}, {}, {}, bytearray()
+    for name in ("bfloat16", "float16", "float32", "int64"):
+        tensor = torch.load(golden / f"{name}.item", weights_only=True)
+        stream = (golden / f"{name}.floatsplit").read_bytes()
+        tensors[name] = tensor
+        chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=tensor.size())
+        state_metadata[name] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=tensor.dtype), size=tensor.size(), chunks=[chunk])
+        storage[MetadataIndex(name, torch.Size([0, 0]))] = _StorageInfo(
+            "__0_0.distcp", len(data), len(stream), transform_descriptors=["dcpctl.floatsplit/1"])
+        data += stream
+    (directory / "__0_0.distcp").write_bytes(bytes(data))
+    metadata = Metadata(state_dict_metadata=state_metadata, storage_data=storage)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    return tensors
+
+
+def test_a_version_1_checkpoint_still_reads_and_rewrites(tmp_path):
+    """Checkpoints compressed by an earlier dcpctl (`dcpctl.floatsplit/1`) load through
+    dcpctl's reader, verify, and decompress; compressing them again writes version 2."""
+    tensors = _version_1_checkpoint(tmp_path / "v1")
+    assert not verify_checkpoint(str(tmp_path / "v1")).problems
+    state = {name: torch.empty_like(tensor) for name, tensor in tensors.items()}
+    dcp.load(state, storage_reader=dcpctl.storage_reader(tmp_path / "v1"))
+    for name, tensor in tensors.items():
+        assert state[name].view(torch.uint8).equal(tensor.view(torch.uint8)), name
+    transcode_checkpoint(tmp_path / "v1", IDENTITY, str(tmp_path / "plain"), threads=2)
+    transcode_checkpoint(tmp_path / "v1", floatsplit_codec(), str(tmp_path / "v2"), threads=2)
+    assert {tuple(info.transform_descriptors) for info in
+            open_checkpoint(tmp_path / "v2").metadata.storage_data.values()} == {
+        (FLOATSPLIT_DESCRIPTOR,)}
+    for rewritten in ("plain", "v2"):
+        loaded = {name: torch.empty_like(tensor) for name, tensor in tensors.items()}
+        dcp.load(loaded, storage_reader=dcpctl.storage_reader(tmp_path / rewritten))
+        for name, tensor in tensors.items():
+            assert loaded[name].view(torch.uint8).equal(tensor.view(torch.uint8)), name

@@ -49,6 +49,14 @@ class PayloadHint:
 
     dtype_name: str
     payload_bytes: int
+    row_length: int = 0
+    """Elements in each row (the last dim) of a tensor of two or more dims laid out in C order;
+    0 where the elements have no rows (one dim) or their layout is unknown."""
+
+
+def row_length_of(sizes) -> int:
+    """The row length of a tensor of these sizes stored in C order (0 for under two dims)."""
+    return sizes[-1] if len(sizes) >= 2 else 0
 
 
 class IdentityCoder:

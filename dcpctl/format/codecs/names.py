@@ -10,9 +10,13 @@ from typing import Sequence
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"
 FLOATSPLIT_NAME = "dcpctl.floatsplit"
-FLOATSPLIT_DESCRIPTOR = f"{FLOATSPLIT_NAME}/1"
+FLOATSPLIT_DESCRIPTOR = f"{FLOATSPLIT_NAME}/2"
+"""What dcpctl writes; it reads versions 1 and 2 (FLOATSPLIT_MAJOR_VERSIONS)."""
+FLOATSPLIT_MAJOR_VERSIONS = ("1", "2")
 IDENTITY_NAME, ZSTD, FLOATSPLIT = "none", "zstd", "floatsplit"
-_CODECS_BY_DESCRIPTOR_NAME = {"stream.zstd": ZSTD, FLOATSPLIT_NAME: FLOATSPLIT}
+# descriptor name -> (codec, the major versions dcpctl reads)
+_CODECS_BY_DESCRIPTOR_NAME = {"stream.zstd": (ZSTD, ("1",)),
+                              FLOATSPLIT_NAME: (FLOATSPLIT, FLOATSPLIT_MAJOR_VERSIONS)}
 
 
 def codec_name_for_descriptors(descriptors: Sequence[str] | None) -> str | None:
@@ -22,8 +26,9 @@ def codec_name_for_descriptors(descriptors: Sequence[str] | None) -> str | None:
         return IDENTITY_NAME
     if len(descriptors) == 1:
         name, _, version = descriptors[0].partition("/")
-        if version.partition(".")[0] == "1":
-            return _CODECS_BY_DESCRIPTOR_NAME.get(name)
+        codec, majors = _CODECS_BY_DESCRIPTOR_NAME.get(name, (None, ()))
+        if version.partition(".")[0] in majors:
+            return codec
     return None
 
 

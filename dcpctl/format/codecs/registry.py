@@ -3,13 +3,15 @@ descriptors an item records: the one place that knows them all."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
 from dcpctl.format.codecs.base import Decoder, Encoder, IdentityCoder, PayloadHint
-from dcpctl.format.codecs.names import (FLOATSPLIT, FLOATSPLIT_DESCRIPTOR, IDENTITY_NAME, ZSTD,
-                                        ZSTD_DESCRIPTOR, codec_name_for_descriptors)
+from dcpctl.format.codecs.names import (FLOATSPLIT, FLOATSPLIT_DESCRIPTOR,
+                                        FLOATSPLIT_MAJOR_VERSIONS, FLOATSPLIT_NAME, IDENTITY_NAME,
+                                        ZSTD, ZSTD_DESCRIPTOR, codec_name_for_descriptors)
 from dcpctl.format.codecs.zstd import ZstdDecoder, ZstdEncoder
 
 DEFAULT_ZSTD_LEVEL = 3
@@ -56,7 +58,8 @@ def zstd_codec(level: int = DEFAULT_ZSTD_LEVEL) -> Codec:
 
 
 def floatsplit_codec(level: int = DEFAULT_ZSTD_LEVEL) -> Codec:
-    """dcpctl's `dcpctl.floatsplit/1` transform; level is that of its plain zstd parts."""
+    """dcpctl's `dcpctl.floatsplit/2` transform; level is that of its plain zstd parts. Its
+    decoder also reads version 1 streams."""
     return Codec(FLOATSPLIT, (FLOATSPLIT_DESCRIPTOR,), _checked_level(level))
 
 
@@ -91,5 +94,7 @@ def codec_for_descriptors(descriptors: Sequence[str] | None) -> Codec:
     if name is None:
         raise UnsupportedLayoutError(
             f"unknown transform {list(descriptors)}; dcpctl reads items with no transform, "
-            f"with {ZSTD_DESCRIPTOR!r} or with {FLOATSPLIT_DESCRIPTOR!r}")
-    return _CODEC_MAKERS[name]()
+            f"with {ZSTD_DESCRIPTOR!r} or with {FLOATSPLIT_NAME!r} versions "
+            f"{', '.join(FLOATSPLIT_MAJOR_VERSIONS)}")
+    # The item's own descriptors: a version 1 item is not taken for what dcpctl writes now.
+    return dataclasses.replace(_CODEC_MAKERS[name](), descriptors=tuple(descriptors or ()))

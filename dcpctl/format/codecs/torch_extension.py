@@ -16,7 +16,8 @@ from typing import IO
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
 from dcpctl.format.codecs.base import Encoder, PieceStream, iter_decoded
-from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_NAME
+from dcpctl.format.codecs.names import (FLOATSPLIT_DESCRIPTOR, FLOATSPLIT_MAJOR_VERSIONS,
+                                        FLOATSPLIT_NAME)
 from dcpctl.format.codecs.registry import DEFAULT_ZSTD_LEVEL, floatsplit_codec
 
 _READ_BYTES = 4 << 20
@@ -25,7 +26,7 @@ _GATHERED_BYTES = 64 << 10
 
 
 class FloatSplit(StreamTransformExtension):
-    """dcpctl's `dcpctl.floatsplit/1` transform for torch's DCP writers and readers: float
+    """dcpctl's `dcpctl.floatsplit/2` transform for torch's DCP writers and readers: float
     tensors coded plane by plane (about a third smaller than bf16 weights as saved, where
     torch's ZStandard saves about a fifth), everything else with zstd; level is that of its
     plain zstd parts. `dcpctl.storage_reader` and every dcpctl command read what it writes."""
@@ -39,9 +40,9 @@ class FloatSplit(StreamTransformExtension):
 
     @staticmethod
     def from_descriptor(version: str) -> "FloatSplit":
-        if version.partition(".")[0] != "1":
+        if version.partition(".")[0] not in FLOATSPLIT_MAJOR_VERSIONS:
             raise ValueError(f"Unknown extension version {FLOATSPLIT_NAME}/{version}; this "
-                             f"dcpctl reads {FLOATSPLIT_DESCRIPTOR}")
+                             f"dcpctl reads versions {', '.join(FLOATSPLIT_MAJOR_VERSIONS)}")
         return FloatSplit()
 
     def get_descriptor(self) -> str:

@@ -17,7 +17,7 @@ from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded
 from dcpctl.format.codecs.floatsplit.planes import (BFLOAT16, FLOAT16, FLOAT32, LAYOUTS_BY_CODE,
                                                     join_planes, split_planes)
 from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, FLOATS_BLOCK,
-                                                           FLOATS_HEADER, MAGIC, STREAM_HEADER)
+                                                           MAGIC, STREAM_HEADER)
 from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR, describe_codec
 from dcpctl.format.codecs.registry import codec_for_descriptors, floatsplit_codec, zstd_codec
 from dcpctl.format.torch_save.layout import find_payload_start
@@ -208,19 +208,8 @@ def test_any_bytes_split_and_join_back(code, count, seed, writable):
 
 
 def _layout_codes(stream: bytes) -> list[int]:
-    """The layout of every FLOATS block of a stream, read by walking its blocks."""
-    position, codes = len(MAGIC), []
-    while stream[position] != END_BLOCK:
-        planes = 1
-        if stream[position] == FLOATS_BLOCK:
-            codes.append(stream[position + 1])
-            planes = LAYOUTS_BY_CODE[stream[position + 1]].itemsize
-            position += FLOATS_HEADER.size
-        else:
-            position += 1
-        for _ in range(planes):
-            position += STREAM_HEADER.size + STREAM_HEADER.unpack_from(stream, position)[2]
-    return codes
+    """The layout of every FLOATS block of a stream."""
+    return [block[1] for block in block_structure(stream) if block[0] == FLOATS_BLOCK]
 
 
 @pytest.mark.parametrize("dtype, signs, layout_code", [
@@ -264,8 +253,13 @@ def test_payload_start_is_the_data_record():
 def test_descriptor_resolves_to_the_codec():
     assert codec_for_descriptors([FLOATSPLIT_DESCRIPTOR]).name == "floatsplit"
     assert codec_for_descriptors(["dcpctl.floatsplit/1.2"]).name == "floatsplit"
+    assert codec_for_descriptors(["dcpctl.floatsplit/1"]).name == "floatsplit"
     assert describe_codec([FLOATSPLIT_DESCRIPTOR]) == "floatsplit"
-    assert describe_codec(["dcpctl.floatsplit/2"]) == "dcpctl.floatsplit/2"
+    assert describe_codec(["dcpctl.floatsplit/1"]) == "floatsplit"
+    assert describe_codec(["dcpctl.floatsplit/3"]) == "dcpctl.floatsplit/3"
+    assert describe_codec(["stream.zstd/2"]) == "stream.zstd/2"
+    # A version 1 item keeps its own descriptor: recoding it is not taken for a copy.
+    assert codec_for_descriptors(["dcpctl.floatsplit/1"]).descriptors == ("dcpctl.floatsplit/1",)
 
 
 def _stream_of_a_tensor() -> bytes:

@@ -1,2 +1,2 @@
-"""The floatsplit codec (`dcpctl.floatsplit/1`): float payloads split into byte planes, each
-entropy-coded."""
+"""The floatsplit codec (`dcpctl.floatsplit/2`; version 1 stays readable): float payloads split
+into byte planes and predicted from their rows and columns, each plane entropy-coded."""

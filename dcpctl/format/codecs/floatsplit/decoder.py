@@ -17,15 +17,24 @@ import numpy
 import zstandard
 
 from dcpctl.errors import DataError
+from dcpctl.format.codecs.floatsplit.framing import (framing_decompressor, tail_block_size,
+                                                     tail_of_block)
 from dcpctl.format.codecs.floatsplit.planes import (LAYOUTS_BY_CODE, FloatLayout, join_planes,
                                                     scratch_plane)
-from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, END_HEADER,
-                                                           FLOATS_BLOCK, FLOATS_HEADER, MAGIC,
-                                                           MAX_STREAM_BYTES, RAW_CODING,
-                                                           STREAM_HEADER, ZSTD_CODING)
+from dcpctl.format.codecs.floatsplit.prediction import (PREDICTED_LAYOUTS, join_predicted,
+                                                        stream_count)
+from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, CODINGS_BY_VERSION,
+                                                           DICTIONARY_CODING, END_BLOCK,
+                                                           END_HEADER, FLOATS_BLOCK,
+                                                           FLOATS_HEADER, KINDS_BY_VERSION,
+                                                           MAGICS, MAX_STREAM_BYTES,
+                                                           PREDICTED_BLOCK, PREDICTED_HEADER,
+                                                           RAW_CODING, STREAM_HEADER,
+                                                           TAIL_HEADER)
 from dcpctl.format.codecs.per_thread import PerThread
 
 _SMALL_STREAM_BYTES = 64 << 10
+_MAX_HEAD_BYTES = 64 << 10  # the most a first block may hold to be taken for an archive's head
 # This thread's zstd decompressor, reused from stream to stream.
 _decompressors: PerThread[zstandard.ZstdDecompressor] = PerThread(zstandard.ZstdDecompressor)
 
@@ -43,6 +52,8 @@ class _Block:
     decoded_bytes: int
     layout: FloatLayout | None = None  # None for a block of plain bytes
     streams: list[_Stream] = field(default_factory=list)
+    row_length: int = 0  # for a PREDICTED block: its elements' row length, else 0
+    decoded: bytes | None = None  # where scanning decoded it already: a head, a TAIL block
 
 
 class FloatSplitDecoder:
@@ -54,6 +65,8 @@ class FloatSplitDecoder:
         self._wanted_bytes = 0  # how many pending bytes that block is known to need
         self._view_start = 0  # stream offset of the bytes being scanned, for messages
         self._started = False
+        self._version = 0
+        self._head: bytes | None = None  # the first block's bytes, where it is short
         self._ended = False
         self._decoded_bytes = 0
 
@@ -94,13 +107,15 @@ class FloatSplitDecoder:
                             f"{self._view_start + self._pending_bytes}")
 
     def _check_magic(self, view: memoryview) -> int:
-        if self._started or len(view) < len(MAGIC):
+        magic_bytes = len(next(iter(MAGICS)))
+        if self._started or len(view) < magic_bytes:
             return 0
-        if view[:len(MAGIC)] != MAGIC:
+        self._version = MAGICS.get(bytes(view[:magic_bytes]), 0)
+        if not self._version:
             raise DataError(f"not a floatsplit stream: it starts with "
-                            f"{bytes(view[:len(MAGIC)])!r}, not {MAGIC!r}")
+                            f"{bytes(view[:magic_bytes])!r}, not one of {sorted(MAGICS)}")
         self._started = True
-        return len(MAGIC)
+        return magic_bytes
 
     def _scan_block(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
         """The block at position and where it ends; while it is incomplete, None and where the
@@ -108,15 +123,23 @@ class FloatSplitDecoder:
         if not self._started or position >= len(view):
             return None, position
         kind = view[position]
+        if kind not in KINDS_BY_VERSION[self._version]:
+            raise self._damage(position, f"unknown block kind {kind} in a version "
+                                         f"{self._version} stream")
         if kind == END_BLOCK:
             return self._scan_end(view, position)
         if kind == BYTES_BLOCK:
             stream, end = self._scan_stream(view, position + 1)
             block = _Block(stream.decoded_bytes, streams=[stream]) if stream else None
+            if block and self._decoded_bytes == 0 and block.decoded_bytes <= _MAX_HEAD_BYTES:
+                # the first block may be a tensor archive's head, which a TAIL block needs
+                block.decoded = self._head = self._stream_bytes(stream)
         elif kind == FLOATS_BLOCK:
             block, end = self._scan_floats(view, position)
+        elif kind == PREDICTED_BLOCK:
+            block, end = self._scan_predicted(view, position)
         else:
-            raise self._damage(position, f"unknown block kind {kind}")
+            block, end = self._scan_tail(view, position)
         if block is None:
             return None, end
         self._decoded_bytes += block.decoded_bytes
@@ -151,11 +174,49 @@ class FloatSplitDecoder:
             block.streams.append(stream)
         return block, end
 
+    def _scan_tail(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
+        size = tail_block_size(view, position)
+        if size is None or position + size > len(view):
+            return None, position + (size or TAIL_HEADER.size)
+        tail = None
+        if self._head is not None:
+            tail = tail_of_block(view[position:position + size], self._head,
+                                 self._decoded_bytes - len(self._head))
+        if tail is None:
+            raise self._damage(position, "a tail block that follows no torch.save archive's "
+                                         "head and payload it can end")
+        return _Block(len(tail), decoded=tail), position + size
+
+    def _scan_predicted(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
+        if position + PREDICTED_HEADER.size > len(view):
+            return None, position + PREDICTED_HEADER.size
+        _, code, elements, row_length, escaped = PREDICTED_HEADER.unpack_from(view, position)
+        layout = PREDICTED_LAYOUTS.get(code)
+        if layout is None:
+            raise self._damage(position, f"unknown predicted float layout {code}")
+        if not row_length or elements % row_length or escaped > elements:
+            raise self._damage(position, f"a predicted block of {elements} elements has rows "
+                                         f"of {row_length} and {escaped} escaped elements")
+        lengths = [row_length, elements // row_length, elements, elements, 2 * escaped]
+        lengths += [elements] * (stream_count(layout) - len(lengths))
+        block = _Block(elements * layout.itemsize, layout, row_length=row_length)
+        end = position + PREDICTED_HEADER.size
+        for length in lengths:
+            stream, end = self._scan_stream(view, end)
+            if stream is None:
+                return None, end
+            if stream.decoded_bytes != length:
+                raise self._damage_at(stream.position, f"a predicted {layout.name} block's "
+                                      f"sub-stream holds {stream.decoded_bytes} bytes, not "
+                                      f"{length}")
+            block.streams.append(stream)
+        return block, end
+
     def _scan_stream(self, view: memoryview, position: int) -> tuple[_Stream | None, int]:
         if position + STREAM_HEADER.size > len(view):
             return None, position + STREAM_HEADER.size
         coding, decoded_bytes, stored_bytes = STREAM_HEADER.unpack_from(view, position)
-        if coding not in (RAW_CODING, ZSTD_CODING):
+        if coding not in CODINGS_BY_VERSION[self._version]:
             raise self._damage(position, f"unknown stream coding {coding}")
         if decoded_bytes > MAX_STREAM_BYTES or stored_bytes > MAX_STREAM_BYTES:
             raise self._damage(position, f"a stream claims {max(decoded_bytes, stored_bytes)} "
@@ -170,12 +231,17 @@ class FloatSplitDecoder:
                         self._view_start + position), start + stored_bytes)
 
     def _decode_block(self, block: _Block):
+        if block.decoded is not None:
+            return block.decoded
         if block.layout is None:
             return self._stream_bytes(block.streams[0])
         # Every byte is written by the join: uninitialized memory spares zeroing it first.
         decoded = numpy.empty(block.decoded_bytes, dtype=numpy.uint8)
         planes = [self._plane(stream, index) for index, stream in enumerate(block.streams)]
-        join_planes(block.layout, planes, decoded)
+        if block.row_length:
+            join_predicted(block.layout, block.row_length, planes, decoded)
+        else:
+            join_planes(block.layout, planes, decoded)
         return memoryview(decoded)
 
     def _plane(self, stream: _Stream, index: int):
@@ -186,7 +252,7 @@ class FloatSplitDecoder:
             return self._stream_bytes(stream)
         plane = scratch_plane(index, stream.decoded_bytes)
         try:
-            filled, surplus = self._decompress_into(stream.stored, plane)
+            filled, surplus = self._decompress_into(stream, plane)
         except zstandard.ZstdError as error:
             raise self._undecodable(stream, error) from None
         self._check_length(stream, filled, surplus)
@@ -202,8 +268,8 @@ class FloatSplitDecoder:
             if claimed not in (-1, stream.decoded_bytes):
                 raise self._damage_at(stream.position, f"a zstd frame claims {claimed} bytes, "
                                                        f"its header {stream.decoded_bytes}")
-            decoded = _decompressors.get().decompress(stream.stored,
-                                                      max_output_size=stream.decoded_bytes)
+            decoded = _decompressor(stream).decompress(stream.stored,
+                                                       max_output_size=stream.decoded_bytes)
         except zstandard.ZstdError as error:
             raise self._undecodable(stream, error) from None
         self._check_length(stream, len(decoded), b"")
@@ -218,9 +284,9 @@ class FloatSplitDecoder:
             raise self._damage_at(stream.position, f"a stream decodes to {more}{filled} bytes, "
                                   f"its header says {stream.decoded_bytes}")
 
-    def _decompress_into(self, stored: memoryview, target) -> tuple[int, bytes]:
-        """Decompress a zstd frame into target; the bytes filled and any beyond it."""
-        reader = _decompressors.get().stream_reader(stored)
+    def _decompress_into(self, stream: _Stream, target) -> tuple[int, bytes]:
+        """Decompress a stream's zstd frame into target; the bytes filled and any beyond it."""
+        reader = _decompressor(stream).stream_reader(stream.stored)
         filled = 0
         with memoryview(target) as window:
             while filled < len(window):
@@ -237,3 +303,8 @@ class FloatSplitDecoder:
     @staticmethod
     def _damage_at(stream_offset: int, what: str) -> DataError:
         return DataError(f"floatsplit stream damaged at byte {stream_offset}: {what}")
+
+
+def _decompressor(stream: _Stream) -> zstandard.ZstdDecompressor:
+    """This thread's decompressor for a zstd-coded stream: with the framing dictionary or not."""
+    return framing_decompressor() if stream.coding == DICTIONARY_CODING else _decompressors.get()

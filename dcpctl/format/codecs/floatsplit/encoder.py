@@ -1,53 +1,52 @@
-"""The floatsplit stream transform (`dcpctl.floatsplit/1`): float payloads coded plane by plane.
+"""The floatsplit stream transform (`dcpctl.floatsplit/2`): float payloads coded plane by plane.
 
 A tensor item is a torch.save archive: some framing, the tensor's raw bytes, more framing. The
-encoder codes the framing with plain zstd and cuts the raw bytes into blocks of whole elements,
-each split into byte planes (planes.py) that are coded on their own (plane_zstd.py): the
-exponent plane as Huffman-coded zstd literals (which reach the plane's order-0 entropy), the
-sign and mantissa planes the same way, each stored raw where coding does not pay. Blocks are
-independent and small, so both directions stream with bounded memory. The byte layout is
-documented in docs/floatsplit.md and stream_format.py; decoding (decoder.py) needs nothing but
-the stream.
+encoder codes the framing with zstd and the framing dictionary (framing.py), and cuts the raw
+bytes into blocks of whole elements (whole rows, where the tensor has rows). Each block is
+coded the way a sample of it shows codes it smaller: against a prediction from its rows and
+columns (prediction.py), or split into byte planes (planes.py) as in version 1. Either way its
+byte planes are coded on their own (plane_zstd.py): as Huffman-coded zstd literals, which reach
+a plane's order-0 entropy, each stored raw where coding does not pay. Blocks are independent
+and small, so both directions stream with bounded memory. The byte layout is documented in
+docs/floatsplit.md and stream_format.py; decoding (decoder.py) needs nothing but the stream.
 
 Blocks are cut where the item's bytes say, never where the pieces it arrives in happen to end:
-the head (up to the tensor's bytes), then the tensor's bytes in blocks of MAX_BLOCK_BYTES, then
-the rest in blocks of MAX_BLOCK_BYTES. So one item encodes to the same stream whether `dcpctl
-compress` reads it in pieces or torch.save writes it through the DCP extension, and a piece of
-gigabytes is coded where it lies, never copied whole.
+the head (up to the tensor's bytes), then the tensor's bytes in blocks of at most
+MAX_BLOCK_BYTES (whole rows of it where a row fits), then the rest in blocks of
+MAX_BLOCK_BYTES. So one item encodes to the same stream whether `dcpctl compress` reads it in
+pieces or torch.save writes it through the DCP extension, and a piece of gigabytes is coded
+where it lies, never copied whole.
 """
 
 from __future__ import annotations
 
-import zstandard
-
-from dcpctl.format.codecs.base import PayloadHint
+from dcpctl.format.codecs.base import PayloadHint, row_length_of
+from dcpctl.format.codecs.floatsplit.framing import framing_compressor, tail_block
 from dcpctl.format.codecs.floatsplit.plane_zstd import plane_compressor
 from dcpctl.format.codecs.floatsplit.planes import (FloatLayout, layout_for_block,
-                                                    layout_for_dtype, split_planes)
-from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, END_HEADER,
-                                                           FLOATS_BLOCK, FLOATS_HEADER, MAGIC,
-                                                           MAX_BLOCK_BYTES, RAW_CODING,
+                                                    layout_for_dtype, order0_bits, sampled,
+                                                    split_planes)
+from dcpctl.format.codecs.floatsplit.prediction import (MIN_ROWS, PREDICTED_LAYOUTS,
+                                                        PredictedParts, split_predicted)
+from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONARY_CODING,
+                                                           END_BLOCK, END_HEADER, FLOATS_BLOCK,
+                                                           FLOATS_HEADER, MAGIC_V2,
+                                                           MAX_BLOCK_BYTES, PREDICTED_BLOCK,
+                                                           PREDICTED_HEADER, RAW_CODING,
                                                            STREAM_HEADER, ZSTD_CODING)
-from dcpctl.format.codecs.per_thread import PerThread
-from dcpctl.format.torch_save.layout import find_payload_start, saved_tensor_in_head
+from dcpctl.format.torch_save.layout import (SavedTensor, find_payload_start,
+                                             saved_tensor_in_head)
 from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
 
 # A stream is stored coded only if that saves this fraction of it: decoding a nearly random
 # mantissa plane costs as much time as decoding the exponent plane, for a fraction of a percent.
 MIN_CODING_GAIN = 0.03
-_MIN_SPLIT_BYTES = 16 << 10
+# Tensors of fewer bytes go whole into one zstd frame, framing and all. Any larger float tensor
+# is split, small ones too: its framing then costs a dictionary-coded head and a TAIL block,
+# some hundred bytes less than in one frame, which is more than a small tensor's data.
+_MIN_SPLIT_BYTES = 64
 _HEAD_SEARCH_BYTES = 64 << 10
-# This thread's compressors for plain bytes, by level.
-_compressors: PerThread[dict[int, zstandard.ZstdCompressor]] = PerThread(dict)
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """This thread's compressor for plain bytes at `level`."""
-    cache = _compressors.get()
-    compressor = cache.get(level)
-    if compressor is None:
-        compressor = cache[level] = zstandard.ZstdCompressor(level=level)
-    return compressor
+_RESIDUALS = 2  # the index of a predicted block's first plane among its sub-streams
 
 
 class FloatSplitEncoder:
@@ -59,6 +58,8 @@ class FloatSplitEncoder:
         self._level = level
         self._layout: FloatLayout | None = None
         self._payload_left = 0
+        self._row_length = 0
+        self._block_bytes = MAX_BLOCK_BYTES
         self._set_payload(payload)
         # The item's first bytes, kept until they show where its tensor's bytes start; None once
         # they have, or where there is no tensor to find.
@@ -66,16 +67,23 @@ class FloatSplitEncoder:
         self._reads_hint = payload is None
         self._pending = bytearray()
         self._decoded_bytes = 0
-        self._parts: list = [MAGIC]
+        self._archive_head: bytes | None = None  # a tensor archive's records before its bytes
+        self._parts: list = [MAGIC_V2]
 
     def _set_payload(self, payload: PayloadHint | None) -> None:
-        # Splitting a tiny tensor costs more time than it saves bytes: one zstd frame codes it.
         if payload is None or payload.payload_bytes < _MIN_SPLIT_BYTES:
             self._layout, self._payload_left = None, 0
             return
         self._layout = layout_for_dtype(payload.dtype_name)
         self._payload_left = (payload.payload_bytes - payload.payload_bytes % self._layout.itemsize
                               if self._layout else 0)
+        row_bytes = payload.row_length * self._layout.itemsize if self._layout else 0
+        if (self._layout and self._layout.code in PREDICTED_LAYOUTS
+                and payload.dtype_name == self._layout.name and row_bytes
+                and self._payload_left % row_bytes == 0
+                and MAX_BLOCK_BYTES // row_bytes >= MIN_ROWS):
+            self._row_length = payload.row_length
+            self._block_bytes = MAX_BLOCK_BYTES - MAX_BLOCK_BYTES % row_bytes
 
     def encode(self, piece) -> bytes:
         data = memoryview(piece).cast("B")
@@ -89,7 +97,11 @@ class FloatSplitEncoder:
         if self._head is not None:
             self._take_head(memoryview(b""), final=True)
         if self._pending:
-            self._add_last_block(memoryview(self._pending))
+            tail = self._tail_block(bytes(self._pending))
+            if tail is not None:
+                self._parts.append(tail)
+            else:
+                self._add_last_block(memoryview(self._pending))
             self._pending = bytearray()
         self._parts.append(END_HEADER.pack(END_BLOCK, self._decoded_bytes))
         return self._flush()
@@ -111,19 +123,27 @@ class FloatSplitEncoder:
         self._head = None
         if self._reads_hint:
             tensor = saved_tensor_in_head(head[:start]) if start else None
-            self._set_payload(PayloadHint(tensor.dtype.name, tensor.storage_numel
-                                          * tensor.dtype.itemsize) if tensor else None)
+            self._set_payload(_payload_of(tensor) if tensor else None)
         if start is None or not self._layout:
             self._payload_left, start = 0, 0
         if start:
+            self._archive_head = head[:start]
             self._add_bytes_block(memoryview(head)[:start])
         self._take(memoryview(head)[start:])
         return data[room:]
 
+    def _tail_block(self, rest: bytes) -> bytes | None:
+        """A TAIL block for the bytes after the tensor's, where they are all torch.save's
+        framing as it writes it; None otherwise (and for items that are no tensor archive)."""
+        if self._archive_head is None or self._payload_left:
+            return None
+        payload_bytes = self._decoded_bytes - len(self._archive_head) - len(rest)
+        return tail_block(self._archive_head, payload_bytes, rest)
+
     def _take(self, data: memoryview) -> None:
         """Code every block data completes; keep the rest for the next piece."""
         while data:
-            target = min(self._payload_left, MAX_BLOCK_BYTES) or MAX_BLOCK_BYTES
+            target = min(self._payload_left, self._block_bytes) or MAX_BLOCK_BYTES
             if not self._pending and len(data) >= target:
                 self._add_block(data[:target])
                 data = data[target:]
@@ -153,23 +173,76 @@ class FloatSplitEncoder:
 
     def _add_bytes_block(self, data: memoryview) -> None:
         self._parts.append(bytes((BYTES_BLOCK,)))
-        compressed = _compressor(self._level).compress(data)
+        compressed = framing_compressor(self._level).compress(data)
         _add_stream(data, compressed if len(compressed) <= len(data) * (1 - MIN_CODING_GAIN)
-                    else None, self._parts)
+                    else None, self._parts, DICTIONARY_CODING)
 
     def _add_floats_block(self, data: memoryview) -> None:
+        """A block of whole elements: predicted from its rows and columns where a sample says
+        that codes it smaller than its planes alone (version 1's split), else split."""
         layout = layout_for_block(self._layout, data)
+        planes = split_planes(layout, data)
+        row_bytes = self._layout.itemsize * self._row_length
+        if row_bytes and len(data) % row_bytes == 0 and len(data) // row_bytes >= MIN_ROWS:
+            parts = split_predicted(self._layout, data, layout, planes, self._row_length)
+            if self._predicted_pays(parts):
+                self._add_predicted_block(parts)
+                return
         self._parts.append(FLOATS_HEADER.pack(FLOATS_BLOCK, layout.code,
                                               len(data) // layout.itemsize))
         compressor = plane_compressor()
-        for plane in split_planes(layout, data):
+        for plane in planes:
             _add_stream(plane, compressor.compress(plane, MIN_CODING_GAIN), self._parts)
 
+    @staticmethod
+    def _predicted_pays(parts: PredictedParts) -> bool:
+        """Whether the predicted parts store smaller than the block's planes alone, judged by
+        the order-0 entropy (what Huffman coding reaches) of the residuals and of what they
+        stand for, on a sample. The rest codes the same either way: the sign and the bits below
+        q, which version 1's split puts in planes of the same entropy."""
+        residuals, predicted = sampled(parts.residuals), sampled(parts.predicted)
+        scale = len(parts.residuals) / len(residuals) / 8
+        return (order0_bits(residuals) * scale + parts.side_bytes
+                < order0_bits(predicted) * scale)
 
-def _add_stream(data, compressed: bytes | None, parts: list) -> None:
-    """A sub-stream of data: the zstd frame given, or data itself (raw) where there is none."""
+    def _add_predicted_block(self, parts: PredictedParts) -> None:
+        self._parts.append(PREDICTED_HEADER.pack(
+            PREDICTED_BLOCK, self._layout.code, len(parts.residuals), self._row_length,
+            len(parts.escaped)))
+        streams = parts.streams()
+        side = framing_compressor(self._level)
+        for stream in streams[:_RESIDUALS]:  # the predictions: short, coded with plain zstd
+            _add_stream(stream, _smaller(side.compress(stream), stream), self._parts,
+                        DICTIONARY_CODING)
+        compressor = plane_compressor()
+        for index in range(_RESIDUALS, len(streams)):
+            stream = streams[index]
+            _add_stream(stream, compressor.compress(stream, MIN_CODING_GAIN) if len(stream)
+                        else None, self._parts)
+
+
+def _payload_of(tensor: SavedTensor) -> PayloadHint:
+    """The payload of a tensor read from an archive's data.pkl: its storage's bytes, in rows
+    where the tensor is the whole storage in C order (as DCP saves every chunk)."""
+    rows = 0
+    if tensor.storage_offset == 0 and tensor.numel == tensor.storage_numel:
+        expected_stride, size = [], 1
+        for extent in reversed(tensor.shape):
+            expected_stride.insert(0, size)
+            size *= extent
+        rows = row_length_of(tensor.shape) if tuple(expected_stride) == tensor.stride else 0
+    return PayloadHint(tensor.dtype.name, tensor.storage_numel * tensor.dtype.itemsize, rows)
+
+
+def _smaller(compressed: bytes, data) -> bytes | None:
+    return compressed if len(compressed) < len(data) else None
+
+
+def _add_stream(data, compressed: bytes | None, parts: list, coding: int = ZSTD_CODING) -> None:
+    """A sub-stream of data: the zstd frame given (made with the dictionary for
+    DICTIONARY_CODING), or data itself (raw) where there is none."""
     size = len(data)
     if compressed is None:
         parts += [STREAM_HEADER.pack(RAW_CODING, size, size), bytes(data)]
     else:
-        parts += [STREAM_HEADER.pack(ZSTD_CODING, size, len(compressed)), compressed]
+        parts += [STREAM_HEADER.pack(coding, size, len(compressed)), compressed]
