@@ -46,7 +46,7 @@ MIN_CODING_GAIN = 0.03
 # some hundred bytes less than in one frame, which is more than a small tensor's data.
 _MIN_SPLIT_BYTES = 64
 _HEAD_SEARCH_BYTES = 64 << 10
-_RESIDUALS = 2  # the index of a predicted block's first plane among its sub-streams
+_RESIDUALS = 2  # a predicted block's sub-streams: the two predictions, then the planes
 
 
 class FloatSplitEncoder:
@@ -185,8 +185,9 @@ class FloatSplitEncoder:
         row_bytes = self._layout.itemsize * self._row_length
         if row_bytes and len(data) % row_bytes == 0 and len(data) // row_bytes >= MIN_ROWS:
             parts = split_predicted(self._layout, data, layout, planes, self._row_length)
-            if self._predicted_pays(parts):
-                self._add_predicted_block(parts)
+            coded_predictions = self._coded_predictions(parts)
+            if coded_predictions is not None:
+                self._add_predicted_block(parts, coded_predictions)
                 return
         self._parts.append(FLOATS_HEADER.pack(FLOATS_BLOCK, layout.code,
                                               len(data) // layout.itemsize))
@@ -194,29 +195,34 @@ class FloatSplitEncoder:
         for plane in planes:
             _add_stream(plane, compressor.compress(plane, MIN_CODING_GAIN), self._parts)
 
-    @staticmethod
-    def _predicted_pays(parts: PredictedParts) -> bool:
-        """Whether the predicted parts store smaller than the block's planes alone, judged by
+    def _coded_predictions(self, parts: PredictedParts) -> list[bytes | None] | None:
+        """The predictions' sub-streams coded (None for one stored raw), where the predicted
+        parts store smaller than the block's planes alone; None where they do not. Judged by
         the order-0 entropy (what Huffman coding reaches) of the residuals and of what they
-        stand for, on a sample. The rest codes the same either way: the sign and the bits below
-        q, which version 1's split puts in planes of the same entropy."""
+        stand for, on a sample, with the predictions and escaped elements as stored. The rest
+        codes the same either way: the sign and the bits below q, which version 1's split puts
+        in planes of the same entropy."""
         residuals, predicted = sampled(parts.residuals), sampled(parts.predicted)
         scale = len(parts.residuals) / len(residuals) / 8
-        return (order0_bits(residuals) * scale + parts.side_bytes
-                < order0_bits(predicted) * scale)
+        saved_bytes = (order0_bits(predicted) - order0_bits(residuals)) * scale
+        if saved_bytes <= parts.escaped.nbytes:
+            return None
+        side = framing_compressor(self._level)
+        coded = [_smaller(side.compress(stream), stream)
+                 for stream in parts.streams()[:_RESIDUALS]]
+        side_bytes = sum(len(frame) if frame is not None else len(stream)
+                         for frame, stream in zip(coded, parts.streams()))
+        return coded if side_bytes + parts.escaped.nbytes < saved_bytes else None
 
-    def _add_predicted_block(self, parts: PredictedParts) -> None:
+    def _add_predicted_block(self, parts: PredictedParts, coded_predictions: list) -> None:
         self._parts.append(PREDICTED_HEADER.pack(
             PREDICTED_BLOCK, self._layout.code, len(parts.residuals), self._row_length,
             len(parts.escaped)))
         streams = parts.streams()
-        side = framing_compressor(self._level)
-        for stream in streams[:_RESIDUALS]:  # the predictions: short, coded with plain zstd
-            _add_stream(stream, _smaller(side.compress(stream), stream), self._parts,
-                        DICTIONARY_CODING)
+        for stream, frame in zip(streams, coded_predictions):
+            _add_stream(stream, frame, self._parts, DICTIONARY_CODING)
         compressor = plane_compressor()
-        for index in range(_RESIDUALS, len(streams)):
-            stream = streams[index]
+        for stream in streams[_RESIDUALS:]:
             _add_stream(stream, compressor.compress(stream, MIN_CODING_GAIN) if len(stream)
                         else None, self._parts)
 
@@ -224,14 +230,10 @@ class FloatSplitEncoder:
 def _payload_of(tensor: SavedTensor) -> PayloadHint:
     """The payload of a tensor read from an archive's data.pkl: its storage's bytes, in rows
     where the tensor is the whole storage in C order (as DCP saves every chunk)."""
-    rows = 0
-    if tensor.storage_offset == 0 and tensor.numel == tensor.storage_numel:
-        expected_stride, size = [], 1
-        for extent in reversed(tensor.shape):
-            expected_stride.insert(0, size)
-            size *= extent
-        rows = row_length_of(tensor.shape) if tuple(expected_stride) == tensor.stride else 0
-    return PayloadHint(tensor.dtype.name, tensor.storage_numel * tensor.dtype.itemsize, rows)
+    whole = (tensor.storage_offset == 0 and tensor.numel == tensor.storage_numel
+             and tensor.is_contiguous)
+    return PayloadHint(tensor.dtype.name, tensor.storage_numel * tensor.dtype.itemsize,
+                       row_length_of(tensor.shape) if whole else 0)
 
 
 def _smaller(compressed: bytes, data) -> bytes | None:

@@ -43,7 +43,7 @@ _SAMPLED_ROWS, _SAMPLED_COLUMNS = 512, 64
 # How far a column's or row's mean q must lie from the others' for a prediction of its own
 # (measured on the real weights: columns of trained matrices often differ by chance alone).
 COLUMN_DEAD_ZONE, ROW_DEAD_ZONE = 0.75, 0.6
-_TOP_SLOT, _LOW_SLOT, _PAIR_SLOT = 20, 21, 22  # scratch slots, apart from planes.py's
+_TOP_SLOT, _Q_SLOT, _SIGN_SLOT, _PAIR_SLOT = 20, 21, 22, 23  # apart from planes.py's slots
 
 
 PREDICTED_LAYOUTS = {layout.code: layout for layout in (BFLOAT16, FLOAT16, FLOAT32)}
@@ -62,11 +62,6 @@ class PredictedParts:
     escaped: numpy.ndarray  # u16 per escaped element: its top 16 bits
     low_planes: list  # float32: the two low bytes' planes, most significant first
     predicted: numpy.ndarray  # u8 per element: q itself, what the residuals stand for
-
-    @property
-    def side_bytes(self) -> int:
-        """Bytes of the predictions and escaped elements."""
-        return self.columns.nbytes + self.rows.nbytes + self.escaped.nbytes
 
     def streams(self) -> list[numpy.ndarray]:
         """The sub-streams' bytes, in stream order."""
@@ -167,18 +162,19 @@ def join_predicted(layout: FloatLayout, row_length: int, streams: list, out) -> 
     escaped = numpy.frombuffer(streams[4], dtype=_U16)
     top = words.reshape(rows, row_length) if layout.itemsize == 2 else \
         _scratch_array(_TOP_SLOT, count, _U16).reshape(rows, row_length)
-    # q = residual - 128 + column + row; top = q << 7 | low bits | sign << 15, all modulo 2**16
-    numpy.add(residuals, (columns.astype(numpy.int32) - _RESIDUAL_BIAS).astype(_U16)[None, :],
-              out=top)
+    # q = residual - 128 + column + row, in bytes (q is 8 bits); then, with the sign s at bit 7
+    # of the low byte: top = (q + 255 s) << 7 + low = s << 15 | q << 7 | low bits, modulo 2**16.
+    # Byte arithmetic first and few passes over the 16-bit words: each costs a memory sweep.
+    q = _scratch_array(_Q_SLOT, count, numpy.dtype(numpy.uint8)).reshape(rows, row_length)
+    numpy.add(residuals, (columns - numpy.uint8(_RESIDUAL_BIAS))[None, :], out=q)
     if offsets.any():
-        numpy.add(top, offsets.astype(_U16)[:, None], out=top)
+        numpy.add(q, offsets.view(numpy.uint8)[:, None], out=q)
+    signs = _scratch_array(_SIGN_SLOT, count, numpy.dtype(numpy.uint8)).reshape(rows, row_length)
+    numpy.right_shift(low, numpy.uint8(7), out=signs)
+    numpy.multiply(signs, numpy.uint16(255), out=top)
+    numpy.add(top, q, out=top)
     numpy.multiply(top, numpy.uint16(1 << _LOW_BITS), out=top)
-    # The low byte holds the sign at bit 7: (low & 0x80) * 255 + low = sign << 15 | low bits.
-    sign_and_low = _scratch_array(_LOW_SLOT, count, _U16).reshape(rows, row_length)
-    numpy.bitwise_and(low, _SIGN_IN_LOW_BYTE, out=sign_and_low)
-    numpy.multiply(sign_and_low, numpy.uint16(255), out=sign_and_low)
-    numpy.add(sign_and_low, low, out=sign_and_low)
-    numpy.add(top, sign_and_low, out=top)
+    numpy.add(top, low, out=top)
     if len(escaped):
         positions = numpy.flatnonzero(residuals == _ESCAPE)
         if len(positions) != len(escaped):
