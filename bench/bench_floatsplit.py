@@ -1,21 +1,24 @@
 """floatsplit against plain zstd-3 and ZipNN on the real weights, side by side in one run.
 
-Per real weight file, each tensor as stored (float16, float32) and cast to bfloat16 becomes a
-DCP item (its `torch.save` archive, as DCP's TORCH_SAVE layout stores it), and every contender
-codes the same items: plain zstd level 3 (dcpctl's zstd codec), ZipNN
-(`ZipNN(input_format="byte", bytearray_dtype=..., threads=1)`; given a copy of each item, as it
-rewrites its input in place) and floatsplit, both directions in 4 MiB pieces as the pipeline
-gives them. Sizes are stored bytes over item bytes. The bound is the order-0 entropy of each
-tensor's exponent plus its sign and mantissa bits raw, plus each item's framing coded with
-zstd-3. Throughput is item bytes per CPU second of the process (all its threads; each contender
-codes on one), each item's best of --rounds rounds, contenders taking turns item by item, so
-other load on the machine matters less.
+Per real weight file, each tensor as stored (float16, float32) and cast to bfloat16 is saved as
+DCP saves it from 1 and from 4 ranks: split into row chunks as FSDP2 shards dim 0 (`torch.chunk`
+over the ranks), each chunk one item, the `torch.save` archive of the chunk that DCP's
+TORCH_SAVE layout stores. dcpctl's codecs code the items as the checkpoint stores them, framing
+and all: plain zstd level 3 (dcpctl's zstd codec) and floatsplit, both directions in 4 MiB
+pieces as the pipeline gives them. ZipNN (`ZipNN(input_format="byte", bytearray_dtype=...,
+threads=1)`) codes each chunk's raw tensor bytes alone, without the framing. Sizes are stored
+bytes over the tensors' raw bytes. The bound is the order-0 entropy of each chunk's exponent plus
+its sign and mantissa bits raw, without framing: what order-0 coding of the exponent reaches.
+"vs zipnn" is floatsplit's size over ZipNN's, less one. Throughput is raw tensor bytes per CPU
+second of the process (all its threads; each contender codes on one), each item's best of
+--rounds rounds, contenders taking turns item by item, so other load on the machine matters
+less.
 
 With --checkpoint, it also compresses the real-weights DCP checkpoint (bench/real_checkpoint.py;
 DCPCTL_BENCH_OUT=DIR reuses a cached one) with `dcpctl compress --codec zstd` and
 `--codec floatsplit`, --threads 2, each in a fresh process, and decompresses both results.
 
-Usage: python bench/bench_floatsplit.py [--rounds 3] [--checkpoint] [--units 11]
+Usage: python bench/bench_floatsplit.py [--rounds 3] [--ranks 1 4] [--checkpoint] [--units 11]
 """
 
 from __future__ import annotations
@@ -34,18 +37,18 @@ from harness import (REPO_ROOT, dcpctl_command, directory_bytes, drop_directory,
 from real_checkpoint import ENCODER, ONE_GB_UNITS, WHISPER, real_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT))
-from dcpctl.format.codecs.base import PayloadHint, iter_decoded  # noqa: E402
-from dcpctl.format.codecs.registry import floatsplit_codec  # noqa: E402
-from dcpctl.format.codecs.registry import zstd_codec
-from dcpctl.format.torch_save.layout import find_payload_start  # noqa: E402
+from dcpctl.format.codecs.base import PayloadHint, iter_decoded, row_length_of  # noqa: E402
+from dcpctl.format.codecs.registry import floatsplit_codec, zstd_codec  # noqa: E402
 
 PIECE_BYTES = 4 << 20
 # (exponent bits, sign and mantissa bits) per dtype
 FLOAT_BITS = {"bfloat16": (8, 8), "float16": (5, 11), "float32": (8, 24)}
 
 
-def tensor_items(path: Path, cast_to) -> list[tuple[bytes, PayloadHint, numpy.ndarray]]:
-    """Each tensor of a safetensors file as a DCP item: (torch.save bytes, hint, raw words)."""
+def tensor_items(path: Path, cast_to,
+                 ranks: int) -> list[tuple[bytes, PayloadHint, numpy.ndarray]]:
+    """Each chunk of each tensor of a safetensors file, as `ranks` FSDP2 ranks save it, as a
+    DCP item: (torch.save bytes, hint, raw words)."""
     import torch
     from safetensors import safe_open
 
@@ -54,23 +57,23 @@ def tensor_items(path: Path, cast_to) -> list[tuple[bytes, PayloadHint, numpy.nd
         for name in weights.keys():
             tensor = weights.get_tensor(name)
             tensor = tensor.to(cast_to) if cast_to is not None else tensor
-            archive = io.BytesIO()
-            torch.save(tensor, archive)
-            dtype_name = str(tensor.dtype).removeprefix("torch.")
-            words = tensor.reshape(-1).view(torch.int16 if tensor.element_size() == 2
-                                            else torch.int32).numpy()
-            items.append((archive.getvalue(),
-                          PayloadHint(dtype_name, tensor.numel() * tensor.element_size()), words))
+            for chunk in torch.chunk(tensor.reshape(tensor.shape or (1,)), ranks):
+                chunk = chunk.clone()  # DCP saves a chunk with a storage of its own
+                archive = io.BytesIO()
+                torch.save(chunk, archive)
+                dtype_name = str(chunk.dtype).removeprefix("torch.")
+                words = chunk.reshape(-1).view(torch.int16 if chunk.element_size() == 2
+                                               else torch.int32).numpy()
+                items.append((archive.getvalue(),
+                              PayloadHint(dtype_name, chunk.numel() * chunk.element_size(),
+                                          row_length_of(chunk.shape)), words))
     return items
 
 
-def entropy_bound_bytes(items, level: int = 3) -> float:
-    """Order-0 entropy of each tensor's exponent, raw sign and mantissa bits, zstd'd framing."""
-    import zstandard
-
-    compressor = zstandard.ZstdCompressor(level=level)
+def entropy_bound_bytes(items) -> float:
+    """Order-0 entropy of each chunk's exponent, raw sign and mantissa bits."""
     total_bits = 0.0
-    for item, hint, words in items:
+    for _, hint, words in items:
         exponent_bits, other_bits = FLOAT_BITS[hint.dtype_name]
         mantissa_bits = other_bits - 1
         exponents = (words.view(numpy.uint16 if words.itemsize == 2 else numpy.uint32)
@@ -79,9 +82,6 @@ def entropy_bound_bytes(items, level: int = 3) -> float:
         probabilities = counts[counts > 0] / max(len(exponents), 1)
         total_bits += len(exponents) * (other_bits - (probabilities * numpy.log2(probabilities))
                                         .sum())
-        start = find_payload_start(item[:1 << 16])
-        head, tail = item[:start], item[start + hint.payload_bytes:]
-        total_bits += 8 * (len(compressor.compress(head)) + len(compressor.compress(tail)))
     return total_bits / 8
 
 
@@ -110,8 +110,8 @@ def zipnn_coder():
             coders[dtype_name] = ZipNN(input_format="byte", bytearray_dtype=dtype_name, threads=1)
         return coders[dtype_name]
 
-    def encode(item: bytearray, hint: PayloadHint):
-        return hint.dtype_name, coder(hint.dtype_name).compress(item)
+    def encode(raw: bytearray, hint: PayloadHint):
+        return hint.dtype_name, coder(hint.dtype_name).compress(raw)
 
     def decode(encoded) -> list[bytes]:
         dtype_name, data = encoded
@@ -130,9 +130,11 @@ def run_contenders(items, rounds: int) -> dict[str, tuple[int, float, float]]:
     best = {(name, index, step): float("inf") for name in contenders
             for index in range(len(items)) for step in ("encode", "decode")}
     for round_index in range(rounds):
-        for index, (item, hint, _) in enumerate(items):
+        for index, (item, hint, words) in enumerate(items):
+            raw = words.tobytes()
             for name, (encode, decode) in contenders.items():
-                given = bytearray(item) if name == "zipnn" else item
+                # ZipNN codes the raw bytes, and rewrites its input in place: it gets a copy
+                given, expected = (bytearray(raw), raw) if name == "zipnn" else (item, item)
                 started = time.process_time()
                 encoded = encode(given, hint)
                 encoded_at = time.process_time()
@@ -142,7 +144,7 @@ def run_contenders(items, rounds: int) -> dict[str, tuple[int, float, float]]:
                                                   encoded_at - started)
                 best[name, index, "decode"] = min(best[name, index, "decode"],
                                                   decoded_at - encoded_at)
-                if b"".join(decoded) != item:
+                if b"".join(decoded) != expected:
                     raise AssertionError(f"{name} does not round-trip item {index}")
                 if round_index == 0:
                     sizes[name] += len(encoded[1]) if name == "zipnn" else sum(map(len, encoded))
@@ -152,27 +154,31 @@ def run_contenders(items, rounds: int) -> dict[str, tuple[int, float, float]]:
             for name in contenders}
 
 
-def compare_items(rounds: int) -> None:
-    """The per-file, per-dtype table."""
+def compare_items(rounds: int, rank_counts: list[int]) -> None:
+    """The per-file, per-dtype, per-rank-count table."""
     import torch
 
     rows = []
     for path in (WHISPER, ENCODER):
         for cast_to in (None, torch.bfloat16):
-            items = tensor_items(path, cast_to)
-            item_bytes = sum(len(item) for item, _, _ in items)
-            bound = entropy_bound_bytes(items)
-            results = run_contenders(items, rounds)
-            sizes = {name: size / item_bytes for name, (size, _, _) in results.items()}
-            speeds = [f"{item_bytes / seconds / 1e6:.0f}"
-                      for _, encode, decode in results.values() for seconds in (encode, decode)]
-            rows.append((path.stem, items[0][1].dtype_name, f"{item_bytes / 1e6:.1f}",
-                         *(f"{ratio:.4f}" for ratio in sizes.values()),
-                         f"{bound / item_bytes:.4f}",
-                         f"{results['floatsplit'][0] / bound:.4f}", *speeds))
-    print_table(rows, ("file", "dtype", "MB", "zstd-3", "zipnn", "floatsplit", "bound",
-                       "fs/bound", "zstd c", "zstd d", "zipnn c", "zipnn d", "fs c", "fs d"))
-    print("sizes: stored/item bytes; c, d: MB/s per thread (CPU time) to compress, decompress")
+            for ranks in rank_counts:
+                items = tensor_items(path, cast_to, ranks)
+                raw_bytes = sum(words.nbytes for _, _, words in items)
+                bound = entropy_bound_bytes(items)
+                results = run_contenders(items, rounds)
+                sizes = {name: size / raw_bytes for name, (size, _, _) in results.items()}
+                speeds = [f"{raw_bytes / seconds / 1e6:.0f}" for _, encode, decode
+                          in results.values() for seconds in (encode, decode)]
+                rows.append((path.stem, items[0][1].dtype_name, ranks, len(items),
+                             f"{raw_bytes / 1e6:.1f}",
+                             *(f"{ratio:.4f}" for ratio in sizes.values()),
+                             f"{bound / raw_bytes:.4f}",
+                             f"{sizes['floatsplit'] / sizes['zipnn'] - 1:+.2%}", *speeds))
+    print_table(rows, ("file", "dtype", "ranks", "items", "MB", "zstd-3", "zipnn", "floatsplit",
+                       "bound", "vs zipnn", "zstd c", "zstd d", "zipnn c", "zipnn d", "fs c",
+                       "fs d"))
+    print("sizes: stored bytes over raw tensor bytes (zstd-3 and floatsplit with each item's "
+          "framing, zipnn without); c, d: MB/s per thread (CPU time) to compress, decompress")
 
 
 def compare_checkpoint(units: int) -> None:
@@ -204,10 +210,11 @@ def compare_checkpoint(units: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--units", type=int, default=ONE_GB_UNITS)
     args = parser.parse_args()
-    compare_items(args.rounds)
+    compare_items(args.rounds, args.ranks)
     if args.checkpoint:
         compare_checkpoint(args.units)
 
