@@ -7,9 +7,9 @@ is better told by its row and column than by the tensor as a whole. The top 16 b
 element (all of a bfloat16 or float16, the sign, exponent and top 7 mantissa bits of a float32)
 are cut into:
 
-- q, the magnitude's top bits: the exponent and the first mantissa bit (bfloat16, float32) or
-  the first 3 (float16), a logarithm of the magnitude in half or eighth octaves;
-- the sign and the `low_bits` magnitude bits below q, which look random.
+- q, the magnitude's top 8 bits: the exponent of a bfloat16 or float32, the exponent and the
+  first 3 mantissa bits of a float16 (a logarithm of the magnitude in eighth octaves);
+- the sign and the 7 magnitude bits below q, which look random.
 
 q is predicted as column[c] + row[r] (integers kept in the stream) and its residual coded in one
 byte, so one Huffman table sees the residuals of every row and column alike, where order-0
@@ -17,8 +17,8 @@ coding of the exponent sees a mixture of every row's and column's scale. A resid
 byte holds (zeros and subnormals, mostly) is escaped: its byte is 0 and its top 16 bits follow
 in a sub-stream of their own. A float32's 16 low bits stay in two byte planes as in version 1.
 
-Every step is a whole-array numpy operation, so decoding costs about what joining version 1's
-planes costs; see docs/floatsplit.md for the byte layout.
+Every step is a whole-array numpy operation: decoding a block costs its planes' join of version
+1 and a few passes more; see docs/floatsplit.md for the byte layout.
 """
 
 from __future__ import annotations
