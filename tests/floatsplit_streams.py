@@ -22,8 +22,17 @@ def stream_version(stream: bytes) -> int:
 def block_structure(stream: bytes) -> list[tuple]:
     """Every block's kind and header, and each sub-stream's coding and decoded length: what
     the format fixes, leaving out the bytes zstd chose."""
+    return [block for _, block in _walk(stream)]
+
+
+def block_starts(stream: bytes) -> list[tuple[int, int]]:
+    """Every block's kind and where it starts in the stream."""
+    return [(block[0], start) for start, block in _walk(stream)]
+
+
+def _walk(stream: bytes):
     stream_version(stream)
-    position, blocks = 4, []
+    position = 4
 
     def sub_streams(count: int) -> list[tuple[int, int]]:
         nonlocal position
@@ -35,24 +44,24 @@ def block_structure(stream: bytes) -> list[tuple]:
         return found
 
     while True:
-        kind = stream[position]
+        kind, start = stream[position], position
         if kind == END_BLOCK:
-            blocks.append(END_HEADER.unpack_from(stream, position))
             assert position + END_HEADER.size == len(stream)
-            return blocks
+            yield start, END_HEADER.unpack_from(stream, position)
+            return
         if kind == BYTES_BLOCK:
             position += 1
-            blocks.append((BYTES_BLOCK, *sub_streams(1)))
+            yield start, (BYTES_BLOCK, *sub_streams(1))
         elif kind == FLOATS_BLOCK:
             header = FLOATS_HEADER.unpack_from(stream, position)
             position += FLOATS_HEADER.size
-            blocks.append((*header, *sub_streams(LAYOUTS_BY_CODE[header[1]].itemsize)))
+            yield start, (*header, *sub_streams(LAYOUTS_BY_CODE[header[1]].itemsize))
         elif kind == PREDICTED_BLOCK:
             header = PREDICTED_HEADER.unpack_from(stream, position)
             position += PREDICTED_HEADER.size
-            blocks.append((*header, *sub_streams(stream_count(LAYOUTS_BY_CODE[header[1]]))))
+            yield start, (*header, *sub_streams(stream_count(LAYOUTS_BY_CODE[header[1]])))
         else:
             assert kind == TAIL_BLOCK
             header = TAIL_HEADER.unpack_from(stream, position)
             position += TAIL_HEADER.size + header[2] + header[4]
-            blocks.append((kind, *header[2:4]))  # the lengths: the CRC-32 and id vary
+            yield start, (kind, *header[2:4])  # the lengths: the CRC-32 and id vary

@@ -23,9 +23,9 @@ from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONA
                                                            END_BLOCK, END_HEADER, FLOATS_BLOCK,
                                                            MAGIC, MAGIC_V2, PREDICTED_BLOCK,
                                                            PREDICTED_HEADER, STREAM_HEADER,
-                                                           TAIL_BLOCK)
+                                                           TAIL_BLOCK, TAIL_HEADER)
 from dcpctl.format.codecs.registry import floatsplit_codec
-from floatsplit_streams import block_structure
+from floatsplit_streams import block_starts, block_structure
 from test_floatsplit import decode, torch_save_bytes
 
 LAYOUTS = [BFLOAT16, FLOAT16, FLOAT32]
@@ -165,7 +165,7 @@ def test_framing_codes_to_tens_of_bytes():
     assert blocks[0][:2] == (BYTES_BLOCK, (DICTIONARY_CODING, 704))
     assert blocks[-2][0] == TAIL_BLOCK
     head_stored = STREAM_HEADER.unpack_from(stream, len(MAGIC_V2) + 1)[2]
-    tail_start = stream.rindex(bytes((TAIL_BLOCK,)), 0, len(stream) - END_HEADER.size)
+    tail_start = dict(block_starts(stream))[TAIL_BLOCK]
     assert head_stored < 80
     assert len(stream) - END_HEADER.size - tail_start < 40
     assert decode(stream, 333) == item
@@ -272,3 +272,23 @@ def test_the_codec_writes_version_2_with_its_descriptor():
     assert stream[:4] == MAGIC_V2
     assert b"".join(iter_decoded(floatsplit_codec().new_decoder(), [stream])) == item
     assert struct.unpack_from("<Q", stream, len(stream) - 8)[0] == len(item)
+
+
+def test_a_tail_block_without_the_archive_it_ends_is_refused():
+    """A TAIL block stands for the end of the archive whose head is the stream's first block:
+    first in a stream, after plain bytes, or with an id of more digits than it says, it is
+    damage, never bytes made up."""
+    stream, _ = _predicted_stream()
+    tail_start = dict(block_starts(stream))[TAIL_BLOCK]
+    tail = stream[tail_start:len(stream) - END_HEADER.size]
+    end = END_HEADER.pack(END_BLOCK, 0)
+    plain = bytes((BYTES_BLOCK,)) + STREAM_HEADER.pack(0, 3, 3) + b"abc"
+    for damaged in (MAGIC_V2 + tail + end, MAGIC_V2 + plain + tail + end):
+        with pytest.raises(DataError, match="a tail block that follows no torch.save archive"):
+            decode(damaged, 1 << 20)
+    kind, crc, version_bytes, digits, value_bytes = TAIL_HEADER.unpack_from(tail)
+    too_few_digits = TAIL_HEADER.pack(kind, crc, version_bytes, 5, value_bytes) + \
+        tail[TAIL_HEADER.size:]
+    with pytest.raises(DataError, match="a tail block that follows no torch.save archive"):
+        decode(stream[:tail_start] + too_few_digits + stream[len(stream) - END_HEADER.size:],
+               1 << 20)
