@@ -101,14 +101,13 @@ def _saved(tensor) -> tuple[bytes, int, bytes, int]:
     return archive[:start], size, archive[start + size:], len(archive)
 
 
-@pytest.mark.parametrize("dtype,shape", CASES)
+# An empty tensor's archive has no storage bytes to find the tail after.
+@pytest.mark.parametrize("dtype,shape", [(dtype, shape) for dtype, shape in CASES
+                                         if 0 not in shape])
 def test_torchs_own_tail_is_rebuilt_from_its_head_and_fields(dtype, shape):
     """What torch.save writes after a tensor's bytes, byte for byte, from the archive's head,
     the payload's size and the fields that vary (floatsplit version 2 stores just those)."""
-    tensor = _sample(dtype, shape)
-    if tensor.numel() == 0:
-        pytest.skip("an empty tensor's archive has no storage bytes to find")
-    head, size, tail, _ = _saved(tensor)
+    head, size, tail, _ = _saved(_sample(dtype, shape))
     fields = tail_fields(head, size, tail)
     assert fields is not None and fields.version == b"3\n"
     assert len(fields.serialization_id) == 40 and fields.serialization_id.isdigit()
