@@ -53,7 +53,8 @@ _LOW_BITS = 7  # magnitude bits of the top 16 below q
 
 @dataclass
 class PredictedParts:
-    """A block cut for coding: the sub-streams in stream order, and how many elements escaped."""
+    """A block cut for coding into its sub-streams. The low part and planes may be the split's
+    scratch memory: code them before the next split on this thread."""
 
     columns: numpy.ndarray  # u8 per column: its predicted q
     rows: numpy.ndarray  # i8 per row: added to every column's prediction
