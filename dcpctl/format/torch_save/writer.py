@@ -296,21 +296,11 @@ def _tail_template(head: bytes, payload_bytes: int, version_bytes: int,
     """The tail for this head and payload length, as ZipStreamWriter writes it, with every CRC
     and field zero and their places noted (checkpoints repeat heads chunk after chunk)."""
     writer = ZipStreamWriter()
-    replayed, position = [], 0
-    while position < len(head):
-        record = whole_record_in(head, position)
-        if record is None:  # the payload's record, whose data is not in the head
-            found = local_record_in(head, position)
-            if found is None or found[1] != len(head):
-                return None
-            name = found[0]
-            replayed.append(writer.local_header(name))
-            break
-        replayed.append(writer.record(*record))
-        position += len(replayed[-1])
-    else:
+    try:
+        name = _replay_head(writer, head)
+    except DataError:  # no zip records there at all
         return None
-    if b"".join(replayed) != head or not name.endswith("/data/0"):
+    if name is None or not name.endswith("/data/0"):
         return None
     prefix = name[:-len("data/0")]
     writer.position += payload_bytes
@@ -336,6 +326,23 @@ def _tail_template(head: bytes, payload_bytes: int, version_bytes: int,
         (_DESCRIPTOR_CRC_OFFSET, entry_at[-3] + _ENTRY_CRC_OFFSET),
         (version_at + version_bytes + _DESCRIPTOR_CRC_OFFSET, entry_at[-2] + _ENTRY_CRC_OFFSET),
         (id_at + id_bytes + _DESCRIPTOR_CRC_OFFSET, entry_at[-1] + _ENTRY_CRC_OFFSET))
+
+
+def _replay_head(writer: ZipStreamWriter, head: bytes) -> str | None:
+    """Lay out head's records again with writer: whole records, then the local header of the
+    payload's record, whose name it returns; None where that does not give head back."""
+    replayed, position = [], 0
+    while position < len(head):
+        record = whole_record_in(head, position)
+        if record is None:  # the payload's record, whose data is not in the head
+            found = local_record_in(head, position)
+            if found is None or found[1] != len(head):
+                return None
+            replayed.append(writer.local_header(found[0]))
+            return found[0] if b"".join(replayed) == head else None
+        replayed.append(writer.record(*record))
+        position += len(replayed[-1])
+    return None
 
 
 def tail_fields(head: bytes, payload_bytes: int, tail: bytes) -> ArchiveTail | None:

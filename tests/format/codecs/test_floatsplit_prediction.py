@@ -276,14 +276,16 @@ def test_the_codec_writes_version_2_with_its_descriptor():
 
 def test_a_tail_block_without_the_archive_it_ends_is_refused():
     """A TAIL block stands for the end of the archive whose head is the stream's first block:
-    first in a stream, after plain bytes, or with an id of more digits than it says, it is
-    damage, never bytes made up."""
+    first in a stream, after bytes too short for a zip record or that are none, or with an id of
+    more digits than it says, it is damage (refused where it lies), never bytes made up."""
     stream, _ = _predicted_stream()
     tail_start = dict(block_starts(stream))[TAIL_BLOCK]
     tail = stream[tail_start:len(stream) - END_HEADER.size]
     end = END_HEADER.pack(END_BLOCK, 0)
     plain = bytes((BYTES_BLOCK,)) + STREAM_HEADER.pack(0, 3, 3) + b"abc"
-    for damaged in (MAGIC_V2 + tail + end, MAGIC_V2 + plain + tail + end):
+    no_zip = bytes((BYTES_BLOCK,)) + STREAM_HEADER.pack(0, 40, 40) + b"x" * 40
+    for damaged in (MAGIC_V2 + tail + end, MAGIC_V2 + plain + tail + end,
+                    MAGIC_V2 + no_zip + tail + end):
         with pytest.raises(DataError, match="a tail block that follows no torch.save archive"):
             decode(damaged, 1 << 20)
     kind, crc, version_bytes, digits, value_bytes = TAIL_HEADER.unpack_from(tail)
