@@ -37,7 +37,7 @@ from harness import (REPO_ROOT, dcpctl_command, directory_bytes, drop_directory,
 from real_checkpoint import ENCODER, ONE_GB_UNITS, WHISPER, real_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT))
-from dcpctl.format.codecs.base import PayloadHint, iter_decoded, row_length_of  # noqa: E402
+from dcpctl.format.codecs.base import PayloadHint, iter_decoded  # noqa: E402
 from dcpctl.format.codecs.registry import floatsplit_codec, zstd_codec  # noqa: E402
 
 PIECE_BYTES = 4 << 20
@@ -65,8 +65,8 @@ def tensor_items(path: Path, cast_to,
                 words = chunk.reshape(-1).view(torch.int16 if chunk.element_size() == 2
                                                else torch.int32).numpy()
                 items.append((archive.getvalue(),
-                              PayloadHint(dtype_name, chunk.numel() * chunk.element_size(),
-                                          row_length_of(chunk.shape)), words))
+                              PayloadHint.of_contiguous(dtype_name, chunk.element_size(),
+                                                        chunk.shape), words))
     return items
 
 

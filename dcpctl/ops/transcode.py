@@ -27,7 +27,7 @@ from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, 
 from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
-from dcpctl.format.codecs.base import PayloadHint, iter_encoded, row_length_of
+from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
 from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
                                            MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, Codec, codec_by_name)
@@ -64,8 +64,8 @@ class ItemTask:
         """For tensor items: the dtype and size of the tensor's bytes, for codecs that split
         them."""
         expected = self.location.expected
-        return None if expected is None else PayloadHint(expected.dtype.name, expected.nbytes,
-                                                         row_length_of(expected.sizes))
+        return None if expected is None else PayloadHint.of_contiguous(
+            expected.dtype.name, expected.dtype.itemsize, expected.sizes)
 
 
 @dataclass

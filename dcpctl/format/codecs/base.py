@@ -8,6 +8,7 @@ few stored bytes can decode to terabytes, so every caller that knows the bound p
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
 
@@ -52,6 +53,12 @@ class PayloadHint:
     row_length: int = 0
     """Elements in each row (the last dim) of a tensor of two or more dims laid out in C order;
     0 where the elements have no rows (one dim) or their layout is unknown."""
+
+    @classmethod
+    def of_contiguous(cls, dtype_name: str, itemsize: int, sizes) -> "PayloadHint":
+        """The payload of a tensor of these sizes whose elements lie in C order, as every chunk
+        a checkpoint stores does."""
+        return cls(dtype_name, itemsize * math.prod(sizes), row_length_of(sizes))
 
 
 def row_length_of(sizes) -> int:

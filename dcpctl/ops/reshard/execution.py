@@ -23,7 +23,7 @@ from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, 
 from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
-from dcpctl.format.codecs.base import PayloadHint, iter_encoded, row_length_of
+from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.registry import CODEC_NAMES, Codec, codec_by_name
 from dcpctl.format.metadata.records import ChunkMetadata, MetadataIndex, StorageInfo
 from dcpctl.ops.reshard.assembly import chunk_archive
@@ -89,8 +89,8 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
             return
         try:
             yield from encoded(*chunk_archive(task, reader, piece_bytes),
-                               PayloadHint(task.dtype.name, task.nbytes,
-                                           row_length_of(task.sizes)))
+                               PayloadHint.of_contiguous(task.dtype.name, task.dtype.itemsize,
+                                                         task.sizes))
         except BaseException:
             for source in task.sources:
                 reader.release(source.location, completed=False)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded, row_length_of
+from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded
 from dcpctl.format.codecs.floatsplit.stream_format import (FLOATS_BLOCK, PREDICTED_BLOCK,
                                                            TAIL_BLOCK)
 from dcpctl.format.codecs.registry import floatsplit_codec
@@ -62,7 +62,7 @@ def _encode(item: bytes, name: str) -> bytes:
     dtype, shape = V2_ITEMS[name]
     hint = None
     if dtype is not None:
-        hint = PayloadHint(dtype, ITEMSIZES[dtype] * shape[0] * shape[1], row_length_of(shape))
+        hint = PayloadHint.of_contiguous(dtype, ITEMSIZES[dtype], shape)
     return b"".join(iter_encoded(floatsplit_codec().new_encoder(len(item), hint), [item]))
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcpctl.errors import DataError
-from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded, row_length_of
+from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded
 from dcpctl.format.codecs.floatsplit.framing_dictionary_v2 import DICTIONARY, SHA256
 from dcpctl.format.codecs.floatsplit.planes import (BFLOAT16, FLOAT16, FLOAT32, layout_for_block,
                                                     split_planes)
@@ -34,8 +34,8 @@ TORCH_DTYPES = {BFLOAT16.code: torch.bfloat16, FLOAT16.code: torch.float16,
 
 
 def hint_with_rows(tensor: torch.Tensor) -> PayloadHint:
-    return PayloadHint(str(tensor.dtype).removeprefix("torch."),
-                       tensor.numel() * tensor.element_size(), row_length_of(tensor.shape))
+    return PayloadHint.of_contiguous(str(tensor.dtype).removeprefix("torch."),
+                                     tensor.element_size(), tensor.shape)
 
 
 def encode(item: bytes, hint: PayloadHint | None, piece_bytes: int) -> bytes:
