@@ -24,10 +24,10 @@ from dcpctl.format.codecs.base import PayloadHint, row_length_of
 from dcpctl.format.codecs.floatsplit.framing import framing_compressor, tail_block
 from dcpctl.format.codecs.floatsplit.plane_zstd import plane_compressor
 from dcpctl.format.codecs.floatsplit.planes import (FloatLayout, layout_for_block,
-                                                    layout_for_dtype, order0_bits, sampled,
-                                                    split_planes)
+                                                    layout_for_dtype, split_planes)
 from dcpctl.format.codecs.floatsplit.prediction import (MIN_ROWS, PREDICTED_LAYOUTS,
-                                                        PredictedParts, split_predicted)
+                                                        PredictedParts, estimated_saving,
+                                                        split_predicted)
 from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONARY_CODING,
                                                            END_BLOCK, END_HEADER, FLOATS_BLOCK,
                                                            FLOATS_HEADER, MAGIC_V2,
@@ -202,16 +202,14 @@ class FloatSplitEncoder:
         stand for, on a sample, with the predictions and escaped elements as stored. The rest
         codes the same either way: the sign and the bits below q, which version 1's split puts
         in planes of the same entropy."""
-        residuals, predicted = sampled(parts.residuals), sampled(parts.predicted)
-        scale = len(parts.residuals) / len(residuals) / 8
-        saved_bytes = (order0_bits(predicted) - order0_bits(residuals)) * scale
+        saved_bytes = estimated_saving(parts)
         if saved_bytes <= parts.escaped.nbytes:
             return None
         side = framing_compressor(self._level)
-        coded = [_smaller(side.compress(stream), stream)
-                 for stream in parts.streams()[:_RESIDUALS]]
+        predictions = parts.streams()[:_RESIDUALS]
+        coded = [_smaller(side.compress(stream), stream) for stream in predictions]
         side_bytes = sum(len(frame) if frame is not None else len(stream)
-                         for frame, stream in zip(coded, parts.streams()))
+                         for frame, stream in zip(coded, predictions))
         return coded if side_bytes + parts.escaped.nbytes < saved_bytes else None
 
     def _add_predicted_block(self, parts: PredictedParts, coded_predictions: list) -> None:

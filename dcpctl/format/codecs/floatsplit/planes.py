@@ -23,7 +23,6 @@ _WORD_TYPES = {size: numpy.dtype(f"<u{size}") for size in (1, 2, 4, 8)}
 _WIDENED = {size: (_WORD_TYPES[2 * size], _WORD_TYPES[2 * size].type(1 << (8 * size)))
             for size in (1, 2, 4)}
 _SIGN_PROBE_ELEMENTS = 4096
-SAMPLE_SLICES, _SAMPLE_SLICE_ELEMENTS = 8, 512
 # This thread's scratch buffers, by slot.
 _scratch: PerThread[dict[int, numpy.ndarray]] = PerThread(dict)
 
@@ -80,23 +79,6 @@ def layout_for_block(layout: FloatLayout, data) -> FloatLayout:
         if part.max() >= sign and part.min() < sign:
             return layout
     return plain
-
-
-def sampled(plane: numpy.ndarray) -> numpy.ndarray:
-    """SAMPLE_SLICES runs of bytes spread over a plane (all of it if short): where the coded
-    size of a block is judged."""
-    run = _SAMPLE_SLICE_ELEMENTS
-    if len(plane) <= SAMPLE_SLICES * run:
-        return plane
-    return plane[:len(plane) - len(plane) % SAMPLE_SLICES].reshape(SAMPLE_SLICES, -1)[:, :run] \
-        .reshape(-1)
-
-
-def order0_bits(plane: numpy.ndarray) -> float:
-    """The order-0 entropy of a plane's bytes, in bits: about what Huffman coding stores."""
-    counts = numpy.bincount(plane, minlength=256)
-    counts = counts[counts > 0]
-    return float(len(plane) * numpy.log2(len(plane)) - (counts * numpy.log2(counts)).sum())
 
 
 def scratch_plane(index: int, size_bytes: int) -> numpy.ndarray:

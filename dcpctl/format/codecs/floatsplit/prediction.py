@@ -43,6 +43,9 @@ _SAMPLED_ROWS, _SAMPLED_COLUMNS = 512, 64
 # How far a column's or row's mean q must lie from the others' for a prediction of its own
 # (measured on the real weights: columns of trained matrices often differ by chance alone).
 COLUMN_DEAD_ZONE, ROW_DEAD_ZONE = 0.75, 0.6
+# Whether a prediction pays is judged on this many runs of this many elements spread over a
+# block: the entropy of a few thousand bytes tells it, at a small part of the block's cost.
+_SAMPLE_RUNS, _SAMPLE_RUN_BYTES = 8, 512
 _TOP_SLOT, _Q_SLOT, _SIGN_SLOT, _PAIR_SLOT = 20, 21, 22, 23  # apart from planes.py's slots
 
 
@@ -110,6 +113,29 @@ def split_predicted(layout: FloatLayout, data, split_layout: FloatLayout, planes
         escaped_tops = (words[escaped] >> (8 * layout.itemsize - 16)).astype(_U16)
     return PredictedParts(columns.astype(numpy.uint8), offsets.astype(numpy.int8),
                           coded.reshape(-1), low, escaped_tops, list(planes[2:]), q.reshape(-1))
+
+
+def estimated_saving(parts: PredictedParts) -> float:
+    """About how many bytes the residuals code smaller than q itself, from the order-0 entropy
+    (what Huffman coding reaches) of both on the same sample."""
+    residuals, predicted = _sampled(parts.residuals), _sampled(parts.predicted)
+    scale = len(parts.residuals) / len(residuals) / 8
+    return (_order0_bits(predicted) - _order0_bits(residuals)) * scale
+
+
+def _sampled(plane: numpy.ndarray) -> numpy.ndarray:
+    """_SAMPLE_RUNS runs of bytes spread over a plane (all of it if short)."""
+    if len(plane) <= _SAMPLE_RUNS * _SAMPLE_RUN_BYTES:
+        return plane
+    runs = plane[:len(plane) - len(plane) % _SAMPLE_RUNS].reshape(_SAMPLE_RUNS, -1)
+    return runs[:, :_SAMPLE_RUN_BYTES].reshape(-1)
+
+
+def _order0_bits(plane: numpy.ndarray) -> float:
+    """The order-0 entropy of a plane's bytes, in bits."""
+    counts = numpy.bincount(plane, minlength=256)
+    counts = counts[counts > 0]
+    return float(len(plane) * numpy.log2(len(plane)) - (counts * numpy.log2(counts)).sum())
 
 
 def _all_fit(q: numpy.ndarray, columns: numpy.ndarray, offsets: numpy.ndarray) -> bool:
