@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from dcpctl.errors import DataError
 from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded
 from dcpctl.format.codecs.floatsplit.framing_dictionary_v2 import DICTIONARY, SHA256
-from dcpctl.format.codecs.floatsplit.planes import (BFLOAT16, FLOAT16, FLOAT32, layout_for_block,
-                                                    split_planes)
+from dcpctl.format.codecs.floatsplit.planes import BFLOAT16, FLOAT16, FLOAT32
 from dcpctl.format.codecs.floatsplit.prediction import (PREDICTED_LAYOUTS, join_predicted,
-                                                        split_predicted)
+                                                        predict, split_predicted)
 from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONARY_CODING,
                                                            END_BLOCK, END_HEADER, FLOATS_BLOCK,
                                                            MAGIC, MAGIC_V2, PREDICTED_BLOCK,
@@ -55,8 +54,9 @@ def scaled_weights(shape: tuple[int, int], dtype: torch.dtype, seed: int = 0) ->
     return (values * rows * columns).to(dtype)
 
 
-def _join(layout, row_length: int, parts, readonly: bool) -> bytes:
-    streams = [bytes(stream) if readonly else stream.copy() for stream in parts.streams()]
+def _join(layout, row_length: int, prediction, parts, readonly: bool) -> bytes:
+    streams = [bytes(stream) if readonly else stream.copy()
+               for stream in prediction.streams() + parts.streams()]
     out = numpy.empty(len(parts.residuals) * layout.itemsize, dtype=numpy.uint8)
     join_predicted(layout, row_length, streams, out)
     return out.tobytes()
@@ -88,10 +88,9 @@ def test_any_block_splits_and_joins_back_to_the_bit(code, rows, row_length, seed
                 span = slice(index * layout.itemsize, (index + 1) * layout.itemsize)
                 words[span] = noise[span]
         data = words.tobytes()
-    split_layout = layout_for_block(layout, data)
-    planes = [plane.copy() for plane in split_planes(split_layout, data)]
-    parts = split_predicted(layout, data, split_layout, planes, row_length)
-    assert _join(layout, row_length, parts, readonly) == data
+    prediction = predict(layout, data, row_length)
+    parts = split_predicted(layout, data, row_length, prediction)
+    assert _join(layout, row_length, prediction, parts, readonly) == data
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)

@@ -26,8 +26,7 @@ from dcpctl.format.codecs.floatsplit.plane_zstd import plane_compressor
 from dcpctl.format.codecs.floatsplit.planes import (FloatLayout, layout_for_block,
                                                     layout_for_dtype, split_planes)
 from dcpctl.format.codecs.floatsplit.prediction import (MIN_ROWS, PREDICTED_LAYOUTS,
-                                                        PredictedParts, estimated_saving,
-                                                        split_predicted)
+                                                        predict, split_predicted)
 from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONARY_CODING,
                                                            END_BLOCK, END_HEADER, FLOATS_BLOCK,
                                                            FLOATS_HEADER, MAGIC_V2,
@@ -46,7 +45,6 @@ MIN_CODING_GAIN = 0.03
 # some hundred bytes less than in one frame, which is more than a small tensor's data.
 _MIN_SPLIT_BYTES = 64
 _HEAD_SEARCH_BYTES = 64 << 10
-_RESIDUALS = 2  # a predicted block's sub-streams: the two predictions, then the planes
 
 
 class FloatSplitEncoder:
@@ -180,49 +178,48 @@ class FloatSplitEncoder:
     def _add_floats_block(self, data: memoryview) -> None:
         """A block of whole elements: predicted from its rows and columns where a sample says
         that codes it smaller than its planes alone (version 1's split), else split."""
-        layout = layout_for_block(self._layout, data)
-        planes = split_planes(layout, data)
         row_bytes = self._layout.itemsize * self._row_length
         if row_bytes and len(data) % row_bytes == 0 and len(data) // row_bytes >= MIN_ROWS:
-            parts = split_predicted(self._layout, data, layout, planes, self._row_length)
-            coded_predictions = self._coded_predictions(parts)
-            if coded_predictions is not None:
-                self._add_predicted_block(parts, coded_predictions)
+            if self._add_predicted_block(data):
                 return
+        layout = layout_for_block(self._layout, data)
+        planes = split_planes(layout, data)
         self._parts.append(FLOATS_HEADER.pack(FLOATS_BLOCK, layout.code,
                                               len(data) // layout.itemsize))
         compressor = plane_compressor()
         for plane in planes:
             _add_stream(plane, compressor.compress(plane, MIN_CODING_GAIN), self._parts)
 
-    def _coded_predictions(self, parts: PredictedParts) -> list[bytes | None] | None:
-        """The predictions' sub-streams coded (None for one stored raw), where the predicted
-        parts store smaller than the block's planes alone; None where they do not. Judged by
-        the order-0 entropy (what Huffman coding reaches) of the residuals and of what they
-        stand for, on a sample, with the predictions and escaped elements as stored. The rest
-        codes the same either way: the sign and the bits below q, which version 1's split puts
-        in planes of the same entropy."""
-        saved_bytes = estimated_saving(parts)
-        if saved_bytes <= parts.escaped.nbytes:
-            return None
+    def _add_predicted_block(self, data: memoryview) -> bool:
+        """A PREDICTED block of data, where its parts store smaller than its planes alone;
+        False where they do not. Judged by the bytes the residuals save over what they stand
+        for (Prediction.saving), against the predictions and escaped elements as stored: what
+        the prediction costs. The rest codes the same either way: the sign and the bits below
+        q, which version 1's split puts in planes of the same entropy. A prediction that cannot
+        pay is refused before the block is split."""
+        prediction = predict(self._layout, data, self._row_length)
+        if prediction.saving <= 0:
+            return False
         side = framing_compressor(self._level)
-        predictions = parts.streams()[:_RESIDUALS]
+        predictions = prediction.streams()
         coded = [_smaller(side.compress(stream), stream) for stream in predictions]
         side_bytes = sum(len(frame) if frame is not None else len(stream)
                          for frame, stream in zip(coded, predictions))
-        return coded if side_bytes + parts.escaped.nbytes < saved_bytes else None
-
-    def _add_predicted_block(self, parts: PredictedParts, coded_predictions: list) -> None:
+        if side_bytes >= prediction.saving:
+            return False
+        parts = split_predicted(self._layout, data, self._row_length, prediction)
+        if side_bytes + parts.escaped.nbytes >= prediction.saving:
+            return False
         self._parts.append(PREDICTED_HEADER.pack(
             PREDICTED_BLOCK, self._layout.code, len(parts.residuals), self._row_length,
             len(parts.escaped)))
-        streams = parts.streams()
-        for stream, frame in zip(streams, coded_predictions):
+        for stream, frame in zip(predictions, coded):
             _add_stream(stream, frame, self._parts, DICTIONARY_CODING)
         compressor = plane_compressor()
-        for stream in streams[_RESIDUALS:]:
+        for stream in parts.streams():
             _add_stream(stream, compressor.compress(stream, MIN_CODING_GAIN) if len(stream)
                         else None, self._parts)
+        return True
 
 
 def _payload_of(tensor: SavedTensor) -> PayloadHint:

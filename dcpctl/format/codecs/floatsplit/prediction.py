@@ -23,6 +23,7 @@ Every step is a whole-array numpy operation: decoding a block costs its planes' 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy
@@ -31,7 +32,7 @@ from dcpctl.errors import DataError
 from dcpctl.format.codecs.floatsplit.planes import (BFLOAT16, FLOAT16, FLOAT32, FloatLayout,
                                                     join_planes, scratch_plane)
 
-_U16 = numpy.dtype("<u2")
+_U8, _U16 = numpy.dtype(numpy.uint8), numpy.dtype("<u2")
 _SIGN_IN_LOW_BYTE = numpy.uint8(0x80)
 _ESCAPE = 0
 _RESIDUAL_BIAS = 128  # a residual r is stored as r + 128, in 1..255
@@ -46,7 +47,13 @@ COLUMN_DEAD_ZONE, ROW_DEAD_ZONE = 0.75, 0.6
 # Whether a prediction pays is judged on this many runs of this many elements spread over a
 # block: the entropy of a few thousand bytes tells it, at a small part of the block's cost.
 _SAMPLE_RUNS, _SAMPLE_RUN_BYTES = 8, 512
+# c * log2(c) for each count a sample's byte may have
+_ENTROPY_TERMS = numpy.concatenate(([0.0], numpy.arange(1, _SAMPLE_RUNS * _SAMPLE_RUN_BYTES + 1)
+                                    * numpy.log2(numpy.arange(1, _SAMPLE_RUNS
+                                                              * _SAMPLE_RUN_BYTES + 1))))
 _TOP_SLOT, _Q_SLOT, _SIGN_SLOT, _PAIR_SLOT = 20, 21, 22, 23  # apart from planes.py's slots
+_Q_PART_SLOT, _LOW_PART_SLOT, _SCRATCH_PART_SLOT, _RESIDUALS_PART_SLOT = 24, 25, 26, 27
+_LOW_PLANE_SLOTS = (28, 29)
 
 
 PREDICTED_LAYOUTS = {layout.code: layout for layout in (BFLOAT16, FLOAT16, FLOAT32)}
@@ -55,22 +62,32 @@ _LOW_BITS = 7  # magnitude bits of the top 16 below q
 
 
 @dataclass
-class PredictedParts:
-    """A block cut for coding into its sub-streams. The low part and planes may be the split's
-    scratch memory: code them before the next split on this thread."""
+class Prediction:
+    """A block's predictions, and what a sample says they save."""
 
-    columns: numpy.ndarray  # u8 per column: its predicted q
-    rows: numpy.ndarray  # i8 per row: added to every column's prediction
+    columns: numpy.ndarray  # int32 per column: its predicted q
+    offsets: numpy.ndarray  # int16 per row, in -128..127: added to every column's prediction
+    saving: float  # about how many bytes the residuals code smaller than q itself
+
+    def streams(self) -> list[numpy.ndarray]:
+        """The block's first two sub-streams: a byte per column, a signed byte per row."""
+        return [self.columns.astype(numpy.uint8), self.offsets.astype(numpy.int8).view(numpy.uint8)]
+
+
+@dataclass
+class PredictedParts:
+    """A block cut for coding into the sub-streams that follow its predictions', in this
+    thread's scratch memory: code them before the next split on this thread."""
+
     residuals: numpy.ndarray  # u8 per element: q's residual + 128, or 0 for escaped elements
     low: numpy.ndarray  # u8 per element: the sign in bit 7, the 7 magnitude bits below q
     escaped: numpy.ndarray  # u16 per escaped element: its top 16 bits
     low_planes: list  # float32: the two low bytes' planes, most significant first
-    predicted: numpy.ndarray  # u8 per element: q itself, what the residuals stand for
 
     def streams(self) -> list[numpy.ndarray]:
         """The sub-streams' bytes, in stream order."""
         return [part.view(numpy.uint8) for part in (
-            self.columns, self.rows, self.residuals, self.low, self.escaped, *self.low_planes)]
+            self.residuals, self.low, self.escaped, *self.low_planes)]
 
 
 def stream_count(layout: FloatLayout) -> int:
@@ -78,64 +95,112 @@ def stream_count(layout: FloatLayout) -> int:
     return 5 + layout.itemsize - 2
 
 
-def split_predicted(layout: FloatLayout, data, split_layout: FloatLayout, planes: list,
-                    row_length: int) -> PredictedParts:
-    """The parts of a block of whole rows of `row_length` elements each, of `layout`, from the
-    planes split_planes split it into with split_layout (layout itself, or layout_for_block's
-    choice of one as wide without the exchange): a block the prediction does not pay for is
-    split anyway, and q and the low part are a few byte operations away from the planes.
-    Residuals are worked out modulo 256; only a block whose range says some may not fit a byte
-    is checked element by element."""
-    high, second = planes[0], planes[1]
-    rows = len(high) // row_length
-    if split_layout.moves_sign:
-        # high holds the exponent rotated right by one bit, second the sign and the rest
-        q = numpy.add(high, high)  # a shift left by one, which numpy does slower
-        q |= high >> numpy.uint8(7)
-        low = second
-    else:  # the top two bytes as they are: q straddles them, the sign heads the first
-        q = numpy.add(high, high)
-        q |= second >> numpy.uint8(_LOW_BITS)
-        low = numpy.bitwise_and(second, numpy.uint8((1 << _LOW_BITS) - 1))
-        low |= high & _SIGN_IN_LOW_BYTE
+def predict(layout: FloatLayout, data, row_length: int) -> Prediction:
+    """The predictions for a block of whole rows of `row_length` elements each, of `layout`,
+    and the saving they bring, judged from samples of the block alone: a block they do not pay
+    for costs a small part of a pass over it."""
+    words = numpy.frombuffer(data, dtype=layout.word_type).reshape(-1, row_length)
+    columns = _column_predictions(_q_of(layout, words[::max(1, len(words) // _SAMPLED_ROWS)]))
+    offsets = _row_offsets(_q_of(layout, words[:, :_SAMPLED_COLUMNS]), columns)
+    return Prediction(columns, offsets, _estimated_saving(layout, words, columns, offsets))
+
+
+def split_predicted(layout: FloatLayout, data, row_length: int,
+                    prediction: Prediction) -> PredictedParts:
+    """The parts of a block of whole rows of `row_length` elements each, of `layout`, coded
+    against its prediction. Each part is a pass or two of whole-array operations over the
+    words; residuals are worked out modulo 256, and only a block whose range says some may not
+    fit a byte is checked element by element."""
+    words = numpy.frombuffer(data, dtype=layout.word_type)
+    count, rows = len(words), len(words) // row_length
+    top_shift = 8 * layout.itemsize - 16  # where the top 16 bits start
+    q = _q_of(layout, words, _scratch_array(_Q_PART_SLOT, count, _U8))
+    # the low part: the sign (the top byte's bit 7), and the second byte's 7 bits below q
+    low = _scratch_array(_LOW_PART_SLOT, count, _U8)
+    numpy.right_shift(words, top_shift + 8, out=low, casting="unsafe")
+    numpy.bitwise_and(low, _SIGN_IN_LOW_BYTE, out=low)
+    magnitude = _scratch_array(_SCRATCH_PART_SLOT, count, _U8)
+    _low_byte_of(words, top_shift, magnitude)
+    numpy.bitwise_and(magnitude, numpy.uint8((1 << _LOW_BITS) - 1), out=magnitude)
+    numpy.bitwise_or(low, magnitude, out=low)
+    columns, offsets = prediction.columns, prediction.offsets
     q = q.reshape(rows, row_length)
-    columns = _column_predictions(q)
-    offsets = _row_offsets(q, columns)
-    coded = q + (_RESIDUAL_BIAS - columns).astype(numpy.uint8)[None, :]
+    coded = _scratch_array(_RESIDUALS_PART_SLOT, count, _U8).reshape(rows, row_length)
+    numpy.add(q, (_RESIDUAL_BIAS - columns).astype(numpy.uint8)[None, :], out=coded)
     if offsets.any():
-        coded -= offsets.astype(numpy.uint8)[:, None]
+        numpy.subtract(coded, offsets.astype(numpy.uint8)[:, None], out=coded)
     escaped_tops = numpy.empty(0, dtype=_U16)
     if not _all_fit(q, columns, offsets):
         residuals = q.astype(numpy.int16) - columns[None, :] - offsets[:, None]
         escaped = (residuals < 1 - _RESIDUAL_BIAS) | (residuals > 255 - _RESIDUAL_BIAS)
         coded[escaped] = _ESCAPE
-        words = numpy.frombuffer(data, dtype=layout.word_type).reshape(rows, row_length)
-        escaped_tops = (words[escaped] >> (8 * layout.itemsize - 16)).astype(_U16)
-    return PredictedParts(columns.astype(numpy.uint8), offsets.astype(numpy.int8),
-                          coded.reshape(-1), low, escaped_tops, list(planes[2:]), q.reshape(-1))
+        escaped_tops = (words.reshape(rows, row_length)[escaped] >> top_shift).astype(_U16)
+    low_planes = []
+    if layout.itemsize == 4:  # the two low bytes, as split_planes would split them
+        low_planes = [_scratch_array(slot, count, _U8) for slot in _LOW_PLANE_SLOTS]
+        _low_byte_of(words, 8, low_planes[0])
+        _low_byte_of(words, 0, low_planes[1])
+    return PredictedParts(coded.reshape(-1), low, escaped_tops, low_planes)
 
 
-def estimated_saving(parts: PredictedParts) -> float:
+def _q_of(layout: FloatLayout, words: numpy.ndarray, out: numpy.ndarray | None = None
+          ) -> numpy.ndarray:
+    """q of each of these words (bits 14..7 of their top 16), in `out` where given."""
+    out = numpy.empty(words.shape, dtype=_U8) if out is None else out
+    return numpy.right_shift(words, 8 * layout.itemsize - 16 + _LOW_BITS, out=out,
+                             casting="unsafe")
+
+
+def _low_byte_of(words: numpy.ndarray, shift: int, out: numpy.ndarray) -> None:
+    """out = the byte of each word from bit `shift` up."""
+    if shift:
+        numpy.right_shift(words, shift, out=out, casting="unsafe")
+    else:
+        numpy.copyto(out, words, casting="unsafe")
+
+
+def _estimated_saving(layout: FloatLayout, words: numpy.ndarray, columns: numpy.ndarray,
+                      offsets: numpy.ndarray) -> float:
     """About how many bytes the residuals code smaller than q itself, from the order-0 entropy
-    (what Huffman coding reaches) of both on the same sample."""
-    residuals, predicted = _sampled(parts.residuals), _sampled(parts.predicted)
-    scale = len(parts.residuals) / len(residuals) / 8
-    return (_order0_bits(predicted) - _order0_bits(residuals)) * scale
+    (what Huffman coding reaches) of both on the same sample of the block's elements: the
+    residuals as split_predicted stores them, escapes and all."""
+    rows, row_length = words.shape
+    sample = _Sample.of(rows * row_length, row_length)
+    q = _q_of(layout, words.reshape(-1)[sample.positions])
+    coded = q.astype(numpy.int32)
+    coded -= columns[sample.columns]
+    coded -= offsets[sample.rows]
+    coded += _RESIDUAL_BIAS
+    coded[(coded < 1) | (coded > 255)] = _ESCAPE
+    scale = rows * row_length / len(sample.positions) / 8
+    return (_order0_bits(q) - _order0_bits(coded)) * scale
 
 
-def _sampled(plane: numpy.ndarray) -> numpy.ndarray:
-    """_SAMPLE_RUNS runs of bytes spread over a plane (all of it if short)."""
-    if len(plane) <= _SAMPLE_RUNS * _SAMPLE_RUN_BYTES:
-        return plane
-    runs = plane[:len(plane) - len(plane) % _SAMPLE_RUNS].reshape(_SAMPLE_RUNS, -1)
-    return runs[:, :_SAMPLE_RUN_BYTES].reshape(-1)
+@dataclass(frozen=True)
+class _Sample:
+    """The elements of a block that a saving is judged on: _SAMPLE_RUNS runs of
+    _SAMPLE_RUN_BYTES elements spread over it (all of them if it is short), by position, and
+    their columns and rows."""
+
+    positions: numpy.ndarray
+    columns: numpy.ndarray
+    rows: numpy.ndarray
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)  # a tensor's blocks are mostly of one size
+    def of(count: int, row_length: int) -> _Sample:
+        if count <= _SAMPLE_RUNS * _SAMPLE_RUN_BYTES:
+            positions = numpy.arange(count)
+        else:
+            positions = (numpy.arange(_SAMPLE_RUNS)[:, None] * (count // _SAMPLE_RUNS)
+                         + numpy.arange(_SAMPLE_RUN_BYTES)[None, :]).reshape(-1)
+        return _Sample(positions, positions % row_length, positions // row_length)
 
 
-def _order0_bits(plane: numpy.ndarray) -> float:
-    """The order-0 entropy of a plane's bytes, in bits."""
-    counts = numpy.bincount(plane, minlength=256)
-    counts = counts[counts > 0]
-    return float(len(plane) * numpy.log2(len(plane)) - (counts * numpy.log2(counts)).sum())
+def _order0_bits(values: numpy.ndarray) -> float:
+    """The order-0 entropy of these values (bytes), in bits."""
+    counts = numpy.bincount(values, minlength=256)
+    return float(len(values) * numpy.log2(len(values)) - _ENTROPY_TERMS[counts].sum())
 
 
 def _all_fit(q: numpy.ndarray, columns: numpy.ndarray, offsets: numpy.ndarray) -> bool:
@@ -146,24 +211,27 @@ def _all_fit(q: numpy.ndarray, columns: numpy.ndarray, offsets: numpy.ndarray) -
     return lowest >= 1 - _RESIDUAL_BIAS and highest <= 255 - _RESIDUAL_BIAS
 
 
-def _column_predictions(q: numpy.ndarray) -> numpy.ndarray:
-    """Each column's predicted q: its mean over a sample of rows, snapped to the columns' common
-    value where it lies within COLUMN_DEAD_ZONE of it. Sums are products with a vector of ones,
-    exact in float32 (integers far below 2**24), which numpy does far faster than sums along
-    an axis."""
-    sample = q[::max(1, len(q) // _SAMPLED_ROWS)].astype(numpy.float32)
-    means = numpy.ones(len(sample), dtype=numpy.float32) @ sample / len(sample)
+def _column_predictions(sampled_rows: numpy.ndarray) -> numpy.ndarray:
+    """Each column's predicted q: its mean over these rows' q, snapped to the columns' common
+    value where it lies within COLUMN_DEAD_ZONE of it."""
+    means = _sums(sampled_rows, "ij->j") / len(sampled_rows)
     return _snapped(means, COLUMN_DEAD_ZONE).astype(numpy.int32)
 
 
-def _row_offsets(q: numpy.ndarray, columns: numpy.ndarray) -> numpy.ndarray:
+def _row_offsets(first_columns: numpy.ndarray, columns: numpy.ndarray) -> numpy.ndarray:
     """Each row's offset from the column predictions: its mean residual over its first
-    columns, snapped to the rows' common offset where it lies within ROW_DEAD_ZONE of it."""
-    values = q[:, :_SAMPLED_COLUMNS].astype(numpy.float32)
-    width = values.shape[1]
-    means = (values @ numpy.ones(width, dtype=numpy.float32)
-             - float(columns[:width].sum())) / width
+    columns (their q given), snapped to the rows' common offset where it lies within
+    ROW_DEAD_ZONE of it."""
+    width = first_columns.shape[1]
+    means = (_sums(first_columns, "ij->i") - float(columns[:width].sum())) / width
     return numpy.clip(_snapped(means, ROW_DEAD_ZONE), -128, 127).astype(numpy.int16)
+
+
+def _sums(values: numpy.ndarray, subscripts: str) -> numpy.ndarray:
+    """Sums of bytes along an axis, in float32 (exact: integers far below 2**24). einsum's own
+    loops, not a product with a vector of ones: numpy hands those to BLAS, whose threads wait
+    spinning after each call and take the cores from the other threads of a save."""
+    return numpy.einsum(subscripts, values, dtype=numpy.float32, casting="unsafe")
 
 
 def _snapped(means: numpy.ndarray, dead_zone: float) -> numpy.ndarray:
