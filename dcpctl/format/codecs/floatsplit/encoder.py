@@ -111,8 +111,8 @@ class FloatSplitEncoder:
     def _take_head(self, data: memoryview, final: bool) -> memoryview:
         """Keep data in the head until it shows where the tensor's bytes start, then code the
         head as a block of its own; returns what of data lies past the head."""
-        room = _HEAD_SEARCH_BYTES - len(self._head)
-        self._head += data[:room]
+        kept = len(self._head)  # from earlier pieces
+        self._head += data[:_HEAD_SEARCH_BYTES - kept]
         head = bytes(self._head)
         start = find_payload_start(head)
         if (start is None and not final and len(head) < _HEAD_SEARCH_BYTES
@@ -127,8 +127,11 @@ class FloatSplitEncoder:
         if start:
             self._archive_head = head[:start]
             self._add_bytes_block(memoryview(head)[:start])
-        self._take(memoryview(head)[start:])
-        return data[room:]
+        # What lies past the head is taken where it lies: this piece's part of it, often a
+        # tensor's bytes whole, is not copied with the head.
+        if start < kept:
+            self._take(memoryview(head)[start:kept])
+        return data[max(0, start - kept):]
 
     def _tail_block(self, rest: bytes) -> bytes | None:
         """A TAIL block for the bytes after the tensor's, where they are all torch.save's
