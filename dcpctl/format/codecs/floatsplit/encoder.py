@@ -20,6 +20,8 @@ where it lies, never copied whole.
 
 from __future__ import annotations
 
+import numpy
+
 from dcpctl.format.codecs.base import PayloadHint, row_length_of
 from dcpctl.format.codecs.floatsplit.framing import framing_compressor, tail_block
 from dcpctl.format.codecs.floatsplit.plane_zstd import plane_compressor
@@ -63,7 +65,9 @@ class FloatSplitEncoder:
         # they have, or where there is no tensor to find.
         self._head: bytearray | None = bytearray() if payload is None or self._layout else None
         self._reads_hint = payload is None
-        self._pending = bytearray()
+        # A block's bytes that came in pieces, gathered: _pending[:_pending_bytes]
+        self._pending = numpy.empty(0, dtype=numpy.uint8)
+        self._pending_bytes = 0
         self._decoded_bytes = 0
         self._archive_head: bytes | None = None  # a tensor archive's records before its bytes
         self._parts: list = [MAGIC_V2]
@@ -94,13 +98,14 @@ class FloatSplitEncoder:
     def finish(self) -> bytes:
         if self._head is not None:
             self._take_head(memoryview(b""), final=True)
-        if self._pending:
-            tail = self._tail_block(bytes(self._pending))
+        if self._pending_bytes:
+            rest = memoryview(self._pending[:self._pending_bytes])
+            tail = self._tail_block(bytes(rest))
             if tail is not None:
                 self._parts.append(tail)
             else:
-                self._add_last_block(memoryview(self._pending))
-            self._pending = bytearray()
+                self._add_last_block(rest)
+            self._pending_bytes = 0
         self._parts.append(END_HEADER.pack(END_BLOCK, self._decoded_bytes))
         return self._flush()
 
@@ -142,19 +147,25 @@ class FloatSplitEncoder:
         return tail_block(self._archive_head, payload_bytes, rest)
 
     def _take(self, data: memoryview) -> None:
-        """Code every block data completes; keep the rest for the next piece."""
+        """Code every block data completes; keep the rest for the next piece. Bytes are
+        gathered with numpy, which copies without holding the GIL: the other threads of a save
+        go on meanwhile."""
         while data:
             target = min(self._payload_left, self._block_bytes) or MAX_BLOCK_BYTES
-            if not self._pending and len(data) >= target:
+            if not self._pending_bytes and len(data) >= target:
                 self._add_block(data[:target])
                 data = data[target:]
                 continue
-            taken = min(target - len(self._pending), len(data))
-            self._pending += data[:taken]
+            if len(self._pending) < target:  # only while nothing is pending
+                self._pending = numpy.empty(target, dtype=numpy.uint8)
+            start = self._pending_bytes
+            taken = min(target - start, len(data))
+            self._pending[start:start + taken] = numpy.frombuffer(data[:taken], dtype=numpy.uint8)
+            self._pending_bytes += taken
             data = data[taken:]
-            if len(self._pending) == target:
-                self._add_block(memoryview(self._pending))
-                self._pending = bytearray()
+            if self._pending_bytes == target:
+                self._pending_bytes = 0
+                self._add_block(memoryview(self._pending[:target]))
 
     def _add_block(self, data: memoryview) -> None:
         if self._payload_left:
@@ -243,6 +254,8 @@ def _add_stream(data, compressed: bytes | None, parts: list, coding: int = ZSTD_
     DICTIONARY_CODING), or data itself (raw) where there is none."""
     size = len(data)
     if compressed is None:
-        parts += [STREAM_HEADER.pack(RAW_CODING, size, size), bytes(data)]
+        # a copy (data may be scratch memory), made by numpy without holding the GIL
+        parts += [STREAM_HEADER.pack(RAW_CODING, size, size),
+                  numpy.frombuffer(data, dtype=numpy.uint8).copy()]
     else:
         parts += [STREAM_HEADER.pack(coding, size, len(compressed)), compressed]
