@@ -261,10 +261,12 @@ def _snapped(means: numpy.ndarray, dead_zone: float) -> numpy.ndarray:
     its rounded value. Lines (rows, columns) that only look apart by chance then share one
     prediction, where rounding each alone would split them between two neighbouring values
     and mix two shifted copies of one distribution, which codes larger than either."""
-    center = float(means.mean(dtype=numpy.float64))
+    center = float(numpy.add.reduce(means, dtype=numpy.float64)) / len(means)
     differences = means - center
-    moved = numpy.where(numpy.abs(differences) >= dead_zone, numpy.rint(differences), 0)
-    return moved + numpy.rint(center)
+    moved = numpy.rint(differences)
+    moved[numpy.abs(differences) < dead_zone] = 0
+    moved += round(center)  # to even, as numpy.rint
+    return moved
 
 
 def join_predicted(layout: FloatLayout, row_length: int, streams: list, out) -> None:
