@@ -13,12 +13,21 @@ next), --repeats times, and each keeps its fastest time. Times are wall seconds 
 barriers on rank 0. Sizes are the stored item bytes: of the bf16 model weights, and of the
 whole state.
 
-Usage: python bench/bench_save.py [--units 2] [--repeats 3]
+A save's time on this machine swings by tens of percent from run to run, more than the coding
+costs. So the coding is also measured alone, in this process: each tensor of one unit is
+torch.saved through each codec's stream transform (`transform_to`, as the writer uses it) into
+a sink that keeps nothing; CPU seconds on one thread (all of the process's threads counted:
+a codec whose library spins up threads of its own pays for them here) and wall seconds with
+the tensors shared out to two threads, as a writer with thread_count 2 does. Best of
+--repeats, codecs taking turns.
+
+Usage: python bench/bench_save.py [--units 2] [--repeats 3] [--coding-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shutil
 import sys
@@ -28,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import print_table  # noqa: E402
-from real_checkpoint import OUT_ROOT, rank_state  # noqa: E402
+from real_checkpoint import OUT_ROOT, rank_state, unit_tensors  # noqa: E402
 
 CODECS = ("none", "zstd", "floatsplit")
 LABELS = {"none": "baseline", "zstd": "ZStandard", "floatsplit": "FloatSplit"}
@@ -78,6 +87,50 @@ def _job(rank: int, world_size: int, out_root: str, units: int, repeats: int,
         Path(results_file).write_text(json.dumps(best))
 
 
+class _Sink(io.RawIOBase):
+    """A writable stream that keeps nothing."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        return memoryview(data).nbytes
+
+
+def coding_alone(repeats: int) -> tuple[int, dict]:
+    """One unit's raw tensor bytes, and per codec and measure ("cpu", "wall"): CPU seconds to
+    torch.save its tensors through the codec's stream transform on one thread, wall seconds on
+    two (see the module's docstring)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from dcpctl.format.codecs.torch_extension import FloatSplit
+
+    tensors = list(unit_tensors().values())
+    transforms = {"none": None, "zstd": ZStandard(), "floatsplit": FloatSplit()}
+
+    def save(transform, tensor) -> None:
+        stream = transform.transform_to(_Sink()) if transform else _Sink()
+        torch.save(tensor, stream)
+        stream.close()
+
+    best = {(codec, measure): float("inf") for codec in CODECS for measure in ("cpu", "wall")}
+    with ThreadPoolExecutor(2) as pool:
+        for repeat in range(repeats):
+            for codec in CODECS[repeat % 3:] + CODECS[:repeat % 3]:
+                transform = transforms[codec]
+                started = time.process_time()
+                for tensor in tensors:
+                    save(transform, tensor)
+                best[codec, "cpu"] = min(best[codec, "cpu"], time.process_time() - started)
+                started = time.perf_counter()
+                list(pool.map(lambda tensor: save(transform, tensor), tensors))
+                best[codec, "wall"] = min(best[codec, "wall"], time.perf_counter() - started)
+    return sum(tensor.nbytes for tensor in tensors), best
+
+
 def stored_bytes(checkpoint: Path) -> tuple[int, int, int]:
     """(bf16 model weights, all tensors and objects, raw bytes of the bf16 weights) stored."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -102,7 +155,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--units", type=int, default=2, help="units of ~93 MB of state")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--coding-only", action="store_true",
+                        help="measure the coding alone, without the saves")
     args = parser.parse_args()
+    if args.coding_only:
+        print_coding_alone(args.repeats)
+        return
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))
     from make_fixtures import run_gloo_job
 
@@ -141,7 +199,22 @@ def main() -> None:
               f"whole {split[1] / zstd[1]:.3f} (bar < 1); "
               f"save overhead {split[3] / base[3] - 1:+.1%} vs {zstd[3] / base[3] - 1:+.1%}; "
               f"load {split[4]:.2f} s vs {zstd[4]:.2f} s")
+    print()
+    print_coding_alone(args.repeats)
 
+
+def print_coding_alone(repeats: int) -> None:
+    raw, best = coding_alone(repeats)
+    print(f"coding alone: one unit's tensors ({raw / 1e6:.1f} MB) torch.saved through each "
+          f"transform into a sink; best of {repeats}")
+    over = {(codec, measure): best[codec, measure] - best["none", measure]
+            for codec, measure in best}
+    print_table([(LABELS[codec], *(f"{figures[codec, measure]:.3f}" for measure in ("cpu", "wall")
+                                   for figures in (best, over))) for codec in CODECS],
+                ("transform", "CPU s, 1 thread", "over none", "wall s, 2 threads", "over none"))
+    print(f"FloatSplit's coding over ZStandard's: "
+          f"{over['floatsplit', 'cpu'] / over['zstd', 'cpu']:.2f}x CPU on one thread, "
+          f"{over['floatsplit', 'wall'] / over['zstd', 'wall']:.2f}x wall on two")
 
 if __name__ == "__main__":
     main()

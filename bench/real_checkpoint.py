@@ -51,6 +51,19 @@ def _rows_of_rank(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + per_rank, rows)
 
 
+def unit_tensors() -> dict:
+    """One unit's tensors whole, by fqn, as a one-rank job holds them (without the process
+    group rank_state needs)."""
+    from safetensors import safe_open
+
+    tensors = {}
+    handles = {path: safe_open(path, "pt") for path in (WHISPER, ENCODER)}
+    for fqn, path, name, dtype in _sources():
+        tensor = handles[path].get_tensor(name)
+        tensors[fqn] = tensor.to(dtype) if dtype is not None else tensor
+    return tensors
+
+
 def rank_state(rank: int, world_size: int, units: int) -> dict:
     """This rank's state dict of `units` units: its rows of every tensor as a Shard(0) DTensor
     (0-d tensors whole), as an FSDP2 job holds them, and the step counter. Needs the gloo

@@ -51,16 +51,16 @@ class _LiteralCompressor:
                                  (_lib.ZSTD_c_literalCompressionMode, _ZSTD_PS_ENABLE),
                                  (_lib.ZSTD_c_contentSizeFlag, 1), (_lib.ZSTD_c_checksumFlag, 0)):
             _check(_lib.ZSTD_CCtx_setParameter(self._context, parameter, value))
-        self._output = bytearray()
 
-    def compress(self, data) -> bytes:
+    def compress(self, data) -> numpy.ndarray:
+        """data's zstd frame, in memory of its own (numpy's: made without holding the GIL,
+        where copying the frame into bytes would hold it)."""
         size = len(data)
         bound = _lib.ZSTD_compressBound(size)
-        if len(self._output) < bound:
-            self._output = bytearray(bound)
-        written = _check(_lib.ZSTD_compress2(self._context, _ffi.from_buffer(self._output), bound,
+        output = numpy.empty(bound, dtype=numpy.uint8)
+        written = _check(_lib.ZSTD_compress2(self._context, _ffi.from_buffer(output), bound,
                                              _ffi.from_buffer(data), size))
-        return bytes(memoryview(self._output)[:written])
+        return output[:written]
 
 
 def _check(result: int) -> int:
@@ -82,8 +82,8 @@ class PlaneCompressor:
         self._literal = _LiteralCompressor() if literal_coding else None
         self._sample = numpy.empty(SAMPLE_SLICES * MAX_SLICE_BYTES, dtype=numpy.uint8)
 
-    def compress(self, plane: numpy.ndarray, min_saving: float) -> bytes | None:
-        """One zstd frame of the plane, or None where coding it would not save `min_saving`
+    def compress(self, plane: numpy.ndarray, min_saving: float) -> bytes | numpy.ndarray | None:
+        """One zstd frame of the plane (bytes-like), or None where coding it would not save `min_saving`
         of its size (judged on the sample for large planes, where it saves under half that)."""
         size = len(plane)
         slice_bytes = min(max(size // 256, MIN_SLICE_BYTES), MAX_SLICE_BYTES)

@@ -145,7 +145,8 @@ def _split_rows(layout: FloatLayout, words: numpy.ndarray, columns: numpy.ndarra
     q = _q_of(layout, words, residuals)  # residuals are worked out in place
     # Every residual surely fits a byte where the least and greatest q against the least and
     # greatest prediction say so; else each is checked.
-    lowest, highest = int(q.min()), int(q.max())
+    lowest = int(numpy.minimum.reduce(q, axis=None))
+    highest = int(numpy.maximum.reduce(q, axis=None))
     fits = (lowest - int(columns.max()) - int(offsets.max()) >= 1 - _RESIDUAL_BIAS
             and highest - int(columns.min()) - int(offsets.min()) <= 255 - _RESIDUAL_BIAS)
     escaped = None if fits else _escaped(q, columns, offsets)
