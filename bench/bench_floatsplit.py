@@ -4,7 +4,8 @@ Per real weight file, each tensor as stored (float16, float32) and cast to bfloa
 DCP saves it from 1 and from 4 ranks: split into row chunks as FSDP2 shards dim 0 (`torch.chunk`
 over the ranks), each chunk one item, the `torch.save` archive of the chunk that DCP's
 TORCH_SAVE layout stores. dcpctl's codecs code the items as the checkpoint stores them, framing
-and all: plain zstd level 3 (dcpctl's zstd codec) and floatsplit, both directions in 4 MiB
+and all: plain zstd level 3 (dcpctl's zstd codec) and floatsplit (at its default level and at
+its fast level 1, which a save through the FloatSplit extension writes), both directions in 4 MiB
 pieces as the pipeline gives them. ZipNN (`ZipNN(input_format="byte", bytearray_dtype=...,
 threads=1)`) codes each chunk's raw tensor bytes alone, without the framing. Sizes are stored
 bytes over the tensors' raw bytes. The bound is the order-0 entropy of each chunk's exponent plus
@@ -38,7 +39,8 @@ from real_checkpoint import ENCODER, ONE_GB_UNITS, WHISPER, real_checkpoint  # n
 
 sys.path.insert(0, str(REPO_ROOT))
 from dcpctl.format.codecs.base import PayloadHint, iter_decoded  # noqa: E402
-from dcpctl.format.codecs.registry import floatsplit_codec, zstd_codec  # noqa: E402
+from dcpctl.format.codecs.registry import (FLOATSPLIT_FAST_LEVEL, floatsplit_codec,  # noqa: E402
+                                           zstd_codec)
 
 PIECE_BYTES = 4 << 20
 # (exponent bits, sign and mantissa bits) per dtype
@@ -125,7 +127,8 @@ def run_contenders(items, rounds: int) -> dict[str, tuple[int, float, float]]:
     Contenders take turns item by item, and each item's time is its best of `rounds`, so a
     burst of load on the machine hits them alike."""
     contenders = {"zstd-3": dcpctl_coder(zstd_codec(3)), "zipnn": zipnn_coder(),
-                  "floatsplit": dcpctl_coder(floatsplit_codec())}
+                  "floatsplit": dcpctl_coder(floatsplit_codec()),
+                  "floatsplit-1": dcpctl_coder(floatsplit_codec(FLOATSPLIT_FAST_LEVEL))}
     sizes = dict.fromkeys(contenders, 0)
     best = {(name, index, step): float("inf") for name in contenders
             for index in range(len(items)) for step in ("encode", "decode")}
@@ -175,10 +178,11 @@ def compare_items(rounds: int, rank_counts: list[int]) -> None:
                              f"{bound / raw_bytes:.4f}",
                              f"{sizes['floatsplit'] / sizes['zipnn'] - 1:+.2%}", *speeds))
     print_table(rows, ("file", "dtype", "ranks", "items", "MB", "zstd-3", "zipnn", "floatsplit",
-                       "bound", "vs zipnn", "zstd c", "zstd d", "zipnn c", "zipnn d", "fs c",
-                       "fs d"))
+                       "fs-1", "bound", "vs zipnn", "zstd c", "zstd d", "zipnn c", "zipnn d",
+                       "fs c", "fs d", "fs-1 c", "fs-1 d"))
     print("sizes: stored bytes over raw tensor bytes (zstd-3 and floatsplit with each item's "
-          "framing, zipnn without); c, d: MB/s per thread (CPU time) to compress, decompress")
+          "framing, zipnn without); floatsplit at its default level, fs-1 at its fast level 1 "
+          "(a save's default); c, d: MB/s per thread (CPU time) to compress, decompress")
 
 
 def compare_checkpoint(units: int) -> None:

@@ -28,9 +28,10 @@ _output_option = output_option(
                    "dcpctl.storage_reader.")
 @click.option("--level", type=click.IntRange(MIN_ZSTD_LEVEL, MAX_ZSTD_LEVEL), default=None,
               help=f"zstd level, {MIN_ZSTD_LEVEL}-{MAX_ZSTD_LEVEL} (default "
-                   f"{DEFAULT_ZSTD_LEVEL}); for floatsplit, the level of its plain zstd parts. "
-                   "Given explicitly, items already in the chosen codec are re-compressed; "
-                   "otherwise they are copied as they are.")
+                   f"{DEFAULT_ZSTD_LEVEL}); for floatsplit, the level of its plain zstd parts, "
+                   "and 1 codes for speed: no row and column prediction, as a save through "
+                   "dcpctl.FloatSplit writes by default. Given explicitly, items already in the "
+                   "chosen codec are re-compressed; otherwise they are copied as they are.")
 @threads_option
 @workers_option
 @dry_run_option

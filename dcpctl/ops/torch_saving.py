@@ -22,8 +22,9 @@ def storage_writer(path: str | os.PathLike, codec: str = FLOATSPLIT, level: int 
                    thread_count: int = 1, **writer_options: Any) -> FileSystemWriter:
     """A torch StorageWriter that saves to path (a local directory or a URL) with every item
     coded by codec: `floatsplit` (dcpctl's), `zstd` (torch's own ZStandard, which stock torch
-    loads) or `none`. level is floatsplit's zstd level; the rest goes to torch's writer (and
-    for a URL to fsspec, after the storage options in DCPCTL_STORAGE_OPTIONS)."""
+    loads) or `none`. level is floatsplit's level (FloatSplit's: by default 1, which codes for
+    speed); the rest goes to torch's writer (and for a URL to fsspec, after the storage options
+    in DCPCTL_STORAGE_OPTIONS)."""
     extensions = _extensions_for(codec, level)
     serialization = writer_options.get("serialization_format", SerializationFormat.TORCH_SAVE)
     if extensions and serialization != SerializationFormat.TORCH_SAVE:
@@ -45,7 +46,7 @@ def storage_writer(path: str | os.PathLike, codec: str = FLOATSPLIT, level: int 
 def _extensions_for(codec: str, level: int | None) -> list[StreamTransformExtension]:
     codec_by_name(codec, level or DEFAULT_ZSTD_LEVEL)  # refuses unknown names and levels
     if codec == FLOATSPLIT:
-        return [FloatSplit(level or DEFAULT_ZSTD_LEVEL)]
+        return [FloatSplit() if level is None else FloatSplit(level)]
     if level not in (None, DEFAULT_ZSTD_LEVEL):
         raise InvalidOptionError(f"codec {codec!r} takes no level: torch's ZStandard writes "
                                  f"level {DEFAULT_ZSTD_LEVEL}, and `none` does not compress")

@@ -1,7 +1,7 @@
 """floatsplit at save time: a training job saves through `dcpctl.storage_writer` (torch's
 FileSystemWriter with the FloatSplit extension), from several gloo ranks, with `dcp.save` and
 `dcp.async_save`; what it writes is item for item what `dcpctl compress --codec floatsplit`
-writes, loads on any world size, and every command reads it."""
+writes at the same level, loads on any world size, and every command reads it."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ def _save_all_ways(rank: int, world_size: int, root: str) -> None:
     state = _trainer_state(rank, world_size)
     dcp.save(state, checkpoint_id=f"{root}/plain")
     dcp.save(state, storage_writer=dcpctl.storage_writer(f"{root}/floatsplit", thread_count=2))
+    dcp.save(state, storage_writer=dcpctl.storage_writer(f"{root}/floatsplit-3", level=3))
     dcp.async_save(state, storage_writer=dcpctl.storage_writer(f"{root}/async")).result()
     dcp.save(state, storage_writer=dcpctl.storage_writer(f"{root}/zstd", codec="zstd"))
 
@@ -90,10 +91,14 @@ def stored_items(checkpoint) -> dict:
     return items
 
 
-@pytest.mark.parametrize("name", ["floatsplit", "async"])
-def test_a_save_writes_what_compress_writes(saves, tmp_path, name):
+@pytest.mark.parametrize("name, level", [("floatsplit", "1"), ("async", "1"),
+                                         ("floatsplit-3", "3")])
+def test_a_save_writes_what_compress_writes(saves, tmp_path, name, level):
+    """By default a save codes at the fast level 1; at any level, it writes what compress
+    writes at that level."""
     compressed = tmp_path / "compressed"
-    result = run_dcpctl("compress", saves / "plain", "--codec", "floatsplit", "-o", compressed)
+    result = run_dcpctl("compress", saves / "plain", "--codec", "floatsplit", "--level", level,
+                        "-o", compressed)
     assert result.returncode == 0, result.stderr
     saved, expected = stored_items(saves / name), stored_items(compressed)
     assert saved.keys() == expected.keys()
@@ -106,7 +111,7 @@ def test_a_save_writes_what_compress_writes(saves, tmp_path, name):
     assert {block[0] for block in block_structure(rank_object)} <= {BYTES_BLOCK, END_BLOCK}
 
 
-@pytest.mark.parametrize("name", ["floatsplit", "async", "zstd"])
+@pytest.mark.parametrize("name", ["floatsplit", "floatsplit-3", "async", "zstd"])
 def test_it_loads_equal_to_the_plain_save(saves, name):
     plain = load_with_torch(saves / "plain")
     loaded = load_with_dcpctl_reader(str(saves / name))

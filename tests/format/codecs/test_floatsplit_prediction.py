@@ -108,6 +108,26 @@ def test_scaled_weights_code_smaller_predicted_than_split(layout):
     assert decode(predicted, 65_537) == item
 
 
+def test_the_fast_level_predicts_nothing_and_keeps_small_tensors_whole():
+    """Level 1 codes for speed: the blocks a prediction would pay for are split as in version
+    1, and a tensor under 16 KiB goes whole into one dictionary-coded BYTES block; both decode
+    to the item, a little larger than at the default level."""
+    tensor = scaled_weights((512, 384), torch.bfloat16)
+    item = torch_save_bytes(tensor)
+    fast = floatsplit_codec(1).new_encoder(None, hint_with_rows(tensor))
+    stream = fast.encode(item) + fast.finish()
+    assert {block[0] for block in block_structure(stream)} == {
+        BYTES_BLOCK, FLOATS_BLOCK, TAIL_BLOCK, END_BLOCK}
+    assert len(encode(item, hint_with_rows(tensor), 1 << 20)) < 0.98 * len(stream)
+    assert decode(stream, 4099) == item
+    small = scaled_weights((40, 100), torch.bfloat16)  # 8,000 bytes
+    small_item = torch_save_bytes(small)
+    fast = floatsplit_codec(1).new_encoder(None, hint_with_rows(small))
+    small_stream = fast.encode(small_item) + fast.finish()
+    assert [block[0] for block in block_structure(small_stream)] == [BYTES_BLOCK, END_BLOCK]
+    assert decode(small_stream, 4099) == small_item
+
+
 def test_words_without_structure_stay_split():
     """A block whose residuals would code no smaller than the planes (random words) is split
     as in version 1: a prediction never makes a block larger by its side data."""

@@ -35,6 +35,7 @@ from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONA
                                                            MAX_BLOCK_BYTES, PREDICTED_BLOCK,
                                                            PREDICTED_HEADER, RAW_CODING,
                                                            STREAM_HEADER, ZSTD_CODING)
+from dcpctl.format.codecs.registry import FLOATSPLIT_FAST_LEVEL
 from dcpctl.format.torch_save.layout import (SavedTensor, find_payload_start,
                                              saved_tensor_in_head)
 from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
@@ -44,8 +45,9 @@ from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
 MIN_CODING_GAIN = 0.03
 # Tensors of fewer bytes go whole into one zstd frame, framing and all. Any larger float tensor
 # is split, small ones too: its framing then costs a dictionary-coded head and a TAIL block,
-# some hundred bytes less than in one frame, which is more than a small tensor's data.
-_MIN_SPLIT_BYTES = 64
+# some hundred bytes less than in one frame, which is more than a small tensor's data. At the
+# fast level, only tensors large enough for their planes to pay for splitting them.
+_MIN_SPLIT_BYTES, _FAST_MIN_SPLIT_BYTES = 64, 16 << 10
 _HEAD_SEARCH_BYTES = 64 << 10
 
 
@@ -56,6 +58,8 @@ class FloatSplitEncoder:
 
     def __init__(self, level: int, payload: PayloadHint | None) -> None:
         self._level = level
+        self._predicts = level > FLOATSPLIT_FAST_LEVEL
+        self._min_split_bytes = _MIN_SPLIT_BYTES if self._predicts else _FAST_MIN_SPLIT_BYTES
         self._layout: FloatLayout | None = None
         self._payload_left = 0
         self._row_length = 0
@@ -73,7 +77,7 @@ class FloatSplitEncoder:
         self._parts: list = [MAGIC_V2]
 
     def _set_payload(self, payload: PayloadHint | None) -> None:
-        if payload is None or payload.payload_bytes < _MIN_SPLIT_BYTES:
+        if payload is None or payload.payload_bytes < self._min_split_bytes:
             self._layout, self._payload_left = None, 0
             return
         self._layout = layout_for_dtype(payload.dtype_name)
@@ -193,7 +197,8 @@ class FloatSplitEncoder:
         """A block of whole elements: predicted from its rows and columns where a sample says
         that codes it smaller than its planes alone (version 1's split), else split."""
         row_bytes = self._layout.itemsize * self._row_length
-        if row_bytes and len(data) % row_bytes == 0 and len(data) // row_bytes >= MIN_ROWS:
+        if (self._predicts and row_bytes and len(data) % row_bytes == 0
+                and len(data) // row_bytes >= MIN_ROWS):
             if self._add_predicted_block(data):
                 return
         layout = layout_for_block(self._layout, data)

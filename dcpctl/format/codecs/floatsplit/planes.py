@@ -76,7 +76,8 @@ def layout_for_block(layout: FloatLayout, data) -> FloatLayout:
     sign = words.dtype.type(1 << (8 * layout.itemsize - 1))
     # Most blocks show both signs in their first elements: only the others are read whole.
     for part in (words[:_SIGN_PROBE_ELEMENTS], words):
-        if part.max() >= sign and part.min() < sign:
+        if (numpy.maximum.reduce(part, axis=None) >= sign
+                and numpy.minimum.reduce(part, axis=None) < sign):
             return layout
     return plain
 
