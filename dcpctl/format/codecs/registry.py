@@ -41,7 +41,8 @@ class Codec:
         if self.name == FLOATSPLIT:
             # numpy loads only when a floatsplit item is coded
             from dcpctl.format.codecs.floatsplit.encoder import FloatSplitEncoder
-            return FloatSplitEncoder(self.level or DEFAULT_ZSTD_LEVEL, payload)
+            level = self.level or DEFAULT_ZSTD_LEVEL
+            return FloatSplitEncoder(level, payload, predicts=level > FLOATSPLIT_FAST_LEVEL)
         return ZstdEncoder(self.level or DEFAULT_ZSTD_LEVEL, size_bytes)
 
     def new_decoder(self) -> Decoder:

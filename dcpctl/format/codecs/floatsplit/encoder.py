@@ -35,7 +35,6 @@ from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONA
                                                            MAX_BLOCK_BYTES, PREDICTED_BLOCK,
                                                            PREDICTED_HEADER, RAW_CODING,
                                                            STREAM_HEADER, ZSTD_CODING)
-from dcpctl.format.codecs.registry import FLOATSPLIT_FAST_LEVEL
 from dcpctl.format.torch_save.layout import (SavedTensor, find_payload_start,
                                              saved_tensor_in_head)
 from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
@@ -54,11 +53,13 @@ _HEAD_SEARCH_BYTES = 64 << 10
 class FloatSplitEncoder:
     """Encodes one item given piece by piece, its tensor bytes (if it is a tensor's archive) into
     planes. The payload hint says the tensor's dtype and size where the caller knows them; with
-    none, the encoder reads them from the archive's data.pkl as the item's head goes by."""
+    none, the encoder reads them from the archive's data.pkl as the item's head goes by. level
+    is that of the plain zstd parts; without `predicts`, the encoder codes for speed: no
+    PREDICTED blocks, and small tensors whole."""
 
-    def __init__(self, level: int, payload: PayloadHint | None) -> None:
+    def __init__(self, level: int, payload: PayloadHint | None, predicts: bool) -> None:
         self._level = level
-        self._predicts = level > FLOATSPLIT_FAST_LEVEL
+        self._predicts = predicts
         self._min_split_bytes = _MIN_SPLIT_BYTES if self._predicts else _FAST_MIN_SPLIT_BYTES
         self._layout: FloatLayout | None = None
         self._payload_left = 0
