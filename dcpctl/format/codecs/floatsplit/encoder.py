@@ -255,7 +255,7 @@ def _smaller(compressed: bytes, data) -> bytes | None:
     return compressed if len(compressed) < len(data) else None
 
 
-def _add_stream(data, compressed: bytes | None, parts: list, coding: int = ZSTD_CODING) -> None:
+def _add_stream(data, compressed, parts: list, coding: int = ZSTD_CODING) -> None:
     """A sub-stream of data: the zstd frame given (made with the dictionary for
     DICTIONARY_CODING), or data itself (raw) where there is none."""
     size = len(data)

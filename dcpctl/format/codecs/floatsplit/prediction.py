@@ -47,10 +47,8 @@ COLUMN_DEAD_ZONE, ROW_DEAD_ZONE = 0.75, 0.6
 # Whether a prediction pays is judged on this many runs of this many elements spread over a
 # block: the entropy of a few thousand bytes tells it, at a small part of the block's cost.
 _SAMPLE_RUNS, _SAMPLE_RUN_BYTES = 8, 512
-# c * log2(c) for each count a sample's byte may have
-_ENTROPY_TERMS = numpy.concatenate(([0.0], numpy.arange(1, _SAMPLE_RUNS * _SAMPLE_RUN_BYTES + 1)
-                                    * numpy.log2(numpy.arange(1, _SAMPLE_RUNS
-                                                              * _SAMPLE_RUN_BYTES + 1))))
+_COUNTS = numpy.arange(_SAMPLE_RUNS * _SAMPLE_RUN_BYTES + 1, dtype=numpy.float64)
+_ENTROPY_TERMS = _COUNTS * numpy.log2(numpy.maximum(_COUNTS, 1))  # c log2 c for each count c
 _TOP_SLOT, _Q_SLOT, _SIGN_SLOT, _PAIR_SLOT = 20, 21, 22, 23  # apart from planes.py's slots
 _LOW_PART_SLOT, _SCRATCH_PART_SLOT, _RESIDUALS_PART_SLOT = 24, 25, 26
 _LOW_PLANE_SLOTS = (27, 28)
@@ -218,7 +216,7 @@ class _Sample:
     rows: numpy.ndarray
 
     @staticmethod
-    @functools.lru_cache(maxsize=64)  # a tensor's blocks are mostly of one size
+    @functools.lru_cache(maxsize=16)  # a tensor's blocks are mostly of one size
     def of(count: int, row_length: int) -> _Sample:
         if count <= _SAMPLE_RUNS * _SAMPLE_RUN_BYTES:
             positions = numpy.arange(count)
