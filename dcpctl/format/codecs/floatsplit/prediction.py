@@ -50,7 +50,7 @@ _SAMPLE_RUNS, _SAMPLE_RUN_BYTES = 8, 512
 _COUNTS = numpy.arange(_SAMPLE_RUNS * _SAMPLE_RUN_BYTES + 1, dtype=numpy.float64)
 _ENTROPY_TERMS = _COUNTS * numpy.log2(numpy.maximum(_COUNTS, 1))  # c log2 c for each count c
 _TOP_SLOT, _Q_SLOT, _SIGN_SLOT, _PAIR_SLOT = 20, 21, 22, 23  # apart from planes.py's slots
-_LOW_PART_SLOT, _SCRATCH_PART_SLOT, _RESIDUALS_PART_SLOT = 24, 25, 26
+_LOW_PART_SLOT, _SCRATCH_PART_SLOT, _Q_PART_SLOT = 24, 25, 26
 _LOW_PLANE_SLOTS = (27, 28)
 # Elements split at a time: their words and parts fit the processor's cache (measured: passes
 # over 4 MiB blocks whole take a third longer)
@@ -64,11 +64,13 @@ _LOW_BITS = 7  # magnitude bits of the top 16 below q
 
 @dataclass
 class Prediction:
-    """A block's predictions, and what a sample says they save."""
+    """A block's predictions, what a sample says they save, and the q of its elements (in this
+    thread's scratch memory, as split_predicted's parts)."""
 
     columns: numpy.ndarray  # int32 per column: its predicted q
     offsets: numpy.ndarray  # int16 per row, in -128..127: added to every column's prediction
     saving: float  # about how many bytes the residuals code smaller than q itself
+    q: numpy.ndarray  # u8 per element, in rows
 
     def streams(self) -> list[numpy.ndarray]:
         """The block's first two sub-streams: a byte per column, a signed byte per row."""
@@ -98,24 +100,25 @@ def stream_count(layout: FloatLayout) -> int:
 
 def predict(layout: FloatLayout, data, row_length: int) -> Prediction:
     """The predictions for a block of whole rows of `row_length` elements each, of `layout`,
-    and the saving they bring, judged from samples of the block alone: a block they do not pay
-    for costs a small part of a pass over it."""
-    words = numpy.frombuffer(data, dtype=layout.word_type).reshape(-1, row_length)
-    columns = _column_predictions(_q_of(layout, words[::max(1, len(words) // _SAMPLED_ROWS)]))
-    offsets = _row_offsets(_q_of(layout, words[:, :_SAMPLED_COLUMNS]), columns)
-    return Prediction(columns, offsets, _estimated_saving(layout, words, columns, offsets))
+    and the saving they bring, judged from samples of its q."""
+    words = numpy.frombuffer(data, dtype=layout.word_type)
+    q = _q_of(layout, words, _scratch_array(_Q_PART_SLOT, len(words), _U8))
+    q = q.reshape(-1, row_length)
+    columns = _column_predictions(q[::max(1, len(q) // _SAMPLED_ROWS)])
+    offsets = _row_offsets(q[:, :_SAMPLED_COLUMNS], columns)
+    return Prediction(columns, offsets, _estimated_saving(q, columns, offsets), q)
 
 
 def split_predicted(layout: FloatLayout, data, row_length: int,
                     prediction: Prediction) -> PredictedParts:
     """The parts of a block of whole rows of `row_length` elements each, of `layout`, coded
-    against its prediction. Rows are split a slice at a time, small enough that the passes over
-    it stay in the processor's cache; residuals are worked out modulo 256, and only a slice
-    whose range says some may not fit a byte is checked element by element."""
+    against its prediction (the residuals in place of its q). Rows are split a slice at a time,
+    small enough that the passes over it stay in the processor's cache; residuals are worked
+    out modulo 256, and only a slice whose range says some may not fit a byte is checked
+    element by element."""
     words = numpy.frombuffer(data, dtype=layout.word_type)
     count, rows = len(words), len(words) // row_length
     words = words.reshape(rows, row_length)
-    residuals = _scratch_array(_RESIDUALS_PART_SLOT, count, _U8).reshape(rows, row_length)
     low = _scratch_array(_LOW_PART_SLOT, count, _U8).reshape(rows, row_length)
     low_planes = [_scratch_array(slot, count, _U8).reshape(rows, row_length)
                   for slot in _LOW_PLANE_SLOTS[:layout.itemsize - 2]]
@@ -124,23 +127,22 @@ def split_predicted(layout: FloatLayout, data, row_length: int,
     escaped_tops = []
     for start in range(0, rows, slice_rows):
         rows_here = slice(start, start + slice_rows)
-        escaped_tops += _split_rows(layout, words[rows_here], prediction.columns,
-                                    prediction.offsets[rows_here], residuals[rows_here],
+        escaped_tops += _split_rows(layout, words[rows_here], prediction.q[rows_here],
+                                    prediction.columns, prediction.offsets[rows_here],
                                     low[rows_here], [plane[rows_here] for plane in low_planes],
                                     magnitude)
     escaped = numpy.concatenate(escaped_tops) if escaped_tops else numpy.empty(0, dtype=_U16)
-    return PredictedParts(residuals.reshape(-1), low.reshape(-1), escaped,
+    return PredictedParts(prediction.q.reshape(-1), low.reshape(-1), escaped,
                           [plane.reshape(-1) for plane in low_planes])
 
 
-def _split_rows(layout: FloatLayout, words: numpy.ndarray, columns: numpy.ndarray,
-                offsets: numpy.ndarray, residuals: numpy.ndarray, low: numpy.ndarray,
+def _split_rows(layout: FloatLayout, words: numpy.ndarray, q: numpy.ndarray,
+                columns: numpy.ndarray, offsets: numpy.ndarray, low: numpy.ndarray,
                 low_planes: list, magnitude: numpy.ndarray) -> list[numpy.ndarray]:
-    """Split these rows of words into their residuals, low part and low planes (given arrays of
-    their shape); returns the top 16 bits of the elements escaped, if any. magnitude is scratch
-    memory of at least as many bytes."""
+    """Split these rows of words into their residuals (in place of their q), low part and low
+    planes (given arrays of their shape); returns the top 16 bits of the elements escaped, if
+    any. magnitude is scratch memory of at least as many bytes."""
     top_shift = 8 * layout.itemsize - 16  # where the top 16 bits start
-    q = _q_of(layout, words, residuals)  # residuals are worked out in place
     # Every residual surely fits a byte where the least and greatest q against the least and
     # greatest prediction say so; else each is checked.
     lowest = int(numpy.minimum.reduce(q, axis=None))
@@ -148,6 +150,7 @@ def _split_rows(layout: FloatLayout, words: numpy.ndarray, columns: numpy.ndarra
     fits = (lowest - int(columns.max()) - int(offsets.max()) >= 1 - _RESIDUAL_BIAS
             and highest - int(columns.min()) - int(offsets.min()) <= 255 - _RESIDUAL_BIAS)
     escaped = None if fits else _escaped(q, columns, offsets)
+    residuals = q
     numpy.add(q, (_RESIDUAL_BIAS - columns).astype(numpy.uint8)[None, :], out=residuals)
     if offsets.any():
         numpy.subtract(residuals, offsets.astype(numpy.uint8)[:, None], out=residuals)
@@ -172,10 +175,8 @@ def _escaped(q: numpy.ndarray, columns: numpy.ndarray, offsets: numpy.ndarray) -
     return (residuals < 1 - _RESIDUAL_BIAS) | (residuals > 255 - _RESIDUAL_BIAS)
 
 
-def _q_of(layout: FloatLayout, words: numpy.ndarray, out: numpy.ndarray | None = None
-          ) -> numpy.ndarray:
-    """q of each of these words (bits 14..7 of their top 16), in `out` where given."""
-    out = numpy.empty(words.shape, dtype=_U8) if out is None else out
+def _q_of(layout: FloatLayout, words: numpy.ndarray, out: numpy.ndarray) -> numpy.ndarray:
+    """out = q of each of these words: bits 14..7 of their top 16."""
     return numpy.right_shift(words, 8 * layout.itemsize - 16 + _LOW_BITS, out=out,
                              casting="unsafe")
 
@@ -188,21 +189,21 @@ def _low_byte_of(words: numpy.ndarray, shift: int, out: numpy.ndarray) -> None:
         numpy.copyto(out, words, casting="unsafe")
 
 
-def _estimated_saving(layout: FloatLayout, words: numpy.ndarray, columns: numpy.ndarray,
+def _estimated_saving(q: numpy.ndarray, columns: numpy.ndarray,
                       offsets: numpy.ndarray) -> float:
     """About how many bytes the residuals code smaller than q itself, from the order-0 entropy
     (what Huffman coding reaches) of both on the same sample of the block's elements: the
     residuals as split_predicted stores them, escapes and all."""
-    rows, row_length = words.shape
+    rows, row_length = q.shape
     sample = _Sample.of(rows * row_length, row_length)
-    q = _q_of(layout, words.reshape(-1)[sample.positions])
-    coded = q.astype(numpy.int32)
+    sampled = q.reshape(-1)[sample.positions]
+    coded = sampled.astype(numpy.int32)
     coded -= columns[sample.columns]
     coded -= offsets[sample.rows]
     coded += _RESIDUAL_BIAS
     coded[(coded < 1) | (coded > 255)] = _ESCAPE
     scale = rows * row_length / len(sample.positions) / 8
-    return (_order0_bits(q) - _order0_bits(coded)) * scale
+    return (_order0_bits(sampled) - _order0_bits(coded)) * scale
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def _order0_bits(values: numpy.ndarray) -> float:
 def _column_predictions(sampled_rows: numpy.ndarray) -> numpy.ndarray:
     """Each column's predicted q: its mean over these rows' q, snapped to the columns' common
     value where it lies within COLUMN_DEAD_ZONE of it."""
-    means = _sums(sampled_rows, "ij->j") / len(sampled_rows)
+    means = _sums(sampled_rows, axis=0) / len(sampled_rows)
     return _snapped(means, COLUMN_DEAD_ZONE).astype(numpy.int32)
 
 
@@ -244,15 +245,15 @@ def _row_offsets(first_columns: numpy.ndarray, columns: numpy.ndarray) -> numpy.
     columns (their q given), snapped to the rows' common offset where it lies within
     ROW_DEAD_ZONE of it."""
     width = first_columns.shape[1]
-    means = (_sums(first_columns, "ij->i") - float(columns[:width].sum())) / width
+    means = (_sums(first_columns, axis=1) - float(columns[:width].sum())) / width
     return numpy.clip(_snapped(means, ROW_DEAD_ZONE), -128, 127).astype(numpy.int16)
 
 
-def _sums(values: numpy.ndarray, subscripts: str) -> numpy.ndarray:
-    """Sums of bytes along an axis, in float32 (exact: integers far below 2**24). einsum's own
-    loops, not a product with a vector of ones: numpy hands those to BLAS, whose threads wait
-    spinning after each call and take the cores from the other threads of a save."""
-    return numpy.einsum(subscripts, values, dtype=numpy.float32, casting="unsafe")
+def _sums(values: numpy.ndarray, axis: int) -> numpy.ndarray:
+    """Sums of bytes along an axis, exact, as float32. By numpy's reductions, which let other
+    threads run meanwhile: einsum holds the GIL, and products with a vector of ones go to BLAS,
+    whose threads wait spinning after each call and take the cores from a save's threads."""
+    return numpy.add.reduce(values, axis=axis, dtype=numpy.uint32).astype(numpy.float32)
 
 
 def _snapped(means: numpy.ndarray, dead_zone: float) -> numpy.ndarray:
