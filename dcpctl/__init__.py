@@ -23,7 +23,7 @@ def storage_writer(path, codec="floatsplit", level=None, thread_count=1, **write
     thread_count=8))`, from any number of ranks, and `dcp.async_save` too. codec is `floatsplit`
     (dcpctl's, the smallest; loaded by `dcpctl.storage_reader`), `zstd` (torch's own ZStandard,
     which stock torch loads) or `none`; level is floatsplit's: 1 by default, which codes for
-    speed; 3, what `dcpctl compress` writes, is 1 to 5% smaller and codes in 1.3 to 2.3 times
+    speed; 3, what `dcpctl compress` writes, is 1 to 5% smaller and codes in 1.2 to 2.4 times
     the time. Other keywords go to torch's FileSystemWriter (for a URL, its FsspecWriter, and
     on to fsspec)."""
     from dcpctl.ops.torch_saving import storage_writer as new_storage_writer

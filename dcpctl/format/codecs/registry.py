@@ -19,7 +19,7 @@ MIN_ZSTD_LEVEL, MAX_ZSTD_LEVEL = 1, 22
 FLOATSPLIT_FAST_LEVEL = 1
 """floatsplit's level for speed, which a save writes by default: float blocks split into planes
 alone, none predicted from their rows and columns, and tensors under 16 KiB coded whole. The
-levels above it code for size: 1 to 5% fewer bytes, in 1.3 to 2.3 times the time
+levels above it code for size: 1 to 5% fewer bytes, in 1.2 to 2.4 times the time
 (bench/bench_floatsplit.py). All levels write the same stream format (docs/floatsplit.md)."""
 
 

@@ -31,7 +31,7 @@ class FloatSplit(StreamTransformExtension):
     torch's ZStandard saves about a fifth), everything else with zstd. At its default level,
     1, it codes for speed, as a training job's save wants; level 2 and above (zstd's levels
     for its plain zstd parts) also predict exponents from their rows and columns, as
-    `dcpctl compress` does by default: 1 to 5% smaller, in 1.3 to 2.3 times the time.
+    `dcpctl compress` does by default: 1 to 5% smaller, in 1.2 to 2.4 times the time.
     `dcpctl.storage_reader` and every dcpctl command read what it writes."""
 
     def __init__(self, level: int = FLOATSPLIT_FAST_LEVEL) -> None:
