@@ -1,6 +1,7 @@
 """Compression at save time, side by side: a training job saves the real weights with `dcp.save`
 and torch's FileSystemWriter as it is (baseline), with torch's ZStandard extension, and with
-dcpctl's FloatSplit extension (`dcpctl.storage_writer`), then loads each back.
+dcpctl's FloatSplit extension (`dcpctl.storage_writer`, at its default level 1), then loads
+each back.
 
 The state is the real-weights unit of bench/real_checkpoint.py: Whisper tiny.en's weights cast
 to bfloat16 (the model) and the GE2E speaker encoder in float32 with the real Adam state of its
