@@ -38,12 +38,12 @@ class Codec:
         split tensor payloads use the payload hint, the others ignore it."""
         if self.name == IDENTITY_NAME:
             return IdentityCoder()
+        level = self.level or DEFAULT_ZSTD_LEVEL
         if self.name == FLOATSPLIT:
             # numpy loads only when a floatsplit item is coded
             from dcpctl.format.codecs.floatsplit.encoder import FloatSplitEncoder
-            level = self.level or DEFAULT_ZSTD_LEVEL
             return FloatSplitEncoder(level, payload, predicts=level > FLOATSPLIT_FAST_LEVEL)
-        return ZstdEncoder(self.level or DEFAULT_ZSTD_LEVEL, size_bytes)
+        return ZstdEncoder(level, size_bytes)
 
     def new_decoder(self) -> Decoder:
         """A decoder for one item."""

@@ -19,7 +19,8 @@ from dcpctl.format.codecs.floatsplit.planes import (BFLOAT16, FLOAT16, FLOAT32, 
 from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, END_BLOCK, FLOATS_BLOCK,
                                                            MAGIC, STREAM_HEADER)
 from dcpctl.format.codecs.names import FLOATSPLIT_DESCRIPTOR, describe_codec
-from dcpctl.format.codecs.registry import codec_for_descriptors, floatsplit_codec, zstd_codec
+from dcpctl.format.codecs.registry import (DEFAULT_ZSTD_LEVEL, codec_for_descriptors,
+                                           floatsplit_codec, zstd_codec)
 from dcpctl.format.torch_save.layout import find_payload_start
 from floatsplit_streams import block_structure
 
@@ -41,8 +42,9 @@ def hint_for(tensor: torch.Tensor) -> PayloadHint:
                        tensor.numel() * tensor.element_size())
 
 
-def encode(item: bytes, hint: PayloadHint | None, piece_bytes: int) -> bytes:
-    encoder = floatsplit_codec().new_encoder(None, hint)
+def encode(item: bytes, hint: PayloadHint | None, piece_bytes: int,
+           level: int = DEFAULT_ZSTD_LEVEL) -> bytes:
+    encoder = floatsplit_codec(level).new_encoder(None, hint)
     pieces = [encoder.encode(item[start:start + piece_bytes])
               for start in range(0, len(item), piece_bytes)]
     return b"".join(pieces) + encoder.finish()

@@ -25,7 +25,7 @@ from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONA
                                                            TAIL_BLOCK, TAIL_HEADER)
 from dcpctl.format.codecs.registry import floatsplit_codec
 from floatsplit_streams import block_starts, block_structure
-from test_floatsplit import decode, torch_save_bytes
+from test_floatsplit import decode, encode, torch_save_bytes
 
 LAYOUTS = [BFLOAT16, FLOAT16, FLOAT32]
 TORCH_DTYPES = {BFLOAT16.code: torch.bfloat16, FLOAT16.code: torch.float16,
@@ -35,13 +35,6 @@ TORCH_DTYPES = {BFLOAT16.code: torch.bfloat16, FLOAT16.code: torch.float16,
 def hint_with_rows(tensor: torch.Tensor) -> PayloadHint:
     return PayloadHint.of_contiguous(str(tensor.dtype).removeprefix("torch."),
                                      tensor.element_size(), tensor.shape)
-
-
-def encode(item: bytes, hint: PayloadHint | None, piece_bytes: int) -> bytes:
-    encoder = floatsplit_codec().new_encoder(None, hint)
-    pieces = [encoder.encode(item[start:start + piece_bytes])
-              for start in range(0, len(item), piece_bytes)]
-    return b"".join(pieces) + encoder.finish()
 
 
 def scaled_weights(shape: tuple[int, int], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -114,16 +107,14 @@ def test_the_fast_level_predicts_nothing_and_keeps_small_tensors_whole():
     to the item, a little larger than at the default level."""
     tensor = scaled_weights((512, 384), torch.bfloat16)
     item = torch_save_bytes(tensor)
-    fast = floatsplit_codec(1).new_encoder(None, hint_with_rows(tensor))
-    stream = fast.encode(item) + fast.finish()
+    stream = encode(item, hint_with_rows(tensor), 1 << 20, level=1)
     assert {block[0] for block in block_structure(stream)} == {
         BYTES_BLOCK, FLOATS_BLOCK, TAIL_BLOCK, END_BLOCK}
     assert len(encode(item, hint_with_rows(tensor), 1 << 20)) < 0.98 * len(stream)
     assert decode(stream, 4099) == item
     small = scaled_weights((40, 100), torch.bfloat16)  # 8,000 bytes
     small_item = torch_save_bytes(small)
-    fast = floatsplit_codec(1).new_encoder(None, hint_with_rows(small))
-    small_stream = fast.encode(small_item) + fast.finish()
+    small_stream = encode(small_item, hint_with_rows(small), 1 << 20, level=1)
     assert [block[0] for block in block_structure(small_stream)] == [BYTES_BLOCK, END_BLOCK]
     assert decode(small_stream, 4099) == small_item
 

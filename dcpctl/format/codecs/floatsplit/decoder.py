@@ -27,14 +27,14 @@ from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, CODINGS_
                                                            DICTIONARY_CODING, END_BLOCK,
                                                            END_HEADER, FLOATS_BLOCK,
                                                            FLOATS_HEADER, KINDS_BY_VERSION,
-                                                           MAGICS, MAX_STREAM_BYTES,
+                                                           MAGICS, MAX_HEAD_BYTES,
+                                                           MAX_STREAM_BYTES,
                                                            PREDICTED_BLOCK, PREDICTED_HEADER,
                                                            RAW_CODING, STREAM_HEADER,
                                                            TAIL_HEADER)
 from dcpctl.format.codecs.per_thread import PerThread
 
 _SMALL_STREAM_BYTES = 64 << 10
-_MAX_HEAD_BYTES = 64 << 10  # the most a first block may hold to be taken for an archive's head
 # This thread's zstd decompressor, reused from stream to stream.
 _decompressors: PerThread[zstandard.ZstdDecompressor] = PerThread(zstandard.ZstdDecompressor)
 
@@ -131,7 +131,7 @@ class FloatSplitDecoder:
         if kind == BYTES_BLOCK:
             stream, end = self._scan_stream(view, position + 1)
             block = _Block(stream.decoded_bytes, streams=[stream]) if stream else None
-            if block and self._decoded_bytes == 0 and block.decoded_bytes <= _MAX_HEAD_BYTES:
+            if block and self._decoded_bytes == 0 and block.decoded_bytes <= MAX_HEAD_BYTES:
                 # the first block may be a tensor archive's head, which a TAIL block needs
                 block.decoded = self._head = self._stream_bytes(stream)
         elif kind == FLOATS_BLOCK:

@@ -32,7 +32,8 @@ from dcpctl.format.codecs.floatsplit.prediction import (MIN_ROWS, PREDICTED_LAYO
 from dcpctl.format.codecs.floatsplit.stream_format import (BYTES_BLOCK, DICTIONARY_CODING,
                                                            END_BLOCK, END_HEADER, FLOATS_BLOCK,
                                                            FLOATS_HEADER, MAGIC_V2,
-                                                           MAX_BLOCK_BYTES, PREDICTED_BLOCK,
+                                                           MAX_BLOCK_BYTES, MAX_HEAD_BYTES,
+                                                           PREDICTED_BLOCK,
                                                            PREDICTED_HEADER, RAW_CODING,
                                                            STREAM_HEADER, ZSTD_CODING)
 from dcpctl.format.torch_save.layout import (SavedTensor, find_payload_start,
@@ -47,7 +48,6 @@ MIN_CODING_GAIN = 0.03
 # some hundred bytes less than in one frame, which is more than a small tensor's data. At the
 # fast level, only tensors large enough for their planes to pay for splitting them.
 _MIN_SPLIT_BYTES, _FAST_MIN_SPLIT_BYTES = 64, 16 << 10
-_HEAD_SEARCH_BYTES = 64 << 10
 
 
 class FloatSplitEncoder:
@@ -122,10 +122,10 @@ class FloatSplitEncoder:
         """Keep data in the head until it shows where the tensor's bytes start, then code the
         head as a block of its own; returns what of data lies past the head."""
         kept = len(self._head)  # from earlier pieces
-        self._head += data[:_HEAD_SEARCH_BYTES - kept]
+        self._head += data[:MAX_HEAD_BYTES - kept]
         head = bytes(self._head)
         start = find_payload_start(head)
-        if (start is None and not final and len(head) < _HEAD_SEARCH_BYTES
+        if (start is None and not final and len(head) < MAX_HEAD_BYTES
                 and head[:len(LOCAL_SIGNATURE)] == LOCAL_SIGNATURE[:len(head)]):
             return data[len(data):]
         self._head = None

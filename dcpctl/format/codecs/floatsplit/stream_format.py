@@ -33,6 +33,10 @@ MAX_BLOCK_BYTES = 4 << 20
 """The most decoded bytes dcpctl puts in one block."""
 MAX_STREAM_BYTES = 16 << 20
 """The most bytes a decoder accepts a sub-stream to claim; larger claims are damage."""
+MAX_HEAD_BYTES = 64 << 10
+"""The most bytes of a torch.save archive's head (its records before the tensor's bytes) that
+dcpctl's writer looks through and codes as the first block, and that its reader keeps for a
+TAIL block to end."""
 STREAM_HEADER = struct.Struct("<BII")  # coding, decoded length, stored length
 FLOATS_HEADER = struct.Struct("<BBI")  # block kind, layout code, element count
 # block kind, layout code, element count, row length, escaped element count
