@@ -4,6 +4,7 @@ descriptors an item records: the one place that knows them all."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -96,6 +97,11 @@ def _checked_level(level: int) -> int:
 
 def codec_for_descriptors(descriptors: Sequence[str] | None) -> Codec:
     """The codec that decodes an item stored with these transform descriptors."""
+    return _codec_for_descriptors(tuple(descriptors or ()))
+
+
+@functools.lru_cache(maxsize=64)  # one lookup per item of a plan of millions
+def _codec_for_descriptors(descriptors: tuple[str, ...]) -> Codec:
     name = codec_name_for_descriptors(descriptors)
     if name is None:
         raise UnsupportedLayoutError(
@@ -103,4 +109,4 @@ def codec_for_descriptors(descriptors: Sequence[str] | None) -> Codec:
             f"with {ZSTD_DESCRIPTOR!r} or with {FLOATSPLIT_NAME!r} versions "
             f"{', '.join(FLOATSPLIT_MAJOR_VERSIONS)}")
     # The item's own descriptors: a version 1 item is not taken for what dcpctl writes now.
-    return dataclasses.replace(_CODEC_MAKERS[name](), descriptors=tuple(descriptors or ()))
+    return dataclasses.replace(_CODEC_MAKERS[name](), descriptors=descriptors)
