@@ -62,10 +62,12 @@ def _item_check_passes(location: ItemLocation, data: bytes) -> bool:
     return not check.problems(lambda: [data])
 
 
-def _payload_read(location: ItemLocation, spool) -> bytes | None:
-    reader = PayloadReader(spool)
+def _payload_reads(location: ItemLocation, spool, users: int) -> list[bytes] | None:
+    """What each of `users` users of the item reads (an item of several is read whole, once,
+    and served from memory), or None if the reader refuses it."""
+    reader = PayloadReader(spool, {location: users})
     try:
-        return bytes(reader.read_chunk(location))
+        return [bytes(reader.read_chunk(location)) for _ in range(users)]
     except DcpctlError:
         return None
     finally:
@@ -95,7 +97,9 @@ def test_every_bit_flip_is_caught_or_harmless(kind, tmp_path):
             if not harmless and _item_check_passes(location, damaged):
                 missed.append(f"byte {position} bit {bit}: the item check passes")
             if expected is not None:  # what it reads, if it reads, must be the values
-                payload = _payload_read(location, spool)
-                if payload is not None and payload != value.numpy().tobytes():
-                    missed.append(f"byte {position} bit {bit}: the payload reader passes")
+                for users in (1, 2):
+                    payloads = _payload_reads(location, spool, users)
+                    if payloads is not None and payloads != [value.numpy().tobytes()] * users:
+                        missed.append(f"byte {position} bit {bit}: the payload reader passes "
+                                      f"({users} users)")
     assert not missed, f"{len(missed)} flips missed, the first: {missed[:5]}"

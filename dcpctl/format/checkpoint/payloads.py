@@ -5,7 +5,9 @@ inputs and passes on no damage.
 A plain TORCH_SAVE item is read in place: its torch.save layout (found from the archive's end,
 without reading the data) says where the payload starts. The ranges read of it are CRC'd as
 they are read; once its last user is done, the CRC-32s of the ranges (and of any bytes of its
-storage record nobody read) combine into the record's, which must match the archive's.
+storage record nobody read) combine into the record's, which must match the archive's. An item
+of several users whose record is small (a piece at most) is read whole instead, once, checked
+at once, and served from memory: a thousand reads of a row each would cost a thousand calls.
 
 An item under a stream codec such as zstd can only be read front to back, so it is decoded once
 (and checked whole as it is: items.decode_stored_pieces) and read from there: in memory when
@@ -135,7 +137,7 @@ class PayloadReader:
             with item.lock:
                 source = item.source
                 if source is None:
-                    source = item.source = self._locate(location)
+                    source = item.source = self._locate(location, item.users_left)
         if source.nbytes != location.expected.nbytes:
             raise DataError(f"holds {source.nbytes} bytes of tensor data, the metadata implies "
                             f"{location.expected.nbytes}", path=location.path, fqn=location.fqn,
@@ -214,11 +216,11 @@ class PayloadReader:
             reader.close()
         spool_path.unlink(missing_ok=True)
 
-    def _locate(self, location: ItemLocation) -> PayloadSource:
+    def _locate(self, location: ItemLocation, users: int) -> PayloadSource:
         if location.raw:  # SAFETENSORS files store the bare bytes, never under a codec
             return PayloadSource(location.path, location.start, location.length)
         if not location.codec.descriptors:
-            return self._locate_in_place(location)
+            return self._locate_in_place(location, users)
         decoded = self._decode(location)
         if isinstance(decoded, Path):
             try:
@@ -236,12 +238,22 @@ class PayloadReader:
         return self._row_major(layout, numpy.frombuffer(
             decoded[storage.data_offset:storage.data_end], dtype=numpy.uint8))
 
-    def _locate_in_place(self, location: ItemLocation) -> PayloadSource:
+    def _locate_in_place(self, location: ItemLocation, users: int) -> PayloadSource:
         reader = self._reader(location.path)
         layout = _checked_layout(location, lambda offset, size: reader.read(
             location.start + offset, size), location.length)
         storage = layout.storage
         crc = RecordCrc(location.start + storage.data_offset, storage.size_bytes, storage.crc32)
+        if layout.tensor.is_contiguous and (users > 1 and storage.size_bytes
+                                            <= self._memory_item_bytes):
+            # read by several users, a range each (a thousand rows of a tensor resharded to
+            # a thousand ranks): read once, checked, and served from memory
+            record = _read_exactly(reader, location.path, crc.start, storage.size_bytes)
+            if storage.crc32 and zlib.crc32(record) != storage.crc32:
+                raise _storage_crc_error(location)
+            start = layout.payload_offset - storage.data_offset
+            return PayloadSource(None, 0, layout.tensor.nbytes,
+                                 memoryview(record)[start:start + layout.tensor.nbytes])
         if layout.tensor.is_contiguous:
             return PayloadSource(location.path, location.start + layout.payload_offset,
                                  layout.tensor.nbytes, crc=crc if storage.crc32 else None)
@@ -325,6 +337,13 @@ def open_payload_reader(scratch: str | os.PathLike,
             yield reader
         finally:
             reader.close()
+
+
+def _read_exactly(reader: RangedFile, path: StoragePath, offset: int, length: int) -> bytes:
+    data = reader.read(offset, length)
+    if len(data) != length:
+        raise truncated_error(path, None, offset, offset + length, offset + len(data))
+    return data
 
 
 def _checked_layout(location: ItemLocation, read_range: ReadRange, length: int
