@@ -10,7 +10,13 @@ inspect --json` and `dcpctl verify --quick`, with wall time, peak RSS and each o
 fraction of torch's. --also-ranks repeats it at a second rank count (4096 gives 4 M chunks at
 the default 1,000 tensors), to show how time and memory grow.
 
+--reshard-tensors N also writes metadata of that scale: a checkpoint of N small fp32 tensors
+(1,024 x 16), saved by torch's DCP from one process, is resharded for --ranks ranks with
+`dcpctl reshard`: N x ranks chunks of one row each, planned, written and described in a new
+`.metadata` (wall time and peak RSS, best of --repeat).
+
 Usage: python bench/bench_metadata.py [--tensors 1000] [--ranks 1024] [--also-ranks 4096]
+       [--reshard-tensors 1000] [--skip-read]
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (STAND_IN_UNPICKLER, dcpctl_command, measure,  # noqa: E402
-                     print_table, python_command)
+from harness import (STAND_IN_UNPICKLER, dcpctl_command, drop_directory,  # noqa: E402
+                     measure, print_table, python_command)
 from real_checkpoint import OUT_ROOT  # noqa: E402
 
 ROWS_PER_RANK, COLUMNS = 2, 64
@@ -109,16 +115,51 @@ def bench(tensors: int, ranks: int, repeat: int) -> list[tuple]:
              f"{run.peak_rss_bytes / 2**30:.2f}") for label, run in best.items()]
 
 
+SAVE_SMALL_TENSORS = """
+import sys
+import torch
+import torch.distributed.checkpoint as dcp
+generator = torch.Generator().manual_seed(0)
+state = {f"layers.{index}.weight": torch.randn(1024, 16, generator=generator)
+         for index in range(int(sys.argv[2]))}
+dcp.save(state, storage_writer=dcp.FileSystemWriter(sys.argv[1]), no_dist=True)
+"""
+
+
+def bench_reshard(tensors: int, ranks: int, repeat: int) -> list[tuple]:
+    """`dcpctl reshard --ranks ranks` of a one-rank save of `tensors` small tensors."""
+    source = OUT_ROOT / f"small-tensors-{tensors}"
+    if not (source / ".metadata").exists():
+        drop_directory(source)
+        measure("save", python_command(SAVE_SMALL_TENSORS) + [str(source), str(tensors)])
+    output = OUT_ROOT / "metadata-reshard-out"
+    best = None
+    for _ in range(repeat):
+        drop_directory(output)
+        run = measure("reshard", dcpctl_command("reshard", str(source), "--ranks", str(ranks),
+                                                "-o", str(output)))
+        best = run if best is None or run.seconds < best.seconds else best
+    size_mb = os.path.getsize(output / ".metadata") / 1e6
+    drop_directory(output)
+    return [(f"{tensors * ranks / 1e6:.2f} M chunks written ({size_mb:.0f} MB)",
+             f"dcpctl reshard --ranks {ranks} ({tensors} tensors)", f"{best.seconds:.2f}", "",
+             f"{best.peak_rss_bytes / 2**30:.2f}")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--also-ranks", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--reshard-tensors", type=int, default=0)
+    parser.add_argument("--skip-read", action="store_true", help="only the reshard")
     args = parser.parse_args()
-    rows = bench(args.tensors, args.ranks, args.repeat)
-    if args.also_ranks:
+    rows = [] if args.skip_read else bench(args.tensors, args.ranks, args.repeat)
+    if args.also_ranks and not args.skip_read:
         rows += bench(args.tensors, args.also_ranks, args.repeat)
+    if args.reshard_tensors:
+        rows += bench_reshard(args.reshard_tensors, args.ranks, args.repeat)
     print_table(rows, ("metadata", "reader", "seconds", "x torch", "peak RSS GiB"))
     print("bars: inspect and verify --quick at most 0.3x torch; peak RSS at most 0.5 GiB at "
           "1 M chunks, growing linearly")
