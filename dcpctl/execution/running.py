@@ -1,5 +1,6 @@
-"""Running a job's shares (jobs.py): in this process alone, on `workers` local processes
-(processes.py), or, when the command runs under torchrun, on every rank (torchrun.py)."""
+"""Running a job's shares (jobs.py): in this process alone, on `workers` local processes (this
+one and workers - 1 it starts: processes.py), or, when the command runs under torchrun, on every
+rank (torchrun.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from dcpctl.storage.paths import StoragePath, default_threads_for
 def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
             on_progress: Callable[[int, int], None] | None = None) -> list[Result]:
     """Run every share of the job and return their results, in share order: under torchrun,
-    one share per rank (this process is rank 0); otherwise on `workers` local processes, or in
-    this process when workers is 1. on_progress(units_done, total_units) follows the work."""
+    one share per rank (this process is rank 0); otherwise on `workers` local processes, this
+    one among them. on_progress(units_done, total_units) follows the work."""
     total = sum(job.lane_sizes(plan))
 
     def advance(units: int) -> None:
@@ -31,7 +32,7 @@ def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
         return team.run(job, plan, advance)
     if workers <= 1:
         return [run_share_of(job, 0, 1, advance, plan)]
-    return run_in_processes(job, workers, advance)
+    return run_in_processes(job, plan, workers, advance)
 
 
 def sharing_processes(workers: int) -> int:

@@ -166,9 +166,11 @@ def test_a_killed_worker_fails_the_command_and_publishes_nothing(copy_fixture, t
     before = directory_state(checkpoint)
     arguments = [tmp_path / part if part == "out" else part for part in command[1:]]
     result = run_dcpctl(command[0], checkpoint, *arguments, "--workers", 2,
-                        failpoint="after-data-write@2")  # every worker dies at its 2nd write
+                        failpoint="after-data-write@1",  # the worker dies at its 1st write
+                        failpoint_in_workers=True)
     assert result.returncode == 1, result.stderr
-    assert "ended without finishing its share (killed by SIGKILL)" in result.stderr
+    assert ("worker 2 of 2 ended without finishing its share (killed by SIGKILL)"
+            in result.stderr)
     assert directory_state(checkpoint) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
     assert loaded_tensors(checkpoint) == expected_tensors()
