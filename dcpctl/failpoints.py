@@ -61,18 +61,18 @@ _SCOPES = ("all", "workers")
 _SCOPE = os.environ.get("DCPCTL_FAILPOINT_SCOPE") or "all"
 if _SCOPE not in _SCOPES:
     raise ValueError(f"DCPCTL_FAILPOINT_SCOPE={_SCOPE!r}: not one of {', '.join(_SCOPES)}")
-_ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = _armed(
-    os.environ.get("DCPCTL_FAILPOINT") if _SCOPE == "all" else None)
+_SETTING = _armed(os.environ.get("DCPCTL_FAILPOINT"))  # checked in every process
+_ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = _SETTING if _SCOPE == "all" else _armed(None)
+_TRACE_PATH = os.environ.get("DCPCTL_FAILPOINT_TRACE") or None
+_hits: Counter[str] = Counter()
+_lock = threading.Lock()
 
 
 def arm_in_worker() -> None:
     """Called as a `--workers` process starts: arm a failpoint scoped to workers."""
     global _ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL
     if _SCOPE == "workers":
-        _ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = _armed(os.environ.get("DCPCTL_FAILPOINT"))
-_TRACE_PATH = os.environ.get("DCPCTL_FAILPOINT_TRACE") or None
-_hits: Counter[str] = Counter()
-_lock = threading.Lock()
+        _ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = _SETTING
 
 
 def failpoint(point: Failpoint) -> None:
