@@ -12,7 +12,8 @@ threads_option = click.option(
          "runs everything in one thread (default: the cores this process may use).")
 workers_option = click.option(
     "--workers", type=click.IntRange(min=1), default=1, show_default=True,
-    help="Processes sharing the work on this machine, each with its own --threads (default "
+    help="Processes sharing the work on this machine (this one and N - 1 it starts), each "
+         "with its own --threads (default "
          "threads: the cores shared among the workers); the output is the same byte for byte "
          "whatever the number. Across machines, run the command under torchrun instead: "
          "`torchrun --nnodes 2 --nproc-per-node 8 ... -m dcpctl COMMAND ...` (see dcpctl "
