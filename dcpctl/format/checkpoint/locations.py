@@ -49,6 +49,12 @@ class ItemLocation:
         """Offset one past the item's last stored byte in its file."""
         return self.start + self.length
 
+    def __hash__(self) -> int:
+        # Where the bytes lie tells items apart; equal locations lie in the same place. A
+        # location is a key of every read of a reshard or convert, and the hash dataclass
+        # would make hashes its codec and expected tensor too, each a call of its own.
+        return hash((self.path, self.start, self.length))
+
 
 def locate_item(checkpoint: Checkpoint, fqn: str, storage: StorageInfo,
                 expected: ExpectedTensor | None = None) -> ItemLocation:
