@@ -110,6 +110,9 @@ class _Gathering(threading.Thread):
             self.results = _gather(self._workers, self._count, self._advance)
         except WorkerError as error:
             self.failure = error
+        except Exception as error:  # noqa: BLE001 - the coordinator raises it
+            self.failure = WorkerError(f"reading the workers' results failed: "
+                                       f"{describe_failure(error)}")
 
 
 def _gather(workers: list[_Worker], count: int, advance: Callable[[int], None]) -> list[Any]:
