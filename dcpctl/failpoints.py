@@ -4,8 +4,9 @@ Every point is a member of Failpoint, the one list of them. Set DCPCTL_FAILPOINT
 environment of a dcpctl process and it sends itself SIGKILL the first time it reaches that
 point, or `<name>@<n>` for the n-th time; `<name>[@<n>]:SIGTERM` (or another signal's name)
 sends that signal instead, which the process may handle. With DCPCTL_FAILPOINT_SCOPE=workers it
-is armed only in `--workers` processes (execution/processes.py), not in the coordinator, which
-runs a share of its own. DCPCTL_FAILPOINT_TRACE=<file>
+is armed only in the processes `--workers` starts (execution/processes.py), with
+DCPCTL_FAILPOINT_SCOPE=coordinator only in the command's own process, which runs a share of its
+own. DCPCTL_FAILPOINT_TRACE=<file>
 appends the name of every point reached to that file, so a test can learn where and how often a
 command passes, then kill it at each of those moments. Unset, a failpoint costs one comparison.
 """
@@ -57,22 +58,24 @@ def _armed(setting: str | None) -> tuple[str | None, int, signal.Signals]:
     return name, int(hit or 1), signal.Signals[signal_name or "SIGKILL"]
 
 
-_SCOPES = ("all", "workers")
+_SCOPES = ("all", "workers", "coordinator")
 _SCOPE = os.environ.get("DCPCTL_FAILPOINT_SCOPE") or "all"
 if _SCOPE not in _SCOPES:
     raise ValueError(f"DCPCTL_FAILPOINT_SCOPE={_SCOPE!r}: not one of {', '.join(_SCOPES)}")
 _SETTING = _armed(os.environ.get("DCPCTL_FAILPOINT"))  # checked in every process
-_ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = _SETTING if _SCOPE == "all" else _armed(None)
+_ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = _SETTING if _SCOPE != "workers" else _armed(None)
 _TRACE_PATH = os.environ.get("DCPCTL_FAILPOINT_TRACE") or None
 _hits: Counter[str] = Counter()
 _lock = threading.Lock()
 
 
 def arm_in_worker() -> None:
-    """Called as a `--workers` process starts: arm a failpoint scoped to workers."""
+    """Called as a process `--workers` started begins: arm a failpoint scoped to workers,
+    disarm one scoped to the coordinator."""
     global _ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL
-    if _SCOPE == "workers":
-        _ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = _SETTING
+    if _SCOPE != "all":
+        _ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = (_SETTING if _SCOPE == "workers"
+                                                  else _armed(None))
 
 
 def failpoint(point: Failpoint) -> None:

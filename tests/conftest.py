@@ -29,13 +29,13 @@ TORCH_LOADABLE_FIXTURES = [name for name in FIXTURE_NAMES
 
 
 def run_dcpctl(*args, failpoint: str | None = None, trace: Path | None = None,
-               failpoint_in_workers: bool = False, **kwargs) -> subprocess.CompletedProcess:
+               failpoint_scope: str = "all", **kwargs) -> subprocess.CompletedProcess:
     """Run `python -m dcpctl` with these arguments in a process of its own, killed at
-    `failpoint` (name or name@n) if given (only its --workers processes, not the coordinator,
-    with failpoint_in_workers), its failpoints traced into `trace` if given."""
+    `failpoint` (name or name@n) if given (with failpoint_scope "workers" or "coordinator",
+    only the processes --workers starts, or only the command's own), its failpoints traced
+    into `trace` if given."""
     env = {**os.environ, "DCPCTL_FAILPOINT": failpoint or "",
-           "DCPCTL_FAILPOINT_TRACE": str(trace or ""),
-           "DCPCTL_FAILPOINT_SCOPE": "workers" if failpoint_in_workers else "all"}
+           "DCPCTL_FAILPOINT_TRACE": str(trace or ""), "DCPCTL_FAILPOINT_SCOPE": failpoint_scope}
     return subprocess.run([sys.executable, "-m", "dcpctl", *map(str, args)], env=env,
                           capture_output=True, text=True, **kwargs)
 

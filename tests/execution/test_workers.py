@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -167,13 +168,35 @@ def test_a_killed_worker_fails_the_command_and_publishes_nothing(copy_fixture, t
     arguments = [tmp_path / part if part == "out" else part for part in command[1:]]
     result = run_dcpctl(command[0], checkpoint, *arguments, "--workers", 2,
                         failpoint="after-data-write@1",  # the worker dies at its 1st write
-                        failpoint_in_workers=True)
+                        failpoint_scope="workers")
     assert result.returncode == 1, result.stderr
     assert ("worker 2 of 2 ended without finishing its share (killed by SIGKILL)"
             in result.stderr)
     assert directory_state(checkpoint) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
     assert loaded_tensors(checkpoint) == expected_tensors()
+
+
+@pytest.mark.parametrize("command", [["compress", "-o", "out"],
+                                     ["reshard", "--ranks", "5", "-o", "out"],
+                                     ["convert", "--to", "torch", "-o", "out"]],
+                         ids=["compress", "reshard", "convert"])
+def test_a_killed_coordinator_leaves_the_source_and_no_output(copy_fixture, tmp_path, command):
+    """The command's own process writes a share too: killed at its first write, its worker
+    dies with it, the source is as it was, and a second run finishes."""
+    checkpoint = copy_fixture(SOURCE)
+    before = directory_state(checkpoint)
+    arguments = [tmp_path / part if part == "out" else part for part in command[1:]]
+    killed = run_dcpctl(command[0], checkpoint, *arguments, "--workers", 2,
+                        failpoint="after-data-write@1", failpoint_scope="coordinator")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert directory_state(checkpoint) == before
+    assert not (tmp_path / "out").exists()
+    rerun = run_dcpctl(command[0], checkpoint, *arguments, "--workers", 2)
+    assert rerun.returncode == 0, rerun.stderr
+    if command[0] != "convert":
+        assert loaded_tensors(tmp_path / "out") == expected_tensors()
+    assert directory_state(checkpoint) == before
 
 
 def test_memory_urls_are_refused_with_workers(run_cli):
