@@ -154,6 +154,7 @@ class ReshardJob:
         """Write the share's rank files; their tasks' storage records, by index in the plan."""
         names = list(plan.output_file_bytes)
         mine = {names[lane] for lane in lanes}
+        plan.locate_sources(mine)
         indexed = [(index, task) for index, task in enumerate(plan.tasks)
                    if task.output_file in mine]
         inputs = {source.location.path for _, task in indexed if isinstance(task, ChunkTask)
@@ -239,6 +240,7 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     destination = storage_path(output_path)
     with checked_checkpoint(path, threads=threads, on_progress=on_progress) as checkpoint:
         plan = plan_reshard(checkpoint, world_size, codec, per_rank_objects, tensor_parallel)
+        plan.locate_sources()  # here, so an item that cannot be read is refused before writing
         output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
                                   overwrite=overwrite, side_files=side_files_of(checkpoint))
         try:

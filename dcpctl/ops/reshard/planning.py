@@ -20,8 +20,8 @@ import bisect
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Collection, Sequence
 
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_chunk, locate_object
@@ -58,7 +58,8 @@ class ChunkTask:
     dtype: DType
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    sources: tuple[SourceChunk, ...]
+    sources: tuple[SourceChunk, ...] | None
+    """None until ReshardPlan.locate_sources gives them."""
     output_file: str
 
     @property
@@ -108,6 +109,18 @@ class ReshardPlan:
     per_rank_objects: PerRankObjects | None = None
     mesh: Mesh | None = None
     placements: dict[str, MeshPlacement] | None = None
+    _sources_by_fqn: dict[str, _SourceChunks] = field(default_factory=dict, repr=False)
+
+    def locate_sources(self, files: Collection[str] | None = None) -> None:
+        """Give the chunk tasks written into `files` (None: every file) the input chunks they
+        are read from, where they have none yet. That reads no data, but it is a search per
+        task and a lookup per input chunk: a worker locates only its own share's."""
+        for index, task in enumerate(self.tasks):
+            if (isinstance(task, ChunkTask) and task.sources is None
+                    and (files is None or task.output_file in files)):
+                sources = self._sources_by_fqn[task.fqn].overlapping(task.offsets, task.sizes)
+                self.tasks[index] = ChunkTask(task.fqn, task.dtype, task.offsets, task.sizes,
+                                              sources, task.output_file)
 
     @property
     def tensor_parallel(self) -> int:
@@ -125,8 +138,9 @@ class ReshardPlan:
 
 def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None,
                  per_rank_objects: str = KEEP, tensor_parallel: int = 1) -> ReshardPlan:
-    """Plan the output of a world_size-rank save of the checkpoint's state; per_rank_objects
-    is one of PER_RANK_OBJECT_CHOICES. tensor_parallel > 1: a save from a 2-D mesh of
+    """Plan the output of a world_size-rank save of the checkpoint's state, its chunk tasks'
+    sources not located yet (ReshardPlan.locate_sources); per_rank_objects is one of
+    PER_RANK_OBJECT_CHOICES. tensor_parallel > 1: a save from a 2-D mesh of
     world_size / tensor_parallel data-parallel ranks that keeps the source's tensor-parallel
     layout of that size."""
     check_world_size(world_size)
@@ -157,14 +171,12 @@ def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = 
             tasks.append(ObjectTask(entry.fqn, locate_object(checkpoint, entry),
                                     rank_file_name(rank)))
             continue
-        sources = sources_by_fqn.get(entry.fqn)
-        if sources is None:
-            sources = sources_by_fqn[entry.fqn] = _SourceChunks(checkpoint, entry)
-        tasks.append(ChunkTask(entry.fqn, entry.dtype, chunk.offsets, chunk.sizes,
-                               sources.overlapping(chunk.offsets, chunk.sizes),
+        if entry.fqn not in sources_by_fqn:
+            sources_by_fqn[entry.fqn] = _SourceChunks(checkpoint, entry)
+        tasks.append(ChunkTask(entry.fqn, entry.dtype, chunk.offsets, chunk.sizes, None,
                                rank_file_name(rank)))
     return ReshardPlan(world_size, codec, tasks, per_rank,
-                       mesh if mesh.tensor_parallel > 1 else None, placements)
+                       mesh if mesh.tensor_parallel > 1 else None, placements, sources_by_fqn)
 
 
 def _state_dict_order(checkpoint: Checkpoint) -> list[str]:

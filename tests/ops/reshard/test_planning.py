@@ -70,8 +70,25 @@ def test_each_output_chunk_reads_exactly_the_input_chunks_it_overlaps(tmp_path, 
     _write_metadata(tmp_path / "ckpt", layouts)
     checkpoint = open_checkpoint(tmp_path / "ckpt", check_files=False)
     for world_size in (1, 3, 7, 16):
-        for task in plan_reshard(checkpoint, world_size).tasks:
+        plan = plan_reshard(checkpoint, world_size)
+        plan.locate_sources()
+        for task in plan.tasks:
             assert isinstance(task, ChunkTask)
             expected = [chunk for chunk in layouts[task.fqn][1]
                         if _holds_any_of(chunk, task.offsets, task.sizes)]
             assert [(source.offsets, source.sizes) for source in task.sources] == expected
+
+
+def test_a_share_locates_only_its_own_files_sources_and_the_same_ones(tmp_path):
+    rng = random.Random(7)
+    layouts = {f"layer{tensor}.weight": ((40, 4), [((row, 0), (count, 4)) for row, count
+                                                   in _row_splits(40, 5, rng)])
+               for tensor in range(4)}
+    _write_metadata(tmp_path / "ckpt", layouts)
+    checkpoint = open_checkpoint(tmp_path / "ckpt", check_files=False)
+    whole, shared = plan_reshard(checkpoint, 6), plan_reshard(checkpoint, 6)
+    whole.locate_sources()
+    mine = set(list(shared.output_file_bytes)[:3])
+    shared.locate_sources(mine)
+    for located, task in zip(whole.tasks, shared.tasks, strict=True):
+        assert task.sources == (located.sources if task.output_file in mine else None)
