@@ -308,10 +308,8 @@ class PayloadReader:
         if not is_remote(path):
             return numpy.memmap(path, dtype=numpy.uint8, mode="r", offset=offset,
                                 shape=(length,))
-        data = self._reader(path).read(offset, length)
-        if len(data) != length:
-            raise truncated_error(path, None, offset, offset + length, offset + len(data))
-        return numpy.frombuffer(data, dtype=numpy.uint8)
+        return numpy.frombuffer(_read_exactly(self._reader(path), path, offset, length),
+                                dtype=numpy.uint8)
 
     def _spool(self, pieces: Iterable[bytes]) -> Path:
         handle, name = tempfile.mkstemp(dir=self._spool_directory, suffix=".item")
@@ -340,6 +338,7 @@ def open_payload_reader(scratch: str | os.PathLike,
 
 
 def _read_exactly(reader: RangedFile, path: StoragePath, offset: int, length: int) -> bytes:
+    """Bytes [offset, offset + length) of the file reader reads; raises if it ends first."""
     data = reader.read(offset, length)
     if len(data) != length:
         raise truncated_error(path, None, offset, offset + length, offset + len(data))
