@@ -199,9 +199,8 @@ class FloatSplitEncoder:
         that codes it smaller than its planes alone (version 1's split), else split."""
         row_bytes = self._layout.itemsize * self._row_length
         if (self._predicts and row_bytes and len(data) % row_bytes == 0
-                and len(data) // row_bytes >= MIN_ROWS):
-            if self._add_predicted_block(data):
-                return
+                and len(data) // row_bytes >= MIN_ROWS and self._add_predicted_block(data)):
+            return
         layout = layout_for_block(self._layout, data)
         planes = split_planes(layout, data)
         self._parts.append(FLOATS_HEADER.pack(FLOATS_BLOCK, layout.code,
@@ -255,7 +254,8 @@ def _smaller(compressed: bytes, data) -> bytes | None:
     return compressed if len(compressed) < len(data) else None
 
 
-def _add_stream(data, compressed, parts: list, coding: int = ZSTD_CODING) -> None:
+def _add_stream(data, compressed: bytes | numpy.ndarray | None, parts: list,
+                coding: int = ZSTD_CODING) -> None:
     """A sub-stream of data: the zstd frame given (made with the dictionary for
     DICTIONARY_CODING), or data itself (raw) where there is none."""
     size = len(data)

@@ -36,6 +36,7 @@ _U8, _U16 = numpy.dtype(numpy.uint8), numpy.dtype("<u2")
 _SIGN_IN_LOW_BYTE = numpy.uint8(0x80)
 _ESCAPE = 0
 _RESIDUAL_BIAS = 128  # a residual r is stored as r + 128, in 1..255
+_LEAST_RESIDUAL, _GREATEST_RESIDUAL = 1 - _RESIDUAL_BIAS, 255 - _RESIDUAL_BIAS  # else escaped
 MIN_ROWS = 16
 """Fewer rows than this tell too little about the columns for a prediction to pay."""
 # Rows averaged for the column predictions, columns for the row offsets: enough to tell a mean
@@ -147,9 +148,10 @@ def _split_rows(layout: FloatLayout, words: numpy.ndarray, q: numpy.ndarray,
     # greatest prediction say so; else each is checked.
     lowest = int(numpy.minimum.reduce(q, axis=None))
     highest = int(numpy.maximum.reduce(q, axis=None))
-    fits = (lowest - int(columns.max()) - int(offsets.max()) >= 1 - _RESIDUAL_BIAS
-            and highest - int(columns.min()) - int(offsets.min()) <= 255 - _RESIDUAL_BIAS)
-    escaped = None if fits else _escaped(q, columns, offsets)
+    fits = (lowest - int(columns.max()) - int(offsets.max()) >= _LEAST_RESIDUAL
+            and highest - int(columns.min()) - int(offsets.min()) <= _GREATEST_RESIDUAL)
+    escaped = None if fits else _escaped(
+        q.astype(numpy.int16) - columns[None, :] - offsets[:, None])
     residuals = q
     numpy.add(q, (_RESIDUAL_BIAS - columns).astype(numpy.uint8)[None, :], out=residuals)
     if offsets.any():
@@ -169,10 +171,9 @@ def _split_rows(layout: FloatLayout, words: numpy.ndarray, q: numpy.ndarray,
     return [(words[escaped] >> top_shift).astype(_U16)]
 
 
-def _escaped(q: numpy.ndarray, columns: numpy.ndarray, offsets: numpy.ndarray) -> numpy.ndarray:
-    """Where q's residual from its prediction does not fit a byte."""
-    residuals = q.astype(numpy.int16) - columns[None, :] - offsets[:, None]
-    return (residuals < 1 - _RESIDUAL_BIAS) | (residuals > 255 - _RESIDUAL_BIAS)
+def _escaped(residuals: numpy.ndarray) -> numpy.ndarray:
+    """Where residuals of q from its prediction do not fit a byte: those elements escape."""
+    return (residuals < _LEAST_RESIDUAL) | (residuals > _GREATEST_RESIDUAL)
 
 
 def _q_of(layout: FloatLayout, words: numpy.ndarray, out: numpy.ndarray) -> numpy.ndarray:
@@ -200,8 +201,9 @@ def _estimated_saving(q: numpy.ndarray, columns: numpy.ndarray,
     coded = sampled.astype(numpy.int32)
     coded -= columns[sample.columns]
     coded -= offsets[sample.rows]
+    escaped = _escaped(coded)
     coded += _RESIDUAL_BIAS
-    coded[(coded < 1) | (coded > 255)] = _ESCAPE
+    coded[escaped] = _ESCAPE
     scale = rows * row_length / len(sample.positions) / 8
     return (_order0_bits(sampled) - _order0_bits(coded)) * scale
 
