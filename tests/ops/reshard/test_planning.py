@@ -92,3 +92,11 @@ def test_a_share_locates_only_its_own_files_sources_and_the_same_ones(tmp_path):
     shared.locate_sources(mine)
     for located, task in zip(whole.tasks, shared.tasks, strict=True):
         assert task.sources == (located.sources if task.output_file in mine else None)
+
+
+def test_rank_files_are_the_lanes_in_rank_order(tmp_path):
+    """Workers share neighbouring lanes, and neighbouring ranks are cut from the same input
+    chunks: the lanes go by rank (`__2_0` before `__10_0`), not by name."""
+    _write_metadata(tmp_path / "source", {"w": ((1200, 8), [((0, 0), (1200, 8))])})
+    plan = plan_reshard(open_checkpoint(tmp_path / "source"), 12)
+    assert list(plan.output_file_bytes) == [f"__{rank}_0.distcp" for rank in range(12)]
