@@ -1,13 +1,15 @@
 """Jobs: work described so that any process can do a share of it.
 
 A job is a picklable description of an operation's work (what to read, where to write, with
-how many threads). Its plan is a pure function of the job, so a worker process that receives
-the job plans it again and gets the plan the coordinator has, without the plan crossing a
-process boundary. The plan's lanes (output files, or files to read) are split into shares
-balanced by size (shares.py); each worker runs its share and returns what the coordinator needs
-to publish (storage records, digests, problems found), and the coordinator publishes once every
-share is done. Output bytes never depend on how many workers wrote them: each lane is written
-whole by one worker, from the same plan.
+how many threads). Its plan is a pure function of the job's planning (what to read and what to
+make of it), so a worker process that receives the job plans it again and gets the plan the
+coordinator has, without the plan crossing a process boundary. A planning can be sent ahead of
+its job, as soon as the command knows it, so that the workers plan while the coordinator checks
+and plans, rather than after (PlansMadeAhead). The plan's lanes (output files, or files to
+read) are split into shares balanced by size (shares.py); each worker runs its share and returns
+what the coordinator needs to publish (storage records, digests, problems found), and the
+coordinator publishes once every share is done. Output bytes never depend on how many workers
+wrote them: each lane is written whole by one worker, from the same plan.
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ Plan = TypeVar("Plan")
 Result = TypeVar("Result")
 
 
-class ShareJob(Protocol, Generic[Plan, Result]):
-    """Work that can be split into shares (see the module docstring)."""
+class Planning(Protocol, Generic[Plan]):
+    """What a job's plan is a pure function of (see the module docstring); picklable."""
 
     def plan(self) -> Plan:
         """Open what the job reads and plan its work: the same plan in every process."""
+
+
+class ShareJob(Protocol, Generic[Plan, Result]):
+    """Work that can be split into shares (see the module docstring)."""
+
+    planning: Planning[Plan]
 
     def lane_sizes(self, plan: Plan) -> list[int]:
         """The size of each lane of the plan, in the units its progress is counted in."""
@@ -46,24 +54,51 @@ def run_share_of(job: ShareJob, index: int, count: int, advance: Callable[[int],
                  plan: Any = None) -> Any:
     """What worker `index` of `count` does: plan the job (unless given its plan) and run its
     share."""
-    plan = job.plan() if plan is None else plan
+    plan = job.planning.plan() if plan is None else plan
     share = split_by_size(job.lane_sizes(plan), count)[index]
     return job.run_share(plan, share, advance)
 
 
-def packed_job(job: ShareJob) -> bytes:
-    """The job as bytes for another process, with the storage options in force: they must be
-    in force there before the job's paths are unpickled (each opens its store)."""
+def packed(value: ShareJob | Planning) -> bytes:
+    """A job or a planning as bytes for another process, with the storage options in force:
+    they must be in force there before its paths are unpickled (each opens its store)."""
     from dcpctl.storage.stores import storage_options
-    return pickle.dumps((storage_options(), pickle.dumps(job)))
+    return pickle.dumps((storage_options(), pickle.dumps(value)))
 
 
-def unpacked_job(data: bytes) -> ShareJob:
-    """A job packed_job packed, its storage options put in force in this process first."""
+def unpacked(data: bytes) -> Any:
+    """A job or planning `packed` packed, its storage options put in force here first."""
     from dcpctl.storage.stores import add_storage_options
     options, payload = pickle.loads(data)
     add_storage_options(options)
     return pickle.loads(payload)
+
+
+class PlansMadeAhead:
+    """In a process that serves shares (a worker, a torchrun rank): the plans of plannings sent
+    ahead of their jobs, by the planning's bytes (`packed`). A job whose planning was planned
+    ahead runs on that plan, which serves it alone; any other job is planned when it comes."""
+
+    def __init__(self) -> None:
+        self._plans: dict[bytes, Any] = {}
+
+    def make(self, planning_data: bytes) -> None:
+        """Plan a planning sent ahead. A planning that fails is forgotten: its job plans again
+        when it comes, and reports the failure as its own."""
+        self._plans.pop(planning_data, None)
+        try:
+            self._plans[planning_data] = unpacked(planning_data).plan()
+        except Exception:  # noqa: BLE001 - see above
+            return
+
+    def run_share(self, job_data: bytes, planning_data: bytes, index: int, count: int,
+                  advance: Callable[[int], None]) -> Any:
+        """Run share `index` of `count` of the job packed in job_data, whose planning packs
+        into planning_data."""
+        job = unpacked(job_data)
+        if planning_data in self._plans:
+            return run_share_of(job, index, count, advance, self._plans.pop(planning_data))
+        return run_share_of(job, index, count, advance)
 
 
 def describe_failure(error: BaseException) -> str:

@@ -1,15 +1,19 @@
-"""Shares of a job run by local processes (`--workers N`): share 0 in this process, the
+"""Shares of jobs run by local processes (`--workers N`): share 0 in this process, the
 coordinator, on the plan it has made already; shares 1 to N - 1 on worker processes.
 
-Workers are started with `spawn` (a fresh interpreter: no threads or locks inherited from the
-coordinator; dcpctl's modules import in a fraction of a second, torch not at all), receive the
-job and the storage options in force, plan the job themselves and run their share. Each sends
-its progress and then its result or its error, one line, back through a pipe, which a thread of
-the coordinator reads while the coordinator runs its own share. The first failure (a worker's,
-a worker that ends without a result because it was killed, or the coordinator's own share)
-stops the rest and is raised here naming the worker: the coordinator's share stops at its next
-step of progress. So the caller aborts its output after every worker has stopped writing.
-Workers ignore Ctrl-C (the coordinator stops them) and die with the coordinator.
+The workers are started with `spawn` (a fresh interpreter: no threads or locks inherited from
+the coordinator; dcpctl's modules import in a fraction of a second, torch not at all) when the
+command starts, before it checks and plans, so that their start-up overlaps that work; and
+when the command knows its job's planning that early, it sends it ahead (plan_ahead), and the
+workers plan while the coordinator does (jobs.PlansMadeAhead). They serve every job of the
+command: each receives the job and the storage options in force, runs its share, and sends its
+progress and then its result or its error back through its pipe, which a thread of the
+coordinator reads while the coordinator runs its own share. The first failure (a worker's, a
+worker that ends without a result because it was killed, or the coordinator's own share) stops
+the rest and is raised here naming the worker: the coordinator's share stops at its next step
+of progress, and the workers are terminated. So the caller aborts its output after every worker
+has stopped writing. Workers ignore Ctrl-C (the coordinator stops them) and die with the
+coordinator.
 """
 
 from __future__ import annotations
@@ -21,49 +25,78 @@ import threading
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from dcpctl.execution.jobs import (BatchedProgress, ShareJob, WorkerError, describe_failure,
-                                   packed_job, run_share_of, unpacked_job)
+from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
+                                   WorkerError, describe_failure, packed, run_share_of)
 
 _PROGRESS_INTERVAL_SECONDS = 0.2
 
 _Worker = tuple[int, multiprocessing.Process, Connection]  # share index, process, its pipe
 
 
-def run_in_processes(job: ShareJob, plan: Any, count: int, advance: Callable[[int], None]
-                     ) -> list[Any]:
-    """Every share of job: share 0 here on `plan`, share i on worker process i; their results
-    in share order."""
-    context = multiprocessing.get_context("spawn")
-    payload = packed_job(job)
-    workers: list[_Worker] = []
-    gathering: _Gathering | None = None
-    try:
-        for index in range(1, count):
-            receiving, sending = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_work, args=(payload, index, count, sending),
-                name=f"dcpctl-worker-{index + 1}", daemon=True)
-            process.start()
-            sending.close()
-            workers.append((index, process, receiving))
+class LocalWorkers:
+    """The worker processes of `--workers count`, started at once (see the module docstring);
+    stop() ends them."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._workers: list[_Worker] = []
+        self._stopped = False
+        context = multiprocessing.get_context("spawn")
+        try:
+            for index in range(1, count):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=_serve, args=(index, count, theirs),
+                                          name=f"dcpctl-worker-{index + 1}", daemon=True)
+                process.start()
+                theirs.close()
+                self._workers.append((index, process, ours))
+        except BaseException:
+            self.stop()
+            raise
+
+    def plan_ahead(self, planning: Planning) -> None:
+        """Have every worker plan `planning` now, ahead of the job that has it."""
+        data = packed(planning)
+        for _, _, connection in self._workers:
+            try:
+                connection.send(("plan", data))
+            except OSError:  # a worker that died says so when its job is sent
+                continue
+
+    def run(self, job: ShareJob, plan: Any, advance: Callable[[int], None]) -> list[Any]:
+        """Every share of job: share 0 here on `plan`, share i on worker i; their results in
+        share order. After a failure the workers are stopped, and so is this team."""
+        if self._stopped:
+            raise WorkerError("the workers were stopped by an earlier failure")
+        message = ("job", (packed(job), packed(job.planning)))
         advance = _serialized(advance)  # called by this share's threads and the pipe reader
-        gathering = _Gathering(workers, count, advance)
+        gathering = _Gathering(self._workers, self.count, message, advance)
         gathering.start()
-        own = _run_own_share(job, plan, count, gathering, advance)
-        gathering.join()
-        if gathering.failure is not None:
-            raise gathering.failure
-        return [own, *gathering.results]
-    finally:
-        for _, process, _ in workers:
+        try:
+            own = _run_own_share(job, plan, self.count, gathering, advance)
+            gathering.join()
+            if gathering.failure is not None:
+                raise gathering.failure
+            return [own, *gathering.results]
+        except BaseException:
+            self._end_processes()
+            raise
+        finally:
+            gathering.join()  # it ends once every worker's pipe is closed
+
+    def stop(self) -> None:
+        """End every worker (terminating any still at work) and close their pipes."""
+        self._end_processes()
+        for _, _, connection in self._workers:
+            connection.close()
+
+    def _end_processes(self) -> None:
+        self._stopped = True
+        for _, process, _ in self._workers:
             if process.is_alive():
                 process.terminate()
-        for _, process, connection in workers:
+        for _, process, _ in self._workers:
             process.join()
-        if gathering is not None:
-            gathering.join()  # it ends once every worker's pipe is closed
-        for _, _, connection in workers:
-            connection.close()
 
 
 def _run_own_share(job: ShareJob, plan: Any, count: int, gathering: _Gathering,
@@ -93,10 +126,12 @@ def _serialized(function: Callable[[int], None]) -> Callable[[int], None]:
 
 
 class _Gathering(threading.Thread):
-    """Reads the workers' pipes: progress goes to advance, results into `results` (in share
-    order), and the first failure into `failure`, which ends the reading."""
+    """Hands a job to the workers, then reads their pipes: progress goes to advance, results
+    into `results` (in share order), and the first failure into `failure`, which ends the
+    reading. The job is sent from this thread so that the coordinator's own share starts at
+    once, whatever a worker still planning ahead leaves unread."""
 
-    def __init__(self, workers: list[_Worker], count: int,
+    def __init__(self, workers: list[_Worker], count: int, message: tuple,
                  advance: Callable[[int], None]) -> None:
         super().__init__(name="dcpctl-worker-pipes", daemon=True)
         self._advance = advance
@@ -104,9 +139,15 @@ class _Gathering(threading.Thread):
         self.results: list[Any] = []
         self._workers = workers
         self._count = count
+        self._message = message
 
     def run(self) -> None:
         try:
+            for index, process, connection in self._workers:
+                try:
+                    connection.send(self._message)
+                except OSError:
+                    raise _ended(index, self._count, process) from None
             self.results = _gather(self._workers, self._count, self._advance)
         except WorkerError as error:
             self.failure = error
@@ -124,9 +165,7 @@ def _gather(workers: list[_Worker], count: int, advance: Callable[[int], None]) 
             try:
                 kind, value = connection.recv()
             except (EOFError, OSError):
-                process.join()
-                raise WorkerError(f"worker {index + 1} of {count} ended without finishing its "
-                                  f"share ({_how_it_ended(process.exitcode)})") from None
+                raise _ended(index, count, process) from None
             if kind == "progress":
                 advance(value)
             elif kind == "done":
@@ -137,14 +176,21 @@ def _gather(workers: list[_Worker], count: int, advance: Callable[[int], None]) 
     return [results[index] for index, _, _ in workers]
 
 
-def _how_it_ended(exit_code: int | None) -> str:
+def _ended(index: int, count: int, process: multiprocessing.Process) -> WorkerError:
+    """The failure of a worker whose pipe closed before it finished its share."""
+    process.join()
+    exit_code = process.exitcode
     if exit_code is not None and exit_code < 0:
-        return f"killed by {signal.Signals(-exit_code).name}"
-    return f"exit status {exit_code}"
+        how = f"killed by {signal.Signals(-exit_code).name}"
+    else:
+        how = f"exit status {exit_code}"
+    return WorkerError(f"worker {index + 1} of {count} ended without finishing its share "
+                       f"({how})")
 
 
-def _work(payload: bytes, index: int, count: int, connection: Connection) -> None:
-    """A worker process: plan the job, run share `index`, send the result or the error."""
+def _serve(index: int, count: int, connection: Connection) -> None:
+    """A worker process: plan what is sent ahead, run share `index` of each job sent, send
+    each result or error; end when the coordinator closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
     _die_with_parent()
     from dcpctl.allocator import reuse_large_buffers
@@ -152,16 +198,25 @@ def _work(payload: bytes, index: int, count: int, connection: Connection) -> Non
 
     reuse_large_buffers()
     arm_in_worker()
+    plans = PlansMadeAhead()
     progress = BatchedProgress(lambda units: connection.send(("progress", units)),
                                _PROGRESS_INTERVAL_SECONDS)
-    try:
-        result = run_share_of(unpacked_job(payload), index, count, progress.advance)
-        progress.flush()
-        connection.send(("done", result))
-    except BaseException as error:  # noqa: BLE001 - every failure goes to the coordinator
-        connection.send(("failed", describe_failure(error)))
-    finally:
-        connection.close()
+    with connection:
+        while True:
+            try:
+                kind, value = connection.recv()
+            except EOFError:
+                return
+            if kind == "plan":
+                plans.make(value)
+                continue
+            try:
+                result = plans.run_share(*value, index, count, progress.advance)
+                progress.flush()
+                connection.send(("done", result))
+            except BaseException as error:  # noqa: BLE001 - every failure goes to the coordinator
+                connection.send(("failed", describe_failure(error)))
+                return
 
 
 def _die_with_parent() -> None:

@@ -1,16 +1,54 @@
 """Running a job's shares (jobs.py): in this process alone, on `workers` local processes (this
 one and workers - 1 it starts: processes.py), or, when the command runs under torchrun, on every
-rank (torchrun.py)."""
+rank (torchrun.py).
+
+A command starts its worker processes first thing (workers_started), and sends its job's
+planning ahead (plan_ahead) when it knows it before reading, so that the workers start up and
+plan while it checks and plans itself; every job it runs within is shared with them.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 from dcpctl.errors import InvalidOptionError
 from dcpctl.execution import torchrun
-from dcpctl.execution.jobs import Plan, Result, ShareJob, run_share_of
-from dcpctl.execution.processes import run_in_processes
+from dcpctl.execution.jobs import Plan, Planning, Result, ShareJob, run_share_of
+from dcpctl.execution.processes import LocalWorkers
 from dcpctl.storage.paths import StoragePath, default_threads_for
+
+_local_workers: LocalWorkers | None = None
+
+
+@contextlib.contextmanager
+def workers_started(workers: int) -> Iterator[None]:
+    """Within: the processes that share this command's jobs started (`workers` local ones, this
+    one among them, unless started already; a torchrun job's ranks are)."""
+    global _local_workers
+    if torchrun.current_team() is not None and workers > 1:
+        raise InvalidOptionError("--workers starts processes on this machine; under torchrun "
+                                 "each rank is one worker (set torchrun's --nproc-per-node)")
+    if _local_workers is not None and workers > 1 and _local_workers.count != workers:
+        raise RuntimeError(f"{_local_workers.count} workers are running, not {workers}")
+    starting = workers > 1 and torchrun.current_team() is None and _local_workers is None
+    if starting:
+        _local_workers = LocalWorkers(workers)
+    try:
+        yield
+    finally:
+        if starting:
+            local, _local_workers = _local_workers, None
+            local.stop()
+
+
+def plan_ahead(planning: Planning) -> None:
+    """Have the other processes started to share this command's jobs (if any) plan `planning`
+    now, ahead of the job that has it. Send it once what it reads is held (storage/locks.py), as
+    the command's own planning reads it."""
+    team = torchrun.current_team() or _local_workers
+    if team is not None:
+        team.plan_ahead(planning)
 
 
 def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
@@ -24,15 +62,16 @@ def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
         if on_progress is not None:
             on_progress(units, total)
 
-    team = torchrun.current_team()
-    if team is not None:
-        if workers > 1:
-            raise InvalidOptionError("--workers starts processes on this machine; under torchrun "
-                                     "each rank is one worker (set torchrun's --nproc-per-node)")
+    with workers_started(workers):
+        team = _current_team(workers)
+        if team is None:
+            return [run_share_of(job, 0, 1, advance, plan)]
         return team.run(job, plan, advance)
-    if workers <= 1:
-        return [run_share_of(job, 0, 1, advance, plan)]
-    return run_in_processes(job, plan, workers, advance)
+
+
+def _current_team(workers: int) -> torchrun.Team | LocalWorkers | None:
+    """The processes that share a job of `workers` workers (None: this one alone)."""
+    return torchrun.current_team() or (_local_workers if workers > 1 else None)
 
 
 def sharing_processes(workers: int) -> int:

@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from dcpctl.execution.jobs import (BatchedProgress, ShareJob, WorkerError, describe_failure,
-                                   packed_job, run_share_of, unpacked_job)
+from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
+                                   WorkerError, describe_failure, packed, run_share_of)
 
 _POLL_SECONDS = 0.05
 _PROGRESS_SECONDS = 0.5
@@ -62,12 +62,19 @@ class Team:
         self.store = store
         self._jobs = 0
 
+    def plan_ahead(self, planning: Planning) -> None:
+        """On rank 0: have every other rank plan `planning` now, ahead of the job that has
+        it."""
+        number = self._jobs = self._jobs + 1
+        self.store.set(f"dcpctl/next/{number}", pickle.dumps(("plan", packed(planning))))
+
     def run(self, job: ShareJob, plan: Any, advance: Callable[[int], None]) -> list[Any]:
         """On rank 0: hand job to every rank, run share 0 here, gather every rank's result.
         Every rank's outcome is awaited before a failure is raised, so that no rank still
         writes into an output its caller then removes."""
         number = self._jobs = self._jobs + 1
-        self.store.set(f"dcpctl/next/{number}", pickle.dumps(("job", packed_job(job))))
+        self.store.set(f"dcpctl/next/{number}",
+                       pickle.dumps(("job", (packed(job), packed(job.planning)))))
         progress_key = f"dcpctl/progress/{number}"
         stop = threading.Event()
         watcher = threading.Thread(target=self._forward_progress, name="dcpctl-rank-progress",
@@ -96,18 +103,23 @@ class Team:
         self.store.set(f"dcpctl/next/{self._jobs + 1}", pickle.dumps(("end", exit_code)))
 
     def serve(self) -> int:
-        """On ranks but 0: run the share of every job rank 0 hands out; rank 0's exit status."""
+        """On ranks but 0: plan what rank 0 sends ahead, run the share of every job it hands
+        out; rank 0's exit status."""
+        plans = PlansMadeAhead()
         while True:
             number = self._jobs = self._jobs + 1
             kind, value = pickle.loads(self._wait(f"dcpctl/next/{number}"))
             if kind == "end":
                 return value
+            if kind == "plan":
+                plans.make(value)
+                continue
             key = f"dcpctl/progress/{number}"
             progress = BatchedProgress(lambda units: self.store.add(key, units),
                                        _PROGRESS_SECONDS)
             try:
-                outcome = ("done", run_share_of(unpacked_job(value), self.rank, self.size,
-                                                progress.advance))
+                outcome = ("done", plans.run_share(*value, self.rank, self.size,
+                                                   progress.advance))
             except Exception as error:  # noqa: BLE001 - rank 0 reports it
                 outcome = ("failed", describe_failure(error))
             progress.flush()

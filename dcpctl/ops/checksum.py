@@ -3,18 +3,20 @@ trainer's side files (side_files.py), once each item is checked."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
 
-from dcpctl.format.checkpoint.checksums import (checksummed_files, read_sha256sums,
-                                                write_sha256sums)
+from dcpctl.errors import DataError
+from dcpctl.format.checkpoint.checksums import read_sha256sums, write_sha256sums
 from dcpctl.format.checkpoint.problems import Problem, problems_error
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
-from dcpctl.execution.running import threads_per_worker
-from dcpctl.ops.verify.scan import items_to_check, plan_scan
-from dcpctl.ops.verify.scan_job import ScanJob, run_scan
-from dcpctl.storage.paths import remove_stale_temporaries
+from dcpctl.execution.running import (plan_ahead, sharing_processes, threads_per_worker,
+                                      workers_started)
+from dcpctl.ops.verify.scan import items_to_check
+from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
+from dcpctl.storage.paths import StoragePath, remove_stale_temporaries, storage_path
 
 
 @dataclass
@@ -41,16 +43,19 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
     every item is checked as `verify` checks it, and any SHA256SUMS already there must hold;
     a checkpoint with any problem is refused, nothing written. on_progress(done_bytes,
     total_bytes) follows the reading."""
-    with checked_checkpoint(path, exclusive=True, check_sums=False) as checkpoint:
+    # workers plan ahead from SHA256SUMS read early (in an object store, before the listing
+    # that would have it: two requests more, worth it only with workers)
+    ahead = (functools.partial(_plan_ahead, storage_path(path))
+             if sharing_processes(workers) > 1 else None)
+    with workers_started(workers), \
+            checked_checkpoint(path, exclusive=True, check_sums=False,
+                               once_held=ahead) as checkpoint:
         remove_stale_temporaries(checkpoint.path, set(checkpoint.files))
-        old_sums = read_sha256sums(checkpoint.path) or {}
-        names = checksummed_files(checkpoint)
+        planning = _planning(checkpoint.path, read_sha256sums(checkpoint.path))
         archive_items, safetensors_items, problems = items_to_check(
             checkpoint, list_stored_items(checkpoint))
-        sums = {name: old_sums.get(name) for name in names}
-        units = plan_scan(checkpoint.path, archive_items, safetensors_items, sums)
-        job = ScanJob(checkpoint.path, True, sums,
-                      threads_per_worker(threads, checkpoint.path, workers))
+        units = planning.units(checkpoint, archive_items, safetensors_items)
+        job = ScanJob(planning, threads_per_worker(threads, checkpoint.path, workers))
         problems += run_scan(job, units, workers, on_progress)
         if problems:
             raise problems_error(sorted(problems, key=_problem_order), checkpoint.path)
@@ -58,6 +63,22 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
         sums_path = write_sha256sums(checkpoint.path, digests)
     return ChecksumReport(str(checkpoint.path), str(sums_path), dict(sorted(digests.items())),
                           sum(unit.read_bytes for unit in units if unit.hashing))
+
+
+def _planning(directory: StoragePath, old_sums: dict[str, str] | None) -> ScanPlanning:
+    """The scan of checksum: every file SHA256SUMS covers, hashed, each against the digest of
+    the SHA256SUMS already there (old_sums) if it lists it, every item checked."""
+    return ScanPlanning(directory, True, dict(old_sums or {}), every_checksummed_file=True)
+
+
+def _plan_ahead(directory: StoragePath) -> None:
+    """Have the workers plan the scan while the checkpoint is checked; a SHA256SUMS that
+    cannot be read is reported once it is (the command reads it again)."""
+    try:
+        old_sums = read_sha256sums(directory)
+    except (DataError, OSError):
+        return
+    plan_ahead(_planning(directory, old_sums))
 
 
 def _problem_order(problem: Problem) -> tuple:

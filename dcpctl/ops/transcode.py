@@ -31,7 +31,8 @@ from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
 from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
                                            MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, Codec, codec_by_name)
-from dcpctl.execution.running import run_job, threads_per_worker
+from dcpctl.execution.running import (plan_ahead, run_job, threads_per_worker,
+                                      workers_started)
 from dcpctl.format.metadata.records import MetadataIndex, StorageInfo
 from dcpctl.pipeline import Pipeline, Run, coalesce, group_into_runs, produce_run
 from dcpctl.storage.local import final_name_of
@@ -186,20 +187,31 @@ def group_items_into_runs(tasks: list[ItemTask], max_bytes: int) -> list[Run[Ite
 
 
 @dataclass(frozen=True)
-class TranscodeJob:
-    """A transcode's work, for any process to do a share of (execution/jobs.py): its lanes
-    are the output files, sized by the stored bytes of their items."""
+class TranscodePlanning:
+    """What a transcode's plan is a pure function of (execution/jobs.py), known before anything
+    is read: a worker plans it while the command checks the checkpoint."""
 
     source: str
     codec: Codec
     recode_same_codec: bool
+
+    def plan(self) -> TranscodePlan:
+        return self.plan_for(open_checkpoint(self.source, check_files=False))
+
+    def plan_for(self, checkpoint: Checkpoint) -> TranscodePlan:
+        """The plan, for the checkpoint at source opened already."""
+        return plan_transcode(checkpoint, self.codec, self.recode_same_codec)
+
+
+@dataclass(frozen=True)
+class TranscodeJob:
+    """A transcode's work, for any process to do a share of (execution/jobs.py): its lanes
+    are the output files, sized by the stored bytes of their items."""
+
+    planning: TranscodePlanning
     files: DataFileSet
     threads: int
     piece_bytes: int = DEFAULT_PIECE_BYTES
-
-    def plan(self) -> TranscodePlan:
-        checkpoint = open_checkpoint(self.source, check_files=False)
-        return plan_transcode(checkpoint, self.codec, self.recode_same_codec)
 
     def lane_sizes(self, plan: TranscodePlan) -> list[int]:
         return list(plan.output_file_bytes.values())
@@ -245,13 +257,14 @@ def _write_items(tasks: list[ItemTask], codec: Codec, files: DataFileSet, thread
     return new_storage
 
 
-def execute_transcode(plan: TranscodePlan, checkpoint: Checkpoint, output: CheckpointOutput,
-                      threads: int, on_progress: ProgressCallback | None = None,
+def execute_transcode(planning: TranscodePlanning, plan: TranscodePlan, checkpoint: Checkpoint,
+                      output: CheckpointOutput, threads: int,
+                      on_progress: ProgressCallback | None = None,
                       piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1) -> int:
-    """Write every planned item into output, on `workers` processes (or the ranks of a
-    torchrun job), and publish it; returns the stored bytes after."""
-    job = TranscodeJob(str(checkpoint.path), plan.codec, plan.recode_same_codec,
-                       output.data_files(plan.output_file_bytes), threads, piece_bytes)
+    """Write every item of the plan (of planning) into output, on `workers` processes (or the
+    ranks of a torchrun job), and publish it; returns the stored bytes after."""
+    job = TranscodeJob(planning, output.data_files(plan.output_file_bytes), threads,
+                       piece_bytes)
     new_storage, digests = merge_shares(run_job(job, plan, workers, on_progress))
     in_plan_order = {task.key: new_storage[task.key] for task in plan.tasks}
     output.publish(dataclasses.replace(checkpoint.metadata, storage_data=in_plan_order),
@@ -267,21 +280,25 @@ def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str
     """Rewrite the checkpoint at path with every item in `codec`, into output_path or in place
     (holding the checkpoint: exclusively in place, shared otherwise), on `workers` processes of
     `threads` threads each."""
-    in_place = output_path is None or _same_directory(storage_path(path),
-                                                      storage_path(output_path))
-    with checked_checkpoint(path, exclusive=in_place and not dry_run, threads=threads,
-                            on_progress=on_progress) as checkpoint:
-        return _transcode(checkpoint, codec, output_path, in_place, recode_same_codec,
+    source = storage_path(path)
+    in_place = output_path is None or _same_directory(source, storage_path(output_path))
+    planning = TranscodePlanning(str(source), codec, recode_same_codec)
+    ahead = None if dry_run else functools.partial(plan_ahead, planning)
+    with workers_started(1 if dry_run else workers), \
+            checked_checkpoint(path, exclusive=in_place and not dry_run, threads=threads,
+                               on_progress=on_progress, once_held=ahead) as checkpoint:
+        return _transcode(checkpoint, planning, output_path, in_place,
                           threads_per_worker(threads, checkpoint.path, workers), workers,
                           dry_run, overwrite, on_progress)
 
 
-def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in_place: bool,
-               recode_same_codec: bool, threads: int, workers: int, dry_run: bool,
-               overwrite: bool, on_progress: ProgressCallback | None) -> TranscodeReport:
+def _transcode(checkpoint: Checkpoint, planning: TranscodePlanning, output_path: str | None,
+               in_place: bool, threads: int, workers: int, dry_run: bool, overwrite: bool,
+               on_progress: ProgressCallback | None) -> TranscodeReport:
     started = time.perf_counter()
     path = checkpoint.path
-    plan = plan_transcode(checkpoint, codec, recode_same_codec)
+    codec = planning.codec
+    plan = planning.plan_for(checkpoint)
     report = TranscodeReport(
         source=str(path), output=str(path if in_place else output_path), in_place=in_place,
         codec=codec.name, level=codec.level, dry_run=dry_run, threads=threads, workers=workers,
@@ -297,8 +314,8 @@ def _transcode(checkpoint: Checkpoint, codec: Codec, output_path: str | None, in
     output = CheckpointOutput(storage_path(report.output), in_place, checkpoint.path,
                               overwrite=overwrite, side_files=side_files_of(checkpoint))
     try:
-        report.stored_bytes_after = execute_transcode(plan, checkpoint, output, threads,
-                                                      on_progress, workers=workers)
+        report.stored_bytes_after = execute_transcode(planning, plan, checkpoint, output,
+                                                      threads, on_progress, workers=workers)
     except BaseException:
         output.abort()
         raise

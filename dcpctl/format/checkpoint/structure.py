@@ -81,14 +81,17 @@ def is_safetensors_tensor(item: StoredItem, safetensors_file_names: set[str]) ->
 @contextlib.contextmanager
 def checked_checkpoint(path: str | os.PathLike, exclusive: bool = False, check_sums: bool = True,
                        threads: int | None = None,
-                       on_progress: Callable[[int, int], None] | None = None
-                       ) -> Iterator[Checkpoint]:
+                       on_progress: Callable[[int, int], None] | None = None,
+                       once_held: Callable[[], None] | None = None) -> Iterator[Checkpoint]:
     """open_checked_checkpoint(path), the checkpoint held while the block runs: exclusively to
     change it, shared to read its data (storage/locks.py). With check_sums, when it holds
     SHA256SUMS, every file it lists is hashed first, on `threads` threads, and must match (a
     file of a few bytes whose CRC-32 happens to hold is caught, and so are the bytes no CRC
-    covers); on_progress(bytes_done, total_bytes) follows that hashing."""
+    covers); on_progress(bytes_done, total_bytes) follows that hashing. once_held() is called
+    once the checkpoint is held, before it is read (to have workers plan ahead from there)."""
     with locked_checkpoint(path, exclusive):
+        if once_held is not None:
+            once_held()
         checkpoint = open_checked_checkpoint(path)
         if check_sums:
             refuse_sha256sums_mismatch(checkpoint, threads, on_progress)

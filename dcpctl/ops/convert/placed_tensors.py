@@ -129,18 +129,26 @@ class PlacedTensorsPlan:
 
 
 @dataclass(frozen=True)
+class PlacedTensorsPlanning:
+    """What the plan of writing placed tensors is a pure function of (execution/jobs.py): the
+    checkpoint they come from, which a worker opens."""
+
+    source: str
+
+    def plan(self) -> PlacedTensorsPlan:
+        return PlacedTensorsPlan(open_checkpoint(self.source, check_files=False))
+
+
+@dataclass(frozen=True)
 class PlacedTensorsJob:
     """Writing every slot's tensor (execution/jobs.py): its lanes are the slots, by bytes. A
     share returns the CRC-32 of each described slot it wrote, by index."""
 
-    source: str
+    planning: PlacedTensorsPlanning
     scratch: str
     """The scratch directory for payloads decoded whole (storage/local.py)."""
     slots: tuple[TensorSlot, ...]
     threads: int
-
-    def plan(self) -> PlacedTensorsPlan:
-        return PlacedTensorsPlan(open_checkpoint(self.source, check_files=False))
 
     def lane_sizes(self, plan: PlacedTensorsPlan) -> list[int]:
         return [slot.nbytes for slot in self.slots]
@@ -164,7 +172,7 @@ class PlacedTensorsJob:
             file = file_for(slot.file)
             if slot.header:
                 file.write_at(slot.offset, slot.header)
-            crcs[index] = _write_tensor_bytes(file, slot, pieces, self.source, advance)
+            crcs[index] = _write_tensor_bytes(file, slot, pieces, self.planning.source, advance)
             if index != last_in_share[slot.file]:
                 return
             if plan.coordinator is None:  # files stay few at a time open
@@ -221,7 +229,8 @@ def write_placed_tensors(layouts: list[FileLayout], checkpoint: Checkpoint, outp
     files = _CoordinatorFiles(layouts)
     try:
         with scratch_directory_beside(output) as scratch:
-            job = PlacedTensorsJob(str(checkpoint.path), str(scratch), slots, threads)
+            job = PlacedTensorsJob(PlacedTensorsPlanning(str(checkpoint.path)), str(scratch),
+                                   slots, threads)
             crcs: dict[int, int] = {}
             for share in run_job(job, PlacedTensorsPlan(checkpoint, files), workers,
                                  on_progress):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from dcpctl.errors import InvalidOptionError
+from dcpctl.execution.running import workers_started
 from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.format.safetensors import DEFAULT_MAX_SHARD_BYTES
 from dcpctl.ops.convert.key_selection import KeySelection, Rename
@@ -46,14 +47,16 @@ def convert_checkpoint(source: str | os.PathLike, target: str, output: str | os.
                                  f"{', '.join(CAST_DTYPE_NAMES)}")
     common = {"threads": threads, "overwrite": overwrite, "on_progress": on_progress,
               "workers": workers}
-    if target == DCP_TARGET:
-        from dcpctl.ops.convert.to_dcp import convert_to_dcp
-        return convert_to_dcp(source, output, ranks, prefix, **common)
     cast_to = dtype_by_name(dtype) if dtype is not None else None
-    if target == TORCH_TARGET:
-        from dcpctl.ops.convert.to_torch_save import convert_to_torch_save
-        selection = KeySelection(include or ("*",), exclude)
-        return convert_to_torch_save(source, output, selection, cast_to, **common)
-    from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
-    selection = KeySelection(include or None, exclude, strip_prefix, renames)
-    return convert_to_safetensors(source, output, selection, cast_to, max_shard_bytes, **common)
+    with workers_started(workers):
+        if target == DCP_TARGET:
+            from dcpctl.ops.convert.to_dcp import convert_to_dcp
+            return convert_to_dcp(source, output, ranks, prefix, **common)
+        if target == TORCH_TARGET:
+            from dcpctl.ops.convert.to_torch_save import convert_to_torch_save
+            selection = KeySelection(include or ("*",), exclude)
+            return convert_to_torch_save(source, output, selection, cast_to, **common)
+        from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
+        selection = KeySelection(include or None, exclude, strip_prefix, renames)
+        return convert_to_safetensors(source, output, selection, cast_to, max_shard_bytes,
+                                      **common)

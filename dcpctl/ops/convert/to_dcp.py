@@ -218,18 +218,26 @@ def _item_nbytes(item: _Item) -> int:
 
 
 @dataclass(frozen=True)
-class DcpWriteJob:
-    """Writing the rank files of a conversion to DCP (execution/jobs.py): its lanes are the
-    rank files, by tensor bytes. Each worker reads the source's entries again."""
+class DcpWritePlanning:
+    """What the plan of a conversion to DCP is a pure function of (execution/jobs.py): each
+    worker reads the source's entries again."""
 
     source: str
     prefix: str
     ranks: int
-    files: DataFileSet
-    threads: int
 
     def plan(self) -> list[list[_Item]]:
         return plan_items(read_source(storage_path(self.source), self.prefix)[1], self.ranks)
+
+
+@dataclass(frozen=True)
+class DcpWriteJob:
+    """Writing the rank files of a conversion to DCP (execution/jobs.py): its lanes are the
+    rank files, by tensor bytes."""
+
+    planning: DcpWritePlanning
+    files: DataFileSet
+    threads: int
 
     def lane_sizes(self, plan: list[list[_Item]]) -> list[int]:
         return [sum(map(_item_nbytes, items)) for items in plan]
@@ -262,7 +270,8 @@ def write_dcp(source: str, prefix: str, entries: list[SourceEntry], ranks: int,
     them."""
     plan = plan_items(entries, ranks)
     names = [rank_file_name(rank) for rank in range(ranks)]
-    job = DcpWriteJob(source, prefix, ranks, output.data_files(names), threads)
+    job = DcpWriteJob(DcpWritePlanning(source, prefix, ranks), output.data_files(names),
+                      threads)
     storage_data, digests = merge_shares(run_job(job, plan, workers, on_progress))
     output.publish(_metadata(entries, ranks, storage_data, output.destination), digests)
     sizes = {name: 0 for name in names}

@@ -6,6 +6,7 @@ its rank file; the metadata naming them is published last.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import resource
 import time
@@ -17,7 +18,8 @@ from dcpctl.format.checkpoint.mesh_sharding import Mesh, MeshPlacement, parse_me
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_stored_pieces,
                                             iter_item_pieces, iter_stored_pieces)
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
-from dcpctl.execution.running import run_job, threads_per_worker
+from dcpctl.execution.running import (plan_ahead, run_job, threads_per_worker,
+                                      workers_started)
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
 from dcpctl.format.checkpoint.side_files import side_files_of
@@ -127,24 +129,37 @@ def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
 
 
 @dataclass(frozen=True)
+class ReshardPlanning:
+    """What a reshard's plan is a pure function of (execution/jobs.py), known before anything
+    is read: a worker plans it while the command checks the checkpoint."""
+
+    source: str
+    world_size: int
+    codec: Codec | None
+    """None: the input's."""
+    per_rank_objects: str = KEEP
+    tensor_parallel: int = 1
+
+    def plan(self) -> ReshardPlan:
+        return self.plan_for(open_checkpoint(self.source, check_files=False))
+
+    def plan_for(self, checkpoint: Checkpoint) -> ReshardPlan:
+        """The plan, for the checkpoint at source opened already."""
+        return plan_reshard(checkpoint, self.world_size, self.codec, self.per_rank_objects,
+                            self.tensor_parallel)
+
+
+@dataclass(frozen=True)
 class ReshardJob:
     """A reshard's work, for any process to do a share of (execution/jobs.py): its lanes are
     the rank files, sized by the bytes of their items."""
 
-    source: str
-    world_size: int
-    codec: Codec
+    planning: ReshardPlanning
     files: DataFileSet
     scratch: str
     """The scratch directory for payloads decoded whole (storage/local.py)."""
     threads: int
     piece_bytes: int = DEFAULT_PIECE_BYTES
-    per_rank_objects: str = KEEP
-    tensor_parallel: int = 1
-
-    def plan(self) -> ReshardPlan:
-        return plan_reshard(open_checkpoint(self.source, check_files=False), self.world_size,
-                            self.codec, self.per_rank_objects, self.tensor_parallel)
 
     def lane_sizes(self, plan: ReshardPlan) -> list[int]:
         return list(plan.output_file_bytes.values())
@@ -198,16 +213,15 @@ def _write_tasks(plan: ReshardPlan, indexed: list[tuple[int, ChunkTask | ObjectT
     return storage_by_task
 
 
-def execute_reshard(plan: ReshardPlan, checkpoint: Checkpoint, output: CheckpointOutput,
-                    threads: int, on_progress: Callable[[int, int], None] | None = None,
+def execute_reshard(planning: ReshardPlanning, plan: ReshardPlan, checkpoint: Checkpoint,
+                    output: CheckpointOutput, threads: int,
+                    on_progress: Callable[[int, int], None] | None = None,
                     piece_bytes: int = DEFAULT_PIECE_BYTES, workers: int = 1) -> int:
-    """Write every planned item into output, on `workers` processes (or the ranks of a
-    torchrun job), and publish it; returns the stored bytes after."""
+    """Write every item of the plan (of planning) into output, on `workers` processes (or the
+    ranks of a torchrun job), and publish it; returns the stored bytes after."""
     with scratch_directory_beside(output.directory) as scratch:
-        choice = plan.per_rank_objects.choice if plan.per_rank_objects else KEEP
-        job = ReshardJob(str(checkpoint.path), plan.world_size, plan.codec,
-                         output.data_files(plan.output_file_bytes), str(scratch), threads,
-                         piece_bytes, choice, plan.tensor_parallel)
+        job = ReshardJob(planning, output.data_files(plan.output_file_bytes), str(scratch),
+                         threads, piece_bytes)
         storage_by_task, digests = merge_shares(run_job(job, plan, workers, on_progress))
     output.publish(_new_metadata(checkpoint, plan, storage_by_task), digests)
     return sum(info.length for info in storage_by_task.values())
@@ -235,16 +249,20 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     tensor_parallel > 1: a 2-D mesh of world_size / tensor_parallel data-parallel ranks that
     keeps the source's tensor-parallel layout of that size."""
     started = time.perf_counter()
-    threads = threads_per_worker(threads, storage_path(path), workers)
+    source = storage_path(path)
+    threads = threads_per_worker(threads, source, workers)
     codec = codec_by_name(codec_name) if codec_name is not None else None
     destination = storage_path(output_path)
-    with checked_checkpoint(path, threads=threads, on_progress=on_progress) as checkpoint:
-        plan = plan_reshard(checkpoint, world_size, codec, per_rank_objects, tensor_parallel)
+    planning = ReshardPlanning(str(source), world_size, codec, per_rank_objects, tensor_parallel)
+    with workers_started(workers), \
+            checked_checkpoint(path, threads=threads, on_progress=on_progress,
+                               once_held=functools.partial(plan_ahead, planning)) as checkpoint:
+        plan = planning.plan_for(checkpoint)
         plan.locate_sources()  # here, so an item that cannot be read is refused before writing
         output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
                                   overwrite=overwrite, side_files=side_files_of(checkpoint))
         try:
-            stored = execute_reshard(plan, checkpoint, output, threads, on_progress,
+            stored = execute_reshard(planning, plan, checkpoint, output, threads, on_progress,
                                      piece_bytes, workers)
         except BaseException:
             output.abort()

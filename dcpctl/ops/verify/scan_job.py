@@ -8,22 +8,25 @@ from typing import Callable
 
 from dcpctl.errors import DcpctlError
 from dcpctl.execution.running import run_job
+from dcpctl.format.checkpoint.checksums import checksummed_files
 from dcpctl.format.checkpoint.problems import Problem
-from dcpctl.format.checkpoint.structure import list_stored_items
-from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.format.checkpoint.structure import StoredItem, list_stored_items
+from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.ops.verify.scan import ScanUnit, items_to_check, plan_scan, scan_units
 from dcpctl.storage.paths import StoragePath
 
 
 @dataclass(frozen=True)
-class ScanJob:
-    """Read the checkpoint's files, checking its items (deep) and hashing the files named in
-    sums (against the digest given, if any). Its lanes are the scan units, by bytes read."""
+class ScanPlanning:
+    """What a scan's units are a pure function of (execution/jobs.py): read the checkpoint's
+    files, checking its items (deep) and hashing the files named in sums (against the digest
+    given, if any), or, with every_checksummed_file, every file SHA256SUMS covers (against
+    the digest in sums, if any)."""
 
     directory: StoragePath
     deep: bool
     sums: dict[str, str | None]
-    threads: int
+    every_checksummed_file: bool = False
 
     def plan(self) -> list[ScanUnit]:
         try:
@@ -32,7 +35,29 @@ class ScanJob:
             checkpoint = None
         items = list_stored_items(checkpoint) if checkpoint is not None else []
         archive_items, safetensors_items, _ = items_to_check(checkpoint, items, self.deep)
-        return plan_scan(self.directory, archive_items, safetensors_items, self.sums)
+        return self.units(checkpoint, archive_items, safetensors_items)
+
+    def units(self, checkpoint: Checkpoint | None, archive_items: list[StoredItem],
+              safetensors_items: list[StoredItem]) -> list[ScanUnit]:
+        """The plan, from the checkpoint (None: unreadable) and its items to check
+        (items_to_check)."""
+        return plan_scan(self.directory, archive_items, safetensors_items,
+                         self.hashed_files(checkpoint))
+
+    def hashed_files(self, checkpoint: Checkpoint | None) -> dict[str, str | None]:
+        """The files to hash, each with the digest it must have (None: any)."""
+        if not self.every_checksummed_file or checkpoint is None:
+            return self.sums
+        return {name: self.sums.get(name) for name in checksummed_files(checkpoint)}
+
+
+@dataclass(frozen=True)
+class ScanJob:
+    """A scan's work (ScanPlanning), for any process to do a share of: its lanes are the scan
+    units, by bytes read."""
+
+    planning: ScanPlanning
+    threads: int
 
     def lane_sizes(self, units: list[ScanUnit]) -> list[int]:
         return [unit.read_bytes for unit in units]
@@ -53,7 +78,7 @@ class ScanShare:
 
 def run_scan(job: ScanJob, units: list[ScanUnit], workers: int = 1,
              on_progress: Callable[[int, int], None] | None = None) -> list[Problem]:
-    """Run the job's units (as job.plan() gives them) on `workers` processes; the problems
+    """Run the job's units (as its planning plans them) on `workers` processes; the problems
     found. Each unit's sha256 is filled in. on_progress(done_bytes, total_bytes) follows the
     reading."""
     shares = run_job(job, units, workers, on_progress)

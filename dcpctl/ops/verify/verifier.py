@@ -17,9 +17,9 @@ from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_besid
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
-from dcpctl.execution.running import threads_per_worker
-from dcpctl.ops.verify.scan import items_to_check, plan_scan
-from dcpctl.ops.verify.scan_job import ScanJob, run_scan
+from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_started
+from dcpctl.ops.verify.scan import items_to_check
+from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
 from dcpctl.storage.locks import locked_checkpoint
 from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
 
@@ -61,7 +61,7 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int |
     """Check a checkpoint directory and report every problem found (see VerifyReport), its
     files read by `workers` processes of `threads` threads each; on_progress(done_bytes,
     total_bytes) follows the reading."""
-    with locked_checkpoint(path, exclusive=False):
+    with workers_started(workers), locked_checkpoint(path, exclusive=False):
         directory = storage_path(path)
         return _verify(directory, deep, threads_per_worker(threads, directory, workers),
                        workers, on_progress)
@@ -83,10 +83,12 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
                                            METADATA_FILE_NAME if (directory / METADATA_FILE_NAME
                                                                   ).exists() else None)))
     try:
-        sums = read_sha256sums(directory)
+        sums = read_sha256sums(directory)  # after the listing, which has it in an object store
     except DataError as error:
         sums = None
         report.problems.append(Problem(Rule.CHECKSUMS_FILE, error.message, SHA256SUMS_FILE_NAME))
+    planning = ScanPlanning(directory, deep, dict(sums or {}))
+    plan_ahead(planning)  # workers plan the scan while this process checks the structure
     report.checksummed_files = None if sums is None else len(sums)
     with paused_cycle_collector():
         items = list_stored_items(checkpoint) if checkpoint is not None else []
@@ -95,9 +97,9 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
     report.problems += _listing_problems(directory, checkpoint, sums, report.problems)
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
-    units = plan_scan(directory, archive_items, safetensors_items, sums or {})
-    report.problems += run_scan(ScanJob(directory, deep, dict(sums or {}), threads), units,
-                                workers, on_progress)
+    units = planning.units(checkpoint, archive_items, safetensors_items)
+    job = ScanJob(planning, threads)
+    report.problems += run_scan(job, units, workers, on_progress)
     report.items_checked = len(archive_items) + len(safetensors_items) + len(undecodable)
     report.bytes_read = sum(unit.read_bytes for unit in units)
     report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))
