@@ -1,12 +1,14 @@
 """--workers: process scaling of the commands that move data, on the real-weights checkpoint,
-side by side in one run, against today's single process and against each command's floor.
+side by side in one run, against one process with its threads and against each command's floor.
 
 For each command: `--workers 1 --threads 1`, `--workers 2 --threads 1` (process scaling),
-today's single process with its default threads, and `--workers 2` with default threads. The
-floor is the CPU-seconds of the command's unavoidable work, measured by bench/checksummed_copy.py
-on one thread (reads, CRC-32, SHA-256, writes; zstd level 3 for compress; no SHA-256 for
-convert; no writes for verify and checksum), divided by the cores. CPU-seconds per GB (of the input) is printed so that a job
-on N machines can be projected. Best of --repeat runs, input in the page cache.
+one process with its default threads (what the commands did by default before --workers chose
+a default from the cores), `--workers 2` with default threads, and the defaults. The floor is
+the CPU-seconds of the command's unavoidable work, measured by bench/checksummed_copy.py on one
+thread (reads, CRC-32, SHA-256, writes; zstd level 3 for compress; no SHA-256 for convert; no
+writes for verify and checksum), divided by the cores. CPU-seconds per GB (of the input) is
+printed so that a job on N machines can be projected. Best of --repeat runs, input in the page
+cache.
 
 Usage: python bench/bench_workers.py [--units 11] [--repeat 2]
 """
@@ -27,8 +29,9 @@ from real_checkpoint import ONE_GB_UNITS, OUT_ROOT, real_checkpoint  # noqa: E40
 CHECKSUMMED_COPY = str(Path(__file__).resolve().parent / "checksummed_copy.py")
 CONFIGS = [("--workers 1 --threads 1", ["--workers", "1", "--threads", "1"]),
            ("--workers 2 --threads 1", ["--workers", "2", "--threads", "1"]),
-           ("today: one process, default threads", []),
-           ("--workers 2, default threads", ["--workers", "2"])]
+           ("one process, default threads", ["--workers", "1"]),
+           ("--workers 2, default threads", ["--workers", "2"]),
+           ("defaults (no --workers)", [])]
 
 
 def main() -> None:
@@ -65,19 +68,19 @@ def main() -> None:
                      f"{floor_cpu:.2f}", f"{floor_cpu / gigabytes:.2f}", "1.00", "", "", ""))
         runs = {label: best_of(args.repeat, source, out, label, command() + options)
                 for label, options in CONFIGS}
-        one, today = runs[CONFIGS[0][0]], runs[CONFIGS[2][0]]
+        one, single = runs[CONFIGS[0][0]], runs[CONFIGS[2][0]]
         for label, run in runs.items():
             rows.append((name, label, f"{run.seconds:.2f}", f"{run.cpu_seconds:.2f}",
                          f"{run.cpu_seconds / gigabytes:.2f}",
                          f"{run.seconds / floor_seconds:.2f}",
-                         f"{one.seconds / run.seconds:.2f}", f"{today.seconds / run.seconds:.2f}",
+                         f"{one.seconds / run.seconds:.2f}", f"{single.seconds / run.seconds:.2f}",
                          f"{run.peak_rss_bytes / 2**20:.0f}"))
     drop_directory(out)
     drop_directory(sums_copy)
     print(f"input: {source} ({gigabytes:.2f} GB, 4 ranks); {cores} cores; best of "
           f"{args.repeat}; peak RSS of the largest single process")
     print_table(rows, ("command", "how", "seconds", "CPU-s", "CPU-s/GB", "x floor",
-                       "speed-up vs w1 t1", "vs today", "peak RSS MiB"))
+                       "speed-up vs w1 t1", "vs one process", "peak RSS MiB"))
 
 
 def best_of(repeat: int, source: Path, out: Path, label: str, command: list[str]):

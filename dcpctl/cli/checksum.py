@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.options import checkpoint_argument, json_option, threads_option, workers_option
+from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
+                                workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.checksum import ChecksumReport, checksum_checkpoint
@@ -15,7 +16,8 @@ from dcpctl.ops.checksum import ChecksumReport, checksum_checkpoint
 @json_option
 @threads_option
 @workers_option
-def checksum_command(checkpoint: str, as_json: bool, threads: int | None, workers: int) -> None:
+def checksum_command(checkpoint: str, as_json: bool, threads: int | None,
+                     workers: int | None) -> None:
     """Write CHECKPOINT/SHA256SUMS covering `.metadata` and every data file.
 
     The file is in the coreutils format, so `cd CHECKPOINT && sha256sum -c SHA256SUMS`
@@ -30,7 +32,8 @@ def checksum_command(checkpoint: str, as_json: bool, threads: int | None, worker
       cd ckpt/ && sha256sum -c SHA256SUMS
     """
     with byte_progress("checksum") as progress:
-        report = checksum_checkpoint(checkpoint, threads, progress, workers)
+        report = checksum_checkpoint(checkpoint, threads, progress,
+                                     workers_for(workers, checkpoint))
     print_report(report, as_json, render_checksum_report)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from dcpctl.cli.options import (checkpoint_argument, dry_run_option, json_option, output_option,
-                                overwrite_option, threads_option, workers_option)
+                                overwrite_option, threads_option, workers_for,
+                                workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL,
@@ -38,8 +39,8 @@ _output_option = output_option(
 @overwrite_option
 @json_option
 def compress_command(checkpoint: str, output: str | None, codec_name: str, level: int | None,
-                     threads: int | None, workers: int, dry_run: bool, overwrite: bool,
-                     as_json: bool) -> None:
+                     threads: int | None, workers: int | None, dry_run: bool,
+                     overwrite: bool, as_json: bool) -> None:
     """Compress every item of CHECKPOINT with zstd (torch's own `stream.zstd/1` transform) or
     with floatsplit.
 
@@ -66,7 +67,8 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
     """
     with byte_progress("compress") as progress:
         report = compress_checkpoint(checkpoint, codec_name, level, output, threads=threads,
-                                     workers=workers, dry_run=dry_run, overwrite=overwrite,
+                                     workers=workers_for(workers, checkpoint, output),
+                                     dry_run=dry_run, overwrite=overwrite,
                                      on_progress=progress)
     print_report(report, as_json, render_transcode_report)
 
@@ -79,7 +81,8 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
 @dry_run_option
 @overwrite_option
 @json_option
-def decompress_command(checkpoint: str, output: str | None, threads: int | None, workers: int,
+def decompress_command(checkpoint: str, output: str | None, threads: int | None,
+                       workers: int | None,
                        dry_run: bool, overwrite: bool, as_json: bool) -> None:
     """Store every item of CHECKPOINT uncompressed, byte for byte as torch saved it.
 
@@ -93,7 +96,8 @@ def decompress_command(checkpoint: str, output: str | None, threads: int | None,
       dcpctl decompress ckpt/ -o plain/ --threads 8
     """
     with byte_progress("decompress") as progress:
-        report = decompress_checkpoint(checkpoint, output, threads=threads, workers=workers,
+        report = decompress_checkpoint(checkpoint, output, threads=threads,
+                                       workers=workers_for(workers, checkpoint, output),
                                        dry_run=dry_run, overwrite=overwrite,
                                        on_progress=progress)
     print_report(report, as_json, render_transcode_report)

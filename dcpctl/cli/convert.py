@@ -8,7 +8,7 @@ import click
 from click.core import ParameterSource
 
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
-                                threads_option, workers_option)
+                                threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.ops.convert.report import ConvertReport
@@ -136,6 +136,7 @@ def convert_command(context: click.Context, source: str, target: str, output: st
       dcpctl convert hf/ --to dcp -o ckpt/ --ranks 8 --prefix model.
     """
     _refuse_foreign_options(context, target)
+    options["workers"] = workers_for(options["workers"], source, output)
     with byte_progress("convert") as progress:
         report = convert_checkpoint(source, target, output, on_progress=progress, **options)
     print_report(report, as_json, render_convert_report)

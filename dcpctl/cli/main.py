@@ -95,8 +95,9 @@ def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -
     ~/.aws, instance roles; AWS_ENDPOINT_URL_S3 for an S3-compatible store).
 
     Commands that move data (compress, decompress, reshard, convert, verify, checksum) take
-    --workers N to share the work among N processes on this machine, and run across machines
-    under torchrun, each rank doing its share and rank 0 publishing; the output is the same
+    --workers N to share the work among N processes on this machine (by default a process per
+    core for a local checkpoint of 256 MiB a core or more), and run across machines under
+    torchrun, each rank doing its share and rank 0 publishing; the output is the same
     byte for byte either way:
 
     \b

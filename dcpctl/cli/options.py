@@ -11,17 +11,27 @@ threads_option = click.option(
     help="Threads doing the work, each reading, coding, writing and hashing whole items; 1 "
          "runs everything in one thread (default: the cores this process may use).")
 workers_option = click.option(
-    "--workers", type=click.IntRange(min=1), default=1, show_default=True,
+    "--workers", type=click.IntRange(min=1), default=None,
     help="Processes sharing the work on this machine (this one and N - 1 it starts), each "
-         "with its own --threads (default "
-         "threads: the cores shared among the workers); the output is the same byte for byte "
-         "whatever the number. Across machines, run the command under torchrun instead: "
-         "`torchrun --nnodes 2 --nproc-per-node 8 ... -m dcpctl COMMAND ...` (see dcpctl "
-         "--help).")
+         "with its own --threads (default threads: the cores shared among the workers); the "
+         "output is the same byte for byte whatever the number. Default: one per core for a "
+         "local checkpoint, but at most one per 256 MiB of its files and as many as half the "
+         "available memory holds (each holds its own plan, about 16 bytes per byte of "
+         "`.metadata`); 1 for an object store. Across machines, run the command under "
+         "torchrun instead: `torchrun --nnodes 2 --nproc-per-node 8 ... -m dcpctl COMMAND ...` "
+         "(see dcpctl --help).")
 overwrite_option = click.option("--overwrite", is_flag=True,
                                 help="Replace an output that exists and is not empty.")
 dry_run_option = click.option("--dry-run", is_flag=True,
                               help="Report what would be done; change and write nothing.")
+
+
+def workers_for(workers: int | None, checkpoint: str, output: str | None = None) -> int:
+    """--workers as given, or the default for a command on checkpoint writing to output."""
+    if workers is not None:
+        return workers
+    from dcpctl.ops.distributed import default_workers
+    return default_workers(checkpoint, output)
 
 
 def checkpoint_argument(name: str = "checkpoint"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
-                                threads_option, workers_option)
+                                threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.errors import InvalidOptionError
@@ -40,7 +40,7 @@ from dcpctl.ops.reshard.planning import describe_ranks
 @json_option
 def reshard_command(checkpoint: str, world_size: int | None, mesh_text: str | None, output: str,
                     codec_name: str | None, per_rank_objects: str, threads: int | None,
-                    workers: int, overwrite: bool, as_json: bool) -> None:
+                    workers: int | None, overwrite: bool, as_json: bool) -> None:
     """Write CHECKPOINT laid out for a job of --ranks ranks (or a --mesh), one file per rank.
 
     The output is what a real N-rank FSDP2 save (`fully_shard`, `Shard(0)` on a 1-D mesh)
@@ -81,7 +81,8 @@ def reshard_command(checkpoint: str, world_size: int | None, mesh_text: str | No
     mesh = parse_mesh(mesh_text) if mesh_text is not None else Mesh(world_size)
     with byte_progress("reshard") as progress:
         report = reshard_checkpoint(checkpoint, mesh.ranks, output, codec_name, threads=threads,
-                                    overwrite=overwrite, on_progress=progress, workers=workers,
+                                    overwrite=overwrite, on_progress=progress,
+                                    workers=workers_for(workers, checkpoint, output),
                                     per_rank_objects=per_rank_objects,
                                     tensor_parallel=mesh.tensor_parallel)
     print_report(report, as_json, render_reshard_report)

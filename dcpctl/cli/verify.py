@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.cli.options import checkpoint_argument, json_option, threads_option, workers_option
+from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
+                                workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.verify.verifier import Problem, VerifyReport, verify_checkpoint
@@ -21,7 +22,7 @@ _FQNS_SHOWN = 3
 @workers_option
 @click.pass_context
 def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json: bool,
-                   threads: int | None, workers: int) -> None:
+                   threads: int | None, workers: int | None) -> None:
     """Check that CHECKPOINT is whole; exit 0 if it is, 1 if anything is wrong.
 
     Structure: `.metadata` reads (safely) as DCP metadata, every data file it names is there
@@ -43,7 +44,8 @@ def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json
     """
     with byte_progress("verify") as progress:
         report = verify_checkpoint(checkpoint, deep=not quick, threads=threads,
-                                   on_progress=progress, workers=workers)
+                                   on_progress=progress,
+                                   workers=workers_for(workers, checkpoint))
     print_report(report, as_json, render_report)
     context.exit(report.exit_code)
 

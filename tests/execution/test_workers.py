@@ -199,6 +199,18 @@ def test_a_killed_coordinator_leaves_the_source_and_no_output(copy_fixture, tmp_
     assert directory_state(checkpoint) == before
 
 
+def test_without_workers_a_large_checkpoint_is_shared_among_a_process_per_core(
+        run_cli, tmp_path, monkeypatch):
+    from dcpctl.execution import worker_count
+    monkeypatch.setattr(worker_count, "AUTOMATIC_WORKER_BYTES", 1)  # the fixture is large
+    monkeypatch.setattr(worker_count, "default_thread_count", lambda: 2)
+    result = run_cli("compress", fixture_path(SOURCE), "-o", tmp_path / "default", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["workers"] == 2
+    ok("compress", fixture_path(SOURCE), "-o", tmp_path / "one", "--workers", 1)
+    assert tree(tmp_path / "default") == tree(tmp_path / "one")
+
+
 def test_memory_urls_are_refused_with_workers(run_cli):
     result = run_cli("verify", "memory://nothing/here", "--workers", 2)
     assert result.exit_code == 1
