@@ -55,7 +55,8 @@ def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
             on_progress: Callable[[int, int], None] | None = None) -> list[Result]:
     """Run every share of the job and return their results, in share order: under torchrun,
     one share per rank (this process is rank 0); otherwise on `workers` local processes, this
-    one among them. on_progress(units_done, total_units) follows the work."""
+    one among them; a job of no work in this process alone, as one share. on_progress(
+    units_done, total_units) follows the work."""
     total = sum(job.lane_sizes(plan))
 
     def advance(units: int) -> None:
@@ -64,7 +65,7 @@ def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
 
     with workers_started(workers):
         team = _current_team(workers)
-        if team is None:
+        if team is None or total == 0:  # nothing to share: the others need not even plan it
             return [run_share_of(job, 0, 1, advance, plan)]
         return team.run(job, plan, advance)
 

@@ -113,3 +113,20 @@ def test_a_worker_dead_before_its_job_fails_the_job_naming_it():
             workers.run(_Job(None), "plan", lambda units: None)
         with pytest.raises(WorkerError, match="stopped by an earlier failure"):
             workers.run(_Job(None), "plan", lambda units: None)
+
+
+class _NoWork:
+    """Two lanes of nothing: run as one share, in the coordinator."""
+
+    planning = _Planning("nothing")
+
+    def lane_sizes(self, plan: str) -> list[int]:
+        return [0, 0]
+
+    def run_share(self, plan: str, lanes: list[int], advance) -> tuple:
+        return tuple(lanes), plan, os.getpid()
+
+
+def test_a_job_of_no_work_runs_here_alone():
+    from dcpctl.execution.running import run_job
+    assert run_job(_NoWork(), "plan", workers=2) == [((0, 1), "plan", os.getpid())]

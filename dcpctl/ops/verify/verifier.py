@@ -88,7 +88,8 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         sums = None
         report.problems.append(Problem(Rule.CHECKSUMS_FILE, error.message, SHA256SUMS_FILE_NAME))
     planning = ScanPlanning(directory, deep, dict(sums or {}))
-    plan_ahead(planning)  # workers plan the scan while this process checks the structure
+    if deep or sums:  # workers plan the scan while this process checks the structure
+        plan_ahead(planning)
     report.checksummed_files = None if sums is None else len(sums)
     with paused_cycle_collector():
         items = list_stored_items(checkpoint) if checkpoint is not None else []
