@@ -92,7 +92,8 @@ class Team:
             stop.set()
             watcher.join()
         if failure is not None:
-            raise failure
+            raise WorkerError(f"rank 0 of {self.size}: {describe_failure(failure)}"
+                              ) from failure
         for rank, (kind, value) in enumerate(outcomes):
             if kind == "failed":
                 raise WorkerError(f"rank {rank} of {self.size}: {value}")

@@ -246,10 +246,11 @@ def test_torchrun_ranks_write_the_same_bytes_as_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_rank_fails_the_torchrun_job_naming_it(copy_fixture, tmp_path):
+@pytest.mark.parametrize("damaged,rank", [("__2_0.distcp", 1), ("__0_0.distcp", 0)])
+def test_a_failing_rank_fails_the_torchrun_job_naming_it(copy_fixture, tmp_path, damaged, rank):
     checkpoint = copy_fixture(SOURCE)
-    _damage_one_item(checkpoint, "__2_0.distcp")
+    _damage_one_item(checkpoint, damaged)
     result = torchrun("compress", checkpoint, "-o", tmp_path / "out", ranks=2)
     assert result.returncode != 0
-    assert "Error: rank 1 of 2: " in result.stderr and "__2_0.distcp" in result.stderr
+    assert f"Error: rank {rank} of 2: " in result.stderr and damaged in result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
