@@ -244,23 +244,24 @@ class PayloadReader:
             location.start + offset, size), location.length)
         storage = layout.storage
         crc = RecordCrc(location.start + storage.data_offset, storage.size_bytes, storage.crc32)
-        if layout.tensor.is_contiguous and (users > 1 and storage.size_bytes
-                                            <= self._memory_item_bytes):
-            # read by several users, a range each (a thousand rows of a tensor resharded to
-            # a thousand ranks): read once, checked, and served from memory
-            record = _read_exactly(reader, location.path, crc.start, storage.size_bytes)
-            if storage.crc32 and zlib.crc32(record) != storage.crc32:
-                raise _storage_crc_error(location)
-            start = layout.payload_offset - storage.data_offset
-            return PayloadSource(None, 0, layout.tensor.nbytes,
-                                 memoryview(record)[start:start + layout.tensor.nbytes])
-        if layout.tensor.is_contiguous:
+        contiguous = layout.tensor.is_contiguous
+        # read by several users, a range each (a thousand rows of a tensor resharded to a
+        # thousand ranks): a small record is read once, checked, and served from memory
+        shared = users > 1 and storage.size_bytes <= self._memory_item_bytes
+        if contiguous and not shared:
             return PayloadSource(location.path, location.start + layout.payload_offset,
                                  layout.tensor.nbytes, crc=crc if storage.crc32 else None)
-        record = self._file_bytes(location.path, crc.start, storage.size_bytes)
+        if contiguous:
+            record = _read_exactly(reader, location.path, crc.start, storage.size_bytes)
+        else:
+            record = self._file_bytes(location.path, crc.start, storage.size_bytes)
         if storage.crc32 and zlib.crc32(record) != storage.crc32:
             raise _storage_crc_error(location)
-        return self._row_major(layout, record)
+        if not contiguous:
+            return self._row_major(layout, record)
+        start = layout.payload_offset - storage.data_offset
+        return PayloadSource(None, 0, layout.tensor.nbytes,
+                             memoryview(record)[start:start + layout.tensor.nbytes])
 
     def _locate_in_spool(self, location: ItemLocation, spool_path: Path) -> PayloadSource:
         reader = self._reader(spool_path)
