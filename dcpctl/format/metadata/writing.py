@@ -7,6 +7,12 @@ class, then `BUILD` with its state), sizes as `torch.Size(tuple)`, dtypes as `to
 globals. Only globals and strings are memoized, by value: memory stays at the output's size plus
 one entry per distinct string, where the C pickler would pin every object it wrote until the
 end, hundreds of MB for a checkpoint with a hundred thousand chunks.
+
+A `.metadata` of a million chunks holds a million chunk records and as many storage records,
+each the same opcodes around a few numbers and memoized names. Once a record's names are
+memoized, its fixed opcodes are joined into templates (_PickleWriter.template), and each
+run of sizes or offsets is encoded once (_PickleWriter.encoded_ints): a record costs a few
+appends, not a call per field. The bytes are the same either way.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ _NEW_OBJECT = pickle.EMPTY_TUPLE + pickle.NEWOBJ
 _BEGIN_FIELDS = _NEW_OBJECT + pickle.EMPTY_DICT + pickle.MARK
 _END_FIELDS = pickle.SETITEMS + pickle.BUILD
 _END_SIZE = pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
+_SIZE = ("torch", "Size")
+_INT_TYPE_ONLY = frozenset({int})
+_MAX_ENCODED_INT_RUNS = 1 << 16
 
 
 class _PickleWriter:
@@ -44,6 +53,37 @@ class _PickleWriter:
         self.out = bytearray(pickle.PROTO + bytes([_PROTOCOL]))
         self._memo_gets: dict[Any, bytes] = {}  # by key: the opcode that gets its memo slot
         self._open_containers: set[int] = set()
+        self._templates: dict[str, tuple[bytes, ...]] = {}
+        self._encoded_int_runs: dict[tuple[int, ...], bytes] = {}
+
+    def template(self, name: str, *parts: tuple[Any, ...]) -> tuple[bytes, ...] | None:
+        """The template called name: each part's opcodes joined, where a part is a sequence
+        of opcodes (bytes) and memo keys (a string, or a (module, name) global), each key
+        standing for the get of its memo slot. None until every key has a memo slot (written
+        once by the general path); then kept."""
+        made = self._templates.get(name)
+        if made is None:
+            gets = self._memo_gets
+            if not all(isinstance(item, bytes) or item in gets for part in parts for item in part):
+                return None
+            made = self._templates[name] = tuple(
+                b"".join(item if isinstance(item, bytes) else gets[item] for item in part)
+                for part in parts)
+        return made
+
+    def encoded_ints(self, values: tuple[int, ...]) -> bytes | None:
+        """The opcodes of integers values, as size() writes them between MARK and TUPLE; None
+        if any is not an int. Runs met again (every tensor's chunks start at the same few
+        offsets) are encoded once; at most _MAX_ENCODED_INT_RUNS are kept."""
+        if not _INT_TYPE_ONLY.issuperset(map(type, values)):  # no 1.0 or True for 1
+            return None
+        runs = self._encoded_int_runs
+        encoded = runs.get(values)
+        if encoded is None:
+            if len(runs) >= _MAX_ENCODED_INT_RUNS:
+                runs.clear()
+            encoded = runs[values] = b"".join(map(_integer_opcodes, values))
+        return encoded
 
     def _get_memoized(self, key: Any) -> bool:
         """Emit a get of key's memo slot and return True; False when key has none yet."""
@@ -81,27 +121,19 @@ class _PickleWriter:
         self._memoize(text)
 
     def integer(self, value: int) -> None:
-        if 0 <= value < 256:
-            self.out += _SMALL_INTS[value]
-        elif -(1 << 31) <= value < (1 << 31):
-            self.out += pickle.BININT + _PACK_INT(value)
-        else:
-            encoded = pickle.encode_long(value)
-            self.out += pickle.LONG1 + bytes([len(encoded)]) + encoded
+        self.out += _integer_opcodes(value)
 
     def size(self, values: tuple[int, ...]) -> None:
         """torch.Size(values)."""
-        self.global_name("torch", "Size")
-        out = self.out
-        out += pickle.MARK
-        for value in values:
-            if type(value) is not int:  # written as it is; reading it back refuses it
+        self.global_name(*_SIZE)
+        self.out += pickle.MARK
+        encoded = self.encoded_ints(values)
+        if encoded is not None:
+            self.out += encoded
+        else:  # written as it is; reading it back refuses it
+            for value in values:
                 self.value(value)
-            elif 0 <= value < 256:  # most sizes and offsets: spared a call
-                out += _SMALL_INTS[value]
-            else:
-                self.integer(value)
-        out += _END_SIZE
+        self.out += _END_SIZE
 
     def begin_fields(self, module: str, class_name: str) -> None:
         """Start an instance of module.class_name as pickling a dataclass makes it (NEWOBJ,
@@ -129,20 +161,18 @@ class _PickleWriter:
 
     def value(self, value: Any) -> None:
         """Any value a `.metadata` can hold: plain data, records, dtypes and pure paths."""
-        write = _VALUE_WRITERS.get(type(value))
-        if write is None:
-            raise MetadataError(f"cannot write a {type(value).__name__} into .metadata")
-        write(self, value)
+        _value_writer(value)(self, value)
 
     def container(self, value: Any, empty: bytes, items: list, end: bytes) -> None:
         """A list, dict or set: `empty`, then MARK-delimited batches of items, each closed by
         `end`."""
         self._enter(value)
         self.out += empty
+        writers = _VALUE_WRITERS
         for start in range(0, len(items), _BATCH):
             self.out += pickle.MARK
-            for item in items[start:start + _BATCH]:
-                self.value(item)
+            for item in items[start:start + _BATCH]:  # value(item), spared a call
+                (writers.get(type(item)) or _value_writer(item))(self, item)
             self.out += end
         self._open_containers.discard(id(value))
 
@@ -164,14 +194,43 @@ class _PickleWriter:
         self._open_containers.add(id(value))
 
 
+def _value_writer(value: Any) -> Callable[[_PickleWriter, Any], None]:
+    write = _VALUE_WRITERS.get(type(value))
+    if write is None:
+        raise MetadataError(f"cannot write a {type(value).__name__} into .metadata")
+    return write
+
+
+def _integer_opcodes(value: int) -> bytes:
+    if 0 <= value < 256:
+        return _SMALL_INTS[value]
+    if -(1 << 31) <= value < (1 << 31):
+        return pickle.BININT + _PACK_INT(value)
+    encoded = pickle.encode_long(value)
+    return pickle.LONG1 + bytes([len(encoded)]) + encoded
+
+
 def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
-    writer.begin_fields(_FILESYSTEM, "_StorageInfo")
-    writer.string("relative_path")
-    writer.string(info.relative_path)
-    writer.string("offset")
-    writer.integer(info.offset)
-    writer.string("length")
-    writer.integer(info.length)
+    template = writer.template(
+        "storage info", ((_FILESYSTEM, "_StorageInfo"), _BEGIN_FIELDS, "relative_path"),
+        ("offset",), ("length",))
+    if template is None:  # the first: written field by field, which memoizes its names
+        writer.begin_fields(_FILESYSTEM, "_StorageInfo")
+        writer.string("relative_path")
+        writer.string(info.relative_path)
+        writer.string("offset")
+        writer.integer(info.offset)
+        writer.string("length")
+        writer.integer(info.length)
+    else:
+        opening, offset_key, length_key = template
+        out = writer.out
+        out += opening
+        writer.string(info.relative_path)
+        out += offset_key
+        out += _integer_opcodes(info.offset)
+        out += length_key
+        out += _integer_opcodes(info.length)
     if info.transform_descriptors is not None:
         writer.string("transform_descriptors")
         writer.value(list(info.transform_descriptors))
@@ -179,23 +238,55 @@ def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
 
 
 def _write_item_key(writer: _PickleWriter, key: MetadataIndex) -> None:
-    writer.begin_fields(_METADATA, "MetadataIndex")
-    writer.string("fqn")
-    writer.string(key.fqn)
-    writer.string("offset")
-    writer.size_or_none(key.offset)
-    writer.string("index")
-    writer.value(key.index)
+    template = writer.template(
+        "item key", ((_METADATA, "MetadataIndex"), _BEGIN_FIELDS, "fqn"),
+        ("offset", _SIZE, pickle.MARK), (_END_SIZE, "index"))
+    offset = None if key.offset is None else writer.encoded_ints(key.offset)
+    if template is None or offset is None:  # the first, no offset, or not all ints
+        writer.begin_fields(_METADATA, "MetadataIndex")
+        writer.string("fqn")
+        writer.string(key.fqn)
+        writer.string("offset")
+        writer.size_or_none(key.offset)
+        writer.string("index")
+    else:
+        opening, offset_opening, index_key = template
+        out = writer.out
+        out += opening
+        writer.string(key.fqn)
+        out += offset_opening
+        out += offset
+        out += index_key
+    index = key.index
+    if type(index) is int:
+        writer.out += _integer_opcodes(index)
+    else:
+        writer.value(index)
     writer.end_fields()
 
 
 def _write_chunk(writer: _PickleWriter, chunk: ChunkMetadata) -> None:
-    writer.begin_fields(_METADATA, "ChunkStorageMetadata")
-    writer.string("offsets")
-    writer.size(chunk.offsets)
-    writer.string("sizes")
-    writer.size(chunk.sizes)
-    writer.end_fields()
+    template = writer.template(
+        "chunk", ((_METADATA, "ChunkStorageMetadata"), _BEGIN_FIELDS, "offsets", _SIZE,
+                  pickle.MARK),
+        (_END_SIZE, "sizes", _SIZE, pickle.MARK))
+    offsets, sizes = writer.encoded_ints(chunk.offsets), writer.encoded_ints(chunk.sizes)
+    if template is None or offsets is None or sizes is None:  # the first, or not all ints
+        writer.begin_fields(_METADATA, "ChunkStorageMetadata")
+        writer.string("offsets")
+        writer.size(chunk.offsets)
+        writer.string("sizes")
+        writer.size(chunk.sizes)
+        writer.end_fields()
+        return
+    opening, middle = template
+    out = writer.out
+    out += opening
+    out += offsets
+    out += middle
+    out += sizes
+    out += _END_SIZE
+    out += _END_FIELDS
 
 
 def _write_tensor(writer: _PickleWriter, tensor: TensorMetadata) -> None:
