@@ -243,8 +243,10 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
         else:
             checkpoint.objects.append(ObjectEntry(fqn, next(
                 (info for offset, info in stored if offset is None), None)))
-    for name, (fqn, info) in first_tensor_items.items():
-        checkpoint.files[name].serialization = _detect_serialization(checkpoint, fqn, info)
+    chunk_nbytes = _chunk_nbytes_of(checkpoint, first_tensor_items)
+    for name, (_, info) in first_tensor_items.items():
+        checkpoint.files[name].serialization = _detect_serialization(checkpoint, info,
+                                                                     chunk_nbytes.get(name))
 
 
 def _scan_storage(checkpoint: Checkpoint
@@ -305,13 +307,15 @@ def _join_by_key(fqn: str, chunks: list[ChunkMetadata], storage_by_key: dict) ->
     return stored_bytes
 
 
-def _detect_serialization(checkpoint: Checkpoint, fqn: str, info: StorageInfo) -> str:
-    """How a file's items are stored, told by its first tensor item. An item stored untransformed
-    in exactly its chunk's bytes is a SAFETENSORS file's (torch.save wraps every tensor in an
-    archive of its own, always longer than the tensor's bytes): no data is read. Otherwise the
-    item's first bytes tell: torch.save items start with a zip (or zstd) header, SAFETENSORS
-    files with a header length followed by JSON."""
-    if not info.transform_descriptors and info.length == _chunk_nbytes(checkpoint, fqn, info):
+def _detect_serialization(checkpoint: Checkpoint, info: StorageInfo, chunk_nbytes: int | None
+                          ) -> str:
+    """How a file's items are stored, told by its first tensor item (info; its chunk's bytes:
+    chunk_nbytes). An item stored untransformed in exactly its chunk's bytes is a SAFETENSORS
+    file's (torch.save wraps every tensor in an archive of its own, always longer than the
+    tensor's bytes): no data is read. Otherwise the item's first bytes tell: torch.save items
+    start with a zip (or zstd) header, SAFETENSORS files with a header length followed by
+    JSON."""
+    if not info.transform_descriptors and info.length == chunk_nbytes:
         return SAFETENSORS
     data_file = checkpoint.files[info.relative_path]
     if not info.transform_descriptors or data_file.size_bytes is None or not data_file.regular:
@@ -325,15 +329,25 @@ def _detect_serialization(checkpoint: Checkpoint, fqn: str, info: StorageInfo) -
     return TORCH_SAVE
 
 
-def _chunk_nbytes(checkpoint: Checkpoint, fqn: str, info: StorageInfo) -> int | None:
-    """The bytes of the chunk whose storage info is info (None: no such tensor chunk)."""
-    entry = checkpoint.metadata.state_dict_metadata.get(fqn)
-    if not isinstance(entry, TensorMetadata):
-        return None
-    for chunk in entry.chunks:
-        if getattr(chunk, "storage", None) is info:
-            return math.prod(chunk.sizes) * entry.properties.dtype.itemsize
-    return None
+def _chunk_nbytes_of(checkpoint: Checkpoint, items: dict[str, tuple[str, StorageInfo]]
+                     ) -> dict[str, int]:
+    """The bytes of the chunk each of items (file name: its fqn and storage entry) is the
+    storage of, by file name (none where no chunk has it). Each tensor's chunks are looked at
+    once, however many files' items it has: a thousand files whose first items are chunks of
+    one tensor of a thousand chunks are a thousand steps, not a million."""
+    names_by_fqn: dict[str, dict[int, str]] = {}
+    for name, (fqn, info) in items.items():
+        names_by_fqn.setdefault(fqn, {})[id(info)] = name
+    nbytes: dict[str, int] = {}
+    for fqn, names in names_by_fqn.items():
+        entry = checkpoint.metadata.state_dict_metadata.get(fqn)
+        if not isinstance(entry, TensorMetadata):
+            continue
+        for chunk in entry.chunks:
+            name = names.get(id(chunk.storage))
+            if name is not None and name not in nbytes:
+                nbytes[name] = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+    return nbytes
 
 
 def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:
