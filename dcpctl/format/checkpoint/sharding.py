@@ -11,7 +11,7 @@ from typing import Sequence
 from dcpctl.errors import InvalidOptionError
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RankChunk:
     """A chunk of a tensor as a save writes it: its offsets and sizes, and the ranks whose save
     plans hold this very chunk (ascending; several where ranks hold equal chunks: a replicated

@@ -29,9 +29,8 @@ from dcpctl.storage.locks import locked_checkpoint
 
 @dataclass(slots=True)
 class StoredItem:
-    """One item of the metadata: an fqn's stored bytes, with its chunk if it is a tensor's.
-    Not changed once made; not frozen, since a frozen dataclass takes three times as long to
-    make, and every command makes one per chunk (a million for a thousand-rank checkpoint)."""
+    """One item of the metadata: an fqn's stored bytes, with its chunk if it is a tensor's
+    (one per chunk, so not frozen: README, Layout of the source)."""
 
     fqn: str
     storage: StorageInfo

@@ -43,7 +43,7 @@ def max_decoded_bytes(stored_bytes: int) -> int:
     return stored_bytes * MAX_EXPANSION + _EXPANSION_SLACK_BYTES
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PayloadHint:
     """Where a tensor item's raw bytes are: what the encoder splits. The tensor's dtype (torch's
     name) and the byte count of its elements; decoding never needs it."""

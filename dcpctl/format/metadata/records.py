@@ -49,7 +49,7 @@ class BytesMetadata:
     """A non-tensor entry, stored as one opaque item."""
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class MetadataIndex:
     """torch's MetadataIndex: an fqn, plus a chunk's offsets for tensor items."""
 

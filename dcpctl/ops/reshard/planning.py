@@ -41,7 +41,7 @@ from dcpctl.pipeline import Run, group_into_runs
 _WINDOW_BYTES = 64 << 20
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SourceChunk:
     """An input chunk that overlaps an output chunk."""
 
@@ -50,7 +50,7 @@ class SourceChunk:
     location: ItemLocation
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkTask:
     """One output chunk of a tensor: where it lies, from which input chunks, into which file."""
 
@@ -68,7 +68,7 @@ class ChunkTask:
         return math.prod(self.sizes) * self.dtype.itemsize
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ObjectTask:
     """A non-tensor item, carried over as stored into a rank file."""
 
