@@ -15,7 +15,7 @@ from dcpctl.format.safetensors import safetensors_tensor_range
 from dcpctl.format.torch_save.layout import max_tensor_archive_bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ExpectedTensor:
     """What a tensor item must hold: a tensor of its chunk's dtype and sizes."""
 
@@ -28,7 +28,7 @@ class ExpectedTensor:
         return math.prod(self.sizes) * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ItemLocation:
     """Where an item's stored bytes are, how to decode them, what a tensor item must hold
     (expected; None for an object), whether they are the tensor's bare bytes (raw: in a

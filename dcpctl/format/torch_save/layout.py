@@ -73,7 +73,7 @@ class SavedTensor:
         return True
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TorchSaveLayout:
     """Where the tensor of a torch.save archive of one tensor lies (offsets within the item)."""
 

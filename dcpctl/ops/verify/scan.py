@@ -33,7 +33,7 @@ PIECE_BYTES = 4 << 20
 _UNIT_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ArchiveItem:
     """An item read as a torch.save archive (or raw bytes): what the metadata says of it and
     where and how its bytes are stored."""
