@@ -62,7 +62,7 @@ class CentralEntry(NamedTuple):
     crc32: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ZipRecord:
     """One record of an archive: its data lies at [data_offset, data_offset + size_bytes)."""
 
@@ -105,7 +105,48 @@ def read_central_directory(read_range: ReadRange,
         raise DataError(f"zip central directory of {count} entries at bytes {offset}.."
                         f"{offset + size_bytes} cannot hold them before byte {directory_end}")
     data = _read_exactly(read_range, offset, size_bytes, "zip central directory")
-    return offset, _parse_central_entries(data, count, offset, archive_length)
+    return offset, _central_entries(data, count, offset, archive_length)
+
+
+class _DirectoryTemplate(NamedTuple):
+    """A central directory parsed before, its CRC-32 fields zeroed at crc_positions."""
+
+    masked_data: bytes
+    crc_positions: tuple[int, ...]
+    entries: tuple[CentralEntry, ...]
+
+
+# The items of a checkpoint are mostly archives of a few layouts (a chunk shape and dtype
+# each) whose central directories differ only in their CRC-32s, which no check reads: an archive
+# whose directory is a template's but for them has the template's entries with its own CRC-32s.
+_directory_templates: dict[tuple[int, int, int, int], _DirectoryTemplate] = {}
+_MAX_DIRECTORY_TEMPLATES = 1024
+_CRC_FIELD = struct.Struct("<I")
+_CRC_FIELD_OFFSET = 16  # in a central directory entry (_CENTRAL)
+
+
+def _central_entries(data: bytes, count: int, directory_offset: int, archive_length: int
+                     ) -> list[CentralEntry]:
+    """_parse_central_entries(data, ...), from a template where one fits."""
+    key = (len(data), count, directory_offset, archive_length)
+    template = _directory_templates.get(key)
+    if template is not None:
+        masked = bytearray(data)
+        for position in template.crc_positions:
+            masked[position:position + 4] = bytes(4)
+        if masked == template.masked_data:
+            return [CentralEntry(entry.name, entry.header_offset, entry.size_bytes,
+                                 _CRC_FIELD.unpack_from(data, position)[0])
+                    for entry, position in zip(template.entries, template.crc_positions)]
+    entries, starts = _parse_central_entries(data, count, directory_offset, archive_length)
+    crc_positions = tuple(start + _CRC_FIELD_OFFSET for start in starts)
+    masked = bytearray(data)
+    for position in crc_positions:
+        masked[position:position + 4] = bytes(4)
+    if len(_directory_templates) >= _MAX_DIRECTORY_TEMPLATES:
+        _directory_templates.clear()
+    _directory_templates[key] = _DirectoryTemplate(bytes(masked), crc_positions, tuple(entries))
+    return entries
 
 
 def _read_exactly(read_range: ReadRange, start: int, count: int, what: str) -> bytes:
@@ -149,10 +190,12 @@ def _read_zip64_end(read_range: ReadRange, locator: bytes, end_offset: int) -> t
 
 
 def _parse_central_entries(data: bytes, count: int, directory_offset: int,
-                           archive_length: int) -> list[CentralEntry]:
-    entries = []
+                           archive_length: int) -> tuple[list[CentralEntry], list[int]]:
+    """The entries of a central directory, and where in data each starts."""
+    entries, starts = [], []
     position = 0
     for _ in range(count):
+        starts.append(position)
         where = directory_offset + position
         if position + _CENTRAL.size > len(data):
             raise DataError(f"zip central directory is cut short at byte {where}")
@@ -183,7 +226,7 @@ def _parse_central_entries(data: bytes, count: int, directory_offset: int,
     if position != len(data):
         raise DataError(f"zip central directory holds {len(data) - position} bytes past its "
                         f"{count} entries")
-    return entries
+    return entries, starts
 
 
 def _check_entry(name: str, flags: int, method: int, disk: int, attributes: int,

@@ -124,3 +124,35 @@ def test_record_running_into_the_central_directory_is_refused():
     data[central + 20:central + 28] = (10_000).to_bytes(4, "little") * 2  # both sizes
     with pytest.raises(DataError, match="runs past"):
         read_zip_records(reader_of(bytes(data)), len(data))
+
+
+def _same_layout(payload: bytes) -> bytes:
+    return _zip_bytes({"a/data.pkl": b"pickle bytes", "a/data/0": payload})
+
+
+def test_archives_of_one_layout_each_get_their_own_crcs():
+    """Items of one shape share a central directory but for the CRC-32s: each archive's records
+    carry its own, whichever was read first."""
+    first, second = _same_layout(bytes(4096)), _same_layout(bytes(range(256)) * 16)
+    assert len(first) == len(second) and first != second
+    for data in (first, second, first, second):
+        assert_agrees_with_zipfile(data, read_zip_records(reader_of(data), len(data)))
+    assert (read_zip_records(reader_of(first), len(first))[1].crc32
+            != read_zip_records(reader_of(second), len(second))[1].crc32)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    (10, 8, "is compressed"),  # the compression method
+    (8, 0x0001, "encrypted or patched"),  # the flags
+    (0, 0x03014B50, "no zip central directory entry"),  # the signature
+])
+def test_a_directory_that_differs_from_one_read_before_beyond_its_crcs_is_checked_anew(
+        field, value, message):
+    good = _same_layout(bytes(4096))
+    read_zip_records(reader_of(good), len(good))  # its layout is now known
+    damaged = bytearray(good)
+    entry = damaged.index(b"PK\x01\x02")
+    width = 4 if field == 0 else 2
+    damaged[entry + field:entry + field + width] = value.to_bytes(width, "little")
+    with pytest.raises(DataError, match=message):
+        read_zip_records(reader_of(bytes(damaged)), len(damaged))
