@@ -130,23 +130,25 @@ def _central_entries(data: bytes, count: int, directory_offset: int, archive_len
     """_parse_central_entries(data, ...), from a template where one fits."""
     key = (len(data), count, directory_offset, archive_length)
     template = _directory_templates.get(key)
-    if template is not None:
-        masked = bytearray(data)
-        for position in template.crc_positions:
-            masked[position:position + 4] = bytes(4)
-        if masked == template.masked_data:
-            return [CentralEntry(entry.name, entry.header_offset, entry.size_bytes,
-                                 _CRC_FIELD.unpack_from(data, position)[0])
-                    for entry, position in zip(template.entries, template.crc_positions)]
+    if (template is not None
+            and _with_crcs_zeroed(data, template.crc_positions) == template.masked_data):
+        return [CentralEntry(entry.name, entry.header_offset, entry.size_bytes,
+                             _CRC_FIELD.unpack_from(data, position)[0])
+                for entry, position in zip(template.entries, template.crc_positions)]
     entries, starts = _parse_central_entries(data, count, directory_offset, archive_length)
     crc_positions = tuple(start + _CRC_FIELD_OFFSET for start in starts)
+    if len(_directory_templates) >= _MAX_DIRECTORY_TEMPLATES:
+        _directory_templates.clear()
+    _directory_templates[key] = _DirectoryTemplate(
+        _with_crcs_zeroed(data, crc_positions), crc_positions, tuple(entries))
+    return entries
+
+
+def _with_crcs_zeroed(data: bytes, crc_positions: tuple[int, ...]) -> bytes:
     masked = bytearray(data)
     for position in crc_positions:
         masked[position:position + 4] = bytes(4)
-    if len(_directory_templates) >= _MAX_DIRECTORY_TEMPLATES:
-        _directory_templates.clear()
-    _directory_templates[key] = _DirectoryTemplate(bytes(masked), crc_positions, tuple(entries))
-    return entries
+    return bytes(masked)
 
 
 def _read_exactly(read_range: ReadRange, start: int, count: int, what: str) -> bytes:
