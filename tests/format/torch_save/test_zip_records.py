@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import random
 import zipfile
 
 import pytest
@@ -156,3 +157,31 @@ def test_a_directory_that_differs_from_one_read_before_beyond_its_crcs_is_checke
     damaged[entry + field:entry + field + width] = value.to_bytes(width, "little")
     with pytest.raises(DataError, match=message):
         read_zip_records(reader_of(bytes(damaged)), len(damaged))
+
+
+def test_a_template_reads_any_damaged_directory_as_a_fresh_parse_does():
+    """Random byte edits anywhere in a torch.save archive's central directory and end records,
+    read once the undamaged archive's layout is known: the records, or the refusal, are those
+    of a parse that knows no layout."""
+    from dcpctl.format.torch_save import zip_records
+
+    _, good = next(fixture_archives())
+    directory = good.index(b"PK\x01\x02")
+    generator = random.Random(7)
+
+    def outcome(data: bytes):
+        try:
+            return read_zip_records(reader_of(data), len(data))
+        except DataError as error:
+            return str(error)
+
+    for _ in range(300):
+        damaged = bytearray(good)
+        position = generator.randrange(directory, len(good))
+        damaged[position] = generator.choice([value for value in range(256)
+                                              if value != good[position]])
+        zip_records._directory_templates.clear()
+        outcome(good)  # the good archive's layout is now known
+        with_template = outcome(bytes(damaged))
+        zip_records._directory_templates.clear()
+        assert with_template == outcome(bytes(damaged)), position
