@@ -128,6 +128,13 @@ def test_format_table_pads_like_cell_by_cell(rows):
         headers, rows, (1,))
 
 
+def test_format_table_escapes_the_cells_that_hold_control_characters_and_pads_them_so():
+    rows = [("plain", 1), ("bell\x07", 22), ("esc\x1b[31m", 3)]
+    escaped = [("plain", 1), ("bell\\x07", 22), ("esc\\x1b[31m", 3)]
+    assert format_table(("NAME", "N"), rows, right_aligned=(1,)) == _table_cell_by_cell(
+        ("NAME", "N"), escaped, (1,))
+
+
 def test_names_from_a_checkpoint_cannot_drive_the_terminal(run_cli, copy_fixture):
     """A hostile checkpoint names a tensor and a data file with escape sequences; what dcpctl
     prints for people shows them escaped, and JSON keeps the name exact."""
