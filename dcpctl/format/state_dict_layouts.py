@@ -75,15 +75,17 @@ def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None 
     where the files already tell who wrote them (Megatron-Core's side files, torch's HF
     writer), names it."""
     fqns = list(fqns)
-    roots = {root_of(fqn) for fqn in fqns}
-    model = [fqn for fqn in fqns if not is_trainer_state(fqn)]
+    first_names = [fqn.partition(".")[0] for fqn in fqns]  # root_of, once per fqn, inline
+    roots = set(first_names)
+    model = [fqn for fqn, root in zip(fqns, first_names) if root not in TRAINER_STATE_ROOTS]
     state = sorted(roots & TRAINER_STATE_ROOTS)
     part = ACCELERATE_PART.fullmatch(directory_name)
     if saver:
         trainer = saver
     elif part and roots == {"model" if part.group(1) == ACCELERATE_MODEL_PART else "optimizer"}:
         trainer = f"accelerate {'model' if roots == {'model'} else 'optimizer'} part"
-    elif "train_state" in roots or any(rank_of_per_rank_entry(fqn) is not None for fqn in fqns):
+    elif "train_state" in roots or any(rank_of_per_rank_entry(fqn) is not None
+                                       for fqn in fqns if "dp_rank_" in fqn):
         trainer = "torchtitan"
     elif roots & _TORCHTUNE_ROOTS and "model" in roots:
         trainer = "torchtune"
