@@ -73,8 +73,8 @@ class _PickleWriter:
 
     def encoded_ints(self, values: tuple[int, ...]) -> bytes | None:
         """The opcodes of integers values, as size() writes them between MARK and TUPLE; None
-        unless values is a tuple of ints. Runs met again (every tensor's chunks start at the same few
-        offsets) are encoded once; at most _MAX_ENCODED_INT_RUNS are kept."""
+        unless values is a tuple of ints. Runs met again (every tensor's chunks start at the
+        same few offsets) are encoded once; at most _MAX_ENCODED_INT_RUNS are kept."""
         if type(values) is not tuple or not _INT_TYPE_ONLY.issuperset(map(type, values)):
             return None  # a list is no key; and no 1.0 or True may stand for 1
         runs = self._encoded_int_runs
