@@ -20,7 +20,7 @@ def rank_file_name(rank: int) -> str:
     return f"__{rank}_0{DATA_FILE_SUFFIX}"
 
 
-_RANK_FILE_NAME = re.compile(rf"__([0-9]+)_([0-9]+){re.escape(DATA_FILE_SUFFIX)}")
+_RANK_FILE_NAME = re.compile(rf"__([0-9]+)_[0-9]+{re.escape(DATA_FILE_SUFFIX)}")
 
 
 def rank_of_file_name(name: str) -> int | None:
@@ -30,13 +30,10 @@ def rank_of_file_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def rank_order(name: str) -> tuple:
-    """A sort key putting data files in the order of the ranks and numbers that name them
-    (`__2_0.distcp` before `__10_0.distcp`), others after them by name."""
-    match = _RANK_FILE_NAME.fullmatch(name.rpartition("/")[2])
-    if match is None:
-        return (1, 0, 0, name)
-    return (0, int(match.group(1)), int(match.group(2)), name)
+def natural_order(name: str) -> tuple:
+    """A sort key comparing the numbers in a file name as numbers: `__2_0.distcp` before
+    `__10_0.distcp`, in the order of the ranks that name them."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 def world_size_of_rank_files(names: Iterable[str]) -> int | None:

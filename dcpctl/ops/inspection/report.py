@@ -18,7 +18,7 @@ from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, Te
                                            open_checkpoint)
 from dcpctl.format.state_dict_layouts import describe_layout, is_optimizer_state
 from dcpctl.format.codecs.names import describe_codec
-from dcpctl.format.file_names import world_size_of_rank_files
+from dcpctl.format.file_names import natural_order, world_size_of_rank_files
 from dcpctl.ops.inspection.json_text import inspect_report_json_text
 from dcpctl.storage.locks import locked_checkpoint
 
@@ -118,7 +118,7 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
         path=str(checkpoint.path), version=checkpoint.metadata.version, filter=fqn_glob,
         tensors=_matching(checkpoint.tensors, fqn_glob),
         objects=_matching(checkpoint.objects, fqn_glob),
-        files=sorted(checkpoint.files.values(), key=lambda f: _natural_order(f.name)),
+        files=sorted(checkpoint.files.values(), key=lambda f: natural_order(f.name)),
         layout=describe_layout(chain((tensor.fqn for tensor in checkpoint.tensors),
                                      (entry.fqn for entry in checkpoint.objects)),
                                checkpoint.path.name, _saver(checkpoint))
@@ -225,8 +225,3 @@ def _codecs_by_file(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
     for (name, transforms), count in used.items():
         by_file[name].append((transforms, count))
     return {name: _count_by_codec(counts) for name, counts in by_file.items()}
-
-
-def _natural_order(name: str) -> tuple:
-    """`__10_0.distcp` after `__2_0.distcp`: compare the numbers in a name as numbers."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))

@@ -30,7 +30,7 @@ from dcpctl.format.checkpoint.sharding import RankChunk, check_world_size, place
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry, TensorEntry
 from dcpctl.format.codecs.registry import Codec, codec_for_descriptors
 from dcpctl.format.dtypes import DType
-from dcpctl.format.file_names import rank_file_name, rank_order
+from dcpctl.format.file_names import natural_order, rank_file_name
 from dcpctl.format.metadata.records import ChunkMetadata
 from dcpctl.format.state_dict_layouts import rank_of_per_rank_entry
 from dcpctl.ops.reshard.target_layout import object_holders, target_chunks, target_mesh
@@ -134,7 +134,7 @@ class ReshardPlan:
         sizes: dict[str, int] = {}
         for task in self.tasks:
             sizes[task.output_file] = sizes.get(task.output_file, 0) + task_bytes(task)
-        return {name: sizes[name] for name in sorted(sizes, key=rank_order)}
+        return {name: sizes[name] for name in sorted(sizes, key=natural_order)}
 
 
 def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None,
