@@ -33,7 +33,10 @@ def rank_of_file_name(name: str) -> int | None:
 def natural_order(name: str) -> tuple:
     """A sort key comparing the numbers in a file name as numbers: `__2_0.distcp` before
     `__10_0.distcp`, in the order of the ranks that name them."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+    # the runs of digits are every other part: only they are read as numbers (a `²`, which
+    # isdigit() takes for a digit, stays text)
+    parts = re.split(r"(\d+)", name)
+    return tuple(int(part) if index % 2 else part for index, part in enumerate(parts))
 
 
 def world_size_of_rank_files(names: Iterable[str]) -> int | None:
