@@ -194,9 +194,11 @@ def _serve(index: int, count: int, connection: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
     _die_with_parent()
     from dcpctl.allocator import reuse_large_buffers
+    from dcpctl.cycle_collector import freeze_built_objects_on_resume
     from dcpctl.failpoints import arm_in_worker
 
     reuse_large_buffers()
+    freeze_built_objects_on_resume()  # as the command's own process does (cli/main.py)
     arm_in_worker()
     plans = PlansMadeAhead()
     progress = BatchedProgress(lambda units: connection.send(("progress", units)),

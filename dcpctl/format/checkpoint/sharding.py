@@ -47,10 +47,13 @@ def shard_dim0_chunks(shape: tuple[int, ...], world_size: int) -> list[RankChunk
     rows_per_rank = -(-rows // world_size) if rows else 0
     ranks_with_rows = -(-rows // rows_per_rank) if rows else 0
     zeros = (0,) * len(rest)
-    chunks = [RankChunk((rank * rows_per_rank,) + zeros,
-                        (min(rows_per_rank, rows - rank * rows_per_rank),) + rest,
-                        range(rank, rank + 1))
-              for rank in range(ranks_with_rows)]
+    full_sizes = (rows_per_rank,) + rest
+    chunks = [RankChunk((rank * rows_per_rank,) + zeros, full_sizes, range(rank, rank + 1))
+              for rank in range(ranks_with_rows - 1)]
+    if ranks_with_rows:  # the last rank with rows holds what is left
+        last = ranks_with_rows - 1
+        chunks.append(RankChunk((last * rows_per_rank,) + zeros,
+                                (rows - last * rows_per_rank,) + rest, range(last, last + 1)))
     if ranks_with_rows < world_size:  # every later rank holds the same empty chunk
         chunks.append(RankChunk((rows,) + zeros, (0,) + rest,
                                 range(ranks_with_rows, world_size)))
@@ -70,7 +73,8 @@ def place_like_a_save(items: Sequence[tuple[Sequence[int], int]], world_size: in
     planned = [0] * world_size
     least_planned = [(0, rank) for rank in range(world_size)]  # a heap, one entry a rank
     placed = [0] * len(items)
-    for index in sorted(range(len(items)), key=lambda index: (items[index][0][0], index)):
+    first_holders = [holders[0] for holders, _ in items]
+    for index in sorted(range(len(items)), key=first_holders.__getitem__):  # a stable sort
         holders, size = items[index]
         rank = holders[0] if len(holders) == 1 else _least_planned(least_planned, planned,
                                                                    holders)

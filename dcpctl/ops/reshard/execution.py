@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.format.checkpoint.mesh_sharding import Mesh, MeshPlacement, parse_mesh
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_stored_pieces,
                                             iter_item_pieces, iter_stored_pieces)
@@ -106,6 +107,7 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
     return produce_run_pieces
 
 
+@paused_cycle_collector()
 def _new_metadata(checkpoint: Checkpoint, plan: ReshardPlan,
                   storage_by_task: dict[int, StorageInfo]):
     dropped = set(plan.per_rank_objects.dropped if plan.per_rank_objects else ())

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
+from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_chunk, locate_object
 from dcpctl.format.checkpoint.mesh_sharding import Mesh, MeshPlacement
@@ -111,6 +112,7 @@ class ReshardPlan:
     placements: dict[str, MeshPlacement] | None = None
     _sources_by_fqn: dict[str, _SourceChunks] = field(default_factory=dict, repr=False)
 
+    @paused_cycle_collector()
     def locate_sources(self, files: Collection[str] | None = None) -> None:
         """Give the chunk tasks written into `files` (None: every file) the input chunks they
         are read from, where they have none yet. That reads no data, but it is a search per
@@ -137,6 +139,7 @@ class ReshardPlan:
         return {name: sizes[name] for name in sorted(sizes, key=natural_order)}
 
 
+@paused_cycle_collector()
 def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = None,
                  per_rank_objects: str = KEEP, tensor_parallel: int = 1) -> ReshardPlan:
     """Plan the output of a world_size-rank save of the checkpoint's state, its chunk tasks'
@@ -167,15 +170,16 @@ def plan_reshard(checkpoint: Checkpoint, world_size: int, codec: Codec | None = 
     placed = place_like_a_save(holders_and_sizes, world_size)
     tasks: list[ChunkTask | ObjectTask] = []
     sources_by_fqn: dict[str, _SourceChunks] = {}
+    file_names = [rank_file_name(rank) for rank in range(world_size)]
     for (entry, chunk), rank in zip(planned, placed):
         if chunk is None:
             tasks.append(ObjectTask(entry.fqn, locate_object(checkpoint, entry),
-                                    rank_file_name(rank)))
+                                    file_names[rank]))
             continue
         if entry.fqn not in sources_by_fqn:
             sources_by_fqn[entry.fqn] = _SourceChunks(checkpoint, entry)
         tasks.append(ChunkTask(entry.fqn, entry.dtype, chunk.offsets, chunk.sizes, None,
-                               rank_file_name(rank)))
+                               file_names[rank]))
     return ReshardPlan(world_size, codec, tasks, per_rank,
                        mesh if mesh.tensor_parallel > 1 else None, placements, sources_by_fqn)
 
@@ -255,6 +259,8 @@ class _SourceChunks:
         self._first_rows = [chunks[index].offsets[0] for index in self._by_first_row]
         self._most_rows = max((chunks[index].sizes[0] for index in self._by_first_row),
                               default=0)
+        self._inner_origin = (0,) * (len(tensor.shape) - 1)
+        self._inner_shape = tuple(tensor.shape[1:])
 
     def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]
                     ) -> tuple[SourceChunk, ...]:
@@ -267,13 +273,15 @@ class _SourceChunks:
         reaching = self._by_first_row[
             bisect.bisect_right(self._first_rows, begin - self._most_rows):
             bisect.bisect_left(self._first_rows, end)]
+        # An output chunk of whole rows (FSDP2's) overlaps, past dim 0, every non-empty chunk.
+        whole_rows = offsets[1:] == self._inner_origin and sizes[1:] == self._inner_shape
         inner = [(offset, offset + size) for offset, size in zip(offsets[1:], sizes[1:])]
         found = []
         for index in sorted(reaching):
             chunk = chunks[index]
-            if begin < chunk.offsets[0] + chunk.sizes[0] and all(
+            if begin < chunk.offsets[0] + chunk.sizes[0] and (whole_rows or all(
                     offset < last and first < offset + size for (first, last), offset, size
-                    in zip(inner, chunk.offsets[1:], chunk.sizes[1:])):
+                    in zip(inner, chunk.offsets[1:], chunk.sizes[1:]))):
                 found.append(self._source(index, chunk))
         return tuple(found)
 
