@@ -9,12 +9,12 @@ workers plan while the coordinator does (jobs.PlansMadeAhead). They serve every 
 command: each receives the job and the storage options in force, runs its share, and sends its
 progress and then its results or its error back through its pipe, which a thread of the
 coordinator reads while the coordinator runs its own share. Lanes are claimed through counters
-in shared memory (shares.py), so a worker done early takes on lanes left of the others'. The
-first failure (a worker's, a worker that ends without a result because it was killed, or the
-coordinator's own share) stops the rest and is raised here naming the worker: the
-coordinator's share stops at its next step of progress, and the workers are terminated. So the
-caller aborts its output after every worker has stopped writing. Workers ignore Ctrl-C (the
-coordinator stops them) and die with the coordinator.
+in shared memory (shares.py), so a worker done early takes on lanes of the others'. The first failure (a worker's, a
+worker that ends without a result because it was killed, or the coordinator's own share) stops
+the rest and is raised here naming the worker: the coordinator's share stops at its next step
+of progress, and the workers are terminated. So the caller aborts its output after every worker
+has stopped writing. Workers ignore Ctrl-C (the coordinator stops them) and die with the
+coordinator.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class LocalWorkers:
         try:
             for index in range(1, count):
                 ours, theirs = context.Pipe()
-                process = context.Process(target=_serve,
-                                          args=(index, count, theirs, self._claims),
+                process = context.Process(target=_serve, args=(index, count, theirs,
+                                                                self._claims),
                                           name=f"dcpctl-worker-{index + 1}", daemon=True)
                 process.start()
                 theirs.close()
@@ -212,9 +212,8 @@ def _ended(index: int, count: int, process: multiprocessing.Process) -> WorkerEr
 
 
 def _serve(index: int, count: int, connection: Connection, claims: SharedClaims) -> None:
-    """A worker process: plan what is sent ahead, be worker `index` of each job sent (its
-    share, then lanes left of the others'), send its results or its error; end when the
-    coordinator closes the pipe."""
+    """A worker process: plan what is sent ahead, run share `index` of each job sent, send
+    each result or error; end when the coordinator closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
     _die_with_parent()
     from dcpctl.allocator import reuse_large_buffers
