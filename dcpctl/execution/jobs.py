@@ -6,12 +6,10 @@ make of it), so a worker process that receives the job plans it again and gets t
 coordinator has, without the plan crossing a process boundary. A planning can be sent ahead of
 its job, as soon as the command knows it, so that the workers plan while the coordinator checks
 and plans, rather than after (PlansMadeAhead). The plan's lanes (output files, or files to
-read) are split into shares balanced by size and dealt out as the work goes (shares.py): each
-worker runs the lanes it claims, a batch at a time, and returns for each batch what the
-coordinator needs to publish (storage records, digests, problems found); the coordinator
-publishes once every lane is done, the batches' results taken in lane order. Output bytes never
-depend on how many workers wrote them, or which: each lane is written whole by one worker, from
-the same plan.
+read) are split into shares balanced by size (shares.py); each worker runs its share and returns
+what the coordinator needs to publish (storage records, digests, problems found), and the
+coordinator publishes once every share is done. Output bytes never depend on how many workers
+wrote them: each lane is written whole by one worker, from the same plan.
 """
 
 from __future__ import annotations
@@ -19,10 +17,10 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from typing import Any, Callable, Generic, Iterable, Protocol, TypeVar
+from typing import Any, Callable, Generic, Protocol, TypeVar
 
 from dcpctl.errors import DcpctlError
-from dcpctl.execution.shares import ClaimCounters, claimed_lanes
+from dcpctl.execution.shares import split_by_size
 
 Plan = TypeVar("Plan")
 Result = TypeVar("Result")
@@ -52,30 +50,13 @@ class WorkerError(DcpctlError):
     """A worker process or torchrun rank failed: its error, named by the worker."""
 
 
-LaneResults = list[tuple[int, Any]]
-"""What a worker did of a job: each batch of lanes it ran, as its first lane and its result."""
-
-
-def run_alone(job: ShareJob[Plan, Result], plan: Plan, advance: Callable[[int], None]
-              ) -> Result:
-    """Every lane of the job, in this process alone."""
-    return job.run_share(plan, list(range(len(job.lane_sizes(plan)))), advance)
-
-
-def run_share_of(job: ShareJob, index: int, count: int, claims: ClaimCounters,
-                 advance: Callable[[int], None], plan: Any = None) -> LaneResults:
-    """What worker `index` of `count` does: plan the job (unless given its plan) and run the
-    lanes it claims (shares.claimed_lanes), a batch at a time."""
+def run_share_of(job: ShareJob, index: int, count: int, advance: Callable[[int], None],
+                 plan: Any = None) -> Any:
+    """What worker `index` of `count` does: plan the job (unless given its plan) and run its
+    share."""
     plan = job.planning.plan() if plan is None else plan
-    return [(lanes[0], job.run_share(plan, lanes, advance))
-            for lanes in claimed_lanes(job.lane_sizes(plan), index, count, claims)]
-
-
-def in_lane_order(done: Iterable[LaneResults]) -> list[Any]:
-    """The results of every worker's batches (run_share_of), in the order of their lanes: the
-    same list however many workers ran them, and whichever."""
-    batches = sorted((batch for results in done for batch in results), key=lambda batch: batch[0])
-    return [result for _, result in batches]
+    share = split_by_size(job.lane_sizes(plan), count)[index]
+    return job.run_share(plan, share, advance)
 
 
 def packed(value: ShareJob | Planning) -> bytes:
@@ -111,12 +92,13 @@ class PlansMadeAhead:
             return
 
     def run_share(self, job_data: bytes, planning_data: bytes, index: int, count: int,
-                  claims: ClaimCounters, advance: Callable[[int], None]) -> LaneResults:
-        """Be worker `index` of `count` of the job packed in job_data, whose planning packs
-        into planning_data (run_share_of)."""
+                  advance: Callable[[int], None]) -> Any:
+        """Run share `index` of `count` of the job packed in job_data, whose planning packs
+        into planning_data."""
         job = unpacked(job_data)
-        return run_share_of(job, index, count, claims, advance,
-                            self._plans.pop(planning_data, None))
+        if planning_data in self._plans:
+            return run_share_of(job, index, count, advance, self._plans.pop(planning_data))
+        return run_share_of(job, index, count, advance)
 
 
 def describe_failure(error: BaseException) -> str:

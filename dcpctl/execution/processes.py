@@ -7,9 +7,8 @@ command starts, before it checks and plans, so that their start-up overlaps that
 when the command knows its job's planning that early, it sends it ahead (plan_ahead), and the
 workers plan while the coordinator does (jobs.PlansMadeAhead). They serve every job of the
 command: each receives the job and the storage options in force, runs its share, and sends its
-progress and then its results or its error back through its pipe, which a thread of the
-coordinator reads while the coordinator runs its own share. Lanes are claimed through counters
-in shared memory (shares.py), so a worker done early takes on lanes of the others'. The first failure (a worker's, a
+progress and then its result or its error back through its pipe, which a thread of the
+coordinator reads while the coordinator runs its own share. The first failure (a worker's, a
 worker that ends without a result because it was killed, or the coordinator's own share) stops
 the rest and is raised here naming the worker: the coordinator's share stops at its next step
 of progress, and the workers are terminated. So the caller aborts its output after every worker
@@ -26,9 +25,8 @@ import threading
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from dcpctl.execution.jobs import (BatchedProgress, LaneResults, Planning, PlansMadeAhead,
-                                   ShareJob, WorkerError, describe_failure, in_lane_order, packed,
-                                   run_share_of)
+from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
+                                   WorkerError, describe_failure, packed, run_share_of)
 
 _PROGRESS_INTERVAL_SECONDS = 0.2
 
@@ -44,12 +42,10 @@ class LocalWorkers:
         self._workers: list[_Worker] = []
         self._stopped = False
         context = multiprocessing.get_context("spawn")
-        self._claims = SharedClaims(context, count)
         try:
             for index in range(1, count):
                 ours, theirs = context.Pipe()
-                process = context.Process(target=_serve, args=(index, count, theirs,
-                                                                self._claims),
+                process = context.Process(target=_serve, args=(index, count, theirs),
                                           name=f"dcpctl-worker-{index + 1}", daemon=True)
                 process.start()
                 theirs.close()
@@ -68,22 +64,20 @@ class LocalWorkers:
                 continue
 
     def run(self, job: ShareJob, plan: Any, advance: Callable[[int], None]) -> list[Any]:
-        """Every lane of job: share 0 here on `plan`, share i on worker i, the lanes dealt as
-        the work goes; their results in lane order. After a failure the workers are stopped,
-        and so is this team."""
+        """Every share of job: share 0 here on `plan`, share i on worker i; their results in
+        share order. After a failure the workers are stopped, and so is this team."""
         if self._stopped:
             raise WorkerError("the workers were stopped by an earlier failure")
-        self._claims.reset()  # every worker is idle between jobs
         message = ("job", (packed(job), packed(job.planning)))
         advance = _serialized(advance)  # called by this share's threads and the pipe reader
         gathering = _Gathering(self._workers, self.count, message, advance)
         gathering.start()
         try:
-            own = _run_own_share(job, plan, self.count, self._claims, gathering, advance)
+            own = _run_own_share(job, plan, self.count, gathering, advance)
             gathering.join()
             if gathering.failure is not None:
                 raise gathering.failure
-            return in_lane_order([own, *gathering.results])
+            return [own, *gathering.results]
         except BaseException:
             self._end_processes()
             raise
@@ -105,24 +99,8 @@ class LocalWorkers:
             process.join()
 
 
-class SharedClaims:
-    """Claim counters (shares.py) in this machine's shared memory, for its worker processes."""
-
-    def __init__(self, context: multiprocessing.context.SpawnContext, count: int) -> None:
-        self._counts = context.Array("q", count)
-
-    def add(self, share: int, amount: int) -> int:
-        with self._counts.get_lock():
-            self._counts[share] += amount
-            return self._counts[share]
-
-    def reset(self) -> None:
-        with self._counts.get_lock():
-            self._counts[:] = [0] * len(self._counts)
-
-
-def _run_own_share(job: ShareJob, plan: Any, count: int, claims: SharedClaims,
-                   gathering: _Gathering, advance: Callable[[int], None]) -> LaneResults:
+def _run_own_share(job: ShareJob, plan: Any, count: int, gathering: _Gathering,
+                   advance: Callable[[int], None]) -> Any:
     """Share 0, in this process; stopped, with the workers' failure raised, at its first step
     of progress after a worker failed."""
     def advance_unless_failed(units: int) -> None:
@@ -131,7 +109,7 @@ def _run_own_share(job: ShareJob, plan: Any, count: int, claims: SharedClaims,
         advance(units)
 
     try:
-        return run_share_of(job, 0, count, claims, advance_unless_failed, plan)
+        return run_share_of(job, 0, count, advance_unless_failed, plan)
     except Exception as error:  # noqa: BLE001 - named as the workers' failures are
         if gathering.failure is not None:
             raise gathering.failure from None
@@ -178,8 +156,7 @@ class _Gathering(threading.Thread):
                                        f"{describe_failure(error)}")
 
 
-def _gather(workers: list[_Worker], count: int, advance: Callable[[int], None]
-            ) -> list[LaneResults]:
+def _gather(workers: list[_Worker], count: int, advance: Callable[[int], None]) -> list[Any]:
     results: dict[int, Any] = {}
     pending = {connection: (index, process) for index, process, connection in workers}
     while pending:
@@ -211,7 +188,7 @@ def _ended(index: int, count: int, process: multiprocessing.Process) -> WorkerEr
                        f"({how})")
 
 
-def _serve(index: int, count: int, connection: Connection, claims: SharedClaims) -> None:
+def _serve(index: int, count: int, connection: Connection) -> None:
     """A worker process: plan what is sent ahead, run share `index` of each job sent, send
     each result or error; end when the coordinator closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
@@ -236,7 +213,7 @@ def _serve(index: int, count: int, connection: Connection, claims: SharedClaims)
                 plans.make(value)
                 continue
             try:
-                result = plans.run_share(*value, index, count, claims, progress.advance)
+                result = plans.run_share(*value, index, count, progress.advance)
                 progress.flush()
                 connection.send(("done", result))
             except BaseException as error:  # noqa: BLE001 - every failure goes to the coordinator

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from dcpctl.errors import InvalidOptionError
 from dcpctl.execution import torchrun
-from dcpctl.execution.jobs import Plan, Planning, Result, ShareJob, run_alone
+from dcpctl.execution.jobs import Plan, Planning, Result, ShareJob, run_share_of
 from dcpctl.execution.processes import LocalWorkers
 from dcpctl.storage.paths import StoragePath, default_threads_for
 
@@ -53,9 +53,9 @@ def plan_ahead(planning: Planning) -> None:
 
 def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
             on_progress: Callable[[int, int], None] | None = None) -> list[Result]:
-    """Run every lane of the job and return the results, in lane order (jobs.in_lane_order):
-    under torchrun, on every rank (this process is rank 0); otherwise on `workers` local
-    processes, this one among them; a job of no work in this process alone. on_progress(
+    """Run every share of the job and return their results, in share order: under torchrun,
+    one share per rank (this process is rank 0); otherwise on `workers` local processes, this
+    one among them; a job of no work in this process alone, as one share. on_progress(
     units_done, total_units) follows the work."""
     total = sum(job.lane_sizes(plan))
 
@@ -66,7 +66,7 @@ def run_job(job: ShareJob[Plan, Result], plan: Plan, workers: int = 1,
     with workers_started(workers):
         team = _current_team(workers)
         if team is None or total == 0:  # nothing to share: the others need not even plan it
-            return [run_alone(job, plan, advance)]
+            return [run_share_of(job, 0, 1, advance, plan)]
         return team.run(job, plan, advance)
 
 

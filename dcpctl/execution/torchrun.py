@@ -2,8 +2,7 @@
 
 Every rank starts dcpctl with the same command line. Rank 0 runs the command as a single
 process would: it checks, plans, prepares the output and publishes; each job it runs is handed
-to every rank, rank r running share r and then lanes left of the others' (the claim counters
-are in the store: shares.py), and rank 0 publishes once every rank's results are in.
+to every rank, rank r running share r, and rank 0 publishes once every rank's result is in.
 The other ranks only serve: they wait for a job or for the end, and exit with rank 0's exit
 status. Everything travels through torch.distributed's key-value store (gloo process group,
 CPU only), polled, so a rank waiting still answers SIGTERM, the way torchrun stops a job whose
@@ -19,8 +18,7 @@ import time
 from typing import Any, Callable
 
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
-                                   WorkerError, describe_failure, in_lane_order, packed,
-                                   run_share_of)
+                                   WorkerError, describe_failure, packed, run_share_of)
 
 _POLL_SECONDS = 0.05
 _PROGRESS_SECONDS = 0.5
@@ -71,7 +69,7 @@ class Team:
         self.store.set(f"dcpctl/next/{number}", pickle.dumps(("plan", packed(planning))))
 
     def run(self, job: ShareJob, plan: Any, advance: Callable[[int], None]) -> list[Any]:
-        """On rank 0: hand job to every rank, run share 0 here, gather every rank's results.
+        """On rank 0: hand job to every rank, run share 0 here, gather every rank's result.
         Every rank's outcome is awaited before a failure is raised, so that no rank still
         writes into an output its caller then removes."""
         number = self._jobs = self._jobs + 1
@@ -85,8 +83,7 @@ class Team:
         failure: Exception | None = None
         try:
             try:
-                outcomes = [("done", run_share_of(job, 0, self.size, self._claims(number),
-                                                  advance, plan))]
+                outcomes = [("done", run_share_of(job, 0, self.size, advance, plan))]
             except Exception as error:  # noqa: BLE001 - raised once the other ranks are done
                 failure, outcomes = error, [("failed", None)]
             outcomes += [pickle.loads(self._wait(f"dcpctl/result/{number}/{rank}"))
@@ -100,7 +97,7 @@ class Team:
         for rank, (kind, value) in enumerate(outcomes):
             if kind == "failed":
                 raise WorkerError(f"rank {rank} of {self.size}: {value}")
-        return in_lane_order(value for _, value in outcomes)
+        return [value for _, value in outcomes]
 
     def end(self, exit_code: int) -> None:
         """On rank 0: tell every rank that the command is over, with its exit status."""
@@ -123,14 +120,11 @@ class Team:
                                        _PROGRESS_SECONDS)
             try:
                 outcome = ("done", plans.run_share(*value, self.rank, self.size,
-                                                   self._claims(number), progress.advance))
+                                                   progress.advance))
             except Exception as error:  # noqa: BLE001 - rank 0 reports it
                 outcome = ("failed", describe_failure(error))
             progress.flush()
             self.store.set(f"dcpctl/result/{number}/{self.rank}", pickle.dumps(outcome))
-
-    def _claims(self, number: int) -> StoreClaims:
-        return StoreClaims(self.store, f"dcpctl/claims/{number}")
 
     def _wait(self, key: str) -> bytes:
         while not self.store.check([key]):
@@ -145,14 +139,3 @@ class Team:
             if done > reported:
                 advance(done - reported)
                 reported = done
-
-
-class StoreClaims:
-    """Claim counters (shares.py) of one job, in the torchrun job's store."""
-
-    def __init__(self, store, prefix: str) -> None:
-        self._store = store
-        self._prefix = prefix
-
-    def add(self, share: int, amount: int) -> int:
-        return self._store.add(f"{self._prefix}/{share}", amount)
