@@ -9,7 +9,6 @@ role; `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` for an S3-compatible store. St
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import importlib
@@ -255,6 +254,8 @@ class MultipartWriter(ObjectWriter):
         coroutine = self.store.fs._call_s3("upload_part", Bucket=bucket, Key=object_key,
                                            UploadId=self._upload_id, PartNumber=number,
                                            Body=part)
+        import asyncio  # here: s3fs brings its event loop, and every command imports this module
+
         future = asyncio.run_coroutine_threadsafe(coroutine, self.store.fs.loop)
         future.add_done_callback(lambda _: _PART_SLOTS.release())
         self._in_flight.append((number, future))
