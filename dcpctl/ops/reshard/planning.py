@@ -259,6 +259,8 @@ class _SourceChunks:
         self._first_rows = [chunks[index].offsets[0] for index in self._by_first_row]
         self._most_rows = max((chunks[index].sizes[0] for index in self._by_first_row),
                               default=0)
+        self._row_ends = [chunk.offsets[0] + chunk.sizes[0] if chunk.offsets else 0
+                          for chunk in chunks]
         self._inner_origin = (0,) * (len(tensor.shape) - 1)
         self._inner_shape = tuple(tensor.shape[1:])
 
@@ -273,15 +275,19 @@ class _SourceChunks:
         reaching = self._by_first_row[
             bisect.bisect_right(self._first_rows, begin - self._most_rows):
             bisect.bisect_left(self._first_rows, end)]
-        # An output chunk of whole rows (FSDP2's) overlaps, past dim 0, every non-empty chunk.
-        whole_rows = offsets[1:] == self._inner_origin and sizes[1:] == self._inner_shape
+        row_ends = self._row_ends
+        if offsets[1:] == self._inner_origin and sizes[1:] == self._inner_shape:
+            # An output chunk of whole rows (FSDP2's) overlaps, past dim 0, every non-empty
+            # chunk: only the rows tell.
+            return tuple([self._source(index, chunks[index]) for index in sorted(reaching)
+                          if begin < row_ends[index]])
         inner = [(offset, offset + size) for offset, size in zip(offsets[1:], sizes[1:])]
         found = []
         for index in sorted(reaching):
             chunk = chunks[index]
-            if begin < chunk.offsets[0] + chunk.sizes[0] and (whole_rows or all(
+            if begin < row_ends[index] and all(
                     offset < last and first < offset + size for (first, last), offset, size
-                    in zip(inner, chunk.offsets[1:], chunk.sizes[1:]))):
+                    in zip(inner, chunk.offsets[1:], chunk.sizes[1:])):
                 found.append(self._source(index, chunk))
         return tuple(found)
 
