@@ -56,7 +56,8 @@ class _PickleWriter:
         self._templates: dict[str, tuple[bytes, ...]] = {}
         self._encoded_int_runs: dict[tuple[int, ...], bytes] = {}
 
-    def template(self, name: str, *parts: tuple[Any, ...]) -> tuple[bytes, ...] | None:
+    def template(self, name: str, parts: tuple[tuple[Any, ...], ...]
+                 ) -> tuple[bytes, ...] | None:
         """The template called name: each part's opcodes joined, where a part is a sequence
         of opcodes (bytes) and memo keys (a string, or a (module, name) global), each key
         standing for the get of its memo slot. None until every key has a memo slot (written
@@ -84,6 +85,10 @@ class _PickleWriter:
                 runs.clear()
             encoded = runs[values] = b"".join(map(_integer_opcodes, values))
         return encoded
+
+    def memo_get(self, key: Any) -> bytes | None:
+        """The opcode that gets key's memo slot; None when key has none yet."""
+        return self._memo_gets.get(key)
 
     def _get_memoized(self, key: Any) -> bool:
         """Emit a get of key's memo slot and return True; False when key has none yet."""
@@ -210,10 +215,12 @@ def _integer_opcodes(value: int) -> bytes:
     return pickle.LONG1 + bytes([len(encoded)]) + encoded
 
 
+_STORAGE_INFO_PARTS = (((_FILESYSTEM, "_StorageInfo"), _BEGIN_FIELDS, "relative_path"),
+                       ("offset",), ("length",))
+
+
 def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
-    template = writer.template(
-        "storage info", ((_FILESYSTEM, "_StorageInfo"), _BEGIN_FIELDS, "relative_path"),
-        ("offset",), ("length",))
+    template = writer.template("storage info", _STORAGE_INFO_PARTS)
     if template is None:  # the first: written field by field, which memoizes its names
         writer.begin_fields(_FILESYSTEM, "_StorageInfo")
         writer.string("relative_path")
@@ -226,7 +233,11 @@ def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
         opening, offset_key, length_key = template
         out = writer.out
         out += opening
-        writer.string(info.relative_path)
+        path_get = writer.memo_get(info.relative_path)
+        if path_get is None:
+            writer.string(info.relative_path)
+        else:
+            out += path_get
         out += offset_key
         out += _integer_opcodes(info.offset)
         out += length_key
@@ -234,13 +245,15 @@ def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
     if info.transform_descriptors is not None:
         writer.string("transform_descriptors")
         writer.value(list(info.transform_descriptors))
-    writer.end_fields()
+    writer.out += _END_FIELDS
+
+
+_ITEM_KEY_PARTS = (((_METADATA, "MetadataIndex"), _BEGIN_FIELDS, "fqn"),
+                   ("offset", _SIZE, pickle.MARK), (_END_SIZE, "index"))
 
 
 def _write_item_key(writer: _PickleWriter, key: MetadataIndex) -> None:
-    template = writer.template(
-        "item key", ((_METADATA, "MetadataIndex"), _BEGIN_FIELDS, "fqn"),
-        ("offset", _SIZE, pickle.MARK), (_END_SIZE, "index"))
+    template = writer.template("item key", _ITEM_KEY_PARTS)
     offset = None if key.offset is None else writer.encoded_ints(key.offset)
     if template is None or offset is None:  # the first, no offset, or not all ints
         writer.begin_fields(_METADATA, "MetadataIndex")
@@ -253,7 +266,11 @@ def _write_item_key(writer: _PickleWriter, key: MetadataIndex) -> None:
         opening, offset_opening, index_key = template
         out = writer.out
         out += opening
-        writer.string(key.fqn)
+        fqn_get = writer.memo_get(key.fqn)
+        if fqn_get is None:
+            writer.string(key.fqn)
+        else:
+            out += fqn_get
         out += offset_opening
         out += offset
         out += index_key
@@ -262,14 +279,16 @@ def _write_item_key(writer: _PickleWriter, key: MetadataIndex) -> None:
         writer.out += _integer_opcodes(index)
     else:
         writer.value(index)
-    writer.end_fields()
+    writer.out += _END_FIELDS
+
+
+_CHUNK_PARTS = (((_METADATA, "ChunkStorageMetadata"), _BEGIN_FIELDS, "offsets", _SIZE,
+                 pickle.MARK),
+                (_END_SIZE, "sizes", _SIZE, pickle.MARK))
 
 
 def _write_chunk(writer: _PickleWriter, chunk: ChunkMetadata) -> None:
-    template = writer.template(
-        "chunk", ((_METADATA, "ChunkStorageMetadata"), _BEGIN_FIELDS, "offsets", _SIZE,
-                  pickle.MARK),
-        (_END_SIZE, "sizes", _SIZE, pickle.MARK))
+    template = writer.template("chunk", _CHUNK_PARTS)
     offsets, sizes = writer.encoded_ints(chunk.offsets), writer.encoded_ints(chunk.sizes)
     if template is None or offsets is None or sizes is None:  # the first, or not all ints
         writer.begin_fields(_METADATA, "ChunkStorageMetadata")
