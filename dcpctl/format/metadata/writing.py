@@ -86,10 +86,6 @@ class _PickleWriter:
             encoded = runs[values] = b"".join(map(_integer_opcodes, values))
         return encoded
 
-    def memo_get(self, key: Any) -> bytes | None:
-        """The opcode that gets key's memo slot; None when key has none yet."""
-        return self._memo_gets.get(key)
-
     def _get_memoized(self, key: Any) -> bool:
         """Emit a get of key's memo slot and return True; False when key has none yet."""
         get = self._memo_gets.get(key)
@@ -233,11 +229,7 @@ def _write_storage_info(writer: _PickleWriter, info: StorageInfo) -> None:
         opening, offset_key, length_key = template
         out = writer.out
         out += opening
-        path_get = writer.memo_get(info.relative_path)
-        if path_get is None:
-            writer.string(info.relative_path)
-        else:
-            out += path_get
+        writer.string(info.relative_path)
         out += offset_key
         out += _integer_opcodes(info.offset)
         out += length_key
@@ -266,11 +258,7 @@ def _write_item_key(writer: _PickleWriter, key: MetadataIndex) -> None:
         opening, offset_opening, index_key = template
         out = writer.out
         out += opening
-        fqn_get = writer.memo_get(key.fqn)
-        if fqn_get is None:
-            writer.string(key.fqn)
-        else:
-            out += fqn_get
+        writer.string(key.fqn)
         out += offset_opening
         out += offset
         out += index_key
