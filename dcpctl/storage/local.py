@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from dcpctl.failpoints import Failpoint, failpoint
+from dcpctl.storage.writeback import Writeback
 
 # The names dcpctl gives what it writes beside a file before renaming it into place: the final
 # name, a random token and `.tmp` (a hard link made on the way adds `.link`).
@@ -61,11 +62,12 @@ class OutputFile:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         self._stream = open(self.path, "xb")
+        self._writeback = Writeback(self._stream.fileno())
 
     def write(self, data) -> None:
         """Append data."""
         with naming_failures(self.path):
-            self._stream.write(data)
+            self._writeback.written(self._stream.write(data))
 
     def tell(self) -> int:
         """Bytes written so far."""

@@ -17,6 +17,7 @@ from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.storage.local import naming_failures
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import ObjectOutputFile, StoragePath
+from dcpctl.storage.writeback import Writeback
 
 
 class LocalPlacedFile:
@@ -30,6 +31,7 @@ class LocalPlacedFile:
         with naming_failures(self.path):
             self._descriptor = os.open(self.path, flags | (os.O_CREAT | os.O_EXCL if create
                                                            else 0), 0o644)
+        self._writeback = Writeback(self._descriptor)
 
     def write_at(self, offset: int, data) -> None:
         """Write data at offset (a file grows to hold it)."""
@@ -38,6 +40,7 @@ class LocalPlacedFile:
             while view:
                 written = os.pwrite(self._descriptor, view, offset)
                 view, offset = view[written:], offset + written
+                self._writeback.written(written)
 
     def finish(self) -> None:
         """Sync what this writer wrote to disk and close the file."""
