@@ -259,8 +259,9 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     with workers_started(workers), \
             checked_checkpoint(path, threads=threads, on_progress=on_progress,
                                once_held=functools.partial(plan_ahead, planning)) as checkpoint:
+        # Each share locates the sources of its own files before it writes (run_share): a
+        # worker need not wait while this process locates the other shares' sources.
         plan = planning.plan_for(checkpoint)
-        plan.locate_sources()  # here, so an item that cannot be read is refused before writing
         output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
                                   overwrite=overwrite, side_files=side_files_of(checkpoint))
         try:
