@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import compileall
+import functools
 import os
 import re
 import shutil
@@ -64,8 +66,18 @@ def python_command(code: str) -> list[str]:
 
 
 def dcpctl_command(*args: str) -> list[str]:
-    """A command running dcpctl from this source tree."""
+    """A command running dcpctl from this source tree, its modules byte-compiled first."""
+    _byte_compile_dcpctl()
     return [sys.executable, "-m", "dcpctl", *args]
+
+
+@functools.cache
+def _byte_compile_dcpctl() -> None:
+    """Write dcpctl's bytecode (__pycache__, ignored by git), as installing a wheel does, so
+    that a dcpctl process, and each worker it starts, reads its modules as a user's would
+    rather than compile them all again (about 0.15 s a process) where PYTHONDONTWRITEBYTECODE
+    is set."""
+    compileall.compile_dir(REPO_ROOT / "dcpctl", quiet=1)
 
 
 def directory_bytes(path: Path) -> int:
