@@ -8,7 +8,7 @@ the CPU-seconds of the command's unavoidable work, measured by bench/checksummed
 thread (reads, CRC-32, SHA-256, writes; zstd level 3 for compress; no SHA-256 for convert; no
 writes for verify and checksum), divided by the cores. CPU-seconds per GB (of the input) is
 printed so that a job on N machines can be projected. Best of --repeat runs, input in the page
-cache.
+cache; a command's contenders (its floor among them) run in rounds, one run of each per round.
 
 Usage: python bench/bench_workers.py [--units 11] [--repeat 2]
 """
@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (dcpctl_command, directory_bytes, drop_directory, measure,  # noqa: E402
-                     print_table, warm_page_cache)
+from harness import (Measurement, dcpctl_command, directory_bytes,  # noqa: E402
+                     drop_directory, measure, print_table, warm_page_cache)
 from real_checkpoint import ONE_GB_UNITS, OUT_ROOT, real_checkpoint  # noqa: E402
 
 CHECKSUMMED_COPY = str(Path(__file__).resolve().parent / "checksummed_copy.py")
@@ -60,14 +60,14 @@ def main() -> None:
     (sums_copy / "SHA256SUMS").unlink(missing_ok=True)
     rows = []
     for name, (command, floor_options) in commands.items():
-        floor_cpu = best_of(args.repeat, source, out, "floor", [
-            sys.executable, CHECKSUMMED_COPY, str(source), str(out), "1", *floor_options]
-        ).cpu_seconds
+        contenders = {"floor": [sys.executable, CHECKSUMMED_COPY, str(source), str(out), "1",
+                                *floor_options],
+                      **{label: command() + options for label, options in CONFIGS}}
+        runs = best_of_rounds(args.repeat, source, out, contenders)
+        floor_cpu = runs.pop("floor").cpu_seconds
         floor_seconds = floor_cpu / cores
         rows.append((name, f"floor: 1 thread's CPU-s / {cores} cores", f"{floor_seconds:.2f}",
                      f"{floor_cpu:.2f}", f"{floor_cpu / gigabytes:.2f}", "1.00", "", "", ""))
-        runs = {label: best_of(args.repeat, source, out, label, command() + options)
-                for label, options in CONFIGS}
         one, single = runs[CONFIGS[0][0]], runs[CONFIGS[2][0]]
         for label, run in runs.items():
             rows.append((name, label, f"{run.seconds:.2f}", f"{run.cpu_seconds:.2f}",
@@ -83,14 +83,18 @@ def main() -> None:
                        "speed-up vs w1 t1", "vs one process", "peak RSS MiB"))
 
 
-def best_of(repeat: int, source: Path, out: Path, label: str, command: list[str]):
-    best = None
+def best_of_rounds(repeat: int, source: Path, out: Path, contenders: dict[str, list[str]]
+                   ) -> dict[str, Measurement]:
+    """Each contender's fastest of `repeat` runs, run in rounds of one run each, so that a
+    spell of load from elsewhere on the machine slows every contender rather than one."""
+    best: dict[str, Measurement] = {}
     for _ in range(repeat):
-        drop_directory(out)
-        warm_page_cache(source)
-        run = measure(label, command)
-        if best is None or run.seconds < best.seconds:
-            best = run
+        for label, command in contenders.items():
+            drop_directory(out)
+            warm_page_cache(source)
+            run = measure(label, command)
+            if label not in best or run.seconds < best[label].seconds:
+                best[label] = run
     drop_directory(out)
     return best
 
