@@ -87,5 +87,17 @@ def threads_per_worker(threads: int | None, path: StoragePath, workers: int) -> 
     shared among the workers of this machine (a torchrun job's ranks on this node)."""
     if threads:
         return threads
-    local_workers = torchrun.local_world_size() if torchrun.current_team() else workers
-    return max(1, default_threads_for(path) // max(1, local_workers))
+    return max(1, default_threads_for(path) // _workers_on_this_machine(workers))
+
+
+def threads_while_others_wait(threads: int | None, path: StoragePath, workers: int) -> int:
+    """Threads for work this process does alone while the job's other processes on this
+    machine wait for it (hashing the input against SHA256SUMS before the job starts): all the
+    threads the job runs here, threads_per_worker's for each of its processes."""
+    return threads_per_worker(threads, path, workers) * _workers_on_this_machine(workers)
+
+
+def _workers_on_this_machine(workers: int) -> int:
+    """The processes of a job of `workers` workers on this machine: those, or a torchrun job's
+    ranks on this node."""
+    return max(1, torchrun.local_world_size() if torchrun.current_team() else workers)

@@ -110,6 +110,29 @@ def test_in_place_compress_and_decompress_with_workers(tmp_path):
     assert json.loads(ok("verify", several, "--json"))["status"] == "ok"
 
 
+@pytest.mark.parametrize("command", sorted(WRITING_COMMANDS))
+def test_sha256sums_are_checked_on_the_threads_of_every_worker(copy_fixture, tmp_path, command,
+                                                               run_cli, monkeypatch):
+    """The workers wait while the coordinator hashes a checksummed input before the job: it
+    hashes on all of their threads, not on its own share of them."""
+    from dcpctl.format.checkpoint import checksums
+
+    source = copy_fixture(SOURCE)
+    ok("checksum", source)
+    hashed_on = []
+
+    def recording(directory, names, threads, *args):
+        hashed_on.append(threads)
+        return real_hashing(directory, names, threads, *args)
+    real_hashing = checksums.sha256_of_files
+    monkeypatch.setattr(checksums, "sha256_of_files", recording)
+    arguments = [part.format(source=source, output=tmp_path / "out")
+                 for part in WRITING_COMMANDS[command]]
+    result = run_cli(*arguments, "--workers", "2", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    assert hashed_on == [2]
+
+
 def test_verify_and_checksum_with_workers_agree_with_one_process(copy_fixture):
     checkpoint = copy_fixture(SOURCE)
     (checkpoint / "SHA256SUMS").unlink(missing_ok=True)

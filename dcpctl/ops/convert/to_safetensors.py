@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from dcpctl.execution.running import threads_per_worker
+from dcpctl.execution.running import threads_per_worker, threads_while_others_wait
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.dtypes import DType
@@ -104,7 +104,8 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into safetensors files in the directory output,
     on `workers` processes of `threads` threads each."""
     started = time.perf_counter()
-    with checked_checkpoint(source, threads=threads, on_progress=on_progress) as checkpoint:
+    check_threads = threads_while_others_wait(threads, storage_path(source), workers)
+    with checked_checkpoint(source, threads=check_threads, on_progress=on_progress) as checkpoint:
         threads = threads_per_worker(threads, checkpoint.path, workers)
         plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path)

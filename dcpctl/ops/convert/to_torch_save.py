@@ -27,7 +27,7 @@ import torch
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import read_item
 from dcpctl.format.checkpoint.locations import locate_object
-from dcpctl.execution.running import threads_per_worker
+from dcpctl.execution.running import threads_per_worker, threads_while_others_wait
 from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry
 from dcpctl.format.dtypes import DType
@@ -170,7 +170,8 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into the torch.save file output, on `workers`
     processes of `threads` threads each."""
     started = time.perf_counter()
-    with checked_checkpoint(source, threads=threads, on_progress=on_progress) as checkpoint:
+    check_threads = threads_while_others_wait(threads, storage_path(source), workers)
+    with checked_checkpoint(source, threads=check_threads, on_progress=on_progress) as checkpoint:
         threads = threads_per_worker(threads, checkpoint.path, workers)
         plan = plan_torch_save(checkpoint, selection, cast_to)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path,

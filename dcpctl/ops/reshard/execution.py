@@ -20,7 +20,7 @@ from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_st
                                             iter_item_pieces, iter_stored_pieces)
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
 from dcpctl.execution.running import (plan_ahead, run_job, threads_per_worker,
-                                      workers_started)
+                                      threads_while_others_wait, workers_started)
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
 from dcpctl.format.checkpoint.side_files import side_files_of
@@ -257,7 +257,8 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     destination = storage_path(output_path)
     planning = ReshardPlanning(str(source), world_size, codec, per_rank_objects, tensor_parallel)
     with workers_started(workers), \
-            checked_checkpoint(path, threads=threads, on_progress=on_progress,
+            checked_checkpoint(path, threads=threads_while_others_wait(threads, source, workers),
+                               on_progress=on_progress,
                                once_held=functools.partial(plan_ahead, planning)) as checkpoint:
         # Each share locates the sources of its own files before it writes (run_share): a
         # worker need not wait while this process locates the other shares' sources.
