@@ -133,6 +133,33 @@ def test_sha256sums_are_checked_on_the_threads_of_every_worker(copy_fixture, tmp
     assert hashed_on == [2]
 
 
+@pytest.mark.parametrize("command", sorted(WRITING_COMMANDS))
+def test_workers_plan_each_job_ahead_while_the_coordinator_checks(tmp_path, command, run_cli,
+                                                                  monkeypatch):
+    """Each command sends its job's planning to the workers as soon as it holds the checkpoint,
+    and the job it runs then has that very planning (a worker plans it once, ahead)."""
+    from dcpctl.execution import jobs
+    from dcpctl.execution.processes import LocalWorkers
+
+    sent_ahead, run = [], []
+    real_plan_ahead, real_run = LocalWorkers.plan_ahead, LocalWorkers.run
+
+    def recording_plan_ahead(self, planning):
+        sent_ahead.append(jobs.packed(planning))
+        return real_plan_ahead(self, planning)
+
+    def recording_run(self, job, plan, advance):
+        run.append(jobs.packed(job.planning))
+        return real_run(self, job, plan, advance)
+    monkeypatch.setattr(LocalWorkers, "plan_ahead", recording_plan_ahead)
+    monkeypatch.setattr(LocalWorkers, "run", recording_run)
+    arguments = [part.format(source=fixture_path(SOURCE), output=tmp_path / "out")
+                 for part in WRITING_COMMANDS[command]]
+    result = run_cli(*arguments, "--workers", "2")
+    assert result.exit_code == 0, result.output
+    assert len(run) == 1 and run == sent_ahead
+
+
 def test_verify_and_checksum_with_workers_agree_with_one_process(copy_fixture):
     checkpoint = copy_fixture(SOURCE)
     (checkpoint / "SHA256SUMS").unlink(missing_ok=True)

@@ -15,6 +15,7 @@ there each file is finished as soon as its last tensor is written.
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -139,6 +140,12 @@ class PlacedTensorsPlanning:
         return PlacedTensorsPlan(open_checkpoint(self.source, check_files=False))
 
 
+def placed_tensors_planning(source: str | os.PathLike | StoragePath) -> PlacedTensorsPlanning:
+    """The planning of tensors read from the checkpoint at source: what a conversion sends its
+    workers ahead (execution/running.py, plan_ahead) and what its job carries, the same."""
+    return PlacedTensorsPlanning(str(storage_path(source)))
+
+
 @dataclass(frozen=True)
 class PlacedTensorsJob:
     """Writing every slot's tensor (execution/jobs.py): its lanes are the slots, by bytes. A
@@ -229,7 +236,7 @@ def write_placed_tensors(layouts: list[FileLayout], checkpoint: Checkpoint, outp
     files = _CoordinatorFiles(layouts)
     try:
         with scratch_directory_beside(output) as scratch:
-            job = PlacedTensorsJob(PlacedTensorsPlanning(str(checkpoint.path)), str(scratch),
+            job = PlacedTensorsJob(placed_tensors_planning(checkpoint.path), str(scratch),
                                    slots, threads)
             crcs: dict[int, int] = {}
             for share in run_job(job, PlacedTensorsPlan(checkpoint, files), workers,
