@@ -133,7 +133,7 @@ def test_sha256sums_are_checked_on_the_threads_of_every_worker(copy_fixture, tmp
     assert hashed_on == [2]
 
 
-@pytest.mark.parametrize("command", sorted(WRITING_COMMANDS))
+@pytest.mark.parametrize("command", [*sorted(WRITING_COMMANDS), "dcp"])
 def test_workers_plan_each_job_ahead_while_the_coordinator_checks(tmp_path, command, run_cli,
                                                                   monkeypatch):
     """Each command sends its job's planning to the workers as soon as it holds the checkpoint,
@@ -153,8 +153,14 @@ def test_workers_plan_each_job_ahead_while_the_coordinator_checks(tmp_path, comm
         return real_run(self, job, plan, advance)
     monkeypatch.setattr(LocalWorkers, "plan_ahead", recording_plan_ahead)
     monkeypatch.setattr(LocalWorkers, "run", recording_run)
-    arguments = [part.format(source=fixture_path(SOURCE), output=tmp_path / "out")
-                 for part in WRITING_COMMANDS[command]]
+    if command == "dcp":
+        ok("convert", fixture_path(SOURCE), "--to", "safetensors", "-o", tmp_path / "hf",
+           "--include", "*")
+        arguments = ["convert", tmp_path / "hf", "--to", "dcp", "--ranks", 4, "-o",
+                     tmp_path / "out"]
+    else:
+        arguments = [part.format(source=fixture_path(SOURCE), output=tmp_path / "out")
+                     for part in WRITING_COMMANDS[command]]
     result = run_cli(*arguments, "--workers", "2")
     assert result.exit_code == 0, result.output
     assert len(run) == 1 and run == sent_ahead

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dcpctl.errors import DataError, InvalidOptionError, UnsupportedLayoutError, truncated_error
-from dcpctl.execution.running import run_job, threads_per_worker
+from dcpctl.execution.running import plan_ahead, run_job, threads_per_worker
 from dcpctl.format.checkpoint.hf_storage import is_hf_storage_shards
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
@@ -319,6 +319,7 @@ def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: 
     if is_hf_storage_shards(storage_path(source)):
         return _convert_shards(source, output, ranks, prefix, threads, overwrite, on_progress,
                                workers, started)
+    plan_ahead(DcpWritePlanning(str(source), prefix, ranks))  # workers read it as this does
     source_format, entries = read_source(storage_path(source), prefix)
     output_path = storage_path(output)
     checkpoint_output = CheckpointOutput(output_path, in_place=False, source=storage_path(source),
