@@ -6,9 +6,12 @@ one process with its default threads (what the commands did by default before --
 a default from the cores), `--workers 2` with default threads, and the defaults. The floor is
 the CPU-seconds of the command's unavoidable work, measured by bench/checksummed_copy.py on one
 thread (reads, CRC-32, SHA-256, writes; zstd level 3 for compress; no SHA-256 for convert; no
-writes for verify and checksum), divided by the cores. CPU-seconds per GB (of the input) is
-printed so that a job on N machines can be projected. Best of --repeat runs, input in the page
-cache; a command's contenders (its floor among them) run in rounds, one run of each per round.
+writes for verify and checksum), divided by the cores. The floor's work is also timed on as
+many threads as there are cores (its C calls release the interpreter lock), and its speed-up
+over one thread printed: the scaling this machine gives the unavoidable work itself.
+CPU-seconds per GB (of the input) is printed so that a job on N machines can be projected.
+Best of --repeat runs, input in the page cache; a command's contenders (its floors among them)
+run in rounds, one run of each per round.
 
 Usage: python bench/bench_workers.py [--units 11] [--repeat 2]
 """
@@ -60,14 +63,24 @@ def main() -> None:
     (sums_copy / "SHA256SUMS").unlink(missing_ok=True)
     rows = []
     for name, (command, floor_options) in commands.items():
-        contenders = {"floor": [sys.executable, CHECKSUMMED_COPY, str(source), str(out), "1",
-                                *floor_options],
-                      **{label: command() + options for label, options in CONFIGS}}
+        contenders = {
+            "floor": [sys.executable, CHECKSUMMED_COPY, str(source), str(out), "1",
+                      *floor_options],
+            "floor, all cores": [sys.executable, CHECKSUMMED_COPY, str(source), str(out),
+                                 str(cores), *floor_options],
+            **{label: command() + options for label, options in CONFIGS}}
         runs = best_of_rounds(args.repeat, source, out, contenders)
-        floor_cpu = runs.pop("floor").cpu_seconds
+        floor, floor_on_cores = runs.pop("floor"), runs.pop("floor, all cores")
+        floor_cpu = floor.cpu_seconds
         floor_seconds = floor_cpu / cores
         rows.append((name, f"floor: 1 thread's CPU-s / {cores} cores", f"{floor_seconds:.2f}",
                      f"{floor_cpu:.2f}", f"{floor_cpu / gigabytes:.2f}", "1.00", "", "", ""))
+        # what the machine itself gives: the floor's own work, timed on 1 thread and on all
+        rows.append((name, f"floor's work on {cores} threads (speed-up: over 1 thread)",
+                     f"{floor_on_cores.seconds:.2f}", f"{floor_on_cores.cpu_seconds:.2f}",
+                     f"{floor_on_cores.cpu_seconds / gigabytes:.2f}",
+                     f"{floor_on_cores.seconds / floor_seconds:.2f}",
+                     f"{floor.seconds / floor_on_cores.seconds:.2f}", "", ""))
         one, single = runs[CONFIGS[0][0]], runs[CONFIGS[2][0]]
         for label, run in runs.items():
             rows.append((name, label, f"{run.seconds:.2f}", f"{run.cpu_seconds:.2f}",
