@@ -3,8 +3,9 @@ checkpoint's files while computing what every rewritten chunk costs in bytes wor
 CRC-32 of each byte, as each torch.save archive needs over its payload, and a SHA-256 of each
 byte written), with no re-layout and no Python per chunk: each file in 4 MiB reads, files shared
 among threads. --zstd LEVEL also compresses (the floor of compress): each item the
-`.metadata` names in a zstd frame of its own, as torch's `stream.zstd/1` format has it, and the
-bytes between items (none in a DCP save) as they come. A frame over 4 MiB of a file would find
+`.metadata` names in zstd frames of its own, as torch's `stream.zstd/1` format has it (one
+frame per 4 MiB piece of an item larger than that), and the bytes between items (none in a DCP
+save) as they come. A frame over 4 MiB of a file would find
 what neighbouring items share: torch's planner puts items of one size next to each other, and
 the benchmark checkpoint's units are replicas, so such frames are about half the size of the
 items' own and quicker to make, less than the work compress cannot avoid. --no-write only
@@ -23,15 +24,16 @@ import os
 import threading
 import zlib
 from pathlib import Path
+from typing import Sequence
 
 PIECE_BYTES = 4 << 20
 
 
 def copy_file(source: Path, target: Path | None, zstd_level: int | None,
-              sha256: bool = True, item_ends: list[int] = ()) -> str:
-    """Copy source to target in pieces (compressed at zstd_level if given, a frame per item:
-    pieces end at item_ends too), CRC-32 over every piece read and SHA-256 over every piece
-    written (unless not sha256); the digest."""
+              sha256: bool = True, item_ends: Sequence[int] = ()) -> str:
+    """Copy source to target in pieces of at most PIECE_BYTES that end where items end
+    (item_ends), each compressed at zstd_level if given, CRC-32 over every piece read and
+    SHA-256 over every piece written (unless not sha256); the digest."""
     import zstandard
 
     digest = hashlib.sha256() if sha256 else None
