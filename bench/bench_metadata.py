@@ -44,7 +44,9 @@ print(sum(len(entry.chunks) for entry in metadata.state_dict_metadata.values()))
 
 # The floor of any reader that builds records with Python's C unpickler: the unpickler alone,
 # its globals mapped to the cheapest stand-ins (no checks, no allowlist, no report). Its peak
-# memory is a floor too: the unpickler's memo keeps every object it memoized until it ends.
+# memory is not a floor: each stand-in copies its fields into a dict of its own, beside the
+# state dict the unpickler's memo keeps until it ends, where dcpctl's chunk, key and storage
+# records keep theirs in slots (records.py).
 UNPICKLE_FLOOR = STAND_IN_UNPICKLER + """
 import sys
 with open(sys.argv[1] + "/.metadata", "rb") as stream:

@@ -132,3 +132,70 @@ def test_one_tensor_entry_shared_by_many_fqns_is_refused_at_once(checkpoint):
     result, seconds, _ = _inspect_in_a_process(checkpoint)
     _refused(result, "one tensor entry or chunk list")
     assert seconds < 30
+
+
+@pytest.mark.parametrize("place", ["planner_data", "mcore_data", "storage_meta"])
+def test_a_chunk_record_placed_in_plain_data_too_is_written_back_as_it_was_read(
+        checkpoint, tmp_path, run_cli, place):
+    """A chunk record takes the dict the pickle built as its attributes: a pickle can place
+    that same dict in plain data, which a rewrite carries over. What opening the checkpoint
+    sets on the chunk (its storage entry) must not show there."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    metadata = torch_metadata(checkpoint)
+    chunk_state = metadata.state_dict_metadata["grid"].chunks[0].__dict__
+    if place == "planner_data":
+        metadata.planner_data = chunk_state  # an fqn -> tuple of ints dict, to the reader
+    elif place == "mcore_data":
+        metadata.mcore_data = {"grid": chunk_state}
+    else:
+        metadata.storage_meta = StorageMeta(checkpoint_id=chunk_state)
+    _write_metadata(checkpoint, metadata)
+    expected = dict(chunk_state)
+    output = tmp_path / "compressed"
+    result = run_cli("compress", checkpoint, "-o", output)
+    assert result.exit_code == 0, result.output
+    rewritten = torch_metadata(output)
+    carried = {"planner_data": lambda: rewritten.planner_data,
+               "mcore_data": lambda: rewritten.mcore_data["grid"],
+               "storage_meta": lambda: rewritten.storage_meta.checkpoint_id}[place]()
+    assert carried == expected
+
+
+@pytest.mark.parametrize("state", ["a class with __slots__'s", "an extra field",
+                                   "a field missing"])
+def test_a_chunk_whose_pickled_fields_are_not_torchs_is_refused_in_one_line(checkpoint, state):
+    """torch's ChunkStorageMetadata pickles its two fields as a dict; a chunk given any other
+    state is refused, not half built, and a field a rewrite would drop is not dropped."""
+    import copyreg
+
+    metadata = torch_metadata(checkpoint)
+    chunk = metadata.state_dict_metadata["grid"].chunks[0]
+    fields = dict(vars(chunk))
+    if state == "an extra field":
+        fields["placement"] = "replicated"
+    elif state == "a field missing":
+        del fields["sizes"]
+    rebuilt = _Rebuilt(copyreg._reconstructor, type(chunk), object, None)
+    rebuilt.reduced += ((None, fields) if state == "a class with __slots__'s" else fields,)
+    metadata.state_dict_metadata["grid"].chunks[0] = rebuilt
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    result, _, _ = _inspect_in_a_process(checkpoint)
+    _refused(result, "holds a ChunkStorageMetadata whose pickled fields are not torch's "
+                     "offsets, sizes")
+
+
+@pytest.mark.parametrize("record", ["MetadataIndex", "_StorageInfo"])
+def test_a_storage_key_or_entry_with_a_field_torch_lacks_is_refused(checkpoint, record):
+    """A rewrite would drop a field dcpctl does not know: refused rather than dropped."""
+    from dcpctl.errors import MetadataError
+    from dcpctl.format.metadata.reading import parse_metadata
+
+    metadata = torch_metadata(checkpoint)
+    key, info = next(iter(metadata.storage_data.items()))
+    object.__setattr__(key if record == "MetadataIndex" else info, "placement", "replicated")
+    with pytest.raises(MetadataError, match=f"holds a {record} whose pickled fields are not"):
+        parse_metadata(pickle.dumps(metadata, protocol=4), "x/.metadata")
+    object.__delattr__(key if record == "MetadataIndex" else info, "placement")
+    assert len(parse_metadata(pickle.dumps(metadata, protocol=4)).storage_data) == len(
+        metadata.storage_data)

@@ -162,7 +162,7 @@ def _load_with_allowlist(data: bytes, source: str) -> Any:
     try:
         with _without_cpython_bytearray_noise():
             return _AllowlistUnpickler(io.BytesIO(data)).load()
-    except UnsafeMetadataError as error:
+    except MetadataError as error:  # a class off the allowlist, a record's fields not torch's
         raise error.located(path=source) from None
     except RecursionError:
         raise MetadataError("nests deeper than any DCP metadata does", path=source) from None
