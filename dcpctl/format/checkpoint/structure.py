@@ -11,8 +11,8 @@ import contextlib
 import math
 import os
 from collections import defaultdict
-from itertools import accumulate, chain, repeat
-from operator import attrgetter, eq, is_, itemgetter
+from itertools import accumulate, chain, compress, islice, repeat
+from operator import attrgetter, eq, is_, itemgetter, le
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -217,23 +217,34 @@ def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
 def _tiles_by_rows(tensor: TensorEntry) -> bool:
     """Whether the chunks split the tensor's rows (dim 0) into consecutive runs, each whole in
     every other dim, as FSDP2 and most savers lay tensors out: the common case, told with loops
-    in C. False does not mean they fail to tile (find_overlapping_boxes decides)."""
+    in C that make no object per chunk where the chunks come in row order. False does not mean
+    they fail to tile (find_overlapping_boxes decides)."""
     shape = tensor.shape
     if not shape:
         return False
     offsets, sizes = list(map(_OFFSETS, tensor.chunks)), list(map(_SIZES, tensor.chunks))
-    if not (all(map(eq, map(_BEYOND_ROWS, offsets), repeat((0,) * (len(shape) - 1))))
-            and all(map(eq, map(_BEYOND_ROWS, sizes), repeat(shape[1:])))):
+    rank = len(shape)
+    if not (all(map(eq, map(len, offsets), repeat(rank)))
+            and all(map(eq, map(len, sizes), repeat(rank)))):
         return False
-    first, second = itemgetter(0), itemgetter(1)
-    rows = sorted(filter(second, zip(map(first, offsets), map(first, sizes))))  # non-empty
-    ends = list(accumulate(map(second, rows)))
-    return bool(rows) and ends[-1] == shape[0] and list(map(first, rows)) == [0, *ends[:-1]]
+    for dim in range(1, rank):
+        at = itemgetter(dim)
+        if not (all(map(eq, map(at, offsets), repeat(0)))
+                and all(map(eq, map(at, sizes), repeat(shape[dim])))):
+            return False
+    first = itemgetter(0)
+    starts, lengths = list(map(first, offsets)), list(map(first, sizes))
+    if 0 in lengths:  # empty chunks hold no rows
+        starts, lengths = list(compress(starts, lengths)), list(filter(None, lengths))
+    if not all(map(le, starts, islice(starts, 1, None))):  # not in row order
+        rows = sorted(zip(starts, lengths))
+        starts, lengths = list(map(first, rows)), list(map(itemgetter(1), rows))
+    ends = list(accumulate(lengths))
+    return bool(starts) and ends[-1] == shape[0] and starts == [0, *ends[:-1]]
 
 
 _OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
 _MANY_CHUNKS = 8  # below this, the general check costs less than setting up the C loops
-_BEYOND_ROWS = itemgetter(slice(1, None))
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
