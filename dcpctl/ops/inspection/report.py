@@ -220,6 +220,10 @@ def _count_by_codec(transforms_counts: Iterable[tuple[tuple[str, ...] | None, in
 
 def _codecs_by_file(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
     infos = (checkpoint.metadata.storage_data or {}).values()
+    if set(map(_TRANSFORMS, infos)) <= {None}:  # nothing transformed: a file's items, counted
+        return {name: _count_by_codec([(None, data_file.item_count)] if data_file.item_count
+                                      else [])  # as the checkpoint was opened
+                for name, data_file in checkpoint.files.items()}
     used = Counter(zip(map(_FILE, infos), map(_TRANSFORMS, infos)))
     by_file: dict[str, list] = {name: [] for name in checkpoint.files}
     for (name, transforms), count in used.items():

@@ -75,6 +75,21 @@ def test_compression_is_reported():
                                           "__1_1.distcp"]
 
 
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_each_files_codecs_count_its_items_as_torchs_metadata_lists_them(name):
+    from dcpctl.format.codecs.names import describe_codec
+
+    expected: dict[str, dict[str, int]] = {}
+    for info in torch_metadata(fixture_path(name)).storage_data.values():
+        codecs = expected.setdefault(info.relative_path, {})
+        codec = describe_codec(info.transform_descriptors)
+        codecs[codec] = codecs.get(codec, 0) + 1
+    files = _report(name)["files"]
+    assert {f["name"]: f["codecs"] for f in files} == expected
+    assert {f["name"]: f["items"] for f in files} == {
+        file: sum(counts.values()) for file, counts in expected.items()}
+
+
 def test_filter_keeps_matching_fqns_only():
     report = _report("fsdp2_adamw_3ranks", "model.*.weight")
     assert [t["fqn"] for t in report["tensors"]] == [
