@@ -155,10 +155,10 @@ def _storage_link_problems(checkpoint: Checkpoint) -> list[Problem]:
     storage_data = checkpoint.metadata.storage_data or {}
     # Opening the checkpoint gave each chunk and object the entry of its key, so when every
     # entry is a record of its own, an entry no key reached is one that no chunk has.
-    entries = set(map(id, storage_data.values()))
-    linked_entries = set(map(id, linked))
-    linked_entries.discard(id(None))
-    if len(entries) != len(storage_data) or len(linked_entries) != len(entries):
+    unlinked = set(map(id, storage_data.values()))
+    shared = len(unlinked) != len(storage_data)
+    unlinked.difference_update(map(id, linked))
+    if shared or unlinked:
         problems += _orphan_entries(checkpoint)
     return problems
 
