@@ -137,9 +137,9 @@ def test_one_tensor_entry_shared_by_many_fqns_is_refused_at_once(checkpoint):
 @pytest.mark.parametrize("place", ["planner_data", "mcore_data", "storage_meta"])
 def test_a_chunk_record_placed_in_plain_data_too_is_written_back_as_it_was_read(
         checkpoint, tmp_path, run_cli, place):
-    """A chunk record takes the dict the pickle built as its attributes: a pickle can place
-    that same dict in plain data, which a rewrite carries over. What opening the checkpoint
-    sets on the chunk (its storage entry) must not show there."""
+    """A chunk record takes its fields from the dict the pickle built, and a pickle can place
+    that same dict in plain data too, which a rewrite carries over: neither reading the chunk
+    nor what opening the checkpoint sets on it (its storage entry) may change it there."""
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     metadata = torch_metadata(checkpoint)
