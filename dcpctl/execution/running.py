@@ -10,13 +10,17 @@ plan while it checks and plans itself; every job it runs within is shared with t
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from typing import Callable, Iterator
 
 from dcpctl.errors import InvalidOptionError
 from dcpctl.execution import torchrun
 from dcpctl.execution.jobs import Plan, Planning, Result, ShareJob, run_share_of
 from dcpctl.execution.processes import LocalWorkers
-from dcpctl.storage.paths import StoragePath, default_threads_for
+from dcpctl.format.checkpoint.structure import checked_checkpoint
+from dcpctl.format.checkpoint.view import Checkpoint
+from dcpctl.storage.paths import StoragePath, default_threads_for, storage_path
 
 _local_workers: LocalWorkers | None = None
 
@@ -90,11 +94,21 @@ def threads_per_worker(threads: int | None, path: StoragePath, workers: int) -> 
     return max(1, default_threads_for(path) // _workers_on_this_machine(workers))
 
 
-def threads_while_others_wait(threads: int | None, path: StoragePath, workers: int) -> int:
-    """Threads for work this process does alone while the job's other processes on this
-    machine wait for it (hashing the input against SHA256SUMS before the job starts): all the
-    threads the job runs here, threads_per_worker's for each of its processes."""
-    return threads_per_worker(threads, path, workers) * _workers_on_this_machine(workers)
+@contextlib.contextmanager
+def checked_job_source(path: str | os.PathLike, planning: Planning | None, threads: int | None,
+                       workers: int, on_progress: Callable[[int, int], None] | None = None,
+                       exclusive: bool = False) -> Iterator[Checkpoint]:
+    """The checkpoint a job of `workers` workers of `threads` threads reads, held (exclusively
+    to change it) and checked while the block runs (checked_checkpoint). Once it is held, the
+    workers are sent `planning` (plan_ahead; None sends nothing). While they wait, it is hashed
+    against SHA256SUMS on every thread the job runs on this machine, threads_per_worker's for
+    each of its processes, not on this process's share of them."""
+    hashing_threads = (threads_per_worker(threads, storage_path(path), workers)
+                       * _workers_on_this_machine(workers))
+    ahead = None if planning is None else functools.partial(plan_ahead, planning)
+    with checked_checkpoint(path, exclusive=exclusive, threads=hashing_threads,
+                            on_progress=on_progress, once_held=ahead) as checkpoint:
+        yield checkpoint
 
 
 def _workers_on_this_machine(workers: int) -> int:

@@ -25,14 +25,13 @@ from dcpctl.format.checkpoint.locations import ExpectedTensor, ItemLocation, loc
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares, storage_with)
 from dcpctl.format.checkpoint.side_files import side_files_of
-from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
 from dcpctl.format.codecs.registry import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
                                            MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, Codec, codec_by_name)
-from dcpctl.execution.running import (plan_ahead, run_job, threads_per_worker,
-                                      threads_while_others_wait, workers_started)
+from dcpctl.execution.running import (checked_job_source, run_job, threads_per_worker,
+                                      workers_started)
 from dcpctl.format.metadata.records import MetadataIndex, StorageInfo
 from dcpctl.pipeline import Pipeline, Run, coalesce, group_into_runs, produce_run
 from dcpctl.storage.local import final_name_of
@@ -283,13 +282,10 @@ def transcode_checkpoint(path: str | os.PathLike, codec: Codec, output_path: str
     source = storage_path(path)
     in_place = output_path is None or _same_directory(source, storage_path(output_path))
     planning = TranscodePlanning(str(source), codec, recode_same_codec)
-    ahead = None if dry_run else functools.partial(plan_ahead, planning)
     started_workers = 1 if dry_run else workers
     with workers_started(started_workers), \
-            checked_checkpoint(path, exclusive=in_place and not dry_run,
-                               threads=threads_while_others_wait(threads, source,
-                                                                 started_workers),
-                               on_progress=on_progress, once_held=ahead) as checkpoint:
+            checked_job_source(path, None if dry_run else planning, threads, started_workers,
+                               on_progress, exclusive=in_place and not dry_run) as checkpoint:
         return _transcode(checkpoint, planning, output_path, in_place,
                           threads_per_worker(threads, checkpoint.path, workers), workers,
                           dry_run, overwrite, on_progress)

@@ -15,18 +15,14 @@ there each file is finished as soon as its last tensor is written.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from dcpctl.errors import DataError, InvalidOptionError
-from dcpctl.execution.running import (plan_ahead, run_job, sharing_processes,
-                                      threads_while_others_wait)
+from dcpctl.execution.running import run_job, sharing_processes
 from dcpctl.format.checkpoint.payloads import open_payload_reader
-from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.writer import data_descriptor
@@ -148,19 +144,6 @@ def placed_tensors_planning(source: str | os.PathLike | StoragePath) -> PlacedTe
     """The planning of tensors read from the checkpoint at source: what a conversion sends its
     workers ahead (execution/running.py, plan_ahead) and what its job carries, the same."""
     return PlacedTensorsPlanning(str(storage_path(source)))
-
-
-@contextlib.contextmanager
-def checked_source(source: str | os.PathLike, threads: int | None, workers: int,
-                   on_progress: ProgressCallback | None) -> Iterator[Checkpoint]:
-    """The checkpoint a conversion to placed tensors reads, held and checked while the block
-    runs (checked_checkpoint): its workers are sent their planning once it is held, and it is
-    hashed against SHA256SUMS on all the threads of the job on this machine while they wait."""
-    ahead = functools.partial(plan_ahead, placed_tensors_planning(source))
-    with checked_checkpoint(
-            source, threads=threads_while_others_wait(threads, storage_path(source), workers),
-            on_progress=on_progress, once_held=ahead) as checkpoint:
-        yield checkpoint
 
 
 @dataclass(frozen=True)

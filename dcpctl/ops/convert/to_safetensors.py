@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from dcpctl.execution.running import threads_per_worker
+from dcpctl.execution.running import checked_job_source, threads_per_worker
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
@@ -19,8 +19,8 @@ from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTenso
                                        check_tensor_name, encode_header, encode_index, plan_shards,
                                        shard_file_name)
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
-from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot, checked_source,
-                                               write_placed_tensors)
+from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
+                                               placed_tensors_planning, write_placed_tensors)
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype)
 from dcpctl.storage.paths import StoragePath, new_output_file, storage_path
@@ -104,7 +104,8 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into safetensors files in the directory output,
     on `workers` processes of `threads` threads each."""
     started = time.perf_counter()
-    with checked_source(source, threads, workers, on_progress) as checkpoint:
+    with checked_job_source(source, placed_tensors_planning(source), threads, workers,
+                            on_progress) as checkpoint:
         threads = threads_per_worker(threads, checkpoint.path, workers)
         plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path)

@@ -27,14 +27,14 @@ import torch
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import read_item
 from dcpctl.format.checkpoint.locations import locate_object
-from dcpctl.execution.running import threads_per_worker
+from dcpctl.execution.running import checked_job_source, threads_per_worker
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
 from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
-from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot, checked_source,
-                                               write_placed_tensors)
+from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
+                                               placed_tensors_planning, write_placed_tensors)
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype)
 from dcpctl.ops.convert.tensor_bytes import torch_dtype
@@ -170,7 +170,8 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     """Convert the DCP checkpoint at source into the torch.save file output, on `workers`
     processes of `threads` threads each."""
     started = time.perf_counter()
-    with checked_source(source, threads, workers, on_progress) as checkpoint:
+    with checked_job_source(source, placed_tensors_planning(source), threads, workers,
+                            on_progress) as checkpoint:
         threads = threads_per_worker(threads, checkpoint.path, workers)
         plan = plan_torch_save(checkpoint, selection, cast_to)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path,

@@ -6,7 +6,6 @@ its rank file; the metadata naming them is published last.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import resource
 import time
@@ -19,12 +18,11 @@ from dcpctl.format.checkpoint.mesh_sharding import Mesh, MeshPlacement, parse_me
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, iter_checked_stored_pieces,
                                             iter_item_pieces, iter_stored_pieces)
 from dcpctl.format.checkpoint.payloads import PayloadReader, open_payload_reader
-from dcpctl.execution.running import (plan_ahead, run_job, threads_per_worker,
-                                      threads_while_others_wait, workers_started)
+from dcpctl.execution.running import (checked_job_source, run_job, threads_per_worker,
+                                      workers_started)
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
 from dcpctl.format.checkpoint.side_files import side_files_of
-from dcpctl.format.checkpoint.structure import checked_checkpoint
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.registry import CODEC_NAMES, Codec, codec_by_name
@@ -257,9 +255,7 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
     destination = storage_path(output_path)
     planning = ReshardPlanning(str(source), world_size, codec, per_rank_objects, tensor_parallel)
     with workers_started(workers), \
-            checked_checkpoint(path, threads=threads_while_others_wait(threads, source, workers),
-                               on_progress=on_progress,
-                               once_held=functools.partial(plan_ahead, planning)) as checkpoint:
+            checked_job_source(path, planning, threads, workers, on_progress) as checkpoint:
         # Each share locates the sources of its own files before it writes (run_share): a
         # worker need not wait while this process locates the other shares' sources.
         plan = planning.plan_for(checkpoint)
