@@ -4,10 +4,12 @@ inputs and passes on no damage.
 
 A plain TORCH_SAVE item is read in place: its torch.save layout (found from the archive's end,
 without reading the data) says where the payload starts. The ranges read of it are CRC'd as
-they are read; once its last user is done, the CRC-32s of the ranges (and of any bytes of its
-storage record nobody read) combine into the record's, which must match the archive's. An item
-of several users whose record is small (a piece at most) is read whole instead, once, checked
-at once, and served from memory: a thousand reads of a row each would cost a thousand calls.
+they are read, and each read gives its caller that CRC-32 (a reshard's output chunk of those
+bytes needs no second pass over them for its own archive); once its last user is done, the
+CRC-32s of the ranges (and of any bytes of its storage record nobody read) combine into the
+record's, which must match the archive's. An item of several users whose record is small (a
+piece at most) is read whole instead, once, and served from memory (a thousand reads of a row
+each would cost a thousand calls), its ranges CRC'd and checked the same way.
 
 An item under a stream codec such as zstd can only be read front to back, so it is decoded once
 (and checked whole as it is: items.decode_stored_pieces) and read from there: in memory when
@@ -37,7 +39,7 @@ from dcpctl.errors import DataError, DcpctlError, UnsupportedLayoutError, trunca
 from dcpctl.format.checkpoint.items import DEFAULT_PIECE_BYTES, iter_item_pieces
 from dcpctl.format.checkpoint.locations import ItemLocation
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
-from dcpctl.format.torch_save.crc32 import shift_crc32
+from dcpctl.format.torch_save.crc32 import crc32_of_concatenation
 from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_layout
 from dcpctl.format.torch_save.zip_records import ReadRange
 from dcpctl.storage.local import naming_failures, scratch_directory_in
@@ -48,30 +50,39 @@ class RecordCrc:
     """The CRC-32 of a storage record [start, start + size) of a file, from the ranges of it
     read, in any order, on any thread."""
 
-    def __init__(self, start: int, size: int, expected: int) -> None:
+    def __init__(self, start: int, size: int, expected: int, held: bytes | None = None) -> None:
         self.start, self.size, self.expected = start, size, expected
+        self._held = held
+        """The record's bytes, where it was read whole and is served from memory."""
         self._ranges: list[tuple[int, int, int]] = []  # start, length, CRC-32
         self._lock = threading.Lock()
 
-    def add(self, start: int, data) -> None:
-        """Take bytes read from the file at start."""
+    def add(self, start: int, data) -> int:
+        """Take bytes read from the file at start; their CRC-32."""
         crc = zlib.crc32(data)
         with self._lock:
             self._ranges.append((start, len(data), crc))
+        return crc
 
     def matches(self, read_range: ReadRange) -> bool:
         """Whether the record's CRC-32 is the archive's; bytes of it not read so far are read
-        now with read_range(start, length)."""
+        now with read_range(start, length), or taken from memory where the record is held."""
+        if self._held is not None:
+            read_range = self._read_held
         position, crc = self.start, 0
         for start, length, range_crc in sorted(self._ranges):
             if start < position:  # read twice: its ranges overlap, so read it whole
                 return self._crc_of(self.start, self.size, read_range) == self.expected
-            crc = _joined(crc, self._crc_of(position, start - position, read_range),
-                          start - position)
-            crc, position = _joined(crc, range_crc, length), start + length
+            gap = start - position
+            crc = crc32_of_concatenation(crc, self._crc_of(position, gap, read_range), gap)
+            crc, position = crc32_of_concatenation(crc, range_crc, length), start + length
         end = self.start + self.size
-        crc = _joined(crc, self._crc_of(position, end - position, read_range), end - position)
+        crc = crc32_of_concatenation(crc, self._crc_of(position, end - position, read_range),
+                                     end - position)
         return crc == self.expected
+
+    def _read_held(self, start: int, length: int) -> memoryview:
+        return memoryview(self._held)[start - self.start:start - self.start + length]
 
     @staticmethod
     def _crc_of(start: int, length: int, read_range: ReadRange) -> int:
@@ -82,11 +93,6 @@ class RecordCrc:
         return crc
 
 
-def _joined(crc: int, next_crc: int, next_length: int) -> int:
-    """The CRC-32 of A + B from those of A and of B (B being next_length bytes)."""
-    return shift_crc32(crc, next_length) ^ next_crc if next_length else crc
-
-
 @dataclass(frozen=True)
 class PayloadSource:
     """Where a chunk's raw row-major bytes are: at offset in the file at path, read by range,
@@ -95,6 +101,8 @@ class PayloadSource:
 
     path: StoragePath | None
     offset: int
+    """In the file at path; for bytes in memory, where `data` starts in the file they were
+    read from (what a range read of them counts in crc), or in what they were decoded into."""
     nbytes: int
     data: memoryview | None = None
     crc: RecordCrc | None = None
@@ -144,20 +152,20 @@ class PayloadReader:
                             start=location.start, end=location.end)
         return source
 
-    def read_into(self, source: PayloadSource, offset: int, out: memoryview) -> None:
-        """Fill out with the payload's bytes from offset."""
+    def read_into(self, source: PayloadSource, offset: int, out: memoryview) -> int | None:
+        """Fill out with the payload's bytes from offset; the CRC-32 of those bytes where
+        reading them worked it out (to check the item they come from), else None."""
         if offset + len(out) > source.nbytes:
             raise ValueError(f"bytes {offset}..{offset + len(out)} of a payload of "
                              f"{source.nbytes}")
+        start = source.offset + offset
         if source.data is not None:
             out[:] = source.data[offset:offset + len(out)]
-            return
-        start = source.offset + offset
-        count = self._reader(source.path).readinto(out, start)
-        if count != len(out):
-            raise truncated_error(source.path, None, start, start + len(out), start + count)
-        if source.crc is not None:
-            source.crc.add(start, out)
+        else:
+            count = self._reader(source.path).readinto(out, start)
+            if count != len(out):
+                raise truncated_error(source.path, None, start, start + len(out), start + count)
+        return source.crc.add(start, out) if source.crc is not None else None
 
     def read_chunk(self, location: ItemLocation) -> bytearray:
         """The whole payload of the chunk at location, for one user, who is then done."""
@@ -184,8 +192,8 @@ class PayloadReader:
         if source.path is not None and source.path.parent == self._spool_directory:
             self._forget(source.path)
         elif completed and source.crc is not None:
-            reader = self._reader(source.path)
-            if not source.crc.matches(lambda start, length: reader.read(start, length)):
+            if not source.crc.matches(
+                    lambda start, length: self._reader(location.path).read(start, length)):
                 raise _storage_crc_error(location)
 
     def close(self) -> None:
@@ -243,25 +251,27 @@ class PayloadReader:
         layout = _checked_layout(location, lambda offset, size: reader.read(
             location.start + offset, size), location.length)
         storage = layout.storage
-        crc = RecordCrc(location.start + storage.data_offset, storage.size_bytes, storage.crc32)
+        record_start = location.start + storage.data_offset
+        payload_start = location.start + layout.payload_offset
         contiguous = layout.tensor.is_contiguous
         # read by several users, a range each (a thousand rows of a tensor resharded to a
-        # thousand ranks): a small record is read once, checked, and served from memory
+        # thousand ranks): a small record is read once and served from memory
         shared = users > 1 and storage.size_bytes <= self._memory_item_bytes
         if contiguous and not shared:
-            return PayloadSource(location.path, location.start + layout.payload_offset,
-                                 layout.tensor.nbytes, crc=crc if storage.crc32 else None)
+            crc = RecordCrc(record_start, storage.size_bytes, storage.crc32)
+            return PayloadSource(location.path, payload_start, layout.tensor.nbytes,
+                                 crc=crc if storage.crc32 else None)
         if contiguous:
-            record = _read_exactly(reader, location.path, crc.start, storage.size_bytes)
-        else:
-            record = self._file_bytes(location.path, crc.start, storage.size_bytes)
+            record = _read_exactly(reader, location.path, record_start, storage.size_bytes)
+            crc = RecordCrc(record_start, storage.size_bytes, storage.crc32, held=record)
+            start = payload_start - record_start
+            return PayloadSource(None, payload_start, layout.tensor.nbytes,
+                                 memoryview(record)[start:start + layout.tensor.nbytes],
+                                 crc=crc if storage.crc32 else None)
+        record = self._file_bytes(location.path, record_start, storage.size_bytes)
         if storage.crc32 and zlib.crc32(record) != storage.crc32:
             raise _storage_crc_error(location)
-        if not contiguous:
-            return self._row_major(layout, record)
-        start = layout.payload_offset - storage.data_offset
-        return PayloadSource(None, 0, layout.tensor.nbytes,
-                             memoryview(record)[start:start + layout.tensor.nbytes])
+        return self._row_major(layout, record)
 
     def _locate_in_spool(self, location: ItemLocation, spool_path: Path) -> PayloadSource:
         reader = self._reader(spool_path)

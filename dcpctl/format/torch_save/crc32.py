@@ -69,3 +69,9 @@ def crc32_of_span(crc_before: int, crc_through: int, span_bytes: int) -> int:
     """CRC-32 of a span of span_bytes bytes, given the stream's running CRC-32 just before the
     span (crc_before) and just after it (crc_through)."""
     return crc_through ^ shift_crc32(crc_before, span_bytes)
+
+
+def crc32_of_concatenation(crc: int, next_crc: int, next_bytes: int) -> int:
+    """CRC-32 of A + B from that of A (crc) and that of B (next_crc), B being next_bytes long:
+    zlib's crc32_combine."""
+    return shift_crc32(crc, next_bytes) ^ next_crc if next_bytes else crc

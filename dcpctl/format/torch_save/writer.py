@@ -217,33 +217,37 @@ def _archive_template(dtype: DType, shape: tuple[int, ...]) -> _ArchiveTemplate:
 
 
 def iter_torch_save_archive(dtype: DType, shape: tuple[int, ...],
-                            payload_pieces: Iterable[bytes]) -> Iterator[bytes]:
+                            payload_pieces: Iterable[bytes],
+                            payload_crc: Callable[[], int] | None = None) -> Iterator[bytes]:
     """The bytes of `torch.save(tensor)` for a contiguous tensor whose row-major bytes come in
-    payload_pieces, in pieces."""
+    payload_pieces, in pieces. payload_crc, where given, gives the payload's CRC-32 once its
+    last piece is out (whoever made the pieces worked it out); else it is worked out here."""
     template = _archive_template(dtype, shape)
     yield template.prefix
     crc, size = 0, 0
     for piece in payload_pieces:
-        crc = zlib.crc32(piece, crc)
+        if payload_crc is None:
+            crc = zlib.crc32(piece, crc)
         size += len(piece)
         yield piece
     if size != template.nbytes:
         raise ValueError(f"payload of {size} bytes for a {dtype!r} tensor of shape {shape}")
-    yield template.suffix(crc)
+    yield template.suffix(crc if payload_crc is None else payload_crc())
 
 
 def torch_save_archive(dtype: DType, shape: tuple[int, ...],
-                       fill_payload: Callable[[memoryview], None]) -> memoryview:
+                       fill_payload: Callable[[memoryview], int | None]) -> memoryview:
     """The bytes of `torch.save(tensor)` for a contiguous tensor, in one buffer whose payload
-    fill_payload writes in place (the row-major bytes): no piece of it is copied twice."""
+    fill_payload writes in place (the row-major bytes): no piece of it is copied twice.
+    fill_payload returns the payload's CRC-32 where filling it worked that out, else None."""
     template = _archive_template(dtype, shape)
     payload_start = len(template.prefix)
     payload_end = payload_start + template.nbytes
     archive = memoryview(numpy.empty(payload_end + template.suffix_bytes, dtype=numpy.uint8))
     archive[:payload_start] = template.prefix
     payload = archive[payload_start:payload_end]
-    fill_payload(payload)
-    archive[payload_end:] = template.suffix(zlib.crc32(payload))
+    crc = fill_payload(payload)
+    archive[payload_end:] = template.suffix(zlib.crc32(payload) if crc is None else crc)
     return archive
 
 

@@ -1,16 +1,20 @@
 """Assembling an output chunk of a reshard from the overlapping rows of its input chunks, read
 straight into place, as the torch.save archive of the chunk: a chunk of up to a piece is built
 whole in one buffer, so its bytes are copied once; a larger one streams in blocks of rows,
-never whole in memory."""
+never whole in memory. The archive's CRC-32 of the payload comes from the reads where a single
+read filled a buffer (the reader works it out to check the input), so those bytes are not
+passed over twice."""
 
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Iterator
 
 import numpy
 
 from dcpctl.format.checkpoint.payloads import PayloadReader
+from dcpctl.format.torch_save.crc32 import crc32_of_concatenation
 from dcpctl.format.torch_save.writer import iter_torch_save_archive, torch_save_archive
 from dcpctl.ops.reshard.planning import ChunkTask
 
@@ -30,14 +34,14 @@ def _row_blocks(task: ChunkTask, piece_bytes: int) -> Iterator[tuple[int, int]]:
 
 
 def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
-               out: memoryview) -> None:
+               out: memoryview) -> int | None:
     """Write rows [begin, end) of the output chunk into out, from the overlapping input
-    elements (an input chunk may be wider or narrower than the output chunk: a 2-D mesh)."""
+    elements (an input chunk may be wider or narrower than the output chunk: a 2-D mesh); the
+    CRC-32 of out where one read filled it and worked that out, else None."""
     itemsize = task.dtype.itemsize
     if not task.offsets:
         source = task.sources[0]
-        reader.read_into(reader.source_of(source.location), 0, out)
-        return
+        return reader.read_into(reader.source_of(source.location), 0, out)
     inner_offsets, inner = task.offsets[1:], task.sizes[1:]
     whole_rows = [s for s in task.sources if s.sizes[1:] == inner and s.offsets[1:] == inner_offsets
                   and s.offsets[0] <= begin and end <= s.offsets[0] + s.sizes[0]]
@@ -45,8 +49,7 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
         source = whole_rows[0]
         row_bytes = math.prod(inner) * itemsize
         payload = reader.source_of(source.location)
-        reader.read_into(payload, (begin - source.offsets[0]) * row_bytes, out)
-        return
+        return reader.read_into(payload, (begin - source.offsets[0]) * row_bytes, out)
     block = numpy.frombuffer(out, dtype=numpy.uint8).reshape((end - begin, *inner, itemsize))
     for source in task.sources:
         first = max(begin, source.offsets[0])
@@ -68,25 +71,38 @@ def _fill_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader,
                                                                               source.offsets[1:]))
         block[into] = numpy.frombuffer(rows, dtype=numpy.uint8).reshape(
             (last - first, *source.sizes[1:], itemsize))[taken]
+    return None
 
 
-def _read_rows(task: ChunkTask, begin: int, end: int, reader: PayloadReader) -> memoryview:
-    """Rows [begin, end) of the output chunk, in a buffer of their own."""
-    row_bytes = task.nbytes // task.sizes[0] if task.offsets else task.nbytes  # 0-d: one "row"
-    out = memoryview(numpy.empty((end - begin) * row_bytes, dtype=numpy.uint8))
-    _fill_rows(task, begin, end, reader, out)
-    return out
+class _BlocksOfRows:
+    """The output chunk's rows in blocks of at most piece_bytes, each read into a buffer of its
+    own as it is asked for, and the CRC-32 of the blocks given so far."""
+
+    def __init__(self, task: ChunkTask, reader: PayloadReader, piece_bytes: int) -> None:
+        self._task, self._reader, self._piece_bytes = task, reader, piece_bytes
+        self.crc = 0
+
+    def __iter__(self) -> Iterator[memoryview]:
+        task = self._task
+        row_bytes = task.nbytes // task.sizes[0] if task.offsets else task.nbytes  # 0-d: 1 row
+        for begin, end in _row_blocks(task, self._piece_bytes):
+            out = memoryview(numpy.empty((end - begin) * row_bytes, dtype=numpy.uint8))
+            crc = _fill_rows(task, begin, end, self._reader, out)
+            self.crc = crc32_of_concatenation(self.crc, zlib.crc32(out) if crc is None else crc,
+                                              len(out))
+            yield out
 
 
 def chunk_archive(task: ChunkTask, reader: PayloadReader, piece_bytes: int
                   ) -> tuple[Iterator[bytes], int | None]:
     """The output chunk's torch.save archive as pieces, and its size when known: a chunk of up
-    to piece_bytes comes whole in one buffer, its rows read straight into place."""
+    to piece_bytes comes whole in one buffer, its rows read straight into place (and its
+    CRC-32 the one reading them worked out, where a single read filled it)."""
     if task.nbytes <= piece_bytes:
         first_row = task.offsets[0] if task.offsets else 0
         last_row = first_row + (task.sizes[0] if task.offsets else 1)
         archive = torch_save_archive(task.dtype, task.sizes, lambda payload: _fill_rows(
             task, first_row, last_row, reader, payload))
         return iter([archive]), len(archive)
-    rows = (_read_rows(task, begin, end, reader) for begin, end in _row_blocks(task, piece_bytes))
-    return iter_torch_save_archive(task.dtype, task.sizes, rows), None
+    blocks = _BlocksOfRows(task, reader, piece_bytes)
+    return iter_torch_save_archive(task.dtype, task.sizes, blocks, lambda: blocks.crc), None

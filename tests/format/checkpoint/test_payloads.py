@@ -8,11 +8,12 @@ import io
 import math
 import os
 import re
+import zlib
 
 import pytest
 import torch
 import zstandard
-from conftest import fixture_path
+from conftest import fixture_path, flip_bit
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.items import read_item
@@ -42,6 +43,61 @@ def test_payload_equals_what_torch_loads(tmp_path, name):
     loaded = torch.load(io.BytesIO(bytes(read_item(location))), weights_only=True)
     assert data == loaded.contiguous().view(torch.uint8).numpy().tobytes()
     reader.release(location)
+    reader.close()
+
+
+@pytest.mark.parametrize("users", [1, 3], ids=["read in place", "held in memory"])
+def test_each_read_gives_the_crc_of_the_bytes_it_read(tmp_path, users):
+    """A reshard's output chunk of exactly those bytes takes that CRC-32 for its own archive."""
+    location = first_tensor_item("fsdp2_adamw_3ranks")
+    nbytes = location.expected.nbytes
+    reader = PayloadReader(tmp_path, {location: users})
+    source = reader.source_of(location)
+    assert (source.data is None) == (users == 1)
+    cuts = [0, nbytes // 3, nbytes - 5, nbytes]
+    for begin, end in zip(cuts, cuts[1:]):
+        out = bytearray(end - begin)
+        assert reader.read_into(source, begin, memoryview(out)) == zlib.crc32(out)
+    for _ in range(users):
+        reader.release(location)
+    reader.close()
+
+
+@pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(1, 2), (2, 3)], [(0, 3), (1, 4)]],
+                         ids=["read whole in halves", "ends never read", "ranges overlapping"])
+def test_damage_in_an_item_held_in_memory_is_found_when_its_last_user_is_done(tmp_path, ranges):
+    """The record of an item of several users is read once and served from memory; the CRC-32s
+    of the ranges served, and of the bytes nobody took, must add up to the archive's."""
+    location = first_tensor_item("fsdp2_adamw_3ranks")
+    copy = tmp_path / "data.distcp"
+    copy.write_bytes(location.path.read_bytes())
+    location = dataclasses.replace(location, path=copy)
+    quarter = location.expected.nbytes // 4
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    probe = PayloadReader(spool, {location: 2})
+    payload_start = probe.source_of(location).offset
+    probe.close()
+    for damaged_quarter in range(4):
+        flip_bit(copy, payload_start + damaged_quarter * quarter + 1, 0x10)
+        reader = PayloadReader(spool, {location: len(ranges)})
+        source = reader.source_of(location)
+        assert source.data is not None  # read once, held
+        for begin, end in ranges:
+            out = memoryview(bytearray((end - begin) * quarter))
+            reader.read_into(source, begin * quarter, out)
+        for _ in ranges[1:]:
+            reader.release(location)
+        with pytest.raises(DataError, match="does not match its CRC-32"):
+            reader.release(location)
+        reader.close()
+        flip_bit(copy, payload_start + damaged_quarter * quarter + 1, 0x10)
+    reader = PayloadReader(spool, {location: len(ranges)})
+    source = reader.source_of(location)
+    for begin, end in ranges:
+        reader.read_into(source, begin * quarter, memoryview(bytearray((end - begin) * quarter)))
+    for _ in ranges:
+        reader.release(location)  # undamaged: no error
     reader.close()
 
 

@@ -16,6 +16,7 @@ from dcpctl.format.dtypes import dtype_by_name
 from dcpctl.format.file_names import rank_file_name
 from dcpctl.ops.reshard.execution import reshard_checkpoint
 from dcpctl.ops.reshard.planning import ChunkTask, group_tasks_into_runs
+from dcpctl.ops.verify.verifier import verify_checkpoint
 
 
 def _save_fsdp2(rank: int, world_size: int, path: str) -> None:
@@ -135,10 +136,15 @@ def test_dtypes_without_a_legacy_storage_class_reshard_to_what_torch_loads(tmp_p
 
 
 def test_small_row_blocks_and_thread_counts_give_the_same_bytes(tmp_path):
+    """Chunks built whole in one buffer or streamed in blocks of rows, from single reads or
+    from several input chunks: the same bytes, and every archive's CRC-32s (taken from the
+    reads where one read filled a buffer) are right."""
     source = fixture_path("mesh2d_4ranks")
     reshard_checkpoint(source, 3, str(tmp_path / "default"), threads=1)
     reshard_checkpoint(source, 3, str(tmp_path / "blocks"), threads=3, piece_bytes=16)
     assert directory_state(tmp_path / "default") == directory_state(tmp_path / "blocks")
+    report = verify_checkpoint(tmp_path / "blocks")
+    assert report.exit_code == 0 and report.items_checked, report.problems
 
 
 def test_codec_can_be_changed(tmp_path):
