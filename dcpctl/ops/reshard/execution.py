@@ -89,9 +89,11 @@ def _produce(plan: ReshardPlan, reader: PayloadReader,
                 yield from encoded(iter_item_pieces(task.location, piece_bytes), None, None)
             return
         try:
-            yield from encoded(*chunk_archive(task, reader, piece_bytes),
-                               PayloadHint.of_contiguous(task.dtype.name, task.dtype.itemsize,
-                                                         task.sizes))
+            pieces, size_bytes = chunk_archive(task, reader, piece_bytes)
+            if plan.codec.descriptors:  # stored as they are: the archive's pieces themselves
+                pieces = encoded(pieces, size_bytes, PayloadHint.of_contiguous(
+                    task.dtype.name, task.dtype.itemsize, task.sizes))
+            yield from pieces
         except BaseException:
             for source in task.sources:
                 reader.release(source.location, completed=False)
