@@ -113,9 +113,10 @@ def convert_command(context: click.Context, source: str, target: str, output: st
       Non-tensor entries are left out (safetensors holds tensors only).
     --to torch: SOURCE is a DCP checkpoint; OUTPUT is one torch.save file nested by the
       original keys, as torch's dcp_to_torch_save writes it, streamed in one pass in
-      bounded memory. What it costs: importing torch (objects are unpickled with
-      weights_only=True), and one file that plain torch.load reads whole into memory
-      (torch.load(..., mmap=True) does not).
+      bounded memory. What it costs: one file that plain torch.load reads whole into
+      memory (torch.load(..., mmap=True) does not); and importing torch, a few seconds,
+      where the checkpoint holds objects (unpickled with weights_only=True) or --dtype
+      casts.
     --to dcp: SOURCE is a .safetensors file, a directory with model.safetensors.index.json
       (or model.safetensors), or a torch.save file (its structure loaded with
       weights_only=True only, tensor bytes read a chunk at a time). OUTPUT is a DCP

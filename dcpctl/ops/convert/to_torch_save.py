@@ -13,6 +13,7 @@ nesting follows the checkpoint's planner_data, the keys of the state dict that w
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import os
@@ -22,22 +23,18 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import read_item
 from dcpctl.format.checkpoint.locations import locate_object
 from dcpctl.execution.running import checked_job_source, threads_per_worker
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry
-from dcpctl.format.dtypes import DType
-from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
+from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
 from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
                                                placed_tensors_planning, write_placed_tensors)
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype)
-from dcpctl.ops.convert.tensor_bytes import torch_dtype
 from dcpctl.storage.paths import StoragePath, storage_path
 from dcpctl.storage.staging import staged_output
 
@@ -55,11 +52,34 @@ class TorchSavePlan:
     objects_left_out: int
 
 
-class _StatePickler(pickle.Pickler):
-    """Pickles the state as torch.save does, each OutputTensor as a tensor whose storage is the
-    persistent id torch writes ('storage', type, key, 'cpu', size). Keys are numbered in the
-    order the pickle meets the tensors, and `stored` lists the tensors in that order, the order
-    torch writes their records in (torch.load(map_location="meta") relies on it)."""
+@dataclass(frozen=True)
+class _TorchGlobal:
+    """A function, class or dtype of torch's, as a pickle names it (`module name`): written by
+    name, so a conversion imports torch only to load objects or cast dtypes."""
+
+    module: str
+    name: str
+
+    def __call__(self, *arguments):  # a pickle's reduce calls it: it is only ever named
+        raise TypeError(f"{self.module}.{self.name} stands for torch's, by name only")
+
+
+@functools.cache
+def _torch_global(module: str, name: str) -> _TorchGlobal:
+    """One object per name, so that the pickle names it once and refers back to it after, as
+    torch's pickler does with torch's own objects."""
+    return _TorchGlobal(module, name)
+
+
+class _StatePickler(pickle._Pickler):
+    """Pickles the state as torch.save does: protocol 2, through Python's pure-Python pickler
+    (the opcodes and memo of the C one torch.save uses, and a say in how torch's objects are
+    named); each OutputTensor as a tensor whose storage is the persistent id torch writes
+    ('storage', type, key, 'cpu', size). Keys are numbered in the order the pickle meets the
+    tensors, and `stored` lists the tensors in that order, the order torch writes their records
+    in (torch.load(map_location="meta") relies on it)."""
+
+    dispatch = pickle._Pickler.dispatch.copy()
 
     def __init__(self, file) -> None:
         super().__init__(file, protocol=_PICKLE_PROTOCOL)
@@ -68,22 +88,31 @@ class _StatePickler(pickle.Pickler):
     def reducer_override(self, value):
         if not isinstance(value, OutputTensor):
             return NotImplemented
-        dtype, shape = torch_dtype(value.dtype), value.entry.shape
+        shape = value.entry.shape
         stride = tuple(math.prod(shape[dimension + 1:]) for dimension in range(len(shape)))
         arguments = (_StorageOf(value), 0, shape, stride, False, collections.OrderedDict())
-        if _legacy_storage_type(dtype) is not None:
-            return torch._utils._rebuild_tensor_v2, arguments
-        return torch._utils._rebuild_tensor_v3, arguments + (dtype,)
+        if value.dtype.name in LEGACY_STORAGE_TYPES:
+            return _torch_global("torch._utils", "_rebuild_tensor_v2"), arguments
+        return (_torch_global("torch._utils", "_rebuild_tensor_v3"),
+                arguments + (_torch_global("torch", value.dtype.name),))
 
     def persistent_id(self, value):
         if not isinstance(value, _StorageOf):
             return None
         key = str(len(self.stored))
         self.stored.append(value.tensor)
-        legacy_type = _legacy_storage_type(torch_dtype(value.tensor.dtype))
+        legacy_type = LEGACY_STORAGE_TYPES.get(value.tensor.dtype.name)
         if legacy_type is not None:
-            return ("storage", legacy_type, key, "cpu", math.prod(value.tensor.entry.shape))
-        return ("storage", torch.storage.UntypedStorage, key, "cpu", value.tensor.nbytes)
+            return ("storage", _torch_global("torch", legacy_type), key, "cpu",
+                    math.prod(value.tensor.entry.shape))
+        return ("storage", _torch_global("torch.storage", "UntypedStorage"), key, "cpu",
+                value.tensor.nbytes)
+
+    def _save_torch_global(self, value: _TorchGlobal) -> None:
+        self.write(pickle.GLOBAL + f"{value.module}\n{value.name}\n".encode())
+        self.memoize(value)
+
+    dispatch[_TorchGlobal] = _save_torch_global
 
 
 @dataclass(frozen=True)
@@ -91,12 +120,6 @@ class _StorageOf:
     """Stands for a tensor's storage in the pickle."""
 
     tensor: OutputTensor
-
-
-def _legacy_storage_type(dtype: torch.dtype):
-    """The storage class torch.save names for this dtype, None for dtypes newer than them."""
-    name = torch.storage._dtype_to_storage_type_map().get(dtype)
-    return getattr(torch, name) if name else None
 
 
 def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
@@ -199,6 +222,10 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
 
 def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
     """A non-tensor entry, unpickled with torch's weights_only loader (no code runs)."""
+    import torch  # loading objects needs torch's weights_only unpickler
+
+    from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
+
     location = locate_object(checkpoint, entry)
     try:
         value = torch.load(io.BytesIO(read_item(location)), weights_only=True)

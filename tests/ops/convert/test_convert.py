@@ -145,6 +145,29 @@ def test_torch_output_equals_dcp_to_torch_save(name, tmp_path):
     assert report.objects == len(MANIFEST[name]["objects"])
 
 
+def test_torch_output_of_tensors_alone_imports_no_torch(tmp_path):
+    """Importing torch takes seconds, most of a small conversion: it is needed only to load
+    objects (weights_only) or cast dtypes, and the pickle names torch's functions, storages
+    and dtypes by name."""
+    import subprocess
+    import sys
+
+    source, output = fixture_path("mesh2d_4ranks"), tmp_path / "mine.pt"
+    code = ("import sys; from dcpctl.ops.convert.to_torch_save import convert_to_torch_save; "
+            "from dcpctl.ops.convert.key_selection import KeySelection; "
+            f"convert_to_torch_save({str(source)!r}, {str(output)!r}, "
+            "KeySelection(include=('*',))); print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
+    assert not open_checkpoint(source).objects
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(source, tmp_path / "torch.pt")
+    assert_same_state(torch.load(output, weights_only=True),
+                      torch.load(tmp_path / "torch.pt", weights_only=True))
+
+
 def assert_same_state(mine, theirs, path=()):
     """Equal nested structure, key order, types and tensor values."""
     assert type(mine) is type(theirs), path
