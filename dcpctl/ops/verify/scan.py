@@ -228,15 +228,16 @@ class _FileCursor:
                 return
             self._count(piece, item_bytes=False)
 
-    def _next(self, at_most: int | None) -> bytes:
+    def _next(self, at_most: int | None) -> bytes | memoryview:
         """The stream's next bytes, at most at_most of them (None: a whole piece); b"" at
-        its end."""
+        its end. Part of a piece is a view of it, not a copy (a thousand small items a
+        gigabyte): it keeps that piece, read-only, alive while an item's check holds it."""
         if not self._piece:
             self._piece = memoryview(next(self._pieces, b""))
         taken = self._piece if at_most is None else self._piece[:at_most]
         self._piece = self._piece[len(taken):]
         self.position += len(taken)
-        return taken.tobytes() if len(taken) < len(taken.obj) else taken.obj
+        return taken if len(taken) < len(taken.obj) else taken.obj
 
     def _count(self, piece: bytes, item_bytes: bool) -> None:
         """Hash and count bytes read in order (bytes between items count only when hashed)."""
