@@ -9,7 +9,9 @@ bytes needs no second pass over them for its own archive); once its last user is
 CRC-32s of the ranges (and of any bytes of its storage record nobody read) combine into the
 record's, which must match the archive's. An item of several users whose record is small (a
 piece at most) is read whole instead, once, and served from memory (a thousand reads of a row
-each would cost a thousand calls), its ranges CRC'd and checked the same way.
+each would cost a thousand calls). Its ranges are CRC'd and checked the same way where they
+are large enough for joining their CRC-32s (microseconds each) to cost less than a pass over
+them; a record cut into smaller ranges is checked whole at once.
 
 An item under a stream codec such as zstd can only be read front to back, so it is decoded once
 (and checked whole as it is: items.decode_stored_pieces) and read from there: in memory when
@@ -44,6 +46,9 @@ from dcpctl.format.torch_save.layout import TorchSaveLayout, read_torch_save_lay
 from dcpctl.format.torch_save.zip_records import ReadRange
 from dcpctl.storage.local import naming_failures, scratch_directory_in
 from dcpctl.storage.paths import RangedFile, StoragePath, is_remote, open_ranged
+
+# Joining the CRC-32s of two ranges costs about what a CRC-32 of a few KiB does.
+_MIN_JOINED_RANGE_BYTES = 8 << 10
 
 
 class RecordCrc:
@@ -261,17 +266,21 @@ class PayloadReader:
             crc = RecordCrc(record_start, storage.size_bytes, storage.crc32)
             return PayloadSource(location.path, payload_start, layout.tensor.nbytes,
                                  crc=crc if storage.crc32 else None)
-        if contiguous:
-            record = _read_exactly(reader, location.path, record_start, storage.size_bytes)
-            crc = RecordCrc(record_start, storage.size_bytes, storage.crc32, held=record)
-            start = payload_start - record_start
-            return PayloadSource(None, payload_start, layout.tensor.nbytes,
-                                 memoryview(record)[start:start + layout.tensor.nbytes],
-                                 crc=crc if storage.crc32 else None)
-        record = self._file_bytes(location.path, record_start, storage.size_bytes)
-        if storage.crc32 and zlib.crc32(record) != storage.crc32:
+        if not contiguous:
+            record = self._file_bytes(location.path, record_start, storage.size_bytes)
+            if storage.crc32 and zlib.crc32(record) != storage.crc32:
+                raise _storage_crc_error(location)
+            return self._row_major(layout, record)
+        record = _read_exactly(reader, location.path, record_start, storage.size_bytes)
+        checked_from_ranges = (storage.crc32
+                               and storage.size_bytes >= users * _MIN_JOINED_RANGE_BYTES)
+        if storage.crc32 and not checked_from_ranges and zlib.crc32(record) != storage.crc32:
             raise _storage_crc_error(location)
-        return self._row_major(layout, record)
+        start = payload_start - record_start
+        return PayloadSource(None, payload_start, layout.tensor.nbytes,
+                             memoryview(record)[start:start + layout.tensor.nbytes],
+                             crc=RecordCrc(record_start, storage.size_bytes, storage.crc32,
+                                           held=record) if checked_from_ranges else None)
 
     def _locate_in_spool(self, location: ItemLocation, spool_path: Path) -> PayloadSource:
         reader = self._reader(spool_path)

@@ -46,10 +46,22 @@ def test_payload_equals_what_torch_loads(tmp_path, name):
     reader.close()
 
 
+def _item_of_128_kib(directory):
+    """The location of the one item of a checkpoint saved in directory: a 256 x 128 float32
+    tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"weight": torch.randn(256, 128)}, storage_writer=dcp.FileSystemWriter(directory),
+             no_dist=True)
+    checkpoint = open_checkpoint(directory)
+    tensor = checkpoint.tensors[0]
+    return locate_chunk(checkpoint, tensor, tensor.chunks[0])
+
+
 @pytest.mark.parametrize("users", [1, 3], ids=["read in place", "held in memory"])
 def test_each_read_gives_the_crc_of_the_bytes_it_read(tmp_path, users):
     """A reshard's output chunk of exactly those bytes takes that CRC-32 for its own archive."""
-    location = first_tensor_item("fsdp2_adamw_3ranks")
+    location = _item_of_128_kib(tmp_path / "ckpt")
     nbytes = location.expected.nbytes
     reader = PayloadReader(tmp_path, {location: users})
     source = reader.source_of(location)
@@ -68,18 +80,15 @@ def test_each_read_gives_the_crc_of_the_bytes_it_read(tmp_path, users):
 def test_damage_in_an_item_held_in_memory_is_found_when_its_last_user_is_done(tmp_path, ranges):
     """The record of an item of several users is read once and served from memory; the CRC-32s
     of the ranges served, and of the bytes nobody took, must add up to the archive's."""
-    location = first_tensor_item("fsdp2_adamw_3ranks")
-    copy = tmp_path / "data.distcp"
-    copy.write_bytes(location.path.read_bytes())
-    location = dataclasses.replace(location, path=copy)
-    quarter = location.expected.nbytes // 4
+    location = _item_of_128_kib(tmp_path / "ckpt")
     spool = tmp_path / "spool"
     spool.mkdir()
+    quarter = location.expected.nbytes // 4
     probe = PayloadReader(spool, {location: 2})
     payload_start = probe.source_of(location).offset
     probe.close()
     for damaged_quarter in range(4):
-        flip_bit(copy, payload_start + damaged_quarter * quarter + 1, 0x10)
+        flip_bit(location.path, payload_start + damaged_quarter * quarter + 1, 0x10)
         reader = PayloadReader(spool, {location: len(ranges)})
         source = reader.source_of(location)
         assert source.data is not None  # read once, held
@@ -91,13 +100,31 @@ def test_damage_in_an_item_held_in_memory_is_found_when_its_last_user_is_done(tm
         with pytest.raises(DataError, match="does not match its CRC-32"):
             reader.release(location)
         reader.close()
-        flip_bit(copy, payload_start + damaged_quarter * quarter + 1, 0x10)
+        flip_bit(location.path, payload_start + damaged_quarter * quarter + 1, 0x10)
     reader = PayloadReader(spool, {location: len(ranges)})
     source = reader.source_of(location)
     for begin, end in ranges:
         reader.read_into(source, begin * quarter, memoryview(bytearray((end - begin) * quarter)))
     for _ in ranges:
         reader.release(location)  # undamaged: no error
+    reader.close()
+
+
+def test_an_item_held_in_memory_for_small_ranges_is_checked_whole_at_once(tmp_path):
+    """Joining the CRC-32s of a hundred 1 KiB ranges would cost more than one pass over the
+    record: it is checked when it is read, and its reads give no CRC-32."""
+    location = _item_of_128_kib(tmp_path / "ckpt")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    reader = PayloadReader(spool, {location: 128})
+    source = reader.source_of(location)
+    assert source.data is not None and source.crc is None
+    assert reader.read_into(source, 0, memoryview(bytearray(1024))) is None
+    reader.close()
+    flip_bit(location.path, source.offset + 5000, 0x10)
+    reader = PayloadReader(spool, {location: 128})
+    with pytest.raises(DataError, match="does not match its CRC-32"):
+        reader.source_of(location)
     reader.close()
 
 
