@@ -29,22 +29,53 @@ def _with_planner_data(checkpoint, edit) -> None:
     (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
-@pytest.mark.parametrize("paths, words", [
-    ({"history": ["step"]}, "another entry's value is at or under"),
-    ({"history": ["step", "deeper"]}, "runs through the value of"),
-    ({"history": ["config"]}, "another entry's value is at or under"),
-    ({"history": ["weights", 10**9]}, "not a name or an index"),
-    ({"history": ["config", 0]}, "both a dict and a list"),
+def _renamed(metadata, fqn: str, new_fqn: str, key_path: tuple) -> None:
+    """The entry fqn under a new name, key path and storage key, as a save that named it so
+    would have written it."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    metadata.state_dict_metadata[new_fqn] = metadata.state_dict_metadata.pop(fqn)
+    metadata.storage_data = {
+        (MetadataIndex(new_fqn, key.offset, key.index) if key.fqn == fqn else key): info
+        for key, info in metadata.storage_data.items()}
+    del metadata.planner_data[fqn]
+    metadata.planner_data[new_fqn] = key_path
+
+
+@pytest.mark.parametrize("new_fqn, key_path, words", [
+    ("config", ("config",), "another entry's value is at or under"),
+    ("step.deeper", ("step", "deeper"), "runs through the value of"),
+    ("weights.1000000000", ("weights", 10**9), "not a name or an index"),
+    ("config.0", ("config", 0), "both a dict and a list"),
 ])
 def test_key_paths_that_cannot_all_hold_their_values_are_refused(run_cli, tmp_path, checkpoint,
-                                                                 paths, words):
-    """objects_2ranks nests `step`, `config.lr`, `config.nested.depth`, `history`...: key
-    paths are made to clash. Without the check, torch's way keeps one and drops the other."""
-    _with_planner_data(checkpoint, lambda metadata: metadata.planner_data.update(paths))
+                                                                 new_fqn, key_path, words):
+    """objects_2ranks nests `step`, `config.lr`, `config.nested.depth`, `history`...: the entry
+    `history` is renamed so that its key path (which joins to its name, as torch's are) clashes
+    with another's. Without the check, torch's way keeps one and drops the other."""
+    _with_planner_data(checkpoint, lambda metadata: _renamed(metadata, "history", new_fqn,
+                                                             key_path))
     result = run_cli("convert", checkpoint, "--to", "torch", "-o", tmp_path / "state.pt")
     assert result.exit_code == 1, result.output
     assert words in result.output and len(result.output.splitlines()) == 1
     assert not (tmp_path / "state.pt").exists()
+
+
+@pytest.mark.parametrize("command", [["verify"], ["compress", "-o", "{out}"],
+                                     ["reshard", "--ranks", "2", "-o", "{out}"],
+                                     ["convert", "--to", "torch", "-o", "{out}.pt"]])
+def test_a_key_path_that_names_another_entry_is_refused(run_cli, tmp_path, checkpoint, command):
+    """One damaged string in planner_data (a flipped bit: `config.name` nested as
+    `config.nbme`) would have convert write the entry under a name the state dict never had,
+    and verify call the checkpoint whole."""
+    _with_planner_data(checkpoint, lambda metadata: metadata.planner_data.update(
+        {"config.name": ("config", "nbme")}))
+    args = [part.format(out=tmp_path / "out") for part in command]
+    result = run_cli(args[0], checkpoint, *args[1:])
+    assert result.exit_code == 1, result.output
+    assert ("planner_data gives 'config.name' the key path ['config', 'nbme'], which names "
+            "'config.nbme'") in result.output
+    assert not list(tmp_path.glob("out*"))
 
 
 def test_planner_data_that_is_not_a_mapping_is_refused(run_cli, tmp_path, checkpoint):

@@ -69,6 +69,8 @@ def _check_records(loaded: Any, fail: Fail) -> None:
     _normalize_transforms(storage_data.values())
     if not _planner_data_looks_sound(loaded.planner_data):
         _check_plain_value(loaded.planner_data, "planner_data", fail)
+    elif loaded.planner_data:
+        _refuse_misnamed_key_paths(loaded.planner_data, fail)
     if loaded.mcore_data is not None:
         if type(loaded.mcore_data) is not dict:
             raise fail(f"mcore_data is a {type(loaded.mcore_data).__name__}, not a dict")
@@ -120,6 +122,18 @@ def _planner_data_looks_sound(planner_data: Any) -> bool:
     return (_only(planner_data, str) and set(map(type, paths)) <= {tuple, list}
             and set(map(type, chain.from_iterable(paths))) <= {str, int}
             and len(set(map(id, paths))) == len(paths))
+
+
+def _refuse_misnamed_key_paths(planner_data: dict, fail: Fail) -> None:
+    """torch's planner (flatten_state_dict) names each entry by its key path, joined with dots;
+    a key path that joins to another name (one damaged string) would nest its entry under a
+    name the state dict never had, where torch's own loaders refuse it."""
+    for fqn, key_path in planner_data.items():
+        joined = ".".join(map(str, key_path))
+        if joined != fqn:
+            raise fail(f"planner_data gives {_shown(fqn)} the key path {_shown(list(key_path))}, "
+                       f"which names {_shown(joined)}: torch names each entry by its key path "
+                       "joined with dots")
 
 
 def _check_plain_value(value: Any, what: str, fail: Fail) -> None:
