@@ -199,3 +199,68 @@ def test_a_storage_key_or_entry_with_a_field_torch_lacks_is_refused(checkpoint, 
     object.__delattr__(key if record == "MetadataIndex" else info, "placement")
     assert len(parse_metadata(pickle.dumps(metadata, protocol=4)).storage_data) == len(
         metadata.storage_data)
+
+
+@pytest.mark.parametrize("state", [("a", "strided"), ("requires_grad", "yes"),
+                                   ("memory_format", 7), ("pin_memory", 1)])
+def test_tensor_properties_that_are_not_torchs_are_refused_in_one_line(
+        checkpoint, tmp_path, run_cli, monkeypatch, state):
+    """torch pickles TensorProperties as a tuple (dtype, layout, requires_grad, memory format
+    code, pin_memory); a damaged one was read as it came and broke a rewrite with an internal
+    error (a memory format code that is a string)."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    field, value = state
+
+    def damaged(properties):
+        fields = [properties.dtype, properties.layout, properties.requires_grad, 0,
+                  properties.pin_memory]
+        if field == "a":
+            return tuple(fields[:3])
+        fields[{"requires_grad": 2, "memory_format": 3, "pin_memory": 4}[field]] = value
+        return tuple(fields)
+
+    metadata = torch_metadata(checkpoint)
+    monkeypatch.setattr(TensorProperties, "__getstate__", damaged)
+    _write_metadata(checkpoint, metadata)
+    monkeypatch.undo()
+    for command in (["verify"], ["compress", "-o", tmp_path / "out"]):
+        result = run_cli(command[0], checkpoint, *command[1:])
+        assert result.exit_code == 1, result.output
+        assert "holds a TensorProperties whose pickled state is not torch's" in result.output
+        assert "internal error" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_storage_meta_of_an_older_torch_is_read_and_written_back_with_torchs_defaults(
+        checkpoint, tmp_path, run_cli):
+    """torch before `modules` pickled StorageMeta without it: reading left the field unset, and
+    every rewrite stopped with an internal error."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    metadata = torch_metadata(checkpoint)
+    metadata.storage_meta = StorageMeta(checkpoint_id="run-7", save_id="s")
+    del metadata.storage_meta.modules
+    _write_metadata(checkpoint, metadata)
+    assert b"modules" not in (checkpoint / ".metadata").read_bytes()
+    result = run_cli("compress", checkpoint, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rewritten = torch_metadata(tmp_path / "out").storage_meta
+    assert (rewritten.checkpoint_id, rewritten.save_id, rewritten.load_id,
+            rewritten.modules) == ("run-7", "s", None, [])
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("owner", "someone", "holds a StorageMeta whose pickled fields are not torch's"),
+    ("modules", "torch.nn", "storage_meta's modules are not a list of names")])
+def test_storage_meta_with_fields_not_torchs_is_refused(checkpoint, tmp_path, run_cli, field,
+                                                        value, words):
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    metadata = torch_metadata(checkpoint)
+    metadata.storage_meta = StorageMeta()
+    setattr(metadata.storage_meta, field, value)
+    _write_metadata(checkpoint, metadata)
+    result = run_cli("compress", checkpoint, "-o", tmp_path / "out")
+    assert result.exit_code == 1 and words in result.output, result.output
+    assert len(result.output.splitlines()) == 1

@@ -20,9 +20,9 @@ from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import MetadataError, UnsafeMetadataError
 from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
 from dcpctl.format.file_names import METADATA_FILE_NAME
-from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
-                                            MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
-                                            TensorProperties)
+from dcpctl.format.metadata.records import (TORCH_LAYOUTS, BytesMetadata, CheckpointMetadata,
+                                            ChunkMetadata, MetadataIndex, StorageInfo, StorageMeta,
+                                            TensorMetadata, TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
 
@@ -30,8 +30,6 @@ _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _TORCH_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 _TORCH_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
 _MEGATRON_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
-_TORCH_LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
-_MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
 
 
 def _make_dtype(name: str) -> DType:
@@ -41,7 +39,7 @@ def _make_dtype(name: str) -> DType:
 def _layout_by_qualified_name(qualified_name: Any) -> str:
     """Stands in for torch.serialization._get_layout, which torch pickles layouts through."""
     name = qualified_name.removeprefix("torch.") if isinstance(qualified_name, str) else None
-    if name not in _TORCH_LAYOUTS:
+    if name not in TORCH_LAYOUTS:
         raise UnsafeMetadataError(f"names an unknown tensor layout {qualified_name!r}")
     return name
 
@@ -121,7 +119,7 @@ _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     **{(module, name): _pure_path(PureWindowsPath)
        for module in ("pathlib", "pathlib._local") for name in ("WindowsPath", "PureWindowsPath")},
     **{("torch", name): _make_dtype(name) for name in [*DTYPES_BY_NAME, *DTYPE_ALIASES]},
-    **{("torch", name): name for name in _TORCH_LAYOUTS},
+    **{("torch", name): name for name in TORCH_LAYOUTS},
 }
 
 

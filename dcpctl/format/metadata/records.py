@@ -24,6 +24,10 @@ def _fields_refused(torch_class: str, fields: frozenset[str]) -> MetadataError:
                          f"{', '.join(sorted(fields))}")
 
 
+TORCH_LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
+_MEMORY_FORMAT_CODES = (0, 1, 2)  # torch's _MEM_FORMAT_ENCODING: contiguous, channels last, preserve
+
+
 @dataclass
 class TensorProperties:
     """torch's TensorProperties; only `dtype` matters, the rest is kept to write it back."""
@@ -35,8 +39,21 @@ class TensorProperties:
     pin_memory: bool = False
 
     def __setstate__(self, state: tuple) -> None:
-        (self.dtype, self.layout, self.requires_grad,
-         self.memory_format_code, self.pin_memory) = state
+        try:
+            (self.dtype, self.layout, self.requires_grad,
+             self.memory_format_code, self.pin_memory) = state
+        except (TypeError, ValueError):
+            raise _properties_refused() from None
+        if (type(self.dtype) is not DType or self.layout not in TORCH_LAYOUTS
+                or type(self.requires_grad) is not bool or type(self.pin_memory) is not bool
+                or self.memory_format_code not in _MEMORY_FORMAT_CODES
+                or type(self.memory_format_code) is not int):
+            raise _properties_refused()
+
+
+def _properties_refused() -> MetadataError:
+    return MetadataError("holds a TensorProperties whose pickled state is not torch's (dtype, "
+                         "layout, requires_grad, memory format 0-2, pin_memory)")
 
 
 @dataclass(slots=True)
@@ -132,12 +149,23 @@ _STORAGE_INFO_FIELDS = frozenset({"relative_path", "offset", "length", "transfor
 
 @dataclass
 class StorageMeta:
-    """torch's StorageMeta: ids of the save that wrote the checkpoint."""
+    """torch's StorageMeta: ids of the save that wrote the checkpoint. Fields an older torch
+    did not write yet (`modules`) take the defaults torch's class gives them."""
 
     checkpoint_id: Any = None
     save_id: str | None = None
     load_id: str | None = None
     modules: list[str] = field(default_factory=list)
+
+    def __setstate__(self, state: dict) -> None:
+        if type(state) is not dict or not state.keys() <= _STORAGE_META_FIELDS:
+            raise _fields_refused("StorageMeta", _STORAGE_META_FIELDS)
+        self.checkpoint_id, self.save_id, self.load_id, self.modules = (
+            state.get("checkpoint_id"), state.get("save_id"), state.get("load_id"),
+            state.get("modules", []))
+
+
+_STORAGE_META_FIELDS = frozenset({"checkpoint_id", "save_id", "load_id", "modules"})
 
 
 @dataclass

@@ -80,6 +80,9 @@ def _check_records(loaded: Any, fail: Fail) -> None:
             raise fail(f"storage_meta is a {type(loaded.storage_meta).__name__}, not torch's "
                        "StorageMeta")
         _check_plain_value(vars(loaded.storage_meta), "storage_meta", fail)
+        if type(loaded.storage_meta.modules) is not list or not _only(
+                loaded.storage_meta.modules, str):
+            raise fail("storage_meta's modules are not a list of names")
 
 
 _METADATA_FIELDS = frozenset(field.name for field in dataclasses.fields(CheckpointMetadata))
