@@ -89,15 +89,22 @@ def format_sha256sums(digests: dict[str, str]) -> str:
 
 
 def parse_sha256sums(text: str, source: str = SHA256SUMS_FILE_NAME) -> dict[str, str]:
-    """File name to hex digest; raises DataError naming the line that is not a checksum line."""
-    digests = {}
+    """File name to hex digest; raises DataError naming the line that is not a checksum line,
+    or that gives a file another digest than a line before it (`sha256sum -c` fails one of
+    them: neither may be taken)."""
+    digests: dict[str, str] = {}
+    lines: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         match = _LINE.match(line)
         if match is None:
             raise DataError(f"{source}:{number}: not a `sha256sum` line: {line[:80]!r}")
-        digests[match.group(2)] = match.group(1)
+        digest, name = match.group(1), match.group(2)
+        if digests.setdefault(name, digest) != digest:
+            raise DataError(f"{source}:{number}: gives {name!r} another digest than line "
+                            f"{lines[name]} does")
+        lines.setdefault(name, number)
     return digests
 
 

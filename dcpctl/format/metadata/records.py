@@ -25,7 +25,8 @@ def _fields_refused(torch_class: str, fields: frozenset[str]) -> MetadataError:
 
 
 TORCH_LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
-_MEMORY_FORMAT_CODES = (0, 1, 2)  # torch's _MEM_FORMAT_ENCODING: contiguous, channels last, preserve
+# torch's _MEM_FORMAT_ENCODING: contiguous, channels last, preserve
+_MEMORY_FORMAT_CODES = (0, 1, 2)
 
 
 @dataclass

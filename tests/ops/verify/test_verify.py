@@ -262,6 +262,28 @@ def test_sha256sums_naming_what_is_not_a_plain_file_name(copy_fixture, listed):
     assert listed in only_problem(report, "checksums-file").message
 
 
+@pytest.mark.parametrize("wrong_first", [True, False])
+def test_sha256sums_giving_a_file_two_digests_is_refused(copy_fixture, tmp_path, wrong_first):
+    """`sha256sum -c` fails the line with the wrong digest, whichever comes first; taking the
+    last line for the file called a damaged file whole when the right digest came last."""
+    from dcpctl.errors import DataError
+    from dcpctl.ops.transcode import compress_checkpoint
+
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    checksum_checkpoint(checkpoint)
+    sums = checkpoint / "SHA256SUMS"
+    right = next(line for line in sums.read_text().splitlines() if "__0_0.distcp" in line)
+    wrong = "0" * 64 + "  __0_0.distcp"
+    pair = [wrong, right] if wrong_first else [right, wrong]
+    sums.write_text("\n".join(pair) + "\n" + sums.read_text())
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert rules(report) == {"checksums-file"}
+    assert "gives '__0_0.distcp' another digest than line 1" in only_problem(
+        report, "checksums-file").message
+    with pytest.raises(DataError, match="another digest than line 1"):
+        compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+
+
 def test_safetensors_header_checked_against_metadata(copy_fixture):
     checkpoint = copy_fixture("safetensors_fsdp2_2ranks")
     edit_metadata(checkpoint, lambda metadata: setattr(
