@@ -17,6 +17,7 @@ from dcpctl.errors import DcpctlError, describe_os_error
 from dcpctl.ops.distributed import join_torchrun, launched_by_torchrun
 from dcpctl.ops.storage_options import add_storage_options
 from dcpctl.stopping import Terminated, stop_on_signals
+from dcpctl.unpickling_memory import bound_unpickling_memory
 from dcpctl.version import __version__
 
 # Each command's module is imported only when that command runs (or help lists it): `inspect`
@@ -128,6 +129,7 @@ def _parsed_storage_option(text: str) -> tuple[str, object]:
 def main() -> None:
     """Console-script entry point."""
     reuse_large_buffers()
+    bound_unpickling_memory()
     freeze_built_objects_on_resume()
     stop_on_signals()
     if launched_by_torchrun():

@@ -196,8 +196,10 @@ def _serve(index: int, count: int, connection: Connection) -> None:
     from dcpctl.allocator import reuse_large_buffers
     from dcpctl.cycle_collector import freeze_built_objects_on_resume
     from dcpctl.failpoints import arm_in_worker
+    from dcpctl.unpickling_memory import bound_unpickling_memory
 
     reuse_large_buffers()
+    bound_unpickling_memory()  # as the command's own process does (cli/main.py)
     freeze_built_objects_on_resume()  # as the command's own process does (cli/main.py)
     arm_in_worker()
     plans = PlansMadeAhead()

@@ -264,3 +264,17 @@ def test_storage_meta_with_fields_not_torchs_is_refused(checkpoint, tmp_path, ru
     result = run_cli("compress", checkpoint, "-o", tmp_path / "out")
     assert result.exit_code == 1 and words in result.output, result.output
     assert len(result.output.splitlines()) == 1
+
+
+def test_a_memo_index_far_past_the_file_is_refused_in_bounded_memory(checkpoint):
+    """CPython's C unpickler sizes its memo table by the largest index a pickle names: one
+    LONG_BINPUT of index 2**28 in a file of 2 KB asked for 4 GiB (zeroed), and 2**31 for
+    32 GiB. dcpctl's processes cap what an unpickling may take (unpickling_memory.py)."""
+    metadata = torch_metadata(checkpoint)
+    metadata.planner_data = {"note": MARKER}
+    _write_metadata(checkpoint, metadata)
+    _splice(checkpoint, b"X\x01\x00\x00\x00x" + b"r" + struct.pack("<I", 1 << 28))
+    result, seconds, peak_kib = _inspect_in_a_process(checkpoint)
+    _refused(result, "asks for more memory than a pickle of")
+    # measured here: 0.3 s and 60 MiB, against 6 s and 4.2 GiB uncapped
+    assert seconds < 30 and 0 < peak_kib < 512 * 1024, (seconds, peak_kib)

@@ -25,6 +25,7 @@ from dcpctl.format.metadata.records import (TORCH_LAYOUTS, BytesMetadata, Checkp
                                             TensorMetadata, TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
+from dcpctl.unpickling_memory import bounded_memory, memory_budget_bytes
 
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _TORCH_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -158,12 +159,16 @@ def _load_and_check(data: bytes, source: str) -> CheckpointMetadata:
 
 def _load_with_allowlist(data: bytes, source: str) -> Any:
     try:
-        with _without_cpython_bytearray_noise():
+        with bounded_memory(len(data)), _without_cpython_bytearray_noise():
             return _AllowlistUnpickler(io.BytesIO(data)).load()
     except MetadataError as error:  # a class off the allowlist, a record's fields not torch's
         raise error.located(path=source) from None
     except RecursionError:
         raise MetadataError("nests deeper than any DCP metadata does", path=source) from None
+    except MemoryError:  # a memo index far past the file's (unpickling_memory.py), say
+        raise MetadataError(f"asks for more memory than a pickle of {len(data)} bytes can "
+                            f"honestly take (over {memory_budget_bytes(len(data)) >> 20} MiB)",
+                            path=source) from None
     except Exception as error:  # a damaged pickle fails in many ways; all mean the same
         raise MetadataError(f"not a readable DCP metadata pickle ({type(error).__name__}: "
                             f"{error})", path=source) from None
