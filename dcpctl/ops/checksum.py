@@ -16,6 +16,7 @@ from dcpctl.execution.running import (plan_ahead, sharing_processes, threads_per
                                       workers_started)
 from dcpctl.ops.verify.scan import items_to_check
 from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
+from dcpctl.ops.verify.verifier import unknown_file_problems
 from dcpctl.storage.paths import StoragePath, remove_stale_temporaries, storage_path
 
 
@@ -51,6 +52,9 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
             checked_checkpoint(path, exclusive=True, check_sums=False,
                                once_held=ahead) as checkpoint:
         remove_stale_temporaries(checkpoint.path, set(checkpoint.files))
+        unknown = unknown_file_problems(checkpoint)
+        if unknown:  # verify would call the checkpoint damaged: nothing to certify
+            raise problems_error(unknown, checkpoint.path)
         planning = _planning(checkpoint.path, read_sha256sums(checkpoint.path))
         archive_items, safetensors_items, problems = items_to_check(
             checkpoint, list_stored_items(checkpoint))

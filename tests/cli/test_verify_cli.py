@@ -38,6 +38,21 @@ def test_checksum_json_and_refusal(run_cli, copy_fixture):
     assert "__2_0.distcp" in result.output and "truncated" in result.output
 
 
+@pytest.mark.parametrize("stray", ["notes.txt", "__9_0.distcp"])
+def test_checksum_refuses_a_file_the_checkpoint_does_not_name(run_cli, copy_fixture, stray):
+    """verify calls such a checkpoint damaged (unknown-file): checksum certifies none it would
+    fail."""
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    (checkpoint / stray).write_bytes(b"x")
+    result = run_cli("checksum", checkpoint)
+    assert result.exit_code == 1, result.output
+    assert result.output == (f"Error: {checkpoint}/{stray}: unknown-file: file is not named by "
+                             "the metadata\n")
+    assert not (checkpoint / "SHA256SUMS").exists()
+    (checkpoint / stray).unlink()
+    assert run_cli("checksum", checkpoint).exit_code == 0
+
+
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_clean_checkpoint_exits_0(run_cli, name):
     for extra in ([], ["--quick"]):

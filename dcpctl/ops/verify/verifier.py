@@ -115,25 +115,38 @@ def _name_below(directory: StoragePath, path: str | None) -> str | None:
     return path[len(prefix):] if path and path.startswith(prefix) else None
 
 
+def unknown_file_problems(checkpoint: Checkpoint, present: set[str] | None = None
+                          ) -> list[Problem]:
+    """Files in the checkpoint directory (present: its listing, read when None) that neither
+    the metadata nor the trainer's layout knows (side_files.py)."""
+    if present is None:
+        present = _present_files(checkpoint.path, checkpoint)
+    known = {*checkpoint.files, *files_beside_data(checkpoint)}
+    # Beside safetensors files, a Hugging Face directory holds config.json, tokenizer files and
+    # the like: only a stray safetensors file is unknown there.
+    candidates = ({name for name in present if name.endswith(SAFETENSORS_SUFFIX)}
+                  if checkpoint.hf_storage else present)
+    unknown = candidates - known - {SHA256SUMS_FILE_NAME}
+    return [Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name)
+            for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown)))]
+
+
+def _present_files(directory: StoragePath, checkpoint: Checkpoint | None) -> set[str]:
+    if checkpoint is not None and checkpoint.listing is not None:
+        return set(checkpoint.listing)
+    return set(file_names_in(directory))
+
+
 def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
                       sums: dict[str, str] | None, problems_so_far: list[Problem]
                       ) -> list[Problem]:
     """Files neither the metadata nor the trainer's layout knows (side_files.py); files
     SHA256SUMS lists that are absent, and files of the checkpoint it does not list (a side
     file need not be listed)."""
-    present = (set(checkpoint.listing) if checkpoint is not None and checkpoint.listing
-               is not None else file_names_in(directory))
+    present = _present_files(directory, checkpoint)
     known = ({*checkpoint.files, *files_beside_data(checkpoint)} if checkpoint is not None
              else {METADATA_FILE_NAME})
-    problems = []
-    if checkpoint is not None:
-        # Beside safetensors files, a Hugging Face directory holds config.json, tokenizer files
-        # and the like: only a stray safetensors file is unknown there.
-        candidates = ({name for name in present if name.endswith(SAFETENSORS_SUFFIX)}
-                      if checkpoint.hf_storage else present)
-        unknown = candidates - known - {SHA256SUMS_FILE_NAME}
-        for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown))):
-            problems.append(Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name))
+    problems = unknown_file_problems(checkpoint, present) if checkpoint is not None else []
     if sums is None:
         return problems
     reported_missing = {p.file for p in problems_so_far if p.rule == Rule.MISSING_FILE}
