@@ -198,9 +198,10 @@ def _serve(index: int, count: int, connection: Connection) -> None:
     from dcpctl.failpoints import arm_in_worker
     from dcpctl.unpickling_memory import bound_unpickling_memory
 
+    # as the command's own process does (cli/main.py)
     reuse_large_buffers()
-    bound_unpickling_memory()  # as the command's own process does (cli/main.py)
-    freeze_built_objects_on_resume()  # as the command's own process does (cli/main.py)
+    bound_unpickling_memory()
+    freeze_built_objects_on_resume()
     arm_in_worker()
     plans = PlansMadeAhead()
     progress = BatchedProgress(lambda units: connection.send(("progress", units)),
