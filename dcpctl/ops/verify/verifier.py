@@ -121,7 +121,7 @@ def unknown_file_problems(checkpoint: Checkpoint, present: set[str] | None = Non
     the metadata nor the trainer's layout knows (side_files.py)."""
     if present is None:
         present = _present_files(checkpoint.path, checkpoint)
-    known = {*checkpoint.files, *files_beside_data(checkpoint)}
+    known = _known_files(checkpoint)
     # Beside safetensors files, a Hugging Face directory holds config.json, tokenizer files and
     # the like: only a stray safetensors file is unknown there.
     candidates = ({name for name in present if name.endswith(SAFETENSORS_SUFFIX)}
@@ -129,6 +129,11 @@ def unknown_file_problems(checkpoint: Checkpoint, present: set[str] | None = Non
     unknown = candidates - known - {SHA256SUMS_FILE_NAME}
     return [Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name)
             for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown)))]
+
+
+def _known_files(checkpoint: Checkpoint) -> set[str]:
+    """The files the metadata names and those the trainer's layout keeps beside them."""
+    return {*checkpoint.files, *files_beside_data(checkpoint)}
 
 
 def _present_files(directory: StoragePath, checkpoint: Checkpoint | None) -> set[str]:
@@ -144,8 +149,7 @@ def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
     SHA256SUMS lists that are absent, and files of the checkpoint it does not list (a side
     file need not be listed)."""
     present = _present_files(directory, checkpoint)
-    known = ({*checkpoint.files, *files_beside_data(checkpoint)} if checkpoint is not None
-             else {METADATA_FILE_NAME})
+    known = _known_files(checkpoint) if checkpoint is not None else {METADATA_FILE_NAME}
     problems = unknown_file_problems(checkpoint, present) if checkpoint is not None else []
     if sums is None:
         return problems
