@@ -14,13 +14,13 @@ import functools
 import io
 import math
 import pickle
-import pickletools
 import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
+from dcpctl.format.torch_save.loadable_pickle import refuse_unloadable_pickle
 from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, CentralEntry, ReadRange,
                                                   ZipRecord, local_record_in, locate_record,
                                                   read_central_directory, whole_record_in)
@@ -298,25 +298,6 @@ def _view_bits(metadata: Any) -> dict[str, bool]:
     return metadata
 
 
-def _refuse_bytearrays(data: bytes) -> None:
-    """A tensor's pickle holds no bytearray. Python's unpickler allocates a BYTEARRAY8 before it
-    reads it, and on CPython 3.11 a failed allocation also prints a stray SystemError."""
-    if _BYTEARRAY8 not in data:  # the cheap test, and usually the last
-        return
-    try:
-        for opcode, _argument, position in pickletools.genops(data):
-            if opcode.name == "BYTEARRAY8":
-                raise DataError(f"data.pkl holds a bytearray at byte {position}, which the "
-                                "pickle of a tensor never does; refusing to unpickle it")
-    except DataError:
-        raise
-    except Exception as error:  # genops stops at the first damaged opcode, as load would
-        raise DataError(f"data.pkl does not unpickle ({type(error).__name__}: {error})") from None
-
-
-_BYTEARRAY8 = b"\x96"
-
-
 class _TensorUnpickler(pickle.Unpickler):
     """Resolves only the globals torch.save writes for a plain dense tensor."""
 
@@ -366,7 +347,7 @@ def parse_tensor_pickle(data: bytes, storage_record_prefix: str = "archive/data/
 # Every chunk of one shape and dtype has the same data.pkl: parse each distinct one once.
 @functools.lru_cache(maxsize=1024)
 def _parse_tensor_pickle(data: bytes, storage_record_prefix: str) -> SavedTensor:
-    _refuse_bytearrays(data)
+    refuse_unloadable_pickle(data)
     try:
         loaded = _TensorUnpickler(data, storage_record_prefix).load()
     except DataError:

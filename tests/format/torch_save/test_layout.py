@@ -115,10 +115,11 @@ class _Hostile:
 @pytest.mark.parametrize("payload, message", [
     (pickle.dumps(_Hostile(), protocol=2), "refusing to unpickle"),
     (pickle.dumps({"a": 1}, protocol=2), "holds a dict, not one tensor"),
-    (b"\x80\x02garbage", "does not unpickle"),
+    (b"\x80\x02garbage", "holds pickle opcode GET at byte 2"),
+    (b"\x80\x02h\x05.", "does not unpickle"),  # a memo entry never put
     # BYTEARRAY8 of 2**62 bytes: refused before Python tries to allocate it
-    (b"\x80\x02\x96" + (2**62).to_bytes(8, "little") + b".", "does not unpickle"),
-    (b"\x80\x05\x96\x01\x00\x00\x00\x00\x00\x00\x00x.", "holds a bytearray at byte 2"),
+    (b"\x80\x02\x96" + (2**62).to_bytes(8, "little") + b".", "opcode BYTEARRAY8 at byte 2"),
+    (b"\x80\x05\x96\x01\x00\x00\x00\x00\x00\x00\x00x.", "opcode BYTEARRAY8 at byte 2"),
 ])
 def test_pickles_other_than_one_tensor_are_refused(payload, message):
     with pytest.raises(DataError, match=message):
