@@ -115,8 +115,8 @@ def convert_command(context: click.Context, source: str, target: str, output: st
       original keys, as torch's dcp_to_torch_save writes it, streamed in one pass in
       bounded memory. What it costs: one file that plain torch.load reads whole into
       memory (torch.load(..., mmap=True) does not); and importing torch, a few seconds,
-      where the checkpoint holds objects (unpickled with weights_only=True) or --dtype
-      casts.
+      where the checkpoint holds objects beyond plain Python data (those are unpickled
+      with weights_only=True) or --dtype casts.
     --to dcp: SOURCE is a .safetensors file, a directory with model.safetensors.index.json
       (or model.safetensors), or a torch.save file (its structure loaded with
       weights_only=True only, tensor bytes read a chunk at a time). OUTPUT is a DCP

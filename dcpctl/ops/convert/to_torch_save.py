@@ -29,6 +29,7 @@ from dcpctl.format.checkpoint.locations import locate_object
 from dcpctl.execution.running import checked_job_source, threads_per_worker
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
+from dcpctl.format.torch_save.plain_objects import NotPlainData, load_plain_object
 from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
@@ -221,14 +222,20 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
 
 
 def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
-    """A non-tensor entry, unpickled with torch's weights_only loader (no code runs)."""
-    import torch  # loading objects needs torch's weights_only unpickler
+    """A non-tensor entry: plain data without torch (plain_objects.py), anything else
+    unpickled with torch's weights_only loader (no code runs either way)."""
+    location = locate_object(checkpoint, entry)
+    archive = read_item(location)
+    try:
+        return load_plain_object(archive)
+    except NotPlainData:
+        pass
+    import torch  # loading what is more than plain data needs torch's weights_only unpickler
 
     from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
 
-    location = locate_object(checkpoint, entry)
     try:
-        value = torch.load(io.BytesIO(read_item(location)), weights_only=True)
+        value = torch.load(io.BytesIO(archive), weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
         raise UnsupportedLayoutError(
             f"{location.path}: object {entry.fqn!r} cannot be loaded with weights_only=True "

@@ -145,14 +145,17 @@ def test_torch_output_equals_dcp_to_torch_save(name, tmp_path):
     assert report.objects == len(MANIFEST[name]["objects"])
 
 
-def test_torch_output_of_tensors_alone_imports_no_torch(tmp_path):
+@pytest.mark.parametrize("name", ["mesh2d_4ranks", "fsdp2_adamw_3ranks",
+                                  "trainers/torchtitan_0.3.0_2ranks/checkpoint/step-2"])
+def test_torch_output_of_tensors_and_plain_objects_imports_no_torch(name, tmp_path):
     """Importing torch takes seconds, most of a small conversion: it is needed only to load
-    objects (weights_only) or cast dtypes, and the pickle names torch's functions, storages
-    and dtypes by name."""
+    objects beyond plain data (weights_only) or cast dtypes, and the pickle names torch's
+    functions, storages and dtypes by name. The fixtures' objects (an optimizer's
+    param_groups, torchtitan's train state) are plain data."""
     import subprocess
     import sys
 
-    source, output = fixture_path("mesh2d_4ranks"), tmp_path / "mine.pt"
+    source, output = fixture_path(name), tmp_path / "mine.pt"
     code = ("import sys; from dcpctl.ops.convert.to_torch_save import convert_to_torch_save; "
             "from dcpctl.ops.convert.key_selection import KeySelection; "
             f"convert_to_torch_save({str(source)!r}, {str(output)!r}, "
@@ -160,12 +163,26 @@ def test_torch_output_of_tensors_alone_imports_no_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"
-    assert not open_checkpoint(source).objects
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(source, tmp_path / "torch.pt")
     assert_same_state(torch.load(output, weights_only=True),
                       torch.load(tmp_path / "torch.pt", weights_only=True))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_objects_beyond_plain_data_are_loaded_by_torch(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = {"w": torch.arange(6.0), "meta": {"shape": torch.Size([2, 3]),
+                                              "dtype": torch.bfloat16, "step": 4}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    convert_to_torch_save(tmp_path / "ck", tmp_path / "mine.pt", EVERYTHING)
+    dcp_to_torch_save(tmp_path / "ck", tmp_path / "torch.pt")
+    mine = torch.load(tmp_path / "mine.pt", weights_only=True)
+    assert mine["meta"]["shape"] == torch.Size([2, 3]) and mine["meta"]["dtype"] is torch.bfloat16
+    assert_same_state(mine, torch.load(tmp_path / "torch.pt", weights_only=True))
 
 
 def assert_same_state(mine, theirs, path=()):
