@@ -67,7 +67,7 @@ def _payload_reads(location: ItemLocation, spool, users: int) -> list[bytes] | N
     and served from memory), or None if the reader refuses it."""
     reader = PayloadReader(spool, {location: users})
     try:
-        return [bytes(reader.read_chunk(location)) for _ in range(users)]
+        return [bytes(reader.read_chunk(location).data) for _ in range(users)]
     except DcpctlError:
         return None
     finally:

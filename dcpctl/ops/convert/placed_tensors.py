@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from dcpctl.errors import DataError, InvalidOptionError
 from dcpctl.execution.running import run_job, sharing_processes
-from dcpctl.format.checkpoint.payloads import open_payload_reader
+from dcpctl.format.checkpoint.payloads import BytesWithCrc, open_payload_reader
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.dtypes import DType
+from dcpctl.format.torch_save.crc32 import crc32_of_concatenation
 from dcpctl.format.torch_save.writer import data_descriptor
 from dcpctl.ops.convert.report import ProgressCallback, run_in_order
 from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes
@@ -199,18 +200,20 @@ class PlacedTensorsJob:
         return {index: crc for index, crc in crcs.items() if self.slots[index].described}
 
 
-def _write_tensor_bytes(file, slot: TensorSlot, pieces, source: str,
+def _write_tensor_bytes(file, slot: TensorSlot, pieces: Iterable[BytesWithCrc], source: str,
                         advance: Callable[[int], None]) -> int:
     """Write the slot's tensor bytes (and data descriptor); their CRC-32 (0 where the slot
-    needs none). Pieces that do not add up to the slot's size fail it."""
+    needs none), joined from the pieces' own where they come with one. Pieces that do not add
+    up to the slot's size fail it."""
     received, crc = 0, 0
     for piece in pieces:
         start, received = received, received + len(piece)
         if received > slot.nbytes:
             break
-        file.write_at(slot.data_offset + start, piece)
+        file.write_at(slot.data_offset + start, piece.data)
         if slot.described:
-            crc = zlib.crc32(piece, crc)
+            crc = (zlib.crc32(piece.data, crc) if piece.crc is None
+                   else crc32_of_concatenation(crc, piece.crc, len(piece)))
         advance(len(piece))
     if received != slot.nbytes:
         more = "more than " if received > slot.nbytes else ""

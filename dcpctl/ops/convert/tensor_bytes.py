@@ -17,7 +17,7 @@ import numpy
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.locations import locate_chunk
-from dcpctl.format.checkpoint.payloads import PayloadReader
+from dcpctl.format.checkpoint.payloads import BytesWithCrc, PayloadReader
 from dcpctl.format.checkpoint.view import Checkpoint, TensorEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.format.metadata.records import ChunkMetadata
@@ -34,8 +34,8 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 
 
 def read_chunk_bytes(payloads: PayloadReader, checkpoint: Checkpoint, tensor: TensorEntry,
-                     chunk: ChunkMetadata) -> bytearray:
-    """One stored chunk's raw row-major bytes."""
+                     chunk: ChunkMetadata) -> BytesWithCrc:
+    """One stored chunk's raw row-major bytes, with their CRC-32 where reading worked it out."""
     return payloads.read_chunk(locate_chunk(checkpoint, tensor, chunk))
 
 
@@ -55,8 +55,9 @@ def _cast(data: bytearray | memoryview, source: DType, target: DType) -> memoryv
 
 
 def iter_tensor_bytes(payloads: PayloadReader, checkpoint: Checkpoint, tensor: TensorEntry,
-                      dtype: DType | None = None) -> Iterator[bytearray | memoryview]:
-    """The full tensor's row-major bytes in order, cast to dtype if given, in pieces."""
+                      dtype: DType | None = None) -> Iterator[BytesWithCrc]:
+    """The full tensor's row-major bytes in order, cast to dtype if given, in pieces, each
+    with its CRC-32 where it is a chunk read as stored (a CRC-32 its reading worked out)."""
     target = dtype or tensor.dtype
     if math.prod(tensor.shape) == 0:
         return
@@ -69,9 +70,10 @@ def iter_tensor_bytes(payloads: PayloadReader, checkpoint: Checkpoint, tensor: T
         pieces = (read_chunk_bytes(payloads, checkpoint, tensor, chunk)
                   for chunk in sorted(chunks, key=lambda chunk: chunk.offsets[:1]))
     else:
-        pieces = iter([_assemble(payloads, checkpoint, tensor, chunks)])
-    for data in pieces:
-        yield data if target == tensor.dtype else _cast(data, tensor.dtype, target)
+        pieces = iter([BytesWithCrc(_assemble(payloads, checkpoint, tensor, chunks))])
+    for piece in pieces:
+        yield piece if target == tensor.dtype else BytesWithCrc(
+            _cast(piece.data, tensor.dtype, target))
 
 
 def _assemble(payloads: PayloadReader, checkpoint: Checkpoint, tensor: TensorEntry,
@@ -83,8 +85,9 @@ def _assemble(payloads: PayloadReader, checkpoint: Checkpoint, tensor: TensorEnt
     for chunk in chunks:
         region = tuple(slice(offset, offset + size)
                        for offset, size in zip(chunk.offsets, chunk.sizes))
-        full[region] = numpy.frombuffer(read_chunk_bytes(payloads, checkpoint, tensor, chunk),
-                                        dtype=numpy.uint8).reshape((*chunk.sizes, itemsize))
+        full[region] = numpy.frombuffer(
+            read_chunk_bytes(payloads, checkpoint, tensor, chunk).data,
+            dtype=numpy.uint8).reshape((*chunk.sizes, itemsize))
     return memoryview(full).cast("B")
 
 

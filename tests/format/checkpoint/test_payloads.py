@@ -235,7 +235,7 @@ def test_strided_views_read_as_row_major_bytes(tmp_path, memory_item_bytes, comp
     reader = PayloadReader(spool, memory_item_bytes=memory_item_bytes)
     for tensor in checkpoint.tensors:
         chunk = tensor.chunks[0]
-        data = reader.read_chunk(locate_chunk(checkpoint, tensor, chunk))
+        data = reader.read_chunk(locate_chunk(checkpoint, tensor, chunk)).data
         expected = STRIDED_VIEWS[tensor.fqn].contiguous().view(torch.uint8).numpy().tobytes()
         assert bytes(data) == expected, tensor.fqn
     assert list(spool.iterdir()) == []  # what was laid out went with its one user

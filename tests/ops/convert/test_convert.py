@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -87,7 +89,22 @@ def test_row_split_tensors_stream_a_chunk_at_a_time(tmp_path):
     checkpoint = open_checkpoint(fixture_path("fsdp2_adamw_3ranks"))
     embed = next(t for t in checkpoint.tensors if t.fqn == "model.embed.weight")
     pieces = list(iter_tensor_bytes(PayloadReader(tmp_path), checkpoint, embed))
-    assert [len(piece) for piece in pieces] == [4 * 6 * 4, 4 * 6 * 4, 2 * 6 * 4]
+    assert [len(piece.data) for piece in pieces] == [4 * 6 * 4, 4 * 6 * 4, 2 * 6 * 4]
+    # each chunk comes with the CRC-32 its read worked out: a torch.save record of it needs no
+    # second pass; a cast has none
+    assert [piece.crc for piece in pieces] == [zlib.crc32(piece.data) for piece in pieces]
+    cast = list(iter_tensor_bytes(PayloadReader(tmp_path), checkpoint, embed,
+                                  dtype_by_name("bfloat16")))
+    assert [piece.crc for piece in cast] == [None] * 3
+
+
+def test_tensors_laid_out_whole_come_without_a_crc(tmp_path):
+    checkpoint = open_checkpoint(fixture_path("mesh2d_4ranks"))
+    tensor = next(tensor for tensor in checkpoint.tensors
+                  if len({chunk.offsets[-1] for chunk in tensor.chunks}) > 1)  # split by columns
+    pieces = list(iter_tensor_bytes(PayloadReader(tmp_path), checkpoint, tensor))
+    assert len(pieces) == 1 and pieces[0].crc is None
+    assert len(pieces[0].data) == math.prod(tensor.shape) * tensor.dtype.itemsize
 
 
 def test_shards_hold_the_limit_and_the_index_maps_every_tensor(tmp_path):
