@@ -30,8 +30,9 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     (pytorch_model_fsdp_0/, optimizer_0/: its parts) beside its RNG and scheduler files: it
     is listed as one checkpoint, complete when every part holds `.metadata` and
     random_states_0.pkl (written last) is there. Give accelerate's `checkpoints/` directory,
-    not one checkpoint_N. Megatron's latest_checkpointed_iteration.txt is shown as the
-    tracked step.
+    not one checkpoint_N. A directory named like a step that holds other DCP directories
+    (seed_1/step-100: a run of its own) is no checkpoint: it is ignored. Megatron's
+    latest_checkpointed_iteration.txt is shown as the tracked step.
 
     One row per checkpoint: step, name, complete or incomplete, size, compression (read
     from `.metadata`), age (time since anything inside it last changed) and whether it

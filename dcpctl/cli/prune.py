@@ -71,7 +71,10 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
 
     An incomplete checkpoint never counts toward --keep-last. It is deleted only with
     --incomplete-older-than, when nothing in it changed for longer than DURATION (a save
-    in progress keeps writing, so it stays young), and when no --keep GLOB matches it.
+    in progress keeps writing, so it stays young), and when no --keep GLOB matches it. A
+    checkpoint with `.metadata` that `verify --quick` calls damaged (a data file missing or
+    short, as in one being copied in) counts as incomplete: it never takes the place of a
+    sound one as the newest or among the last N.
 
     Never touched: symlinks (not followed, not deleted, nor their targets), files, and
     anything not named and laid out like a checkpoint. A directory is deleted `.metadata`

@@ -56,9 +56,15 @@ def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
         return CheckpointShape((), complete=True)
     parts = sorted(_dcp_subdirectories(names))
     if parts:
-        complete = all(f"{part}/{METADATA_FILE_NAME}" in names for part in parts)
-        if any(ACCELERATE_PART.fullmatch(part) for part in parts):
-            complete = complete and ACCELERATE_LAST_WRITTEN in names
+        # Only accelerate keeps a checkpoint in several DCP directories. Others in a directory
+        # named like a step (seed_1/step-100, trial-3/checkpoint_0/...) are a run of their own,
+        # or the user's: deleting the directory would delete them with whatever lies beside.
+        foreign = [part for part in parts if not ACCELERATE_PART.fullmatch(part)]
+        if foreign:
+            return (f"holds DCP checkpoints ({', '.join(foreign[:3])}) that are not the parts "
+                    "of an accelerate checkpoint: a run of its own, or the user's")
+        complete = (all(f"{part}/{METADATA_FILE_NAME}" in names for part in parts)
+                    and ACCELERATE_LAST_WRITTEN in names)
         return CheckpointShape(tuple(parts), complete)
     # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
     if not names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names if "/" not in name):

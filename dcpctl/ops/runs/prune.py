@@ -6,6 +6,12 @@ the one the trainer's tracker file names (always: Megatron resumes from it), one
 `keep_globs` pattern, or it changed within `older_than_seconds`. An incomplete
 one (no `.metadata`) is deleted only when `incomplete_older_than_seconds` is given, nothing in
 it changed for longer than that, and no `keep_globs` pattern matches it.
+
+Complete means sound as far as `verify --quick` sees: a checkpoint whose `.metadata` is there
+but which that check calls damaged (a data file missing or short, as in one being copied in
+`.metadata` first; metadata that does not read) is not one to resume from, so it never counts
+as the newest or among the last; it is treated as incomplete, and kept unless that rule lets
+it go. Deciding this reads every complete checkpoint's `.metadata`, as `ls` does.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Callable
 
 from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
+from dcpctl.format.checkpoint.structure import open_checked_checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_directory,
@@ -106,26 +113,51 @@ class PruneReport:
 
 
 def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
-               tracked_step: int | None = None) -> list[PruneDecision]:
+               tracked_step: int | None = None, damaged: dict[str, str] | None = None
+               ) -> list[PruneDecision]:
     """Decide for each checkpoint (sorted by step) whether to delete it, and why; the ones of
-    tracked_step (the step the trainer's tracker file names) are always kept."""
-    complete = [entry for entry in checkpoints if entry.complete]
-    newest_name = complete[-1].name if complete else None
-    last_names = {entry.name for entry in complete[-rules.keep_last:]}
+    tracked_step (the step the trainer's tracker file names) are always kept. damaged: the
+    problem of each complete checkpoint (by name) that the quick check calls damaged."""
+    damaged = damaged or {}
+    sound = [entry for entry in checkpoints if entry.complete and entry.name not in damaged]
+    newest_name = sound[-1].name if sound else None
+    last_names = {entry.name for entry in sound[-rules.keep_last:]}
     decisions = []
     for entry in checkpoints:
         reasons = [f"matches --keep {glob!r}" for glob in rules.keep_globs
                    if fnmatch.fnmatchcase(entry.name, glob)]
         if entry.step == tracked_step:
             reasons.append(f"named by {MEGATRON_TRACKER}: the trainer resumes from it")
-        if entry.complete:
+        problem = damaged.get(entry.name)
+        if problem is not None:
+            reasons += _incomplete_keep_reasons(entry, rules, f"damaged ({problem})")
+        elif entry.complete:
             reasons += _complete_keep_reasons(entry, rules, entry.name == newest_name,
                                               entry.name in last_names)
         else:
-            reasons += _incomplete_keep_reasons(entry, rules)
+            reasons += _incomplete_keep_reasons(entry, rules, "incomplete")
         decisions.append(PruneDecision(entry, delete=not reasons,
-                                       reasons=reasons or [_delete_reason(entry)]))
+                                       reasons=reasons or [_delete_reason(entry, problem)]))
     return decisions
+
+
+def damaged_checkpoints(checkpoints: list[CheckpointEntry]) -> dict[str, str]:
+    """The problem, by name, of each complete checkpoint (each of its parts) that the quick
+    check (`verify --quick`, SHA256SUMS aside) calls damaged."""
+    damaged = {}
+    for entry in checkpoints:
+        if not entry.complete:
+            continue
+        for part in entry.parts or ("",):
+            try:
+                open_checked_checkpoint(entry.path / part if part else entry.path)
+            except DcpctlError as error:
+                damaged[entry.name] = error.message.splitlines()[0]
+                break
+            except OSError as error:
+                damaged[entry.name] = describe_os_error(error)
+                break
+    return damaged
 
 
 def _complete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules, newest: bool,
@@ -142,18 +174,21 @@ def _complete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules, newest
     return reasons
 
 
-def _incomplete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules) -> list[str]:
+def _incomplete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules, state: str
+                             ) -> list[str]:
     if rules.incomplete_older_than_seconds is None:
-        return ["incomplete: deleted only with --incomplete-older-than"]
+        return [f"{state}: deleted only with --incomplete-older-than"]
     if entry.age_seconds <= rules.incomplete_older_than_seconds:
-        return ["incomplete, changed within --incomplete-older-than: may be a save in progress"]
+        return [f"{state}, changed within --incomplete-older-than: may be a save or copy in "
+                "progress"]
     return []
 
 
-def _delete_reason(entry: CheckpointEntry) -> str:
-    if entry.complete:
+def _delete_reason(entry: CheckpointEntry, problem: str | None) -> str:
+    if entry.complete and problem is None:
         return "no rule keeps it"
-    return "incomplete, unchanged for longer than --incomplete-older-than"
+    state = "incomplete" if problem is None else "damaged"
+    return f"{state}, unchanged for longer than --incomplete-older-than"
 
 
 def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
@@ -184,7 +219,8 @@ def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
 def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> PruneReport:
     scan = scan_run_directory(directory)
     report = PruneReport(str(directory), rules, dry_run,
-                         plan_prune(scan.checkpoints, rules, scan.tracked_step), scan.ignored)
+                         plan_prune(scan.checkpoints, rules, scan.tracked_step,
+                                    damaged_checkpoints(scan.checkpoints)), scan.ignored)
     for decision in report.to_delete:
         decision.status = WOULD_DELETE
     return report

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import add_checkpoint, fail_deletion_part_way, tree_listing
+from conftest import add_checkpoint, back_date, fail_deletion_part_way, tree_listing
 
 from dcpctl.errors import InvalidOptionError, LockHeldError, UnsafePathError
 from dcpctl.ops.runs.prune import RetentionRules, delete_checkpoint_directory, prune_run_directory
@@ -119,7 +119,7 @@ def test_incomplete_saves_young_and_old(tmp_path):
     assert _remaining(run_dir) == ["step-200", "step-250", "step-300"]
     # Incomplete checkpoints do not count toward --keep-last: step-200 is the newest complete.
     assert report.decisions[2].reasons == ["newest complete", "one of the last 1 complete"]
-    assert "may be a save in progress" in report.decisions[-1].reasons[0]
+    assert "may be a save or copy in progress" in report.decisions[-1].reasons[0]
 
 
 def test_symlinked_checkpoint_pointing_outside_is_left_alone(tmp_path):
@@ -214,3 +214,50 @@ def test_dry_run_changes_nothing_and_plans_what_a_real_run_does(tmp_path):
 def test_keep_last_must_be_at_least_one():
     with pytest.raises(InvalidOptionError, match="at least 1"):
         RetentionRules(keep_last=0)
+
+
+def test_a_damaged_newest_checkpoint_never_costs_the_last_sound_one_its_place(tmp_path):
+    """A checkpoint being copied in (`.metadata` first, as cp -r and rsync copy it) holds
+    `.metadata` but not all its data files: `verify --quick` calls it damaged. It is no
+    checkpoint to resume from, so the newest sound one stays, and the damaged one is kept as
+    an incomplete one would be."""
+    run_dir = _run_dir(tmp_path, [100, 200])
+    copying = add_checkpoint(run_dir, "step-300")
+    (copying / "__3_0.distcp").unlink()
+    back_date(copying, 60)
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == ["step-100"]
+    assert _remaining(run_dir) == ["step-200", "step-300"]
+    reasons = {decision.checkpoint.name: decision.reasons for decision in report.decisions}
+    assert reasons["step-200"] == ["newest complete", "one of the last 1 complete"]
+    assert reasons["step-300"][0].startswith("damaged (missing-file")
+    # Like an incomplete one, it goes with --incomplete-older-than once it stops changing.
+    report = _prune(run_dir, keep_last=1, incomplete_older_than_seconds=30)
+    assert _deleted(report) == ["step-300"]
+    assert report.decisions[-1].reasons == [
+        "damaged, unchanged for longer than --incomplete-older-than"]
+
+
+def test_a_metadata_that_does_not_read_is_damaged_too(tmp_path):
+    run_dir = _run_dir(tmp_path, [100])
+    broken = add_checkpoint(run_dir, "step-200")
+    (broken / ".metadata").write_bytes(b"not a pickle")
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == [] and _remaining(run_dir) == ["step-100", "step-200"]
+    assert report.decisions[0].reasons[0] == "newest complete"
+
+
+def test_a_nested_run_named_like_a_step_is_never_deleted(tmp_path):
+    """seed_1/ holds checkpoints of its own (step-100/, step-200/) and the user's files: it
+    is named like step 1, but it is not an accelerate checkpoint, whose parts are
+    pytorch_model_fsdp_<i>/ and optimizer_<i>/, so it is no checkpoint of this run."""
+    run_dir = _run_dir(tmp_path, [300])
+    nested = run_dir / "seed_1"
+    for step in (100, 200):
+        add_checkpoint(nested, f"step-{step}")
+    (nested / "config.yaml").write_text("lr: 3e-4")
+    before = tree_listing(nested)
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == [] and tree_listing(nested) == before
+    assert [entry.name for entry in report.ignored] == ["seed_1"]
+    assert "not the parts of an accelerate checkpoint" in report.ignored[0].reason
