@@ -5,6 +5,7 @@ is what makes it a checkpoint, and an object only appears once its upload comple
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -29,6 +30,7 @@ class StagedOutput:
         refuse_overlap(source, destination)
         check_destination(destination, overwrite, is_directory)
         self.destination = destination
+        self.overwrite = overwrite
         self.is_directory = is_directory
         self.token = new_token()
         self.path = destination.parent / temporary_name(f".{destination.name}", self.token)
@@ -38,12 +40,16 @@ class StagedOutput:
             destination.parent.mkdir(parents=True, exist_ok=True)
 
     def publish(self) -> None:
-        """Rename the finished output into place, replacing what was there."""
+        """Rename the finished output into place: replacing what is there with overwrite;
+        without, only an empty directory, so that what someone put there while this ran (or
+        another run published) is never deleted: that is refused (OutputError)."""
         if self.is_directory:
             fsync_directory(self.path)
         failpoint(Failpoint.BEFORE_PUBLISH)
         with finishing_first():  # never stopped between moving the old output aside and in
-            if self.is_directory and self.destination.exists():
+            if not self.overwrite:
+                self._publish_without_replacing()
+            elif self.is_directory and self.destination.exists():
                 aside = self.destination.parent / temporary_name(
                     f".{self.destination.name}.old", self.token)
                 os.replace(self.destination, aside)
@@ -52,6 +58,31 @@ class StagedOutput:
             else:
                 os.replace(self.path, self.destination)
             fsync_directory(self.destination.parent)
+
+    def _publish_without_replacing(self) -> None:
+        # rename(2) takes the place of an empty directory only, in one step; a file's place is
+        # taken by a hard link, which fails where a file is (a filesystem without hard links
+        # gets a look first, and a moment's race).
+        try:
+            if self.is_directory:
+                os.rename(self.path, self.destination)
+                return
+            try:
+                os.link(self.path, self.destination)
+            except OSError as error:
+                if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+                    raise
+                if os.path.lexists(self.destination):
+                    raise FileExistsError(errno.EEXIST, "exists", self.destination) from None
+                os.rename(self.path, self.destination)
+                return
+            os.unlink(self.path)
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise OutputError("was filled while dcpctl wrote the output (it was empty or absent "
+                              "when the run started): nothing was replaced; run again with "
+                              "--overwrite to replace it", path=self.destination) from None
 
     def abort(self) -> None:
         """Remove the unfinished output; the destination stays as it was."""

@@ -49,6 +49,39 @@ def test_a_file_output(tmp_path):
         StagedOutput(tmp_path, overwrite=True, source=SOURCE, is_directory=False)
 
 
+def test_an_empty_directory_filled_while_the_output_was_written_is_not_replaced(tmp_path):
+    """Without --overwrite an empty directory is taken; what someone put there while the run
+    went on (or a second run published there first) is never deleted."""
+    (tmp_path / "out").mkdir()
+    staged = StagedOutput(tmp_path / "out", overwrite=False, source=SOURCE)
+    (staged.path / "data").write_text("new")
+    (tmp_path / "out" / "important.txt").write_text("theirs")
+    with pytest.raises(OutputError, match="was filled while dcpctl wrote the output.*"
+                                          "--overwrite"):
+        staged.publish()
+    staged.abort()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["important.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    # empty still at the end: taken
+    staged = StagedOutput(tmp_path / "empty", overwrite=False, source=SOURCE)
+    (tmp_path / "empty").mkdir()
+    (staged.path / "data").write_text("new")
+    staged.publish()
+    assert [p.name for p in (tmp_path / "empty").iterdir()] == ["data"]
+
+
+def test_a_file_written_where_the_output_goes_while_it_was_written_is_not_replaced(tmp_path):
+    target = tmp_path / "model.pt"
+    staged = StagedOutput(target, overwrite=False, source=SOURCE, is_directory=False)
+    staged.path.write_bytes(b"mine")
+    target.write_bytes(b"theirs")
+    with pytest.raises(OutputError, match="was filled while"):
+        staged.publish()
+    staged.abort()
+    assert target.read_bytes() == b"theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
 def test_abort_removes_the_unfinished_directory(tmp_path):
     staged = StagedOutput(tmp_path / "out", overwrite=False, source=SOURCE)
     (staged.path / "half").write_text("x")
