@@ -5,7 +5,9 @@ is what makes it a checkpoint, and an object only appears once its upload comple
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -15,7 +17,9 @@ from dcpctl.errors import OutputError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.stopping import finishing_first
-from dcpctl.storage.local import fsync_directory, new_token, temporary_name
+from dcpctl.storage.local import (empty_directory, final_name_of, fsync_directory,
+                                  is_temporary_name, new_token, open_directory_at,
+                                  temporary_name)
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath
 
@@ -23,7 +27,12 @@ from dcpctl.storage.paths import StoragePath
 class StagedOutput:
     """Where an output is written (`path`) before `publish` renames it to `destination`. A
     destination that is, holds or lies inside the source is refused; an existing one is
-    refused unless overwrite (an empty directory is always taken)."""
+    refused unless overwrite (an empty directory is always taken).
+
+    It is written in a hidden staging directory beside the destination (the output itself, or
+    the directory the output file is written in), locked (flock) until the run ends: a run
+    killed outright leaves it behind unlocked, and the next run for the same destination
+    removes it (remove_dead_stagings), while a live run's stays."""
 
     def __init__(self, destination: Path, overwrite: bool, source: Path,
                  is_directory: bool = True) -> None:
@@ -33,11 +42,15 @@ class StagedOutput:
         self.overwrite = overwrite
         self.is_directory = is_directory
         self.token = new_token()
-        self.path = destination.parent / temporary_name(f".{destination.name}", self.token)
-        if is_directory:
-            self.path.mkdir(parents=True)
-        else:
-            destination.parent.mkdir(parents=True, exist_ok=True)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        self.removed_stagings = remove_dead_stagings(destination)
+        self._staging = destination.parent / temporary_name(f".{destination.name}", self.token)
+        self._staging.mkdir()
+        self._lock: int | None = os.open(self._staging,
+                                         os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        with contextlib.suppress(OSError):  # no flock here: nothing tells a dead run apart
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.path = self._staging if is_directory else self._staging / destination.name
 
     def publish(self) -> None:
         """Rename the finished output into place: replacing what is there with overwrite;
@@ -57,7 +70,10 @@ class StagedOutput:
                 shutil.rmtree(aside)
             else:
                 os.replace(self.path, self.destination)
+            if not self.is_directory:
+                os.rmdir(self._staging)
             fsync_directory(self.destination.parent)
+        self._unlock()
 
     def _publish_without_replacing(self) -> None:
         # rename(2) takes the place of an empty directory only, in one step; a file's place is
@@ -86,10 +102,42 @@ class StagedOutput:
 
     def abort(self) -> None:
         """Remove the unfinished output; the destination stays as it was."""
-        if self.is_directory:
-            shutil.rmtree(self.path, ignore_errors=True)
-        else:
-            self.path.unlink(missing_ok=True)
+        shutil.rmtree(self._staging, ignore_errors=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            lock, self._lock = self._lock, None
+            os.close(lock)
+
+
+def remove_dead_stagings(destination: Path) -> list[str]:
+    """Remove the staging directories that runs killed outright left for destination (see
+    StagedOutput): those beside it of its temporary names whose lock nobody holds; the names
+    removed. Never follows a symlink; where flock is not supported, removes nothing."""
+    prefix = f".{destination.name}"
+    removed = []
+    parent = os.open(destination.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in sorted(os.listdir(parent)):
+            if not (is_temporary_name(name) and final_name_of(name) == prefix):
+                continue
+            try:
+                descriptor = open_directory_at(parent, name)
+            except OSError:
+                continue  # gone, or not a directory (a symlink is never followed)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                empty_directory(descriptor)
+                os.rmdir(name, dir_fd=parent)
+                removed.append(name)
+            except OSError:
+                continue  # a live run's, gone meanwhile, or no flock here: left alone
+            finally:
+                os.close(descriptor)
+    finally:
+        os.close(parent)
+    return removed
 
 
 class ObjectStoreOutput:

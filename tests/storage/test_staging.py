@@ -100,3 +100,56 @@ def test_an_output_that_is_holds_or_lies_inside_the_input_is_refused(tmp_path, w
         StagedOutput(destination, overwrite=True, source=source)
     assert (source / "data").read_text() == "keep"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["source"]
+
+
+def _staging_in_a_process(destination: Path, is_directory: bool):
+    """A process that stages an output for destination and waits; its staging path."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from pathlib import Path; "
+            "from dcpctl.storage.staging import StagedOutput; "
+            f"staged = StagedOutput(Path({str(destination)!r}), False, Path('/nonexistent'), "
+            f"is_directory={is_directory}); "
+            "(staged.path / 'half' if staged.is_directory else staged.path).write_bytes(b'x'); "
+            "print(staged.path, flush=True); time.sleep(600)")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return process, Path(process.stdout.readline().strip())
+
+
+@pytest.mark.parametrize("is_directory", [True, False])
+def test_a_killed_runs_staging_goes_with_the_next_run_and_a_live_ones_stays(tmp_path,
+                                                                            is_directory):
+    destination = tmp_path / ("out" if is_directory else "model.pt")
+    live, live_path = _staging_in_a_process(destination, is_directory)
+    killed, killed_path = _staging_in_a_process(destination, is_directory)
+    try:
+        killed.kill()
+        killed.wait()
+        assert killed_path.exists() and live_path.exists()
+        staged = StagedOutput(destination, overwrite=False, source=SOURCE,
+                              is_directory=is_directory)
+        assert staged.removed_stagings == [killed_path.parent.name if not is_directory
+                                           else killed_path.name]
+        assert not killed_path.exists() and live_path.exists()
+        staged.abort()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_only_this_outputs_unlocked_staging_directories_are_removed(tmp_path):
+    (tmp_path / ".out.dcpctl-0123456789ab.tmp").mkdir()  # a dead run's: goes
+    kept = [".other.dcpctl-0123456789ab.tmp", ".out.old.dcpctl-0123456789ab.tmp", "notes"]
+    for name in kept:
+        (tmp_path / name).mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("x")
+    (tmp_path / ".out.dcpctl-ba9876543210.tmp").symlink_to(outside)
+    kept += [".out.dcpctl-ba9876543210.tmp", "outside"]
+    staged = StagedOutput(tmp_path / "out", overwrite=False, source=SOURCE)
+    assert staged.removed_stagings == [".out.dcpctl-0123456789ab.tmp"]
+    staged.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    assert (outside / "precious").read_text() == "x"
