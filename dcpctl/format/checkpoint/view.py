@@ -119,8 +119,8 @@ def resolve_inside(directory: StoragePath, relative_path: str) -> StoragePath:
     real_directory = os.path.realpath(directory)
     real_candidate = os.path.realpath(candidate)
     if os.path.commonpath([real_directory, real_candidate]) != real_directory:
-        raise UnsafePathError(f"data file {relative_path!r} resolves to {real_candidate}, "
-                              "outside the checkpoint directory (a symlink out?)", path=directory)
+        raise UnsafePathError(f"{relative_path!r} resolves to {real_candidate}, outside the "
+                              "checkpoint directory (a symlink out?)", path=directory)
     return candidate
 
 
@@ -141,6 +141,7 @@ def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = T
                                            _file_sizes(directory, listing, hf_files))
             check_index(directory, metadata)
         else:
+            resolve_inside(directory, METADATA_FILE_NAME)  # like every file of it, inside it
             metadata = read_metadata(directory)
         checkpoint = Checkpoint(directory, metadata, listing=listing, hf_storage=bool(hf_files))
         _collect_entries(checkpoint)

@@ -184,6 +184,22 @@ def test_symlink_out_of_the_directory_is_refused(copy_fixture, tmp_path):
         open_checkpoint(checkpoint)
 
 
+def test_a_metadata_linked_out_of_the_directory_is_refused_as_a_data_file_is(copy_fixture,
+                                                                              tmp_path):
+    """checksum left such a .metadata out of SHA256SUMS, which verify then called damaged;
+    every command read it. Linked inside, it reads."""
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    outside = tmp_path / "elsewhere.metadata"
+    (checkpoint / ".metadata").rename(outside)
+    (checkpoint / ".metadata").symlink_to(outside)
+    with pytest.raises(UnsafePathError, match="'.metadata' resolves to .*outside the checkpoint"):
+        open_checkpoint(checkpoint)
+    (checkpoint / ".metadata").unlink()
+    outside.rename(checkpoint / "metadata.real")
+    (checkpoint / ".metadata").symlink_to("metadata.real")
+    assert open_checkpoint(checkpoint).tensors
+
+
 def test_a_subdirectory_linked_out_of_the_directory_is_refused(copy_fixture, tmp_path):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     outside = tmp_path / "elsewhere"
