@@ -34,6 +34,15 @@ class SafetensorsTensor:
     nbytes: int = 0
 
 
+def parse_json(data: bytes | str):
+    """A JSON document read from a file (a header, an index): ValueError where it is not one,
+    or nests deeper than Python's parser can follow (RecursionError otherwise)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested deeper than any real one") from None
+
+
 @functools.lru_cache(maxsize=64)
 def read_safetensors_header(path: Path, blob_offset: int = 0) -> tuple[dict, int]:
     """The JSON header of the safetensors blob at blob_offset of a file (a whole safetensors
@@ -48,7 +57,7 @@ def read_safetensors_header(path: Path, blob_offset: int = 0) -> tuple[dict, int
             if header_bytes > _MAX_HEADER_BYTES:
                 raise DataError(f"{where} claims {header_bytes} bytes, more than any real "
                                 "header", path=path)
-            header = json.loads(reader.read(blob_offset + 8, header_bytes))
+            header = parse_json(reader.read(blob_offset + 8, header_bytes))
     except (ValueError, UnicodeDecodeError) as error:
         raise DataError(f"{where} is not JSON ({error})", path=path) from None
     except FileNotFoundError:
@@ -163,7 +172,8 @@ def parse_entry(path: Path, name: str, entry, data_start: int,
     exactly its bytes inside the file (file_bytes long, its data from data_start)."""
     try:
         code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not all(type(value) is int and value >= 0 for value in [*shape, begin, end]):
+        if type(code) is not str or not all(type(value) is int and value >= 0
+                                            for value in [*shape, begin, end]):
             raise TypeError
     except (TypeError, KeyError, ValueError):
         raise DataError(f"safetensors header entry {name!r} is not a valid tensor entry "
@@ -205,11 +215,16 @@ def read_safetensors_model(source: Path) -> list[tuple[Path, SafetensorsTensor]]
 def read_weight_map(index_path: Path) -> dict:
     """The weight_map of a `model.safetensors.index.json`: tensor name to file name."""
     try:
-        weight_map = json.loads(read_whole(index_path))["weight_map"]
+        weight_map = parse_json(read_whole(index_path))["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError
     except (ValueError, KeyError, TypeError):
         raise DataError("not a safetensors index (no weight_map)", path=index_path) from None
+    wrong = next((name for name, file_name in weight_map.items()
+                  if not isinstance(file_name, str)), None)
+    if wrong is not None:
+        raise DataError(f"weight_map gives {wrong!r} the file {weight_map[wrong]!r:.80}, not a "
+                        "file name", path=index_path)
     return weight_map
 
 

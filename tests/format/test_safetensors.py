@@ -98,3 +98,37 @@ def test_a_truncated_file_is_refused(tmp_path):
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(DataError, match="'a'"):
         read_safetensors_model(path)
+
+
+def _with_header(path, header: bytes) -> None:
+    import struct
+
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+
+
+ENTRY = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+
+
+@pytest.mark.parametrize("header, message", [
+    (json.dumps({"a": {**ENTRY, "dtype": ["F32"]}}).encode(), "'a' is not a valid tensor entry"),
+    (json.dumps({"a": {**ENTRY, "dtype": {"F32": 1}}}).encode(), "not a valid tensor entry"),
+    (b"[" * 100_000 + b"]" * 100_000, "not JSON \\(nested deeper than any real one\\)"),
+])
+def test_hostile_headers_are_refused_in_a_line(tmp_path, header, message):
+    """A dtype that is a list crashed on a dict lookup, and a header nested 100,000 deep with
+    a RecursionError: internal errors, where a refusal naming the file belongs."""
+    path = tmp_path / "model.safetensors"
+    _with_header(path, header)
+    with pytest.raises(DataError, match=message):
+        read_safetensors_model(path)
+
+
+@pytest.mark.parametrize("index, message", [
+    ('{"weight_map": {"a": ["model.safetensors"]}}', "gives 'a' the file \\['model"),
+    ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", "not a safetensors index"),
+])
+def test_hostile_indexes_are_refused_in_a_line(tmp_path, index, message):
+    _with_header(tmp_path / "model.safetensors", json.dumps({"a": ENTRY}).encode())
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(DataError, match=message):
+        read_safetensors_model(tmp_path)

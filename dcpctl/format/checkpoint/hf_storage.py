@@ -18,7 +18,6 @@ among the shard numbers can); `dcpctl checksum` writes SHA256SUMS, which then ca
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Iterable
 
@@ -28,7 +27,7 @@ from dcpctl.format.metadata.records import (ChunkMetadata, CheckpointMetadata, M
                                             StorageInfo, TensorMetadata, TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
 from dcpctl.format.safetensors import (METADATA_KEY, SHARDING_INFO_KEY, parse_entry,
-                                       read_safetensors_header, read_weight_map)
+                                       parse_json, read_safetensors_header, read_weight_map)
 from dcpctl.storage.paths import StoragePath, file_names_in
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -137,7 +136,7 @@ def _sharding_info(header: dict, path: StoragePath) -> dict | None:
     if not isinstance(metadata, dict) or SHARDING_INFO_KEY not in metadata:
         return None
     try:
-        info = json.loads(metadata[SHARDING_INFO_KEY])
+        info = parse_json(metadata[SHARDING_INFO_KEY])
         if not isinstance(info, dict):
             raise ValueError("not a JSON object")
     except (TypeError, ValueError) as error:
