@@ -184,8 +184,7 @@ def test_symlink_out_of_the_directory_is_refused(copy_fixture, tmp_path):
         open_checkpoint(checkpoint)
 
 
-def test_a_metadata_linked_out_of_the_directory_is_refused_as_a_data_file_is(copy_fixture,
-                                                                              tmp_path):
+def test_a_metadata_linked_out_of_the_directory_is_refused(copy_fixture, tmp_path):
     """checksum left such a .metadata out of SHA256SUMS, which verify then called damaged;
     every command read it. Linked inside, it reads."""
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
