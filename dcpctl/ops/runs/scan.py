@@ -128,6 +128,8 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
                 scan.ignored.append(IgnoredEntry(name, shape))
         except FileNotFoundError:
             continue  # removed while we looked (a trainer purging its own old checkpoints)
+        except OSError as error:  # not ours to read: not ours to judge or delete either
+            scan.ignored.append(IgnoredEntry(name, f"cannot be read ({error.strerror})"))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     return scan
 

@@ -104,3 +104,27 @@ def test_run_directory_must_exist_and_not_be_a_checkpoint(tmp_path):
         scan_run_directory(tmp_path / "absent")
     with pytest.raises(CheckpointNotFoundError, match="is a checkpoint itself"):
         scan_run_directory(fixture_path("mesh2d_4ranks"))
+
+
+def test_a_checkpoint_directory_that_cannot_be_read_is_ignored_not_fatal(tmp_path, monkeypatch):
+    """One step directory of another user's (mode 700) made ls and prune fail as a whole, so a
+    cron prune stopped pruning everything else. (Tests run as root, who reads anything: the
+    listing is made to fail as it does for another user.)"""
+    from dcpctl.ops.runs import scan as scan_module
+
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        add_checkpoint(run_dir, f"step-{step}")
+    (run_dir / "step-3").mkdir()
+    listing = scan_module._names_two_levels_down
+
+    def denied_for_step_3(path):
+        if path.name == "step-3":
+            raise PermissionError(13, "Permission denied", str(path))
+        return listing(path)
+
+    monkeypatch.setattr(scan_module, "_names_two_levels_down", denied_for_step_3)
+    scan = scan_run_directory(run_dir)
+    assert [entry.name for entry in scan.checkpoints] == ["step-1", "step-2"]
+    assert [(entry.name, entry.reason) for entry in scan.ignored] == [
+        ("step-3", "cannot be read (Permission denied)")]
