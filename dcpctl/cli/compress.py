@@ -16,7 +16,7 @@ from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, M
 _output_option = output_option(
     required=False,
     help="Write the result to this directory instead of rewriting CHECKPOINT in place. It must "
-         "not exist or be empty, unless --overwrite.")
+         "not exist or be empty, unless --overwrite; CHECKPOINT itself means in place.")
 
 
 @click.command("compress")

@@ -36,6 +36,8 @@ class StagedOutput:
 
     def __init__(self, destination: Path, overwrite: bool, source: Path,
                  is_directory: bool = True) -> None:
+        if destination.name in ("", ".", ".."):  # `-o .`, `-o run/..`: the directory it means
+            destination = Path(os.path.realpath(destination))
         refuse_overlap(source, destination)
         check_destination(destination, overwrite, is_directory)
         self.destination = destination

@@ -153,3 +153,18 @@ def test_only_this_outputs_unlocked_staging_directories_are_removed(tmp_path):
     staged.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     assert (outside / "precious").read_text() == "x"
+
+
+@pytest.mark.parametrize("given", [".", "new/sub/.."])
+def test_an_output_named_by_dot_or_dotdot_is_the_directory_it_means(tmp_path, monkeypatch, given):
+    """`-o .` failed at publish, after all the work (rename of "." is EBUSY), and
+    `-o new/sub/..` left new/sub behind."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    means = work if given == "." else work / "new"
+    staged = StagedOutput(Path(given), overwrite=False, source=SOURCE)
+    (staged.path / "data").write_text("new")
+    staged.publish()
+    assert (means / "data").read_text() == "new"
+    assert not (work / "new" / "sub").exists()
