@@ -15,7 +15,7 @@ from dcpctl.format.file_names import SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.paths import StoragePath, open_ranged, read_whole, storage_path, write_whole
 
-_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")  # sha256sum -c takes either case
 HASH_PIECE_BYTES = 4 << 20
 
 
@@ -89,9 +89,10 @@ def format_sha256sums(digests: dict[str, str]) -> str:
 
 
 def parse_sha256sums(text: str, source: str = SHA256SUMS_FILE_NAME) -> dict[str, str]:
-    """File name to hex digest; raises DataError naming the line that is not a checksum line,
-    or that gives a file another digest than a line before it (`sha256sum -c` fails one of
-    them: neither may be taken)."""
+    """File name to lower-case hex digest; raises DataError naming the line that is not a
+    checksum line, names no plain file of the checkpoint (`../x`, `/x`: every command refuses
+    what verify calls damaged), or gives a file another digest than a line before it
+    (`sha256sum -c` fails one of them: neither may be taken)."""
     digests: dict[str, str] = {}
     lines: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), start=1):
@@ -100,7 +101,10 @@ def parse_sha256sums(text: str, source: str = SHA256SUMS_FILE_NAME) -> dict[str,
         match = _LINE.match(line)
         if match is None:
             raise DataError(f"{source}:{number}: not a `sha256sum` line: {line[:80]!r}")
-        digest, name = match.group(1), match.group(2)
+        digest, name = match.group(1).lower(), match.group(2)
+        if not is_plain_file_name(name):
+            raise DataError(f"{source}:{number}: names {name[:80]!r}, not a plain file name in "
+                            "the checkpoint directory")
         if digests.setdefault(name, digest) != digest:
             raise DataError(f"{source}:{number}: gives {name!r} another digest than line "
                             f"{lines[name]} does")

@@ -251,8 +251,14 @@ def test_sha256sums_that_disagree_with_the_directory(copy_fixture):
     assert rules(verify_checkpoint(checkpoint, deep=False)) == {"checksums-file"}
 
 
-@pytest.mark.parametrize("listed", ["../outside.distcp", "sub//__0_0.distcp", "./__0_0.distcp"])
-def test_sha256sums_naming_what_is_not_a_plain_file_name(copy_fixture, listed):
+@pytest.mark.parametrize("listed", ["../outside.distcp", "sub//__0_0.distcp", "./__0_0.distcp",
+                                    "/etc/hostname"])
+def test_sha256sums_naming_what_is_not_a_plain_file_name(copy_fixture, tmp_path, listed):
+    """verify called such a file damaged while checksum rewrote it and reshard went ahead:
+    every command refuses it alike now."""
+    from dcpctl.errors import DataError
+    from dcpctl.ops.reshard.execution import reshard_checkpoint
+
     checkpoint = copy_fixture("mesh2d_4ranks")
     checksum_checkpoint(checkpoint)
     with open(checkpoint / "SHA256SUMS", "a") as sums:
@@ -260,6 +266,20 @@ def test_sha256sums_naming_what_is_not_a_plain_file_name(copy_fixture, listed):
     report = verify_checkpoint(checkpoint, deep=False)
     assert rules(report) == {"checksums-file"}
     assert listed in only_problem(report, "checksums-file").message
+    with pytest.raises(DataError, match="not a plain file name"):
+        checksum_checkpoint(checkpoint)
+    with pytest.raises(DataError, match="not a plain file name"):
+        reshard_checkpoint(checkpoint, 2, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_sha256sums_in_upper_case_hex_hold_as_sha256sum_reads_them(copy_fixture):
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    checksum_checkpoint(checkpoint)
+    sums = checkpoint / "SHA256SUMS"
+    sums.write_text("".join(line[:64].upper() + line[64:] + "\n"
+                            for line in sums.read_text().splitlines()))
+    assert verify_checkpoint(checkpoint, deep=True).status == "ok"
 
 
 @pytest.mark.parametrize("wrong_first", [True, False])
