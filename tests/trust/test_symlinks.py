@@ -8,7 +8,7 @@ import secrets
 import shutil
 
 import pytest
-from conftest import add_checkpoint, directory_state, fixture_path, tree_listing
+from conftest import add_checkpoint, back_date, directory_state, fixture_path, tree_listing
 
 from dcpctl.storage.local import OutputFile, temporary_name, write_file_atomically
 from dcpctl.storage.locks import locked_directory
@@ -32,7 +32,9 @@ def test_prune_deletes_a_planted_symlink_not_what_it_points_to(run_cli, tmp_path
         add_checkpoint(run_dir, name)
     (run_dir / planted).unlink(missing_ok=True)
     (run_dir / planted).symlink_to(victim_directory if planted.endswith("data") else victim)
-    result = run_cli("prune", run_dir, "--keep-last", "1")
+    # a data file linked out makes step-1 damaged, which goes as an incomplete one does
+    back_date(run_dir / "step-1", 3600)
+    result = run_cli("prune", run_dir, "--keep-last", "1", "--incomplete-older-than", "1m")
     assert result.exit_code == 0, result.output
     assert not (run_dir / "step-1").exists()
     assert victim.read_text() == (victim_directory / "file").read_text() == "precious\n"
