@@ -61,6 +61,18 @@ def test_key_paths_that_cannot_all_hold_their_values_are_refused(run_cli, tmp_pa
     assert not (tmp_path / "state.pt").exists()
 
 
+def test_a_key_path_deeper_than_the_pickler_goes_is_refused(run_cli, tmp_path, checkpoint):
+    """An entry nested 5,000 keys deep (its name 5,000 parts joined with dots) stopped
+    convert --to torch on an internal RecursionError."""
+    key_path = ("h",) * 5000
+    _with_planner_data(checkpoint, lambda metadata: _renamed(metadata, "history",
+                                                             ".".join(key_path), key_path))
+    result = run_cli("convert", checkpoint, "--to", "torch", "-o", tmp_path / "state.pt")
+    assert result.exit_code == 1, result.output
+    assert "nests deeper than Python's pickler can write" in result.output
+    assert len(result.output.splitlines()) == 1 and not (tmp_path / "state.pt").exists()
+
+
 @pytest.mark.parametrize("command", [["verify"], ["compress", "-o", "{out}"],
                                      ["reshard", "--ranks", "2", "-o", "{out}"],
                                      ["convert", "--to", "torch", "-o", "{out}.pt"]])

@@ -182,7 +182,12 @@ def _pickle_state(plan: TorchSavePlan, checkpoint: Checkpoint) -> tuple[list[Out
         set_nested(state, key_path, values[fqn])
     buffer = io.BytesIO()
     pickler = _StatePickler(buffer)
-    pickler.dump(state)
+    try:
+        pickler.dump(state)
+    except RecursionError:  # a key path thousands of keys long, or an object nested as deep
+        raise UnsupportedLayoutError("the state nests deeper than Python's pickler can write "
+                                     "(planner_data's key paths with the objects' own nesting)",
+                                     path=checkpoint.path) from None
     return pickler.stored, buffer.getvalue()
 
 
