@@ -217,5 +217,9 @@ def scratch_directory_beside(path) -> Iterator[Path]:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent,
-                                     prefix=f".{path.name}.dcpctl-scratch-") as directory:
+                                     prefix=f".{path.name}{SCRATCH_INFIX}") as directory:
         yield Path(directory)
+
+
+SCRATCH_INFIX = ".dcpctl-scratch-"
+"""What the name of a scratch directory beside a path holds after the path's own name."""

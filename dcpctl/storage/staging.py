@@ -17,9 +17,9 @@ from dcpctl.errors import OutputError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.stopping import finishing_first
-from dcpctl.storage.local import (empty_directory, final_name_of, fsync_directory,
-                                  is_temporary_name, new_token, open_directory_at,
-                                  temporary_name)
+from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
+                                  fsync_directory, is_temporary_name, new_token,
+                                  open_directory_at, temporary_name)
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath
 
@@ -115,31 +115,44 @@ class StagedOutput:
 
 def remove_dead_stagings(destination: Path) -> list[str]:
     """Remove the staging directories that runs killed outright left for destination (see
-    StagedOutput): those beside it of its temporary names whose lock nobody holds; the names
-    removed. Never follows a symlink; where flock is not supported, removes nothing."""
+    StagedOutput), those beside it of its temporary names whose lock nobody holds, with the
+    scratch directories those runs kept beside them (storage/local.py
+    scratch_directory_beside); the names removed. Never follows a symlink; where flock is
+    not supported, removes nothing."""
     prefix = f".{destination.name}"
-    removed = []
+    removed: list[str] = []
     parent = os.open(destination.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for name in sorted(os.listdir(parent)):
-            if not (is_temporary_name(name) and final_name_of(name) == prefix):
-                continue
-            try:
-                descriptor = open_directory_at(parent, name)
-            except OSError:
-                continue  # gone, or not a directory (a symlink is never followed)
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                empty_directory(descriptor)
-                os.rmdir(name, dir_fd=parent)
+        names = sorted(os.listdir(parent))
+        for name in names:
+            if is_temporary_name(name) and final_name_of(name) == prefix and _remove_unlocked(
+                    parent, name, lock=True):
                 removed.append(name)
-            except OSError:
-                continue  # a live run's, gone meanwhile, or no flock here: left alone
-            finally:
-                os.close(descriptor)
+                removed += [scratch for scratch in names
+                            if scratch.startswith(f".{name}{SCRATCH_INFIX}")
+                            and _remove_unlocked(parent, scratch, lock=False)]
     finally:
         os.close(parent)
     return removed
+
+
+def _remove_unlocked(parent: int, name: str, lock: bool) -> bool:
+    """Remove directory name of the open parent, with all in it, unless (with lock) another
+    process holds its lock; whether it was removed."""
+    try:
+        descriptor = open_directory_at(parent, name)
+    except OSError:
+        return False  # gone, or not a directory (a symlink is never followed)
+    try:
+        if lock:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        empty_directory(descriptor)
+        os.rmdir(name, dir_fd=parent)
+        return True
+    except OSError:
+        return False  # a live run's, gone meanwhile, or no flock here: left alone
+    finally:
+        os.close(descriptor)
 
 
 class ObjectStoreOutput:

@@ -140,7 +140,11 @@ def test_a_killed_runs_staging_goes_with_the_next_run_and_a_live_ones_stays(tmp_
 
 def test_only_this_outputs_unlocked_staging_directories_are_removed(tmp_path):
     (tmp_path / ".out.dcpctl-0123456789ab.tmp").mkdir()  # a dead run's: goes
-    kept = [".other.dcpctl-0123456789ab.tmp", ".out.old.dcpctl-0123456789ab.tmp", "notes"]
+    scratch = tmp_path / "..out.dcpctl-0123456789ab.tmp.dcpctl-scratch-k2j4"  # and its scratch
+    scratch.mkdir()
+    (scratch / "spooled").write_bytes(b"payload")
+    kept = [".other.dcpctl-0123456789ab.tmp", ".out.old.dcpctl-0123456789ab.tmp", "notes",
+            "..out.dcpctl-aaaaaaaaaaaa.tmp.dcpctl-scratch-x"]  # a scratch of no dead staging
     for name in kept:
         (tmp_path / name).mkdir()
     outside = tmp_path / "outside"
@@ -149,7 +153,7 @@ def test_only_this_outputs_unlocked_staging_directories_are_removed(tmp_path):
     (tmp_path / ".out.dcpctl-ba9876543210.tmp").symlink_to(outside)
     kept += [".out.dcpctl-ba9876543210.tmp", "outside"]
     staged = StagedOutput(tmp_path / "out", overwrite=False, source=SOURCE)
-    assert staged.removed_stagings == [".out.dcpctl-0123456789ab.tmp"]
+    assert staged.removed_stagings == [".out.dcpctl-0123456789ab.tmp", scratch.name]
     staged.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     assert (outside / "precious").read_text() == "x"
