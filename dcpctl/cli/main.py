@@ -140,9 +140,16 @@ def main() -> None:
 def _run_as_torchrun_rank() -> int:
     """Rank 0 runs the command, handing each job's shares to every rank; the other ranks do
     their shares and exit with rank 0's status (execution/torchrun.py)."""
-    team = join_torchrun()
-    if team.rank != 0:
-        return team.serve()
+    try:
+        team = join_torchrun()
+        if team.rank != 0:
+            return team.serve()
+    except KeyboardInterrupt:  # said as rank 0's command says it (DcpctlGroup.invoke)
+        click.echo("Error: interrupted", err=True)
+        return 128 + signal.SIGINT
+    except Terminated as stop:
+        click.echo(f"Error: stopped by {stop}", err=True)
+        return 128 + stop.signal_number
     exit_code = 1
     try:
         cli(prog_name="dcpctl", obj={}, standalone_mode=True)  # the teardown is kept: see end

@@ -20,6 +20,7 @@ from make_fixtures import tensor_sha256
 
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.torch_save.layout import find_payload_start
+from dcpctl.stopping import Terminated
 
 SOURCE = "fsdp2_adamw_3ranks"
 
@@ -310,3 +311,22 @@ def test_a_failing_rank_fails_the_torchrun_job_naming_it(copy_fixture, tmp_path,
     assert result.returncode != 0
     assert f"Error: rank {rank} of 2: " in result.stderr and damaged in result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
+
+
+@pytest.mark.parametrize("stop, words, code", [
+    (lambda: Terminated(signal.SIGTERM), "Error: stopped by SIGTERM", 143),
+    (KeyboardInterrupt, "Error: interrupted", 130)])
+def test_a_rank_other_than_0_stopped_says_so_in_a_line(monkeypatch, capsys, stop, words, code):
+    """A scheduler's preemption sends SIGTERM to every rank: ranks other than 0 ended with a
+    traceback and exit status 1, where rank 0 and a plain run say it in a line, 128 + signal."""
+    from dcpctl.cli import main as cli_main
+
+    class Team:
+        rank = 1
+
+        def serve(self):
+            raise stop()
+
+    monkeypatch.setattr(cli_main, "join_torchrun", Team)
+    assert cli_main._run_as_torchrun_rank() == code
+    assert capsys.readouterr().err.strip() == words
