@@ -14,6 +14,7 @@ import os
 import posixpath
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Protocol, Union
@@ -254,13 +255,27 @@ def file_names_in(directory: StoragePath) -> set[str]:
 def remove_stale_temporaries(directory: StoragePath, keep: set[str]) -> list[str]:
     """Delete the temporary files an earlier killed run left under directory, but those in
     keep, and the files that a kept temporary file stands in for (the old data file a killed
-    in-place rewrite had switched away from but not yet deleted); returns their names."""
+    in-place rewrite had switched away from but not yet deleted); returns their names. The
+    caller holds the checkpoint exclusively (storage/locks.py), so no other run's are there.
+    An object store has no locks: another run's live temporaries look the same there, so only
+    what nothing wrote to for STALE_OBJECT_SECONDS goes."""
     replaced = {final_name_of(name) for name in keep if is_temporary_name(name)} - keep
-    removed = sorted(name for name in file_names_in(directory) if name not in keep and (
+    if isinstance(directory, ObjectPath):
+        oldest_live = time.time() - STALE_OBJECT_SECONDS
+        names = {name for name, info in directory.store.list_tree(directory.key).items()
+                 if info.modified and info.modified < oldest_live}
+    else:
+        names = file_names_in(directory)
+    removed = sorted(name for name in names if name not in keep and (
         is_temporary_name(posixpath.basename(name)) or name in replaced))
     for name in removed:
         (directory / name).unlink(missing_ok=True)
     return removed
+
+
+STALE_OBJECT_SECONDS = 24 * 3600
+"""How long a temporary object must have been left alone before a run takes it for a killed
+run's (remove_stale_temporaries)."""
 
 
 class ObjectOutputFile:

@@ -11,16 +11,16 @@ import fcntl
 import os
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from dcpctl.errors import OutputError
 from dcpctl.failpoints import Failpoint, failpoint
-from dcpctl.format.file_names import METADATA_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, METADATA_TEMPORARY_FILE_NAME
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
                                   fsync_directory, is_temporary_name, new_token,
                                   open_directory_at, temporary_name)
-from dcpctl.storage.objects import ObjectPath
+from dcpctl.storage.objects import ObjectPath, StorageError
 from dcpctl.storage.paths import StoragePath
 
 
@@ -53,6 +53,10 @@ class StagedOutput:
         with contextlib.suppress(OSError):  # no flock here: nothing tells a dead run apart
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.path = self._staging if is_directory else self._staging / destination.name
+
+    def confirm(self, names: Iterable[str] = ()) -> None:
+        """Nothing to check here: no other run writes in this run's staging directory (see
+        ObjectStoreOutput.confirm)."""
 
     def publish(self) -> None:
         """Rename the finished output into place: replacing what is there with overwrite;
@@ -158,8 +162,17 @@ def _remove_unlocked(parent: int, name: str, lock: bool) -> bool:
 class ObjectStoreOutput:
     """An output in an object store, written in place: `path` is the destination. What stands
     there is refused unless overwrite; with overwrite it is deleted first, `.metadata` before
-    the rest, so it is never seen half gone as a whole checkpoint. publish() has nothing left
-    to do (the caller writes `.metadata` last); abort() deletes what was written."""
+    the rest, so it is never seen half gone as a whole checkpoint.
+
+    A directory is claimed before anything is written: `.metadata.tmp` (what a save in
+    progress holds) is created only if absent, holding this run's token, and the prefix must
+    then hold nothing else. So a second run that starts while this one writes, or once it has
+    published, is refused instead of writing over its objects (where the store can promise a
+    write only if absent: stores that ignore the condition, rclone's, cannot tell two runs
+    apart). The claim is given up in confirm(), just before the output's last file (a
+    checkpoint's `.metadata`), once the objects written are found all there and the claim
+    still this run's; abort() deletes what lies under the prefix only while it is this run's
+    output: its claim, or, after confirm(), no `.metadata` that another run published."""
 
     def __init__(self, destination: ObjectPath, overwrite: bool, source: StoragePath,
                  is_directory: bool = True) -> None:
@@ -167,30 +180,84 @@ class ObjectStoreOutput:
         self.destination = self.path = destination
         self.is_directory = is_directory
         self.token = new_token()
+        self._claimed = self._confirmed = False
         store = destination.store
-        if is_directory:
-            if destination.is_file():
-                raise OutputError("exists and is not a directory (an object has this name)",
-                                  path=destination)
-            standing = sorted(store.list_tree(destination.key))
-            if standing and not overwrite:
-                raise OutputError("exists and is not empty (pass --overwrite to replace it)",
-                                  path=destination)
-            if standing:
-                delete_checkpoint_objects(destination)
-        elif destination.is_file() and not overwrite:
-            raise OutputError("exists (pass --overwrite to replace it)", path=destination)
+        if not is_directory:
+            if destination.is_file() and not overwrite:
+                raise OutputError("exists (pass --overwrite to replace it)", path=destination)
+            return
+        if destination.is_file():
+            raise OutputError("exists and is not a directory (an object has this name)",
+                              path=destination)
+        standing = sorted(store.list_tree(destination.key))
+        if standing and not overwrite:
+            writing = (METADATA_TEMPORARY_FILE_NAME in standing
+                       and METADATA_FILE_NAME not in standing)
+            raise OutputError(
+                f"holds {METADATA_TEMPORARY_FILE_NAME}: another run is writing this output, or "
+                "one was stopped before it finished (pass --overwrite to replace it)" if writing
+                else "exists and is not empty (pass --overwrite to replace it)", path=destination)
+        if standing:
+            delete_checkpoint_objects(destination)
+        self._claim = destination / METADATA_TEMPORARY_FILE_NAME
+        self._claim_data = f"dcpctl {self.token}\n".encode()
+        try:
+            store.put(self._claim.key, self._claim_data, if_absent=True)
+        except FileExistsError:
+            raise OutputError(f"another run is writing this output (it holds "
+                              f"{METADATA_TEMPORARY_FILE_NAME}, as a save in progress does); if "
+                              "none is, pass --overwrite to replace it", path=destination) from None
+        self._claimed = True
+        if set(store.list_tree(destination.key)) - {METADATA_TEMPORARY_FILE_NAME}:
+            self._give_up_claim()
+            raise OutputError("another run wrote here meanwhile: the output is not empty (pass "
+                              "--overwrite to replace it)", path=destination)
+
+    def confirm(self, names: Iterable[str] = ()) -> None:
+        """Before the output's last file is written: check that the claim is still this run's
+        and that every one of names (the files it wrote) is there, and give the claim up;
+        raises OutputError, nothing published, where another run took the output over."""
+        if not self._claimed:
+            return
+        present = self.destination.store.list_tree(self.destination.key)
+        if not self._claim_is_ours():
+            raise OutputError("another run took this output over while this one wrote it "
+                              "(--overwrite?): nothing was published", path=self.destination)
+        missing = sorted(set(names) - set(present))
+        if missing:
+            raise OutputError(f"{missing[0]} was deleted while this run wrote the output "
+                              "(another run?): nothing was published", path=self.destination)
+        self._give_up_claim()
+        self._confirmed = True
 
     def publish(self) -> None:
-        """Nothing to move: every object is in place once its write finished."""
+        """Nothing to move: every object is in place once its write finished; the claim is
+        given up if confirm() has not already."""
         failpoint(Failpoint.BEFORE_PUBLISH)
+        self.confirm()
 
     def abort(self) -> None:
-        """Delete what was written under the destination."""
-        if self.is_directory:
-            delete_checkpoint_objects(self.destination)
-        else:
-            self.destination.unlink(missing_ok=True)
+        """Delete what was written under the destination, where it is this run's output. A
+        store that fails meanwhile (the one that failed the run, say) leaves it: the error
+        that stopped the run is the one to report, and a run with --overwrite clears it."""
+        try:
+            if not self.is_directory:
+                self.destination.unlink(missing_ok=True)
+            elif (self._claimed and self._claim_is_ours()) or (
+                    self._confirmed and not (self.destination / METADATA_FILE_NAME).exists()):
+                delete_checkpoint_objects(self.destination)
+        except (StorageError, OSError):
+            pass
+
+    def _claim_is_ours(self) -> bool:
+        try:
+            return self._claim.read_bytes() == self._claim_data
+        except FileNotFoundError:
+            return False
+
+    def _give_up_claim(self) -> None:
+        self._claim.unlink(missing_ok=True)
+        self._claimed = False
 
 
 def delete_checkpoint_objects(directory: ObjectPath,

@@ -333,3 +333,41 @@ def test_reshard_to_a_mesh_from_a_bucket_into_a_bucket(s3_server, tmp_path):
     downloaded = download_prefix(s3_server, bucket, "tp6/step-1", tmp_path / "downloaded")
     for path in (tmp_path / "local").iterdir():
         assert (downloaded / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_an_in_place_run_leaves_another_runs_fresh_temporaries_in_a_bucket(bucket_checkpoint):
+    """No locks in a bucket: a second command's start-up took a live in-place run's new data
+    objects for a killed run's and deleted them, and the live run then switched `.metadata`
+    to them: the checkpoint named objects that were gone. Temporaries written within the last
+    day stay; one that goes missing all the same stops the run before its switch."""
+    from dcpctl.storage.paths import storage_path
+
+    bucket, url = bucket_checkpoint
+    directory = storage_path(url)
+    live = "__0_0.distcp.dcpctl-0123456789ab.tmp"  # as a live in-place run writes it
+    directory.store.put((directory / live).key, b"being written")
+    ok("compress", url)  # in place
+    assert live in directory.store.list_tree(directory.key)
+
+
+def test_an_in_place_run_whose_new_objects_went_missing_does_not_switch(bucket_checkpoint,
+                                                                         monkeypatch):
+    from dcpctl.errors import DataError
+    from dcpctl.format.checkpoint import publishing
+    from dcpctl.ops.transcode import compress_checkpoint
+    from dcpctl.storage.paths import storage_path
+
+    bucket, url = bucket_checkpoint
+    directory = storage_path(url)
+    renamed = publishing._renamed
+
+    def another_run_deletes_one(metadata, names):
+        directory.store.delete([(directory / names["__1_0.distcp"]).key])
+        return renamed(metadata, names)
+
+    monkeypatch.setattr(publishing, "_renamed", another_run_deletes_one)
+    with pytest.raises(DataError, match="written by this run, is gone"):
+        compress_checkpoint(url)
+    monkeypatch.setattr(publishing, "_renamed", renamed)
+    assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
+    assert tensor_digests(load_with_dcpctl_reader(url)) == expected_tensors()

@@ -172,3 +172,69 @@ def test_an_output_named_by_dot_or_dotdot_is_the_directory_it_means(tmp_path, mo
     staged.publish()
     assert (means / "data").read_text() == "new"
     assert not (work / "new" / "sub").exists()
+
+
+def _object_output(s3_server, overwrite=False):
+    from dcpctl.storage.paths import storage_path
+    from dcpctl.storage.staging import staged_output
+
+    bucket = s3_server.new_bucket()
+    destination = storage_path(f"s3://{bucket}/out")
+    return staged_output(destination, overwrite, SOURCE), destination
+
+
+def _put(destination, name: str, data: bytes) -> None:
+    destination.store.put((destination / name).key, data)
+
+
+def _keys(destination) -> list[str]:
+    return sorted(destination.store.list_tree(destination.key))
+
+
+def test_a_second_run_into_an_object_store_output_is_refused_not_let_write_over_it(s3_server):
+    """Two runs wrote one S3 output prefix: the first published, the second wrote over its
+    data objects, failed on its `.metadata`, and its abort deleted everything under the
+    prefix, the first run's published checkpoint with it."""
+    if not s3_server.conditional_writes:
+        pytest.skip(f"{s3_server.name} ignores If-None-Match: two runs cannot be told apart")
+    first, destination = _object_output(s3_server)
+    assert _keys(destination) == [".metadata.tmp"]  # the claim, as a save in progress holds
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    with pytest.raises(OutputError, match="another run is writing this output"):
+        ObjectStoreOutput(destination, False, SOURCE)
+    _put(destination, "__0_0.distcp", b"data")
+    first.confirm(["__0_0.distcp"])
+    _put(destination, ".metadata", b"metadata")
+    first.publish()
+    assert _keys(destination) == [".metadata", "__0_0.distcp"]
+    with pytest.raises(OutputError, match="exists and is not empty"):
+        ObjectStoreOutput(destination, False, SOURCE)
+    assert _keys(destination) == [".metadata", "__0_0.distcp"]
+
+
+def test_an_object_store_output_taken_over_is_not_published_nor_deleted(s3_server):
+    """A run with --overwrite replaced the output while this one wrote it: this one neither
+    publishes nor deletes what the other wrote."""
+    first, destination = _object_output(s3_server)
+    _put(destination, "__0_0.distcp", b"first")
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    second = ObjectStoreOutput(destination, True, SOURCE)
+    _put(destination, "__0_0.distcp", b"second")
+    with pytest.raises(OutputError, match="another run took this output over"):
+        first.confirm(["__0_0.distcp"])
+    first.abort()
+    assert (destination / "__0_0.distcp").read_bytes() == b"second"
+    second.abort()
+    assert _keys(destination) == []
+
+
+def test_an_object_store_output_whose_objects_went_missing_is_not_published(s3_server):
+    output, destination = _object_output(s3_server)
+    _put(destination, "__0_0.distcp", b"data")
+    destination.store.delete([(destination / "__0_0.distcp").key])
+    with pytest.raises(OutputError, match="__1_0.distcp was deleted"):
+        output.confirm(["__0_0.distcp", "__1_0.distcp"][1:])
+    output.abort()
+    assert _keys(destination) == []

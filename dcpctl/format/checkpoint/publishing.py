@@ -28,6 +28,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
+from dcpctl.errors import DataError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import HASH_PIECE_BYTES, sha256_of_file, write_sha256sums
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
@@ -35,8 +36,8 @@ from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
-from dcpctl.storage.paths import (StoragePath, is_remote, new_output_file, open_ranged,
-                                  write_whole)
+from dcpctl.storage.paths import (StoragePath, file_names_in, is_remote, new_output_file,
+                                  open_ranged, write_whole)
 from dcpctl.storage.staging import staged_output
 
 
@@ -196,8 +197,10 @@ class CheckpointOutput:
         for name in self._side_files:
             digests[name] = _copy_file(self._source / name, self.directory / name)
         metadata_bytes = serialize_metadata(metadata)
+        written = [*digests, SHA256SUMS_FILE_NAME]
         digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
         write_sha256sums(self.directory, digests)
+        self._staged.confirm(written)  # in an object store: still this run's output, whole
         write_whole(self.directory / METADATA_FILE_NAME, metadata_bytes, only_if_absent=True)
         _sync(self.directory, digests)
         self._staged.publish()
@@ -207,6 +210,13 @@ class CheckpointOutput:
         directory = self.directory
         temporary_names = {name: temporary_name(name, self._token) for name in digests}
         switched_metadata = serialize_metadata(_renamed(metadata, temporary_names))
+        if is_remote(directory):  # no locks there: another run may have taken them for stale
+            present = file_names_in(directory)
+            missing = sorted(set(temporary_names.values()) - present)
+            if missing:
+                raise DataError(f"{missing[0]}, written by this run, is gone (another run took "
+                                "it for a killed run's?): the checkpoint is unchanged",
+                                path=directory)
         with finishing_first():  # from here on, a stop waits for the end
             # SHA256SUMS describes the old files: it goes at the switch, so a run that fails
             # or stops earlier leaves the source with its sums
