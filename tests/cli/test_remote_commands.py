@@ -350,8 +350,7 @@ def test_an_in_place_run_leaves_another_runs_fresh_temporaries_in_a_bucket(bucke
     assert live in directory.store.list_tree(directory.key)
 
 
-def test_an_in_place_run_whose_new_objects_went_missing_does_not_switch(bucket_checkpoint,
-                                                                         monkeypatch):
+def test_an_in_place_run_whose_new_objects_went_missing_stops(bucket_checkpoint, monkeypatch):
     from dcpctl.errors import DataError
     from dcpctl.format.checkpoint import publishing
     from dcpctl.ops.transcode import compress_checkpoint
