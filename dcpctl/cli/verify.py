@@ -62,6 +62,10 @@ def render_report(report: VerifyReport) -> str:
         status += f": {len(report.problems)} problem{'s' * (len(report.problems) != 1)}"
     lines = [f"checkpoint  {report.path}", f"checks      {', '.join(checks)}",
              f"read        {format_bytes(report.bytes_read)}", f"status      {status}"]
+    if report.leftover_temporaries:
+        lines.append(f"leftovers   {len(report.leftover_temporaries)} temporary files of a "
+                     "stopped (or running) dcpctl, not the checkpoint's: the next in-place run "
+                     "removes them (in an object store once a day old)")
     for problem in report.problems:
         lines += ["", render_problem(problem)]
     return "\n".join(lines)

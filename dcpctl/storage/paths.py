@@ -263,7 +263,7 @@ def remove_stale_temporaries(directory: StoragePath, keep: set[str]) -> list[str
     if isinstance(directory, ObjectPath):
         oldest_live = time.time() - STALE_OBJECT_SECONDS
         names = {name for name, info in directory.store.list_tree(directory.key).items()
-                 if info.modified and info.modified < oldest_live}
+                 if name in replaced or (info.modified and info.modified < oldest_live)}
     else:
         names = file_names_in(directory)
     removed = sorted(name for name in names if name not in keep and (

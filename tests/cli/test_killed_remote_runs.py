@@ -4,6 +4,7 @@ loads, old or new, and never looks whole when it is not; run again, the command 
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -11,6 +12,9 @@ import torch
 from conftest import (MANIFEST, failpoint_moments, failpoint_passes, fixture_path,
                       load_with_dcpctl_reader, run_dcpctl, upload_directory)
 from make_fixtures import tensor_sha256
+
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.storage import paths
 
 pytestmark = pytest.mark.slow
 SOURCE = "fsdp2_adamw_3ranks"
@@ -39,7 +43,8 @@ def moto_env(moto_s3, monkeypatch):
 
 
 def test_compress_in_place_in_a_bucket_killed_anywhere_leaves_a_checkpoint_that_loads(
-        moto_env, tmp_path):
+        moto_env, tmp_path, monkeypatch):
+    monkeypatch.setattr(paths, "STALE_OBJECT_SECONDS", -60)  # this process's cleanups: all
     probe = moto_env.new_bucket()
     upload_directory(moto_env, fixture_path(SOURCE), probe, "ck")
     passes = failpoint_passes(["compress", f"s3://{probe}/ck"], tmp_path / "trace")
@@ -53,11 +58,18 @@ def test_compress_in_place_in_a_bucket_killed_anywhere_leaves_a_checkpoint_that_
         rerun = run_dcpctl("compress", url)
         assert rerun.returncode == 0, (moment, rerun.stderr)
         assert loaded_tensors(url) == expected_tensors(), moment
-        verified = run_dcpctl("verify", url)
+        verified = run_dcpctl("verify", url, "--json")
         assert verified.returncode == 0, (moment, verified.stdout)
+        # What the killed run left stays for a day (a running one's looks the same in a
+        # bucket, with no locks to tell them apart), named as leftovers, not damage; then goes.
+        leftovers = set(json.loads(verified.stdout)["leftover_temporaries"])
         names = keys_under(moto_env, bucket, "ck")
         named = {name for name in names if name not in (".metadata", "SHA256SUMS")}
-        assert len(named) == 3, (moment, names)  # what the killed run left was cleaned
+        assert len(named - leftovers) == 3, (moment, names)
+        checkpoint = open_checkpoint(url)
+        assert set(paths.remove_stale_temporaries(checkpoint.path, set(checkpoint.files))) == \
+            leftovers
+        assert len(set(keys_under(moto_env, bucket, "ck")) - {".metadata", "SHA256SUMS"}) == 3
 
 
 def test_compress_into_a_bucket_killed_anywhere_never_looks_whole(moto_env, tmp_path):

@@ -4,6 +4,7 @@ every item decoded and checked against its CRC-32s and the metadata."""
 from __future__ import annotations
 
 import os
+import posixpath
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,6 +21,7 @@ from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_started
 from dcpctl.ops.verify.scan import items_to_check
 from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
+from dcpctl.storage.local import is_temporary_name
 from dcpctl.storage.locks import locked_checkpoint
 from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
 
@@ -38,6 +40,9 @@ class VerifyReport:
     items_checked: int = 0
     bytes_read: int = 0
     problems: list[Problem] = field(default_factory=list)
+    leftover_temporaries: list[str] = field(default_factory=list)
+    """Files under dcpctl's temporary names that the metadata does not name: what a stopped
+    (or a running) dcpctl left; not the checkpoint's, and no damage to it."""
 
     @property
     def exit_code(self) -> int:
@@ -52,6 +57,7 @@ class VerifyReport:
             "bytes_read": self.bytes_read,
             "problems": [{"rule": p.rule, "file": p.file, "start": p.start, "end": p.end,
                           "fqns": list(p.fqns), "message": p.message} for p in self.problems],
+            "leftover_temporaries": self.leftover_temporaries,
         }
 
 
@@ -96,6 +102,8 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         if checkpoint is not None:
             report.problems += check_structure(checkpoint, items)
     report.problems += _listing_problems(directory, checkpoint, sums, report.problems)
+    if checkpoint is not None:
+        report.leftover_temporaries = leftover_temporaries(checkpoint)
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
     units = planning.units(checkpoint, archive_items, safetensors_items)
@@ -126,9 +134,23 @@ def unknown_file_problems(checkpoint: Checkpoint, present: set[str] | None = Non
     # the like: only a stray safetensors file is unknown there.
     candidates = ({name for name in present if name.endswith(SAFETENSORS_SUFFIX)}
                   if checkpoint.hf_storage else present)
-    unknown = candidates - known - {SHA256SUMS_FILE_NAME}
+    unknown = candidates - known - {SHA256SUMS_FILE_NAME} - set(
+        leftover_temporaries(checkpoint, present))
     return [Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name)
             for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown)))]
+
+
+def leftover_temporaries(checkpoint: Checkpoint, present: set[str] | None = None) -> list[str]:
+    """The files in the checkpoint directory (present: its listing, read when None) under
+    dcpctl's temporary names that the metadata does not name: a stopped run's, which the next
+    run rewriting the checkpoint in place removes (in an object store, where no lock tells a
+    running one's apart, once a day old: storage/paths.py remove_stale_temporaries), or a
+    running one's."""
+    if present is None:
+        present = _present_files(checkpoint.path, checkpoint)
+    known = _known_files(checkpoint)
+    return sorted(name for name in present
+                  if name not in known and is_temporary_name(posixpath.basename(name)))
 
 
 def _known_files(checkpoint: Checkpoint) -> set[str]:

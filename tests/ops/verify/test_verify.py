@@ -453,3 +453,22 @@ def test_the_readme_lists_every_rule_verify_reports():
     readme = (REPO_ROOT / "README.md").read_text()
     listing = readme[readme.index("The rules:"):].split("\n\n", 1)[0]
     assert re.findall(r"`([a-z-]+)`", listing) == list(ALL_RULES)
+
+
+def test_a_stopped_runs_temporary_files_are_leftovers_not_damage(copy_fixture):
+    """What a stopped (or a running) dcpctl leaves under its temporary names is not the
+    checkpoint's: verify names it and calls the checkpoint whole; checksum, holding the
+    checkpoint, removes it."""
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    (checkpoint / "__0_0.distcp.dcpctl-0123456789ab.tmp").write_bytes(b"half written")
+    (checkpoint / "stray.bin").write_bytes(b"not dcpctl's")
+    report = verify_checkpoint(checkpoint)
+    assert rules(report) == {"unknown-file"} and only_problem(report, "unknown-file").file == \
+        "stray.bin"
+    assert report.leftover_temporaries == ["__0_0.distcp.dcpctl-0123456789ab.tmp"]
+    (checkpoint / "stray.bin").unlink()
+    assert verify_checkpoint(checkpoint).status == "ok"
+    checksum_checkpoint(checkpoint)  # holding the checkpoint, it removes what is left
+    report = verify_checkpoint(checkpoint)
+    assert report.status == "ok" and report.to_json()["leftover_temporaries"] == []
+    assert not (checkpoint / "__0_0.distcp.dcpctl-0123456789ab.tmp").exists()
