@@ -47,11 +47,13 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     print_report(list_run_directory(run_dir), as_json, render_listing)
 
 
-def checkpoint_cells(entry: CheckpointEntry) -> list[str]:
-    """The cells of CHECKPOINT_HEADERS for one checkpoint, shared by ls and prune tables."""
+def checkpoint_cells(entry: CheckpointEntry, damaged: bool = False) -> list[str]:
+    """The cells of CHECKPOINT_HEADERS for one checkpoint, shared by ls and prune tables;
+    damaged: complete, but the quick check calls it damaged (prune)."""
     name = f"{entry.name} ({len(entry.parts)} parts)" if entry.parts else entry.name
-    return [str(entry.step), name, "complete" if entry.complete else "incomplete",
-            format_bytes(entry.size_bytes), format_age(entry.age_seconds)]
+    state = "damaged" if damaged else "complete" if entry.complete else "incomplete"
+    return [str(entry.step), name, state, format_bytes(entry.size_bytes),
+            format_age(entry.age_seconds)]
 
 
 def render_ignored(ignored: list[IgnoredEntry]) -> list[str]:

@@ -112,7 +112,8 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
 
 def render_prune(report: PruneReport) -> str:
     """One row per checkpoint with what became of it and why, then a summary line."""
-    rows = [[*checkpoint_cells(decision.checkpoint), decision.status,
+    rows = [[*checkpoint_cells(decision.checkpoint, damaged=decision.damage is not None),
+             decision.status,
              "; ".join(decision.reasons + ([decision.error] if decision.error else []))]
             for decision in report.decisions]
     lines = [format_table((*CHECKPOINT_HEADERS, "ACTION", "WHY"), rows, right_aligned=(0, 3, 4))

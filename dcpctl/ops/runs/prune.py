@@ -65,11 +65,14 @@ class PruneDecision:
     reasons: list[str]
     status: str = KEPT
     error: str | None = None
+    damage: str | None = None
+    """What the quick check found wrong with a complete checkpoint (it then counts as
+    incomplete), or None."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
         return {**self.checkpoint.to_json(), "delete": self.delete, "reasons": self.reasons,
-                "status": self.status, "error": self.error}
+                "status": self.status, "error": self.error, "damage": self.damage}
 
 
 @dataclass
@@ -137,7 +140,8 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
         else:
             reasons += _incomplete_keep_reasons(entry, rules, "incomplete")
         decisions.append(PruneDecision(entry, delete=not reasons,
-                                       reasons=reasons or [_delete_reason(entry, problem)]))
+                                       reasons=reasons or [_delete_reason(entry, problem)],
+                                       damage=problem))
     return decisions
 
 
