@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
                            UnsafePathError)
-from dcpctl.format.checkpoint.problems import Problem, Rule
+from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
@@ -148,9 +148,7 @@ def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = T
     if check_files:
         problems = find_file_problems(checkpoint)
         if problems:
-            first = problems[0]
-            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-            raise DataError(first.message + more, path=directory / first.file)
+            raise problems_error(problems, directory)
     return checkpoint
 
 
@@ -366,9 +364,9 @@ def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:
                                     fqns=_distinct(_fqns_in(checkpoint, name))))
         elif data_file.end_bytes > data_file.size_bytes:
             past_end = _fqns_in(checkpoint, name, past=data_file.size_bytes)
-            problems.append(Problem(Rule.TRUNCATED, f"truncated: the file is "
-                                    f"{data_file.size_bytes} bytes, but {len(past_end)} items end "
-                                    f"past it, the last (item {data_file.last_fqn!r}) at byte "
+            problems.append(Problem(Rule.TRUNCATED, f"the file is {data_file.size_bytes} "
+                                    f"bytes, but {len(past_end)} items end past it, the last "
+                                    f"(item {data_file.last_fqn!r}) at byte "
                                     f"{data_file.end_bytes}", name, data_file.size_bytes,
                                     data_file.end_bytes, _distinct(past_end)))
     return problems

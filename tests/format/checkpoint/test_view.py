@@ -98,7 +98,7 @@ def test_empty_metadata(copy_fixture):
 def test_missing_data_file(copy_fixture):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     (checkpoint / "__1_0.distcp").unlink()
-    with pytest.raises(DataError, match=r"__1_0.distcp: missing data file"):
+    with pytest.raises(DataError, match=r"__1_0.distcp: missing-file: missing data file"):
         open_checkpoint(checkpoint)
     assert open_checkpoint(checkpoint, check_files=False).files["__1_0.distcp"].size_bytes is None
 
@@ -107,7 +107,7 @@ def test_truncated_data_file(copy_fixture):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     data_file = checkpoint / "__2_0.distcp"
     os.truncate(data_file, data_file.stat().st_size - 100)
-    with pytest.raises(DataError, match=r"__2_0.distcp: truncated") as raised:
+    with pytest.raises(DataError, match=r"__2_0.distcp: .*truncated: the file is") as raised:
         open_checkpoint(checkpoint)
     items = [(info.offset + info.length, key.fqn) for key, info in
              read_metadata(checkpoint).storage_data.items() if info.relative_path == "__2_0.distcp"]
