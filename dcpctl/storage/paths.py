@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Protocol, Union
+from typing import Iterable, Iterator, Protocol, Union
 
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
@@ -250,6 +250,11 @@ def file_names_in(directory: StoragePath) -> set[str]:
                 else:
                     names.add(name)
     return names
+
+
+def missing_files(directory: StoragePath, names: Iterable[str]) -> list[str]:
+    """Those of names (files below directory) that are not there, sorted."""
+    return sorted(set(names) - file_names_in(directory))
 
 
 def remove_stale_temporaries(directory: StoragePath, keep: set[str]) -> list[str]:

@@ -21,7 +21,7 @@ from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
                                   fsync_directory, is_temporary_name, new_token,
                                   open_directory_at, temporary_name)
 from dcpctl.storage.objects import ObjectPath, StorageError
-from dcpctl.storage.paths import StoragePath
+from dcpctl.storage.paths import StoragePath, missing_files
 
 
 class StagedOutput:
@@ -219,11 +219,10 @@ class ObjectStoreOutput:
         raises OutputError, nothing published, where another run took the output over."""
         if not self._claimed:
             return
-        present = self.destination.store.list_tree(self.destination.key)
         if not self._claim_is_ours():
             raise OutputError("another run took this output over while this one wrote it "
                               "(--overwrite?): nothing was published", path=self.destination)
-        missing = sorted(set(names) - set(present))
+        missing = missing_files(self.destination, names)
         if missing:
             raise OutputError(f"{missing[0]} was deleted while this run wrote the output "
                               "(another run?): nothing was published", path=self.destination)

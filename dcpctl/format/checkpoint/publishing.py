@@ -36,7 +36,7 @@ from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
-from dcpctl.storage.paths import (StoragePath, file_names_in, is_remote, new_output_file,
+from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   open_ranged, write_whole)
 from dcpctl.storage.staging import staged_output
 
@@ -211,8 +211,7 @@ class CheckpointOutput:
         temporary_names = {name: temporary_name(name, self._token) for name in digests}
         switched_metadata = serialize_metadata(_renamed(metadata, temporary_names))
         if is_remote(directory):  # no locks there: another run may have taken them for stale
-            present = file_names_in(directory)
-            missing = sorted(set(temporary_names.values()) - present)
+            missing = missing_files(directory, temporary_names.values())
             if missing:
                 raise DataError(f"{missing[0]}, written by this run, is gone (another run took "
                                 "it for a killed run's?): the checkpoint is unchanged",

@@ -14,7 +14,6 @@ import functools
 import io
 import math
 import pickle
-import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
@@ -144,8 +143,7 @@ def read_torch_save_layout(read_range: ReadRange, item_length: int) -> TorchSave
     def checked_data(entry: CentralEntry) -> tuple[ZipRecord, bytes]:
         record = locate_record(read_cached, entry, directory_offset)
         data = read_cached(record.data_offset, record.size_bytes)
-        if record.crc32 and zlib.crc32(data) != record.crc32:
-            raise DataError(f"record {record.name!r} does not match its CRC-32")
+        record.check_crc(data)
         return record, data
 
     prefix = entries[0].name.partition("/")[0]

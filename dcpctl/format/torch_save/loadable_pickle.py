@@ -45,7 +45,7 @@ TORCH_LOADER_OPCODES = frozenset(
     {*_FIXED_ARGUMENT_BYTES, *_LENGTH_BYTE_ARGUMENT, _BINUNICODE, _GLOBAL, _STOP})
 
 
-def refuse_unloadable_pickle(data: bytes, what: str = "data.pkl") -> None:
+def refuse_unloadable_pickle(data: bytes) -> None:
     """Raise DataError unless data is a pickle torch's weights_only loader reads opcode by
     opcode (what it makes of the globals it names is its caller's to judge) whose memo indexes
     lie within its length. Everything after its STOP is ignored, as both unpicklers do."""
@@ -56,10 +56,12 @@ def refuse_unloadable_pickle(data: bytes, what: str = "data.pkl") -> None:
             position += 1
             fixed = _FIXED_ARGUMENT_BYTES.get(code)
             if fixed is not None:
-                if code == _LONG_BINPUT and struct.unpack_from("<I", data, position)[0] > end:
-                    raise DataError(f"{what} puts a memo entry at index "
-                                    f"{struct.unpack_from('<I', data, position)[0]} (byte "
-                                    f"{start}), past its {end} bytes, which no pickler writes")
+                if code == _LONG_BINPUT:
+                    (index,) = struct.unpack_from("<I", data, position)
+                    if index > end:
+                        raise DataError(f"data.pkl puts a memo entry at index {index} (byte "
+                                        f"{start}), past its {end} bytes, which no pickler "
+                                        "writes")
                 position += fixed
             elif code in _LENGTH_BYTE_ARGUMENT:
                 position += 1 + data[position]
@@ -73,11 +75,11 @@ def refuse_unloadable_pickle(data: bytes, what: str = "data.pkl") -> None:
                 return
             else:
                 name = _OPCODE_NAMES.get(code, f"0x{code:02x}")
-                raise DataError(f"{what} holds pickle opcode {name} at byte {start}, which "
+                raise DataError(f"data.pkl holds pickle opcode {name} at byte {start}, which "
                                 "torch.load(weights_only=True) does not read")
     except (IndexError, ValueError, struct.error):
         pass
-    raise DataError(f"{what} ends before its pickle's STOP opcode")
+    raise DataError("data.pkl ends before its pickle's STOP opcode")
 
 
 _OPCODE_NAMES = {ord(opcode.code): opcode.name for opcode in pickletools.opcodes}

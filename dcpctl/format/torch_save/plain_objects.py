@@ -12,11 +12,9 @@ from __future__ import annotations
 import codecs
 import io
 import pickle
-import zlib
 from collections import Counter, OrderedDict
 from typing import Any
 
-from dcpctl.errors import DataError
 from dcpctl.format.torch_save.layout import check_torch_save_records
 from dcpctl.format.torch_save.loadable_pickle import refuse_unloadable_pickle
 from dcpctl.format.torch_save.zip_records import read_zip_records
@@ -68,8 +66,7 @@ def _load(view: memoryview) -> Any:
         raise NotPlainData("storage records (tensors)")
     record = next(record for record in records if record.name == f"{prefix}/data.pkl")
     data = bytes(view[record.data_offset:record.data_end])
-    if record.crc32 and zlib.crc32(data) != record.crc32:
-        raise DataError(f"record {record.name!r} does not match its CRC-32")
+    record.check_crc(data)
     refuse_unloadable_pickle(data)
     # utf-8, as torch.load reads the 8-bit strings of a Python 2 pickle
     return _PlainDataUnpickler(io.BytesIO(data), encoding="utf-8").load()

@@ -77,6 +77,12 @@ class ZipRecord:
         """Offset one past the record's last data byte."""
         return self.data_offset + self.size_bytes
 
+    def check_crc(self, data) -> None:
+        """Raise DataError unless data, the record's bytes, match its CRC-32 (one of 0 was
+        written with CRC-32s turned off, and says nothing)."""
+        if self.crc32 and zlib.crc32(data) != self.crc32:
+            raise DataError(f"record {self.name!r} does not match its CRC-32")
+
 
 def read_zip_records(read_range: ReadRange, archive_length: int) -> list[ZipRecord]:
     """Every record of the archive, in central directory order, with its data offset."""

@@ -57,6 +57,6 @@ def list_run_directory(run_dir: str | os.PathLike) -> ListReport:
 def _compression(entry: CheckpointEntry) -> dict[str, int]:
     """Item counts by codec name, most used first, over the checkpoint's parts."""
     counts: Counter[str] = Counter()
-    for part in entry.parts or (None,):
-        counts.update(inspect_checkpoint(entry.path / part if part else entry.path).compression)
+    for directory in entry.dcp_directories:
+        counts.update(inspect_checkpoint(directory).compression)
     return dict(counts.most_common())

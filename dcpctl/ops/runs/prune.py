@@ -152,9 +152,9 @@ def damaged_checkpoints(checkpoints: list[CheckpointEntry]) -> dict[str, str]:
     for entry in checkpoints:
         if not entry.complete:
             continue
-        for part in entry.parts or ("",):
+        for directory in entry.dcp_directories:
             try:
-                open_checked_checkpoint(entry.path / part if part else entry.path)
+                open_checked_checkpoint(directory)
             except DcpctlError as error:
                 damaged[entry.name] = error.message.splitlines()[0]
                 break

@@ -52,6 +52,11 @@ class CheckpointEntry:
     parts: tuple[str, ...] = ()
 
     @property
+    def dcp_directories(self) -> list[StoragePath]:
+        """The DCP checkpoint directories it is made of: its parts, or itself."""
+        return [self.path / part for part in self.parts] if self.parts else [self.path]
+
+    @property
     def metadata_files(self) -> list[str]:
         """The `.metadata` files that make it complete (what a deletion removes first)."""
         return CheckpointShape(self.parts, self.complete).metadata_files

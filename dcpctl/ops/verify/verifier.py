@@ -101,9 +101,10 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         items = list_stored_items(checkpoint) if checkpoint is not None else []
         if checkpoint is not None:
             report.problems += check_structure(checkpoint, items)
-    report.problems += _listing_problems(directory, checkpoint, sums, report.problems)
+    present = _present_files(directory, checkpoint)
+    report.problems += _listing_problems(directory, checkpoint, present, sums, report.problems)
     if checkpoint is not None:
-        report.leftover_temporaries = leftover_temporaries(checkpoint)
+        report.leftover_temporaries = leftover_temporaries(checkpoint, present)
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
     units = planning.units(checkpoint, archive_items, safetensors_items)
@@ -140,14 +141,11 @@ def unknown_file_problems(checkpoint: Checkpoint, present: set[str] | None = Non
             for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown)))]
 
 
-def leftover_temporaries(checkpoint: Checkpoint, present: set[str] | None = None) -> list[str]:
-    """The files in the checkpoint directory (present: its listing, read when None) under
-    dcpctl's temporary names that the metadata does not name: a stopped run's, which the next
-    run rewriting the checkpoint in place removes (in an object store, where no lock tells a
-    running one's apart, once a day old: storage/paths.py remove_stale_temporaries), or a
-    running one's."""
-    if present is None:
-        present = _present_files(checkpoint.path, checkpoint)
+def leftover_temporaries(checkpoint: Checkpoint, present: set[str]) -> list[str]:
+    """The files in the checkpoint directory (present: its listing) under dcpctl's temporary
+    names that the metadata does not name: a stopped run's, which the next run rewriting the
+    checkpoint in place removes (in an object store, where no lock tells a running one's
+    apart, once a day old: storage/paths.py remove_stale_temporaries), or a running one's."""
     known = _known_files(checkpoint)
     return sorted(name for name in present
                   if name not in known and is_temporary_name(posixpath.basename(name)))
@@ -164,24 +162,23 @@ def _present_files(directory: StoragePath, checkpoint: Checkpoint | None) -> set
     return set(file_names_in(directory))
 
 
-def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None,
+def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None, present: set[str],
                       sums: dict[str, str] | None, problems_so_far: list[Problem]
                       ) -> list[Problem]:
-    """Files neither the metadata nor the trainer's layout knows (side_files.py); files
-    SHA256SUMS lists that are absent, and files of the checkpoint it does not list (a side
-    file need not be listed)."""
-    present = _present_files(directory, checkpoint)
+    """Files neither the metadata nor the trainer's layout knows (side_files.py), among those
+    present (the directory's listing); files SHA256SUMS lists that are absent, and files of
+    the checkpoint it does not list (a side file need not be listed)."""
     known = _known_files(checkpoint) if checkpoint is not None else {METADATA_FILE_NAME}
     problems = unknown_file_problems(checkpoint, present) if checkpoint is not None else []
     if sums is None:
         return problems
     reported_missing = {p.file for p in problems_so_far if p.rule == Rule.MISSING_FILE}
     for name in sorted(sums):
-        try:
+        try:  # its names are plain (parse_sha256sums); one can still link out
             exists = resolve_inside(directory, name).exists()
-        except UnsafePathError:
-            problems.append(Problem(Rule.CHECKSUMS_FILE, f"names {name!r}, not a plain file "
-                                    "name in the checkpoint directory", SHA256SUMS_FILE_NAME))
+        except UnsafePathError as error:
+            problems.append(Problem(Rule.CHECKSUMS_FILE, f"a listed file, {error.message}",
+                                    SHA256SUMS_FILE_NAME))
             continue
         if not exists and name not in reported_missing:
             problems.append(Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name))
