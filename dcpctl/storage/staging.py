@@ -5,7 +5,6 @@ is what makes it a checkpoint, and an object only appears once its upload comple
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
@@ -20,6 +19,7 @@ from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
                                   fsync_directory, is_temporary_name, new_token,
                                   open_directory_at, temporary_name)
+from dcpctl.storage.locks import lock_descriptor
 from dcpctl.storage.objects import ObjectPath, StorageError
 from dcpctl.storage.paths import StoragePath, missing_files
 
@@ -50,8 +50,9 @@ class StagedOutput:
         self._staging.mkdir()
         self._lock: int | None = os.open(self._staging,
                                          os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        with contextlib.suppress(OSError):  # no flock here: nothing tells a dead run apart
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # where flock is not supported nothing tells a dead run's apart: none is removed
+        lock_descriptor(self._lock, exclusive=True, path=self._staging,
+                        what="another dcpctl holds this run's own staging directory")
         self.path = self._staging if is_directory else self._staging / destination.name
 
     def confirm(self, names: Iterable[str] = ()) -> None:
