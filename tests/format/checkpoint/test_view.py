@@ -175,27 +175,19 @@ def test_paths_that_escape_the_directory_are_refused(copy_fixture, escape):
         open_checkpoint(checkpoint)
 
 
-def test_symlink_out_of_the_directory_is_refused(copy_fixture, tmp_path):
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
+def test_a_file_linked_out_of_the_directory_is_refused(copy_fixture, tmp_path, name):
+    """A data file, or `.metadata` (checksum left such a .metadata out of SHA256SUMS, which
+    verify then called damaged; every command read it). Linked inside, it reads."""
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
-    outside = tmp_path / "elsewhere.distcp"
-    (checkpoint / "__0_0.distcp").rename(outside)
-    (checkpoint / "__0_0.distcp").symlink_to(outside)
-    with pytest.raises(UnsafePathError, match="outside the checkpoint directory"):
+    outside = tmp_path / "elsewhere"
+    (checkpoint / name).rename(outside)
+    (checkpoint / name).symlink_to(outside)
+    with pytest.raises(UnsafePathError, match=f"'{name}' resolves to .*outside the checkpoint"):
         open_checkpoint(checkpoint)
-
-
-def test_a_metadata_linked_out_of_the_directory_is_refused(copy_fixture, tmp_path):
-    """checksum left such a .metadata out of SHA256SUMS, which verify then called damaged;
-    every command read it. Linked inside, it reads."""
-    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
-    outside = tmp_path / "elsewhere.metadata"
-    (checkpoint / ".metadata").rename(outside)
-    (checkpoint / ".metadata").symlink_to(outside)
-    with pytest.raises(UnsafePathError, match="'.metadata' resolves to .*outside the checkpoint"):
-        open_checkpoint(checkpoint)
-    (checkpoint / ".metadata").unlink()
-    outside.rename(checkpoint / "metadata.real")
-    (checkpoint / ".metadata").symlink_to("metadata.real")
+    (checkpoint / name).unlink()
+    outside.rename(checkpoint / "real")
+    (checkpoint / name).symlink_to("real")
     assert open_checkpoint(checkpoint).tensors
 
 
