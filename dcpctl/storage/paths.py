@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Union
 
+from dcpctl.errors import InvalidOptionError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, open_regular_file,
@@ -43,7 +44,13 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
     if protocol == "file":
         return Path(text[len("file://"):])
     store = store_for(protocol)
-    return ObjectPath(store, store.fs._strip_protocol(text))
+    key = store.fs._strip_protocol(text)
+    segments = key.strip("/").split("/") if key.strip("/") else []
+    if any(segment in ("", ".", "..") for segment in segments):
+        raise InvalidOptionError(
+            "an object store URL cannot hold '.', '..' or empty path segments: the store keeps "
+            "them as literal parts of its object names, not as directories", path=text)
+    return ObjectPath(store, key)
 
 
 def is_remote(path: StoragePath) -> bool:

@@ -240,6 +240,21 @@ def test_an_existing_output_in_a_bucket_is_refused_without_overwrite(bucket_chec
         or "inside the input" in failure("compress", url, "-o", f"{url}/inner")
 
 
+@pytest.mark.parametrize("suffix", ["x/..", "x/.", "x//y"])
+def test_a_url_with_dot_or_empty_segments_is_refused_before_anything_is_written(
+        bucket_checkpoint, s3_server, suffix):
+    """Object stores do not resolve `..`: `-o s3://b/out/..` would write objects literally
+    named `out/../.metadata`."""
+    bucket, url = bucket_checkpoint
+    before = s3_server.client().list_objects_v2(Bucket=bucket)["KeyCount"]
+    for args in (["compress", url, "-o", f"s3://{bucket}/{suffix}"],
+                 ["inspect", f"{url}/{suffix}"]):
+        result = run_dcpctl(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.count("\n") == 1 and "'..' or empty path segments" in result.stderr
+    assert s3_server.client().list_objects_v2(Bucket=bucket)["KeyCount"] == before
+
+
 def test_faults_are_one_line_naming_the_url(s3_server, monkeypatch):
     bucket = s3_server.new_bucket()
     assert "no objects under this prefix" in failure("inspect", f"s3://{bucket}/nothing")
