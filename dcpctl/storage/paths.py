@@ -233,11 +233,42 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
         store = path.store
         seen_etag = store.remembered_etag(path.key) if only_if_unchanged else None
         failpoint(Failpoint.BEFORE_ATOMIC_RENAME)
-        if made_stale is not None:
-            made_stale.unlink(missing_ok=True)
-        store.put(path.key, data, if_absent=only_if_absent, if_etag=seen_etag)
+        stale_bytes = _take_away(made_stale) if made_stale is not None else None
+        try:
+            store.put(path.key, data, if_absent=only_if_absent, if_etag=seen_etag)
+        except BaseException:
+            if stale_bytes is not None:
+                _put_back_unless_replaced(made_stale, stale_bytes, path, only_if_absent,
+                                          seen_etag)
+            raise
         return hashlib.sha256(data).hexdigest()
     return write_file_atomically(path, data, made_stale)
+
+
+def _take_away(path: ObjectPath) -> bytes | None:
+    """Delete an object, returning what it held (None where there was none)."""
+    if path.store.info(path.key) is None:
+        return None
+    data = path.read_bytes()
+    path.unlink(missing_ok=True)
+    return data
+
+
+def _put_back_unless_replaced(stale: ObjectPath, stale_bytes: bytes, path: ObjectPath,
+                              only_if_absent: bool, seen_etag: str | None) -> None:
+    """After a conditional write of path that failed: put back the object taken away for it,
+    where path is known to be as it was (a write that may have landed, or a path someone else
+    changed, leaves the stale object gone). Errors of this last try are not the ones to
+    report."""
+    if not only_if_absent and seen_etag is None:
+        return
+    try:
+        path.store.forget(path.key)
+        now = path.store.info(path.key)
+        if (now is None) if only_if_absent else (now is not None and now.etag == seen_etag):
+            path.store.put(stale.key, stale_bytes, if_absent=True)
+    except Exception:  # noqa: BLE001 - the failed write is the error to report
+        pass
 
 
 def file_names_in(directory: StoragePath) -> set[str]:

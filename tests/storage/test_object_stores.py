@@ -118,6 +118,39 @@ def test_a_replace_is_refused_when_someone_else_replaced_the_object_first(s3_ser
         b"written by another job"
 
 
+def test_a_replace_that_fails_puts_back_the_file_it_made_stale(s3_server, monkeypatch):
+    """In-place switches write `.metadata` with made_stale=SHA256SUMS: the sums go just before
+    the PUT (no reader sees new metadata with old sums), and come back when the PUT fails with
+    `.metadata` still the one first seen; where someone else replaced it, they stay gone."""
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="ck/.metadata", Body=b"seen by dcpctl")
+    client.put_object(Bucket=bucket, Key="ck/SHA256SUMS", Body=b"sums of the old files")
+    path = storage_path(f"s3://{bucket}/ck/.metadata")
+    path.store.list_tree(path.parent.key)
+    real_put = type(path.store).put
+
+    def dropped_put(store, key, *args, **kwargs):
+        if key == path.key:
+            raise StorageError("connection dropped", path=store.url(key))
+        return real_put(store, key, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(path.store), "put", dropped_put)
+        with pytest.raises(StorageError, match="connection dropped"):
+            write_whole(path, b"dcpctl's", made_stale=path.parent / "SHA256SUMS",
+                        only_if_unchanged=True)
+    assert client.get_object(Bucket=bucket, Key="ck/SHA256SUMS")["Body"].read() == \
+        b"sums of the old files"
+    if not s3_server.conditional_writes:
+        return
+    client.put_object(Bucket=bucket, Key="ck/.metadata", Body=b"written by another job")
+    with pytest.raises(ObjectChangedError):
+        write_whole(path, b"dcpctl's", made_stale=path.parent / "SHA256SUMS",
+                    only_if_unchanged=True)
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="ck/SHA256SUMS")
+
+
 def test_reading_an_object_replaced_since_it_was_listed_fails(s3_server):
     bucket = s3_server.new_bucket()
     client = s3_server.client()
