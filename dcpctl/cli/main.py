@@ -142,6 +142,12 @@ def _run_as_torchrun_rank() -> int:
     their shares and exit with rank 0's status (execution/torchrun.py)."""
     try:
         team = join_torchrun()
+        try:
+            team.check_same_command(sys.argv[1:])
+        except DcpctlError as error:  # on rank 0: it tells the other ranks to end
+            click.echo(f"Error: {escape_control_characters(str(error))}", err=True)
+            team.end(error.exit_code)
+            return error.exit_code
         if team.rank != 0:
             return team.serve()
     except KeyboardInterrupt:  # said as rank 0's command says it (DcpctlGroup.invoke)

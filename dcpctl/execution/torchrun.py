@@ -1,6 +1,6 @@
 """Shares of a job run by the ranks of a torchrun job (`torchrun ... -m dcpctl COMMAND`).
 
-Every rank starts dcpctl with the same command line. Rank 0 runs the command as a single
+Every rank starts dcpctl with the same command line (rank 0 checks that they did). Rank 0 runs the command as a single
 process would: it checks, plans, prepares the output and publishes; each job it runs is handed
 to every rank, rank r running share r, and rank 0 publishes once every rank's result is in.
 The other ranks only serve: they wait for a job or for the end, and exit with rank 0's exit
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import shlex
 import threading
 import time
 from typing import Any, Callable
 
+from dcpctl.errors import InvalidOptionError
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
 
@@ -61,6 +63,21 @@ class Team:
         self.size = size
         self.store = store
         self._jobs = 0
+
+    def check_same_command(self, arguments: list[str]) -> None:
+        """Every rank says its command line; on rank 0, an InvalidOptionError names a rank
+        started with another one (each rank would otherwise do its share of rank 0's command
+        without a word)."""
+        self.store.set(f"dcpctl/arguments/{self.rank}", pickle.dumps(arguments))
+        if self.rank != 0:
+            return
+        for rank in range(1, self.size):
+            theirs = pickle.loads(self._wait(f"dcpctl/arguments/{rank}"))
+            if theirs != arguments:
+                raise InvalidOptionError(
+                    f"rank {rank} of {self.size} was started as `dcpctl {shlex.join(theirs)}`, "
+                    f"rank 0 as `dcpctl {shlex.join(arguments)}`: every rank of a torchrun job "
+                    "runs the same command; nothing was done")
 
     def plan_ahead(self, planning: Planning) -> None:
         """On rank 0: have every other rank plan `planning` now, ahead of the job that has
