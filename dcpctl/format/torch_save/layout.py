@@ -20,9 +20,11 @@ from typing import Any, Sequence, TypeVar
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
 from dcpctl.format.torch_save.loadable_pickle import refuse_unloadable_pickle
-from dcpctl.format.torch_save.zip_records import (LOCAL_SIGNATURE, CentralEntry, ReadRange,
-                                                  ZipRecord, local_record_in, locate_record,
-                                                  read_central_directory, whole_record_in)
+from dcpctl.format.torch_save.zip_records import (LOCAL_HEADER_BYTES, LOCAL_SIGNATURE,
+                                                  CentralDirectory, CentralEntry, ReadRange,
+                                                  ZipRecord, crc_field_at, local_record_in,
+                                                  locate_record, read_central_directory,
+                                                  whole_record_in, with_fields_zeroed)
 
 PICKLE_RECORD_SUFFIX = "/data.pkl"
 _FIRST_STORAGE_SUFFIX = "/data/0"
@@ -137,12 +139,23 @@ def read_torch_save_layout(read_range: ReadRange, item_length: int) -> TorchSave
     data.pkl and byteorder, whose CRC-32s it checks), never the tensor data. Tensor bytes are
     taken as little-endian: an archive whose byteorder record says otherwise is refused."""
     read_cached = cache_ends(read_range, item_length, _LAYOUT_WINDOW_BYTES)
-    directory_offset, entries = read_central_directory(read_cached, item_length)
+    for template in _layout_templates.get(item_length, ()):
+        layout = template.layout_of(read_cached)
+        if layout is not None:
+            return layout
+    directory = read_central_directory(read_cached, item_length)
+    entries = directory.entries
     check_torch_save_records(entries)
+    located: list[ZipRecord] = []
+    checked: dict[str, bytes] = {}
+
+    def locate(entry: CentralEntry) -> ZipRecord:
+        located.append(locate_record(read_cached, entry, directory.offset))
+        return located[-1]
 
     def checked_data(entry: CentralEntry) -> tuple[ZipRecord, bytes]:
-        record = locate_record(read_cached, entry, directory_offset)
-        data = read_cached(record.data_offset, record.size_bytes)
+        record = locate(entry)
+        data = checked[entry.name] = read_cached(record.data_offset, record.size_bytes)
         record.check_crc(data)
         return record, data
 
@@ -155,8 +168,73 @@ def read_torch_save_layout(read_range: ReadRange, item_length: int) -> TorchSave
     tensor = _tensor_of_pickle_record(pickle_record, pickle_bytes)
     storage_entry = next((entry for entry in entries if entry.name == tensor.storage_record),
                          None)
-    return _join_storage(tensor, storage_entry and locate_record(read_cached, storage_entry,
-                                                                 directory_offset))
+    layout = _join_storage(tensor, storage_entry and locate(storage_entry))
+    _remember_layout(read_cached, item_length, directory, located, checked, layout)
+    return layout
+
+
+@dataclass(frozen=True)
+class _LayoutTemplate:
+    """An archive's layout, and the bytes it followed from: the archive's tail from its central
+    directory on (with the CRC-32 fields of records whose data was not read zeroed), the local
+    headers read and the records whose data was checked. An archive of the same length with
+    the same bytes there has the same layout, its storage record's CRC-32 its own."""
+
+    tail_start: int
+    masked_tail: bytes
+    masked_positions: tuple[int, ...]  # in the tail
+    storage_crc_position: int  # in the tail
+    head_ranges: tuple[tuple[int, bytes], ...]
+    head_end: int
+    layout: TorchSaveLayout
+
+    def layout_of(self, read_cached: ReadRange) -> TorchSaveLayout | None:
+        """The layout of an archive of this template's length, None where its bytes differ."""
+        tail = read_cached(self.tail_start, len(self.masked_tail))
+        if with_fields_zeroed(tail, self.masked_positions) != self.masked_tail:
+            return None
+        head = read_cached(0, self.head_end)
+        for start, expected in self.head_ranges:
+            if head[start:start + len(expected)] != expected:
+                return None
+        storage = self.layout.storage
+        return TorchSaveLayout(self.layout.tensor, ZipRecord(
+            storage.name, storage.data_offset, storage.size_bytes,
+            crc_field_at(tail, self.storage_crc_position), storage.header_offset))
+
+
+# The tensor items of a checkpoint are archives of a few layouts (a chunk shape and dtype each):
+# each is parsed once, and the items like it are matched against it.
+_layout_templates: dict[int, list[_LayoutTemplate]] = {}
+_MAX_TEMPLATE_LENGTHS = 1024
+_MAX_TEMPLATES_PER_LENGTH = 4
+
+
+def _remember_layout(read_cached: ReadRange, item_length: int, directory: CentralDirectory,
+                     located: list[ZipRecord], checked: dict[str, bytes],
+                     layout: TorchSaveLayout) -> None:
+    tail_start = directory.structure_start
+    if item_length - tail_start > _LAYOUT_WINDOW_BYTES:
+        return  # past the windows read anyway: rare, and comparing would cost more
+    tail = read_cached(tail_start, item_length - tail_start)
+    crc_positions = {entry.name: offset - tail_start
+                     for entry, offset in zip(directory.entries, directory.crc_field_offsets)}
+    masked = tuple(position for name, position in crc_positions.items() if name not in checked)
+    head_ranges = [(record.header_offset, read_cached(record.header_offset, LOCAL_HEADER_BYTES))
+                   for record in located]
+    head_ranges += [(record.data_offset, checked[record.name]) for record in located
+                    if record.name in checked]
+    head_end = max(start + len(expected) for start, expected in head_ranges)
+    if head_end > _LAYOUT_WINDOW_BYTES:
+        return
+    templates = _layout_templates.setdefault(item_length, [])
+    if len(_layout_templates) > _MAX_TEMPLATE_LENGTHS:
+        _layout_templates.clear()
+    if len(templates) >= _MAX_TEMPLATES_PER_LENGTH:
+        del templates[0]
+    templates.append(_LayoutTemplate(
+        tail_start, with_fields_zeroed(tail, masked), masked,
+        crc_positions[layout.storage.name], tuple(head_ranges), head_end, layout))
 
 
 def cache_ends(read_range: ReadRange, length: int, window_bytes: int) -> ReadRange:

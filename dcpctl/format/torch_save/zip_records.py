@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from dcpctl.errors import DataError
 
@@ -40,6 +40,7 @@ _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_END = struct.Struct("<4sQ2H2I4Q")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+LOCAL_HEADER_BYTES = _LOCAL_HEADER.size
 # After a record whose local header has flag bit 3: signature, CRC-32 and the two sizes, in 32
 # or (zip64) 64 bits.
 _DATA_DESCRIPTORS = (struct.Struct("<4s3I"), struct.Struct("<4sI2Q"))
@@ -86,23 +87,36 @@ class ZipRecord:
 
 def read_zip_records(read_range: ReadRange, archive_length: int) -> list[ZipRecord]:
     """Every record of the archive, in central directory order, with its data offset."""
-    directory_offset, entries = read_central_directory(read_range, archive_length)
-    return [locate_record(read_range, entry, directory_offset) for entry in entries]
+    directory = read_central_directory(read_range, archive_length)
+    return [locate_record(read_range, entry, directory.offset) for entry in directory.entries]
 
 
-def read_central_directory(read_range: ReadRange,
-                           archive_length: int) -> tuple[int, list[CentralEntry]]:
-    """Where the central directory starts and its entries, found through the (zip64) end of
-    central directory record."""
+class CentralDirectory(NamedTuple):
+    """An archive's central directory: where it starts, its entries, and what its reading
+    looked at."""
+
+    offset: int
+    entries: list[CentralEntry]
+    crc_field_offsets: tuple[int, ...]
+    """Where in the archive each entry's CRC-32 field lies."""
+    structure_start: int
+    """The first byte read to find and parse the directory: what it says follows from the
+    archive's length and its bytes from here to the end alone."""
+
+
+def read_central_directory(read_range: ReadRange, archive_length: int) -> CentralDirectory:
+    """The central directory, found through the (zip64) end of central directory record."""
     end_offset, end = _find_end_record(read_range, archive_length)
     _, disk, directory_disk, count_here, count, size_bytes, offset, _ = _END.unpack(end)
-    directory_end = end_offset
+    directory_end = structure_start = end_offset
     if end_offset >= _ZIP64_LOCATOR.size:
-        locator = _read_exactly(read_range, end_offset - _ZIP64_LOCATOR.size,
-                                _ZIP64_LOCATOR.size, "zip64 end locator")
+        structure_start = end_offset - _ZIP64_LOCATOR.size
+        locator = _read_exactly(read_range, structure_start, _ZIP64_LOCATOR.size,
+                                "zip64 end locator")
         if locator.startswith(ZIP64_LOCATOR_SIGNATURE):
             directory_end, disk, directory_disk, count_here, count, size_bytes, offset = \
                 _read_zip64_end(read_range, locator, end_offset)
+            structure_start = directory_end
     if disk != 0 or directory_disk != 0 or count_here != count:
         raise DataError(f"zip end record says disk {disk}, central directory on disk "
                         f"{directory_disk}, {count_here} of {count} entries on this disk: not "
@@ -111,7 +125,9 @@ def read_central_directory(read_range: ReadRange,
         raise DataError(f"zip central directory of {count} entries at bytes {offset}.."
                         f"{offset + size_bytes} cannot hold them before byte {directory_end}")
     data = _read_exactly(read_range, offset, size_bytes, "zip central directory")
-    return offset, _central_entries(data, count, offset, archive_length)
+    entries, crc_positions = _central_entries(data, count, offset, archive_length)
+    return CentralDirectory(offset, entries, tuple(offset + position for position in crc_positions),
+                            min(offset, structure_start))
 
 
 class _DirectoryTemplate(NamedTuple):
@@ -132,29 +148,37 @@ _CRC_FIELD_OFFSET = 16  # in a central directory entry (_CENTRAL)
 
 
 def _central_entries(data: bytes, count: int, directory_offset: int, archive_length: int
-                     ) -> list[CentralEntry]:
-    """_parse_central_entries(data, ...), from a template where one fits."""
+                     ) -> tuple[list[CentralEntry], tuple[int, ...]]:
+    """The entries of a central directory and where in data each one's CRC-32 field lies
+    (_parse_central_entries), from a template where one fits."""
     key = (len(data), count, directory_offset, archive_length)
     template = _directory_templates.get(key)
     if (template is not None
-            and _with_crcs_zeroed(data, template.crc_positions) == template.masked_data):
+            and with_fields_zeroed(data, template.crc_positions) == template.masked_data):
         return [CentralEntry(entry.name, entry.header_offset, entry.size_bytes,
-                             _CRC_FIELD.unpack_from(data, position)[0])
-                for entry, position in zip(template.entries, template.crc_positions)]
+                             crc_field_at(data, position))
+                for entry, position in zip(template.entries, template.crc_positions)
+                ], template.crc_positions
     entries, starts = _parse_central_entries(data, count, directory_offset, archive_length)
     crc_positions = tuple(start + _CRC_FIELD_OFFSET for start in starts)
     if len(_directory_templates) >= _MAX_DIRECTORY_TEMPLATES:
         _directory_templates.clear()
     _directory_templates[key] = _DirectoryTemplate(
-        _with_crcs_zeroed(data, crc_positions), crc_positions, tuple(entries))
-    return entries
+        with_fields_zeroed(data, crc_positions), crc_positions, tuple(entries))
+    return entries, crc_positions
 
 
-def _with_crcs_zeroed(data: bytes, crc_positions: tuple[int, ...]) -> bytes:
+def with_fields_zeroed(data: bytes, positions: Iterable[int]) -> bytes:
+    """data with the 4-byte fields (CRC-32s) at positions zeroed."""
     masked = bytearray(data)
-    for position in crc_positions:
+    for position in positions:
         masked[position:position + 4] = bytes(4)
     return bytes(masked)
+
+
+def crc_field_at(data: bytes, position: int) -> int:
+    """The CRC-32 field at position of data (a central directory entry's, say)."""
+    return _CRC_FIELD.unpack_from(data, position)[0]
 
 
 def _read_exactly(read_range: ReadRange, start: int, count: int, what: str) -> bytes:

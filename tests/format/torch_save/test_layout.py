@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import io
 import pickle
+import random
 import zipfile
+import zlib
 
 import pytest
 import torch
 from conftest import FIXTURE_NAMES, fixture_path
 from test_zip_records import assert_record_agrees_with_zipfile, reader_of
 
-from dcpctl.errors import DataError
+from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.view import TORCH_SAVE, open_checkpoint
 from dcpctl.format.torch_save.layout import parse_tensor_pickle, read_torch_save_layout
 
@@ -177,3 +179,52 @@ def test_missing_storage_record_is_refused_naming_it():
     with pytest.raises(DataError, match="storage record 'archive/data/0', which the archive "
                                         "lacks"):
         read_torch_save_layout(reader_of(damaged), len(damaged))
+
+
+def _fresh_layout_or_error(data: bytes):
+    from dcpctl.format.torch_save import layout
+    layout._layout_templates.clear()
+    return _layout_or_error(data)
+
+
+def _layout_or_error(data: bytes):
+    try:
+        return read_torch_save_layout(reader_of(data), len(data))
+    except (DataError, UnsupportedLayoutError) as error:
+        return str(error)
+
+
+def test_an_archive_of_a_known_layout_is_matched_not_parsed_and_keeps_its_own_crc(monkeypatch):
+    from dcpctl.format.torch_save import layout
+    first = saved(torch.arange(3000, dtype=torch.bfloat16).reshape(30, 100))
+    second = saved(torch.ones(30, 100, dtype=torch.bfloat16))
+    expected = _fresh_layout_or_error(second)
+    _fresh_layout_or_error(first)  # the layout is now known
+
+    def no_parse(*args):
+        raise AssertionError("the archive was parsed")
+
+    monkeypatch.setattr(layout, "read_central_directory", no_parse)
+    matched = read_torch_save_layout(reader_of(second), len(second))
+    assert matched == expected
+    assert matched.storage.crc32 == zlib.crc32(storage_bytes(torch.ones(30, 100,
+                                                                        dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_template_reads_any_damaged_archive_as_a_fresh_parse_does(dtype):
+    """Random byte edits in a torch.save archive's records before its tensor data and in its
+    central directory and end records, read once the undamaged archive's layout is known: the
+    layout, or the refusal, is that of a parse that knows no layout."""
+    good = saved(torch.randn(40, 50).to(dtype))
+    storage = _fresh_layout_or_error(good).storage
+    generator = random.Random(11)
+    for _ in range(400):
+        damaged = bytearray(good)
+        position = generator.choice([generator.randrange(0, storage.data_offset),
+                                     generator.randrange(storage.data_end, len(good))])
+        damaged[position] = generator.choice([value for value in range(256)
+                                              if value != good[position]])
+        _fresh_layout_or_error(good)
+        with_template = _layout_or_error(bytes(damaged))
+        assert with_template == _fresh_layout_or_error(bytes(damaged)), position
