@@ -1,8 +1,9 @@
 """Shares of a job run by the ranks of a torchrun job (`torchrun ... -m dcpctl COMMAND`).
 
-Every rank starts dcpctl with the same command line (rank 0 checks that they did). Rank 0 runs the command as a single
-process would: it checks, plans, prepares the output and publishes; each job it runs is handed
-to every rank, rank r running share r, and rank 0 publishes once every rank's result is in.
+Every rank starts dcpctl with the same command line (rank 0 checks that they did). Rank 0
+runs the command as a single process would: it checks, plans, prepares the output and
+publishes; each job it runs is handed to every rank, rank r running share r, and rank 0
+publishes once every rank's result is in.
 The other ranks only serve: they wait for a job or for the end, and exit with rank 0's exit
 status. Everything travels through torch.distributed's key-value store (gloo process group,
 CPU only), polled, so a rank waiting still answers SIGTERM, the way torchrun stops a job whose
