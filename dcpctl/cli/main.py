@@ -106,7 +106,9 @@ def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -
       srun --nodes 4 --ntasks-per-node 1 torchrun --nnodes 4 --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m dcpctl compress CKPT -o OUT
 
-    (SLURM: one torchrun per node, as above; a shared file system or a bucket for CKPT/OUT.)
+    (SLURM: one torchrun per node, as above; a shared file system or a bucket for CKPT/OUT.
+    Every rank runs the same command line: a job whose ranks were started with different ones
+    does nothing.)
 
     Exit status: 0 on success, 1 when an operation fails, 2 for usage errors, 128 + the
     signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP (temporary files removed).
