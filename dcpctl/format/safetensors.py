@@ -163,6 +163,7 @@ def read_safetensors_file(path: Path) -> list[SafetensorsTensor]:
         if name == METADATA_KEY:
             continue
         tensors.append(parse_entry(path, name, entry, data_start, file_bytes))
+    check_back_to_back(path, tensors, data_start, file_bytes)
     return tensors
 
 
@@ -190,6 +191,24 @@ def parse_entry(path: Path, name: str, entry, data_start: int,
         raise DataError(f"tensor {name!r} claims bytes {begin}..{end} of the data, which do "
                         f"not hold {nbytes} bytes inside the file", path=path)
     return SafetensorsTensor(name, dtype, tuple(shape), data_start + begin, nbytes)
+
+
+def check_back_to_back(path: Path, tensors: list[SafetensorsTensor], data_start: int,
+                       file_bytes: int) -> None:
+    """Refuse a file whose tensors' bytes overlap, leave gaps, or end before the file does: a
+    safetensors file holds them back to back from the end of its header to its own end, and
+    the safetensors library refuses any other."""
+    position = data_start
+    for tensor in sorted(tensors, key=lambda tensor: (tensor.start, tensor.nbytes)):
+        if tensor.start != position:
+            raise DataError(
+                f"tensor {tensor.name!r} starts at byte {tensor.start}, where the tensors "
+                f"before it end at byte {position}: a safetensors file holds its tensors back "
+                "to back, without overlaps or gaps", path=path)
+        position += tensor.nbytes
+    if position != file_bytes:
+        raise DataError(f"the tensors end at byte {position}, the file at byte {file_bytes}: a "
+                        "safetensors file ends with its last tensor", path=path)
 
 
 def read_safetensors_model(source: Path) -> list[tuple[Path, SafetensorsTensor]]:

@@ -166,3 +166,34 @@ def test_a_safetensors_shape_past_int64_is_refused(run_cli, tmp_path):
     result = run_cli("convert", tmp_path / "huge.safetensors", "--to", "dcp", "-o", tmp_path / "o")
     assert result.exit_code == 1 and "past what torch can hold" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def _safetensors_file(path, entries: dict, data: bytes, padding: int = 0,
+                      length_delta: int = 0) -> None:
+    header = json.dumps(entries).encode()
+    header += b" " * (-len(header) % 8 + padding)
+    path.write_bytes(struct.pack("<Q", len(header) + length_delta) + header + data)
+
+
+@pytest.mark.parametrize("entries, data, padding, length_delta, words", [
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+      "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, 24, 0, 0,
+     "tensor 'b' starts at byte"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [24, 32]}}, 32, 0, 0,
+     "tensor 'b' starts at byte"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 16, 0, 0,
+     "the file at byte"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 16, 8, -8,
+     "the file at byte"),  # a header length short of the header: data read 8 bytes early
+], ids=["overlapping", "gap", "trailing-bytes", "header-length-short"])
+def test_a_safetensors_file_the_library_refuses_is_refused(run_cli, tmp_path, entries, data,
+                                                           padding, length_delta, words):
+    from safetensors.torch import load_file
+    path = tmp_path / "bad.safetensors"
+    _safetensors_file(path, entries, bytes(range(data)), padding, length_delta)
+    with pytest.raises(Exception):
+        load_file(path)
+    result = run_cli("convert", path, "--to", "dcp", "-o", tmp_path / "o")
+    assert result.exit_code == 1 and words in result.output, result.output
+    assert not (tmp_path / "o").exists()

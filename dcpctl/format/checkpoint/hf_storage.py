@@ -26,8 +26,9 @@ from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
 from dcpctl.format.metadata.records import (ChunkMetadata, CheckpointMetadata, MetadataIndex,
                                             StorageInfo, TensorMetadata, TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
-from dcpctl.format.safetensors import (METADATA_KEY, SHARDING_INFO_KEY, parse_entry,
-                                       parse_json, read_safetensors_header, read_weight_map)
+from dcpctl.format.safetensors import (METADATA_KEY, SHARDING_INFO_KEY, check_back_to_back,
+                                       parse_entry, parse_json, read_safetensors_header,
+                                       read_weight_map)
 from dcpctl.storage.paths import StoragePath, file_names_in
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -76,10 +77,11 @@ def hf_storage_metadata(directory: StoragePath, file_names: list[str],
         path = directory / name
         header, data_start = read_safetensors_header(path, 0)
         offsets_by_fqn = _sharding_info(header, path)
-        for fqn, entry in header.items():
-            if fqn == METADATA_KEY:
-                continue
-            tensor = parse_entry(path, fqn, entry, data_start, file_sizes[name])
+        tensors = [parse_entry(path, fqn, entry, data_start, file_sizes[name])
+                   for fqn, entry in header.items() if fqn != METADATA_KEY]
+        check_back_to_back(path, tensors, data_start, file_sizes[name])
+        for tensor in tensors:
+            fqn = tensor.name
             offsets = _saved_offsets(offsets_by_fqn, fqn, len(tensor.shape), path)
             index = MetadataIndex(fqn, offsets, 0)
             if index in storage_data:
