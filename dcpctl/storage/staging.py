@@ -314,6 +314,9 @@ def check_destination(destination: Path, overwrite: bool, is_directory: bool = T
         if destination.is_dir() and not destination.is_symlink():
             raise OutputError("is a directory; give a file name", path=destination)
         holds_data = destination.exists() or destination.is_symlink()
+        if holds_data and not (destination.is_symlink() or destination.is_file()):
+            raise OutputError("exists and is not a regular file (a device, FIFO or socket), "
+                              "which dcpctl never replaces", path=destination)
     if holds_data and not overwrite:
         what = "exists and is not empty" if is_directory else "exists"
         raise OutputError(f"{what} (pass --overwrite to replace it)", path=destination)

@@ -3,7 +3,10 @@ would delete the input (and its siblings), writing inside it would change it."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import stat
 
 import pytest
 from conftest import directory_state, fixture_path, tree_listing
@@ -43,3 +46,18 @@ def test_an_output_holding_or_inside_its_input_is_refused(run_cli, tmp_path, com
     assert len(result.output.splitlines()) == 1
     assert {step: directory_state(run / step) for step in states} == states
     assert tree_listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("make", [os.mkfifo, lambda path: socket.socket(
+    socket.AF_UNIX).bind(str(path))], ids=["fifo", "socket"])
+def test_a_file_output_that_is_not_a_regular_file_is_never_replaced(run_cli, tmp_path, make):
+    """`-o /dev/null --overwrite` run as root would replace the device node with a file."""
+    target = tmp_path / "special"
+    make(target)
+    kind = stat.S_IFMT(target.lstat().st_mode)
+    for overwrite in ([], ["--overwrite"]):
+        result = run_cli("convert", fixture_path(SOURCE), "--to", "torch", "-o", target,
+                         *overwrite)
+        assert result.exit_code == 1 and "is not a regular file" in result.output
+        assert stat.S_IFMT(target.lstat().st_mode) == kind
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["special"]
