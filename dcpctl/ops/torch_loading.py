@@ -80,7 +80,7 @@ class ObjectStoreReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self.location / METADATA_FILE_NAME
-        path.store.list_tree(self.location.key)  # this load reads the objects there now
+        path.store.list_tree(self.location.key, pin_current=True)  # this load reads them now
         data = read_whole(path)
         parse_metadata(data, str(path))  # refuses anything but DCP metadata, running nothing
         metadata = pickle.loads(data)  # what the allowlist reader accepted: torch's classes

@@ -65,9 +65,11 @@ class ObjectStore:
 
     # listing
 
-    def list_tree(self, prefix: str) -> dict[str, ObjectInfo]:
-        """Every object under prefix (one paginated listing), by key relative to it; reads of
-        them are held to the objects listed from then on."""
+    def list_tree(self, prefix: str, pin_current: bool = False) -> dict[str, ObjectInfo]:
+        """Every object under prefix (one paginated listing), by key relative to it, as listed
+        now. Reads and replaces of an object are held to the object first seen under its key
+        (another job's object put there since is refused, not taken): a listing pins only the
+        objects not seen before, or, with pin_current, every object it lists (a new load)."""
         base = prefix.rstrip("/") + "/"
         with self.translated_errors(prefix):
             found = self.fs.find(prefix, detail=True, withdirs=False)
@@ -76,7 +78,7 @@ class ObjectStore:
             relative = key[len(base):] if key.startswith(base) else ""
             if relative:
                 info = tree[relative] = _info_of(details)
-                self._remember(base + relative, info, replace=True)
+                self._remember(base + relative, info, replace=pin_current)
         return tree
 
     def list_children(self, prefix: str) -> dict[str, bool]:
@@ -137,16 +139,26 @@ class ObjectStore:
         """Write a whole object, only if none has its name (if_absent: else FileExistsError),
         or only if it is still the object with ETag if_etag (else ObjectChangedError). Here
         the condition is checked just before the write; a store that can promise it (S3)
-        makes the write itself conditional."""
+        also makes the write itself conditional."""
         with self.translated_errors(key):
-            if if_absent and self.fs.exists(key):
-                raise FileExistsError(17, "exists", self.url(key))
-            if if_etag is not None and _info_of(self.fs.info(key)).etag != if_etag:
+            self.refuse_unmet_condition(key, if_absent, if_etag)
+            self.fs.pipe_file(key, bytes(data))
+        self.forget(key)
+
+    def refuse_unmet_condition(self, key: str, if_absent: bool, if_etag: str | None) -> None:
+        """Raise FileExistsError (if_absent) or ObjectChangedError (if_etag) where the object
+        under key, asked now, does not meet a write's condition."""
+        if if_absent and self.fs.exists(key):
+            raise FileExistsError(17, "exists", self.url(key))
+        if if_etag is not None:
+            try:
+                etag = _info_of(self.fs.info(key)).etag
+            except FileNotFoundError:
+                etag = None
+            if etag != if_etag:
                 raise ObjectChangedError("the object changed while dcpctl read or replaced it "
                                          "(its ETag is not the one first seen); nothing was "
                                          "published", path=self.url(key))
-            self.fs.pipe_file(key, bytes(data))
-        self.forget(key)
 
     def delete(self, keys: list[str]) -> None:
         """Delete objects, in batches where the store has them; missing ones are no error."""

@@ -121,6 +121,9 @@ class S3Store(ObjectStore):
         elif if_etag is not None:
             condition["IfMatch"] = f'"{if_etag}"'
         with _exists_when_refused(self.url(key), if_absent), self.translated_errors(key):
+            if condition:  # asked first too, for the servers that ignore the condition
+                self.fs.invalidate_cache(key)
+                self.refuse_unmet_condition(key, if_absent, if_etag)
             self._call(key, "put_object", Body=bytes(data), **condition)
         self._written(key)
 
@@ -283,6 +286,9 @@ class MultipartWriter(ObjectWriter):
         condition = {"IfNoneMatch": "*"} if if_absent else {}
         with (_exists_when_refused(self.store.url(self.key), if_absent),
               self.store.translated_errors(self.key)):
+            if if_absent:  # asked first too, for the servers that ignore the condition
+                self.store.fs.invalidate_cache(self.key)
+                self.store.refuse_unmet_condition(self.key, True, None)
             self.store._call(self.key, "complete_multipart_upload", UploadId=self._upload_id,
                              MultipartUpload={"Parts": self._parts}, **condition)
         self.store._written(self.key)

@@ -385,3 +385,31 @@ def test_an_in_place_run_whose_new_objects_went_missing_stops(bucket_checkpoint,
     monkeypatch.setattr(publishing, "_renamed", renamed)
     assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
     assert tensor_digests(load_with_dcpctl_reader(url)) == expected_tensors()
+
+
+def test_an_in_place_run_never_replaces_a_metadata_another_job_wrote_meanwhile(
+        bucket_checkpoint, s3_server, monkeypatch):
+    """The listing just before the switch (are this run's objects still there?) took the
+    other job's `.metadata` for the one first read, and the switch replaced it and deleted
+    that job's data files as the old ones."""
+    from dcpctl.errors import DcpctlError
+    from dcpctl.format.checkpoint import publishing
+    from dcpctl.ops.transcode import compress_checkpoint
+
+    bucket, url = bucket_checkpoint
+    client = s3_server.client()
+    key = "run/step-100/.metadata"
+    other_job = client.get_object(Bucket=bucket, Key=key)["Body"].read() + b"."
+    renamed = publishing._renamed
+
+    def another_job_saves(metadata, names):
+        client.put_object(Bucket=bucket, Key=key, Body=other_job)
+        return renamed(metadata, names)
+
+    monkeypatch.setattr(publishing, "_renamed", another_job_saves)
+    before = {entry["Key"] for entry in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    with pytest.raises(DcpctlError, match="changed while dcpctl read or replaced it"):
+        compress_checkpoint(url)
+    assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == other_job
+    after = {entry["Key"] for entry in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert after == before
