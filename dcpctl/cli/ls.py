@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from dcpctl.cli.options import checkpoint_argument, json_option
-from dcpctl.cli.render import format_age, format_bytes, format_table, print_report
+from dcpctl.cli.render import (escape_control_characters, format_age, format_bytes,
+                               format_table, print_report)
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.listing import ListReport, list_run_directory
 from dcpctl.ops.runs.scan import CheckpointEntry, IgnoredEntry
@@ -58,7 +59,8 @@ def checkpoint_cells(entry: CheckpointEntry, damaged: bool = False) -> list[str]
 
 def render_ignored(ignored: list[IgnoredEntry]) -> list[str]:
     """One line per entry named like a checkpoint that was left alone."""
-    return [f"ignored {entry.name}: {entry.reason}" for entry in ignored]
+    return [escape_control_characters(f"ignored {entry.name}: {entry.reason}")
+            for entry in ignored]
 
 
 def render_listing(report: ListReport) -> str:

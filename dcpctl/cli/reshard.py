@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
                                 threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.cli.render import escape_control_characters, format_bytes, print_report
 from dcpctl.errors import InvalidOptionError
 from dcpctl.ops.reshard.execution import (CODEC_NAMES, PER_RANK_OBJECT_CHOICES, Mesh,
                                           ReshardReport, parse_mesh, reshard_checkpoint)
@@ -107,6 +107,6 @@ def render_reshard_report(report: ReshardReport) -> str:
         without = (f"; new ranks {describe_ranks(per_rank.ranks_without)} have none of "
                    "their own (a trainer that loads its own, as torchtitan's dataloader does, "
                    "must skip them on resume)" if per_rank.ranks_without else "")
-        lines.append(f"per-rank objects ({per_rank.fqns[0]}, ...) of ranks "
-                     f"{describe_ranks(per_rank.ranks)}: {what}{without}")
+        lines.append(f"per-rank objects ({escape_control_characters(per_rank.fqns[0])}, ...) "
+                     f"of ranks {describe_ranks(per_rank.ranks)}: {what}{without}")
     return "\n".join(lines)

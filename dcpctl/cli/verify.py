@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.cli.render import escape_control_characters, format_bytes, print_report
 from dcpctl.ops.verify.verifier import Problem, VerifyReport, verify_checkpoint
 
 _FQNS_SHOWN = 3
@@ -82,4 +82,6 @@ def render_problem(problem: Problem) -> str:
         shown = ", ".join(problem.fqns[:_FQNS_SHOWN])
         more = len(problem.fqns) - _FQNS_SHOWN
         parts.append(shown + (f" and {more} more" if more > 0 else ""))
-    return "  ".join(parts) + "\n    " + problem.message
+    # names and messages come from the checkpoint: a newline in them must not start a line
+    return (escape_control_characters("  ".join(parts)) + "\n    "
+            + escape_control_characters(problem.message))

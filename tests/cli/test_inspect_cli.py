@@ -153,3 +153,23 @@ def test_names_from_a_checkpoint_cannot_drive_the_terminal(run_cli, copy_fixture
     assert "grid\\x1b[2J\\x1b[31m\\x0d\\x07" in run_cli("inspect", checkpoint).output
     document = json.loads(run_cli("inspect", checkpoint, "--json").output)
     assert hostile in {tensor["fqn"] for tensor in document["tensors"]}
+
+
+def test_a_newline_in_a_name_cannot_forge_a_line_of_a_report(run_cli, copy_fixture):
+    """Reports keep their own newlines: a name's, in verify's list of fqns affected, began a
+    line of its own (`status      ok` after the real `damaged`)."""
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    metadata = torch_metadata(checkpoint)
+    hostile = "grid\n\nstatus      ok"
+    metadata.state_dict_metadata[hostile] = metadata.state_dict_metadata.pop("grid")
+    for key in [key for key in metadata.storage_data if key.fqn == "grid"]:
+        info = metadata.storage_data.pop(key)
+        metadata.storage_data[type(key)(hostile, key.offset, key.index)] = info
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    for data_file in checkpoint.glob("*.distcp"):
+        data_file.write_bytes(data_file.read_bytes()[:100])
+    result = run_cli("verify", checkpoint)
+    assert result.exit_code == 1
+    assert [line for line in result.output.splitlines() if line.startswith("status")] == [
+        line for line in result.output.splitlines() if line.startswith("status      damaged")]
+    assert "grid\\x0a\\x0astatus      ok" in result.output
