@@ -45,7 +45,10 @@ def storage_options() -> dict[str, object]:
 
 
 def store_for(protocol: str) -> ObjectStore:
-    """The store for a protocol, made once per process with the storage options in force."""
+    """The store for a protocol, made once per process with the storage options in force; a
+    protocol's other names (`s3a` for `s3`) give the one store, so that a path is the same
+    path whatever name reaches it."""
+    protocol = _canonical_protocol(protocol)
     options = storage_options()
     # where the client finds its endpoint and credentials is part of what a store is
     environment = sorted((name, value) for name, value in os.environ.items()
@@ -56,6 +59,15 @@ def store_for(protocol: str) -> ObjectStore:
         if store is None:
             store = _STORES[cache_key] = _new_store(protocol, options)
         return store
+
+
+def _canonical_protocol(protocol: str) -> str:
+    """The first of the names fsspec's file system for protocol answers to."""
+    try:
+        names = importlib.import_module("fsspec").get_filesystem_class(protocol).protocol
+    except (ImportError, ValueError):
+        return protocol  # no such file system: _new_store says so
+    return names if isinstance(names, str) else names[0]
 
 
 def _store_by_protocol(store: ObjectStore):

@@ -413,3 +413,18 @@ def test_an_in_place_run_never_replaces_a_metadata_another_job_wrote_meanwhile(
     assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == other_job
     after = {entry["Key"] for entry in client.list_objects_v2(Bucket=bucket)["Contents"]}
     assert after == before
+
+
+def test_an_output_named_by_another_name_of_its_protocol_is_still_the_input(bucket_checkpoint,
+                                                                             s3_server):
+    """s3a:// opened a store of its own, and the guard took stores apart for apart: `-o
+    s3a://b/run --overwrite` deleted the whole run, the input with it."""
+    bucket, url = bucket_checkpoint
+    before = s3_server.client().list_objects_v2(Bucket=bucket)["KeyCount"]
+    assert "holds the input" in failure("reshard", url, "--ranks", "2", "-o", f"s3a://{bucket}/run",
+                                        "--overwrite")
+    assert "lies inside the input" in failure("compress", url, "-o",
+                                              f"s3a://{bucket}/run/step-100/z", "--overwrite")
+    assert s3_server.client().list_objects_v2(Bucket=bucket)["KeyCount"] == before
+    ok("compress", url, "-o", f"s3a://{bucket}/run/step-100")  # the input itself: in place
+    assert tensor_digests(load_with_dcpctl_reader(url)) == expected_tensors()
