@@ -165,6 +165,9 @@ class ObjectStoreOutput:
     there is refused unless overwrite; with overwrite it is deleted first, `.metadata` before
     the rest, so it is never seen half gone as a whole checkpoint.
 
+    A file is one object, written whole or not at all: what stood there stays until it is
+    replaced, and a run that fails leaves it.
+
     A directory is claimed before anything is written: `.metadata.tmp` (what a save in
     progress holds) is created only if absent, holding this run's token, and the prefix must
     then hold nothing else. So a second run that starts while this one writes, or once it has
@@ -184,7 +187,8 @@ class ObjectStoreOutput:
         self._claimed = self._confirmed = False
         store = destination.store
         if not is_directory:
-            if destination.is_file() and not overwrite:
+            self._standing_etag = _current_etag(destination)
+            if self._standing_etag is not None and not overwrite:
                 raise OutputError("exists (pass --overwrite to replace it)", path=destination)
             return
         if destination.is_file():
@@ -242,7 +246,10 @@ class ObjectStoreOutput:
         that stopped the run is the one to report, and a run with --overwrite clears it."""
         try:
             if not self.is_directory:
-                self.destination.unlink(missing_ok=True)
+                # the object is written whole or not at all: one that stood there stays
+                now = _current_etag(self.destination)
+                if now is not None and now != self._standing_etag:
+                    self.destination.unlink(missing_ok=True)
             elif (self._claimed and self._claim_is_ours()) or (
                     self._confirmed and not (self.destination / METADATA_FILE_NAME).exists()):
                 delete_checkpoint_objects(self.destination)
@@ -258,6 +265,14 @@ class ObjectStoreOutput:
     def _give_up_claim(self) -> None:
         self._claim.unlink(missing_ok=True)
         self._claimed = False
+
+
+def _current_etag(path: ObjectPath) -> str | None:
+    """The ETag of the object at path as the store says now ("" where it gives none), None
+    where there is none."""
+    path.store.forget(path.key)
+    info = path.store.info(path.key)
+    return None if info is None else info.etag or ""
 
 
 def delete_checkpoint_objects(directory: ObjectPath,
