@@ -146,12 +146,14 @@ def _run_as_torchrun_rank() -> int:
         team = join_torchrun()
         try:
             team.check_same_command(sys.argv[1:])
-        except DcpctlError as error:  # on rank 0: it tells the other ranks to end
-            click.echo(f"Error: {escape_control_characters(str(error))}", err=True)
+        except DcpctlError as error:  # on rank 0: the other ranks are told to end
             team.end(error.exit_code)
-            return error.exit_code
+            raise
         if team.rank != 0:
             return team.serve()
+    except DcpctlError as error:  # ranks that differ, or the job lost: said as rank 0 says it
+        click.echo(f"Error: {escape_control_characters(str(error))}", err=True)
+        return error.exit_code
     except KeyboardInterrupt:  # said as rank 0's command says it (DcpctlGroup.invoke)
         click.echo("Error: interrupted", err=True)
         return 128 + signal.SIGINT

@@ -12,14 +12,15 @@ other rank failed. Progress is shown by rank 0 alone, counting every rank's work
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shlex
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from dcpctl.errors import InvalidOptionError
+from dcpctl.errors import DcpctlError, InvalidOptionError
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
 
@@ -52,8 +53,45 @@ def join_torchrun() -> Team:
 
     distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
     _team = Team(distributed.get_rank(), distributed.get_world_size(),
-                 distributed.distributed_c10d._get_default_store())
+                 _JobStore(distributed.distributed_c10d._get_default_store()))
     return _team
+
+
+class LostContactError(DcpctlError):
+    """The torchrun job's key-value store stopped answering: its agent, or the rank that holds
+    it, ended."""
+
+
+class _JobStore:
+    """The job's key-value store, its failures worded as LostContactError."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        with _lost_contact_worded():
+            self._store.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        with _lost_contact_worded():
+            return self._store.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        with _lost_contact_worded():
+            return self._store.check(keys)
+
+    def get(self, key: str) -> bytes:
+        with _lost_contact_worded():
+            return self._store.get(key)
+
+
+@contextlib.contextmanager
+def _lost_contact_worded() -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as error:  # torch's DistError and its kinds
+        raise LostContactError(f"lost contact with the torchrun job (its agent or rank 0 "
+                               f"ended?): {str(error).strip().splitlines()[0]}") from None
 
 
 class Team:
@@ -118,8 +156,12 @@ class Team:
         return [value for _, value in outcomes]
 
     def end(self, exit_code: int) -> None:
-        """On rank 0: tell every rank that the command is over, with its exit status."""
-        self.store.set(f"dcpctl/next/{self._jobs + 1}", pickle.dumps(("end", exit_code)))
+        """On rank 0: tell every rank that the command is over, with its exit status (where
+        the job is still there to be told)."""
+        try:
+            self.store.set(f"dcpctl/next/{self._jobs + 1}", pickle.dumps(("end", exit_code)))
+        except LostContactError:
+            pass
 
     def serve(self) -> int:
         """On ranks but 0: plan what rank 0 sends ahead, run the share of every job it hands
@@ -153,7 +195,10 @@ class Team:
                           stop: threading.Event) -> None:
         reported = 0
         while not stop.wait(_PROGRESS_SECONDS):
-            done = self.store.add(key, 0)
+            try:
+                done = self.store.add(key, 0)
+            except LostContactError:
+                return  # waiting for the ranks' results says it
             if done > reported:
                 advance(done - reported)
                 reported = done

@@ -358,3 +358,23 @@ def test_a_rank_other_than_0_stopped_says_so_in_a_line(monkeypatch, capsys, stop
     monkeypatch.setattr(cli_main, "join_torchrun", Team)
     assert cli_main._run_as_torchrun_rank() == code
     assert capsys.readouterr().err.strip() == words
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_loses_the_job_says_so_in_a_line(monkeypatch, capsys, rank):
+    """The torchrun agent, which holds the job's store, killed: the ranks ended with
+    tracebacks of torch's DistNetworkError (and rank 0 with 'internal error')."""
+    from dcpctl.cli import main as cli_main
+    from dcpctl.execution import torchrun
+
+    class BrokenStore:
+        def __getattr__(self, name):
+            def fail(*args):
+                raise RuntimeError("Broken pipe\nException raised from sendBytes")
+            return fail
+
+    team = torchrun.Team(rank, 2, torchrun._JobStore(BrokenStore()))
+    monkeypatch.setattr(cli_main, "join_torchrun", lambda: team)
+    assert cli_main._run_as_torchrun_rank() == 1
+    assert capsys.readouterr().err == ("Error: lost contact with the torchrun job (its agent or "
+                                       "rank 0 ended?): Broken pipe\n")
