@@ -415,9 +415,9 @@ def test_an_in_place_run_never_replaces_a_metadata_another_job_wrote_meanwhile(
     assert after == before
 
 
-def test_an_output_named_by_another_name_of_its_protocol_is_still_the_input(bucket_checkpoint,
-                                                                             s3_server):
-    """s3a:// opened a store of its own, and the guard took stores apart for apart: `-o
+def test_an_output_named_by_another_name_of_its_protocol_is_still_the_input(
+        bucket_checkpoint, s3_server):
+    """s3a:// opened a store of its own, and the guard took two stores for apart: `-o
     s3a://b/run --overwrite` deleted the whole run, the input with it."""
     bucket, url = bucket_checkpoint
     before = s3_server.client().list_objects_v2(Bucket=bucket)["KeyCount"]
