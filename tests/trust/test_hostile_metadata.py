@@ -278,3 +278,22 @@ def test_a_memo_index_far_past_the_file_is_refused_in_bounded_memory(checkpoint)
     _refused(result, "asks for more memory than a pickle of")
     # measured here: 0.3 s and 60 MiB, against 6 s and 4.2 GiB uncapped
     assert seconds < 30 and 0 < peak_kib < 512 * 1024, (seconds, peak_kib)
+
+
+@pytest.mark.parametrize("value", [1.5, b"1", " 0 ", 3])
+def test_a_memory_format_encoding_not_torchs_is_refused_not_coerced(checkpoint, monkeypatch,
+                                                                     value):
+    """torch pickles the memory format as its enum called with its value; any int() took was
+    taken (1.5 as 1), where torch's own reading refuses all but the enum's values."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from dcpctl.errors import UnsafeMetadataError
+    from dcpctl.format.metadata.reading import parse_metadata
+
+    metadata = torch_metadata(checkpoint)
+    monkeypatch.setattr(_MEM_FORMAT_ENCODING, "__reduce_ex__",
+                        lambda self, protocol: (_MEM_FORMAT_ENCODING, (value,)))
+    data = pickle.dumps(metadata, protocol=4)
+    monkeypatch.undo()
+    with pytest.raises(UnsafeMetadataError, match="unknown memory format encoding"):
+        parse_metadata(data, "x/.metadata")

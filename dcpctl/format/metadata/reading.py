@@ -20,9 +20,10 @@ from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import MetadataError, UnsafeMetadataError
 from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
 from dcpctl.format.file_names import METADATA_FILE_NAME
-from dcpctl.format.metadata.records import (TORCH_LAYOUTS, BytesMetadata, CheckpointMetadata,
-                                            ChunkMetadata, MetadataIndex, StorageInfo, StorageMeta,
-                                            TensorMetadata, TensorProperties)
+from dcpctl.format.metadata.records import (MEMORY_FORMAT_CODES, TORCH_LAYOUTS, BytesMetadata,
+                                            CheckpointMetadata, ChunkMetadata, MetadataIndex,
+                                            StorageInfo, StorageMeta, TensorMetadata,
+                                            TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
 from dcpctl.unpickling_memory import bounded_memory, memory_budget_bytes
@@ -88,6 +89,14 @@ def _write_item_type(value: Any) -> int:
     return value
 
 
+def _memory_format_encoding(value: Any) -> int:
+    """Stands in for torch's _MEM_FORMAT_ENCODING enum, which pickles as a call with its
+    value: an int of the enum, as torch's own reading takes only those (not `int(1.5)`)."""
+    if type(value) is not int or value not in MEMORY_FORMAT_CODES:
+        raise UnsafeMetadataError(f"names an unknown memory format encoding {value!r:.40}")
+    return value
+
+
 _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     (_TORCH_METADATA_MODULE, "Metadata"): CheckpointMetadata,
     (_MEGATRON_MODULE, "MCoreMetadata"): CheckpointMetadata,  # Metadata plus mcore_data
@@ -97,7 +106,7 @@ _ALLOWED_CLASSES: dict[tuple[str, str], Any] = {
     (_TORCH_METADATA_MODULE, "TensorProperties"): TensorProperties,
     (_TORCH_METADATA_MODULE, "MetadataIndex"): MetadataIndex,
     (_TORCH_METADATA_MODULE, "StorageMeta"): StorageMeta,
-    (_TORCH_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): int,
+    (_TORCH_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _memory_format_encoding,
     (_TORCH_FILESYSTEM_MODULE, "_StorageInfo"): StorageInfo,
     # Megatron-Core's save plans, dropped once read
     **{(_TORCH_PLANNER_MODULE, name): _SavePlanPart

@@ -26,7 +26,7 @@ def _fields_refused(torch_class: str, fields: frozenset[str]) -> MetadataError:
 
 TORCH_LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc")
 # torch's _MEM_FORMAT_ENCODING: contiguous, channels last, preserve
-_MEMORY_FORMAT_CODES = (0, 1, 2)
+MEMORY_FORMAT_CODES = (0, 1, 2)
 
 
 @dataclass
@@ -47,7 +47,7 @@ class TensorProperties:
             raise _properties_refused() from None
         if (type(self.dtype) is not DType or self.layout not in TORCH_LAYOUTS
                 or type(self.requires_grad) is not bool or type(self.pin_memory) is not bool
-                or self.memory_format_code not in _MEMORY_FORMAT_CODES
+                or self.memory_format_code not in MEMORY_FORMAT_CODES
                 or type(self.memory_format_code) is not int):
             raise _properties_refused()
 
