@@ -281,8 +281,8 @@ def test_a_memo_index_far_past_the_file_is_refused_in_bounded_memory(checkpoint)
 
 
 @pytest.mark.parametrize("value", [1.5, b"1", " 0 ", 3])
-def test_a_memory_format_encoding_not_torchs_is_refused_not_coerced(checkpoint, monkeypatch,
-                                                                     value):
+def test_a_memory_format_encoding_not_torchs_is_refused_not_coerced(
+        checkpoint, monkeypatch, value):
     """torch pickles the memory format as its enum called with its value; any int() took was
     taken (1.5 as 1), where torch's own reading refuses all but the enum's values."""
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
