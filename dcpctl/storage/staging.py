@@ -44,6 +44,7 @@ class StagedOutput:
         self.overwrite = overwrite
         self.is_directory = is_directory
         self.token = new_token()
+        self._made_parents = _missing_directories(destination.parent)
         destination.parent.mkdir(parents=True, exist_ok=True)
         self.removed_stagings = remove_dead_stagings(destination)
         self._staging = destination.parent / temporary_name(f".{destination.name}", self.token)
@@ -108,14 +109,29 @@ class StagedOutput:
                               "--overwrite to replace it", path=self.destination) from None
 
     def abort(self) -> None:
-        """Remove the unfinished output; the destination stays as it was."""
+        """Remove the unfinished output, and the directories made for it where nothing else
+        came to be in them; the destination stays as it was."""
         shutil.rmtree(self._staging, ignore_errors=True)
         self._unlock()
+        for directory in self._made_parents:  # the deepest first
+            try:
+                directory.rmdir()
+            except OSError:
+                break
 
     def _unlock(self) -> None:
         if self._lock is not None:
             lock, self._lock = self._lock, None
             os.close(lock)
+
+
+def _missing_directories(directory: Path) -> list[Path]:
+    """directory and those of its parents that do not exist, the deepest first."""
+    missing = []
+    while not os.path.lexists(directory) and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    return missing
 
 
 def remove_dead_stagings(destination: Path) -> list[str]:

@@ -89,6 +89,18 @@ def test_abort_removes_the_unfinished_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("is_directory", [True, False])
+def test_abort_removes_the_directories_made_for_the_output_that_nothing_else_took(
+        tmp_path, is_directory):
+    (tmp_path / "kept").mkdir()
+    staged = StagedOutput(tmp_path / "kept" / "new" / "deeper" / "out", overwrite=False,
+                          source=SOURCE, is_directory=is_directory)
+    (tmp_path / "kept" / "new" / "someone-elses").write_text("x")
+    staged.abort()
+    assert sorted(path.name for path in (tmp_path / "kept").rglob("*")) == ["new",
+                                                                             "someone-elses"]
+
+
 @pytest.mark.parametrize("where", ["source", "source/..", "source/inner", "source/link/.."])
 def test_an_output_that_is_holds_or_lies_inside_the_input_is_refused(tmp_path, where):
     source = tmp_path / "run" / "source"
