@@ -197,3 +197,33 @@ def test_a_safetensors_file_the_library_refuses_is_refused(run_cli, tmp_path, en
     result = run_cli("convert", path, "--to", "dcp", "-o", tmp_path / "o")
     assert result.exit_code == 1 and words in result.output, result.output
     assert not (tmp_path / "o").exists()
+
+
+def _rewritten_torch_save(source, target, edit) -> None:
+    with zipfile.ZipFile(source) as archive, zipfile.ZipFile(target, "w") as rewritten:
+        for info in archive.infolist():
+            rewritten.writestr(info.filename, edit(info.filename, archive.read(info.filename)))
+
+
+def test_a_torch_save_file_whose_tensor_bytes_fail_their_crc_is_refused(run_cli, tmp_path):
+    """torch.load reads a flipped bit of a tensor as a value; the archive's CRC-32 says it."""
+    torch.save({"w": torch.arange(1000.0)}, tmp_path / "model.pt")
+    data = bytearray((tmp_path / "model.pt").read_bytes())
+    data[data.index(b"data/0") + 200] ^= 0x01
+    (tmp_path / "model.pt").write_bytes(data)
+    torch.load(tmp_path / "model.pt", weights_only=True)  # torch takes it
+    result = run_cli("convert", tmp_path / "model.pt", "--to", "dcp", "-o", tmp_path / "o")
+    assert result.exit_code == 1 and "does not match its CRC-32" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_torch_save_file_whose_storage_record_is_longer_than_its_storage_is_refused(
+        run_cli, tmp_path):
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "model.pt")
+    _rewritten_torch_save(tmp_path / "model.pt", tmp_path / "long.pt", lambda name, data: (
+        data + bytes(4) if name.endswith("/data/0") else data))
+    with pytest.raises(Exception):
+        torch.load(tmp_path / "long.pt", weights_only=True)
+    result = run_cli("convert", tmp_path / "long.pt", "--to", "dcp", "-o", tmp_path / "o")
+    assert result.exit_code == 1 and "cannot tell where a tensor's bytes lie" in result.output
+    assert not (tmp_path / "o").exists()

@@ -3,13 +3,14 @@ bytes lie in the file, so that they can be read or written a piece at a time."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.torch_save.zip_records import read_zip_records
+from dcpctl.format.torch_save.zip_records import ZipRecord, read_zip_records
 from dcpctl.storage.local import open_for_reading
 
 
@@ -31,6 +32,8 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
         byteorder = next((r for r in records if r.name.endswith("/byteorder")), None)
         if byteorder and read_range(byteorder.data_offset, byteorder.size_bytes) != b"little":
             raise UnsupportedLayoutError("saved on a big-endian machine", path=path)
+        for record in records:  # torch's reader does not check them: damage would pass
+            _check_record_crc(read_range, record, path)
     try:
         skeleton = torch.load(path, map_location="meta", weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
@@ -42,12 +45,26 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
     return skeleton, storages
 
 
+_CRC_PIECE_BYTES = 8 << 20
+
+
+def _check_record_crc(read_range, record: ZipRecord, path: Path) -> None:
+    """Raise DataError unless the record's bytes, read a piece at a time, match its CRC-32."""
+    crc = 0
+    for start in range(record.data_offset, record.data_end, _CRC_PIECE_BYTES):
+        crc = zlib.crc32(read_range(start, min(_CRC_PIECE_BYTES, record.data_end - start)), crc)
+    try:
+        record.check_crc_value(crc)
+    except DataError as error:
+        raise error.located(path=path) from None
+
+
 def storage_file_offset(path: Path, placeholder: torch.Tensor, records: dict[int, int]) -> int:
     """Where in the file the storage of a tensor from load_skeleton starts. torch works it out
     from the conventions of its own writer; it is checked against the archive's records."""
     offset = getattr(placeholder.untyped_storage(), "_checkpoint_offset", None)
     needed = placeholder.untyped_storage().nbytes()
-    if offset is None or records.get(offset, -1) < needed:
+    if offset is None or records.get(offset, -1) != needed:
         raise UnsupportedLayoutError(f"cannot tell where a tensor's bytes lie (torch "
                                      f"points at byte {offset}, where no storage record of "
                                      f"{needed} bytes starts)", path=path)
