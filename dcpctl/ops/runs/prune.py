@@ -3,7 +3,8 @@
 A complete checkpoint is kept when any rule keeps it: it is the newest complete one (always),
 the one the trainer's tracker file names (always: Megatron resumes from it), one of the last
 `keep_last` complete ones, its step is a multiple of `keep_every_steps`, its name matches a
-`keep_globs` pattern, or it changed within `older_than_seconds`. An incomplete
+`keep_globs` pattern, or it changed within `older_than_seconds` (newest and last go by step:
+checkpoints of one step are kept together). An incomplete
 one (no `.metadata`) is deleted only when `incomplete_older_than_seconds` is given, nothing in
 it changed for longer than that, and no `keep_globs` pattern matches it.
 
@@ -123,8 +124,9 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
     problem of each complete checkpoint (by name) that the quick check calls damaged."""
     damaged = damaged or {}
     sound = [entry for entry in checkpoints if entry.complete and entry.name not in damaged]
-    newest_name = sound[-1].name if sound else None
-    last_names = {entry.name for entry in sound[-rules.keep_last:]}
+    # by step: two checkpoints of one step (`step-400`, `checkpoint-400`) have no order
+    sound_steps = sorted({entry.step for entry in sound})
+    last_steps = set(sound_steps[-rules.keep_last:])
     decisions = []
     for entry in checkpoints:
         reasons = [f"matches --keep {glob!r}" for glob in rules.keep_globs
@@ -135,8 +137,8 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
         if problem is not None:
             reasons += _incomplete_keep_reasons(entry, rules, f"damaged ({problem})")
         elif entry.complete:
-            reasons += _complete_keep_reasons(entry, rules, entry.name == newest_name,
-                                              entry.name in last_names)
+            reasons += _complete_keep_reasons(entry, rules, entry.step == sound_steps[-1],
+                                              entry.step in last_steps)
         else:
             reasons += _incomplete_keep_reasons(entry, rules, "incomplete")
         decisions.append(PruneDecision(entry, delete=not reasons,

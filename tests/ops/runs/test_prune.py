@@ -106,6 +106,17 @@ def test_every_name_style_is_pruned_by_step_and_look_alikes_are_never_touched(tm
                                    "step-9999-copy"]
 
 
+def test_checkpoints_of_one_step_are_kept_together(tmp_path):
+    """Two checkpoints of the newest step have no order between them: one of them was deleted
+    as kept by no rule, as the list happened to sort."""
+    run_dir = _run_dir(tmp_path, [300])
+    add_checkpoint(run_dir, "step-0400")
+    add_checkpoint(run_dir, "checkpoint-400")
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == ["step-300"]
+    assert _remaining(run_dir) == ["checkpoint-400", "step-0400"]
+
+
 def test_incomplete_saves_young_and_old(tmp_path):
     run_dir = _run_dir(tmp_path, [100, 200])
     add_checkpoint(run_dir, "step-150", complete=False, age_seconds=3 * DAY)
