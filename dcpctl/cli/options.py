@@ -6,12 +6,14 @@ import click
 
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print the report as one JSON document instead of text.")
+# Past these, a typo (`--workers 100000`) would start a process or thread per unit of it.
+MAX_WORKERS = MAX_THREADS = 1024
 threads_option = click.option(
-    "--threads", type=click.IntRange(min=1), default=None,
+    "--threads", type=click.IntRange(min=1, max=MAX_THREADS), default=None,
     help="Threads doing the work, each reading, coding, writing and hashing whole items; 1 "
          "runs everything in one thread (default: the cores this process may use).")
 workers_option = click.option(
-    "--workers", type=click.IntRange(min=1), default=None,
+    "--workers", type=click.IntRange(min=1, max=MAX_WORKERS), default=None,
     help="Processes sharing the work on this machine (this one and N - 1 it starts), each "
          "with its own --threads (default threads: the cores shared among the workers); the "
          "output is the same byte for byte whatever the number. Default: one per core for a "

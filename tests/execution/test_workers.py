@@ -268,6 +268,13 @@ def test_without_workers_a_large_checkpoint_is_shared_among_a_process_per_core(
     assert tree(tmp_path / "default") == tree(tmp_path / "one")
 
 
+@pytest.mark.parametrize("option", ["--workers", "--threads"])
+def test_worker_and_thread_counts_past_any_machine_are_refused(run_cli, option):
+    """`--workers 100000` started a process for each."""
+    result = run_cli("verify", fixture_path(SOURCE), option, 100000)
+    assert result.exit_code == 2 and "1<=x<=1024" in result.output
+
+
 def test_memory_urls_are_refused_with_workers(run_cli):
     result = run_cli("verify", "memory://nothing/here", "--workers", 2)
     assert result.exit_code == 1
