@@ -227,3 +227,16 @@ def test_a_torch_save_file_whose_storage_record_is_longer_than_its_storage_is_re
     result = run_cli("convert", tmp_path / "long.pt", "--to", "dcp", "-o", tmp_path / "o")
     assert result.exit_code == 1 and "cannot tell where a tensor's bytes lie" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_an_object_torchs_safe_loader_refuses_is_named_with_its_reason(run_cli, tmp_path):
+    """The refusal quoted the first line of torch's message: advice on loading unsafely, cut
+    mid-sentence, with the terminal escapes torch puts in it."""
+    import io
+
+    dcp.save({"w": torch.ones(2), "stream": io.BytesIO(b"ab")}, checkpoint_id=tmp_path / "ck")
+    result = run_cli("convert", tmp_path / "ck", "--to", "torch", "-o", tmp_path / "out.pt")
+    assert result.exit_code == 1, result.output
+    assert "(Unsupported global: GLOBAL _io.BytesIO was not an allowed global by default)" \
+        in result.output
+    assert "x1b" not in result.output and len(result.output.splitlines()) == 1

@@ -3,6 +3,7 @@ bytes lie in the file, so that they can be read or written a piece at a time."""
 
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,8 +39,8 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
         skeleton = torch.load(path, map_location="meta", weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
         raise UnsupportedLayoutError(
-            f"cannot be loaded with weights_only=True "
-            f"({str(error).splitlines()[0]})", path=path) from None
+            f"cannot be loaded with weights_only=True ({weights_only_refusal(error)})",
+            path=path) from None
     storages = {record.data_offset: record.size_bytes for record in records
                 if record.name.partition("/")[2].startswith("data/")}
     return skeleton, storages
@@ -57,6 +58,20 @@ def _check_record_crc(read_range, record: ZipRecord, path: Path) -> None:
         record.check_crc_value(crc)
     except DataError as error:
         raise error.located(path=path) from None
+
+
+_ANSI_SEQUENCE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def weights_only_refusal(error: Exception) -> str:
+    """Why torch's weights_only loader refused, in a line: its unpickler's own reason where it
+    gives one (the first lines of its message are advice on loading unsafely)."""
+    text = _ANSI_SEQUENCE.sub("", str(error))
+    reason = next((line.strip() for line in text.splitlines()
+                   if line.strip().startswith("WeightsUnpickler error:")), None)
+    if reason is None:
+        return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return reason.removeprefix("WeightsUnpickler error:").strip().split(". Please use")[0]
 
 
 def storage_file_offset(path: Path, placeholder: torch.Tensor, records: dict[int, int]) -> int:

@@ -237,14 +237,14 @@ def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
         pass
     import torch  # loading what is more than plain data needs torch's weights_only unpickler
 
-    from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object
+    from dcpctl.format.torch_save.skeleton import refuse_tensors_in_object, weights_only_refusal
 
     try:
         value = torch.load(io.BytesIO(archive), weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
         raise UnsupportedLayoutError(
             f"{location.path}: object {entry.fqn!r} cannot be loaded with weights_only=True "
-            f"({str(error).splitlines()[0]}); leave it out with --exclude") from None
+            f"({weights_only_refusal(error)}); leave it out with --exclude") from None
     refuse_tensors_in_object(location.path, entry.fqn, value)
     return value
 
