@@ -135,17 +135,22 @@ def test_format_table_escapes_the_cells_that_hold_control_characters_and_pads_th
         ("NAME", "N"), escaped, (1,))
 
 
+def _with_grid_renamed(checkpoint, fqn: str):
+    """The checkpoint, its tensor `grid` renamed fqn in its `.metadata`."""
+    metadata = torch_metadata(checkpoint)
+    metadata.state_dict_metadata[fqn] = metadata.state_dict_metadata.pop("grid")
+    for key in [key for key in metadata.storage_data if key.fqn == "grid"]:
+        info = metadata.storage_data.pop(key)
+        metadata.storage_data[type(key)(fqn, key.offset, key.index)] = info
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    return checkpoint
+
+
 def test_names_from_a_checkpoint_cannot_drive_the_terminal(run_cli, copy_fixture):
     """A hostile checkpoint names a tensor and a data file with escape sequences; what dcpctl
     prints for people shows them escaped, and JSON keeps the name exact."""
-    checkpoint = copy_fixture("mesh2d_4ranks")
-    metadata = torch_metadata(checkpoint)
     hostile = "grid\x1b[2J\x1b[31m\r\x07"
-    metadata.state_dict_metadata[hostile] = metadata.state_dict_metadata.pop("grid")
-    for key in [key for key in metadata.storage_data if key.fqn == "grid"]:
-        info = metadata.storage_data.pop(key)
-        metadata.storage_data[type(key)(hostile, key.offset, key.index)] = info
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    checkpoint = _with_grid_renamed(copy_fixture("mesh2d_4ranks"), hostile)
     for args in (["inspect", checkpoint], ["inspect", checkpoint, "--by-file"],
                  ["verify", checkpoint], ["inspect", checkpoint / "\x1b[31mmissing"]):
         result = run_cli(*args)
@@ -158,14 +163,7 @@ def test_names_from_a_checkpoint_cannot_drive_the_terminal(run_cli, copy_fixture
 def test_a_newline_in_a_name_cannot_forge_a_line_of_a_report(run_cli, copy_fixture):
     """Reports keep their own newlines: a name's, in verify's list of fqns affected, began a
     line of its own (`status      ok` after the real `damaged`)."""
-    checkpoint = copy_fixture("mesh2d_4ranks")
-    metadata = torch_metadata(checkpoint)
-    hostile = "grid\n\nstatus      ok"
-    metadata.state_dict_metadata[hostile] = metadata.state_dict_metadata.pop("grid")
-    for key in [key for key in metadata.storage_data if key.fqn == "grid"]:
-        info = metadata.storage_data.pop(key)
-        metadata.storage_data[type(key)(hostile, key.offset, key.index)] = info
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    checkpoint = _with_grid_renamed(copy_fixture("mesh2d_4ranks"), "grid\n\nstatus      ok")
     for data_file in checkpoint.glob("*.distcp"):
         data_file.write_bytes(data_file.read_bytes()[:100])
     result = run_cli("verify", checkpoint)
