@@ -134,3 +134,24 @@ def test_an_item_holding_another_shape_than_its_chunk_is_refused(run_cli, tmp_pa
         assert "float32 tensor of shape [10, 6]" in result.output, (command, result.output)
         assert directory_state(checkpoint) == before
         assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_an_object_item_scrambled_past_recognition_is_refused(copy_fixture, run_cli, tmp_path):
+    """torch's zstd frames carry no checksum: one flip in a frame's literals table decodes a
+    non-tensor item to garbage that looks like no zip at either end. It was taken for an
+    io.BytesIO's raw bytes and passed every check, though torch's load planner torch.loads
+    every non-tensor item (its save planner torch.saves each one)."""
+    import zstandard
+
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    flip_bit(checkpoint / "__1_0.distcp", 4064 // 8, 1 << (4064 % 8))
+    frame = (checkpoint / "__1_0.distcp").read_bytes()[468:468 + 467]
+    decoded = zstandard.ZstdDecompressor().decompressobj().decompress(frame)
+    assert not decoded.startswith(b"PK") and b"PK" not in decoded[-22:]  # no zip left
+    before = directory_state(checkpoint)
+    result = run_cli("verify", checkpoint, "--json")
+    assert result.exit_code == 1
+    assert "optim.param_groups.0.eps" in result.output and '"archive"' in result.output
+    result = run_cli("decompress", checkpoint, "-o", tmp_path / "out")
+    assert result.exit_code == 1 and "is not an intact torch.save archive" in result.output
+    assert not (tmp_path / "out").exists() and directory_state(checkpoint) == before

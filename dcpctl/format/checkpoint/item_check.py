@@ -1,7 +1,8 @@
 """Checking an item as its decoded bytes go by, the one check every command makes of what it
 reads: the torch.save archive the bytes form is whole (every record matches its CRC-32), and a
-tensor item holds the dtype and shape of its chunk. A non-tensor item that is not an archive
-(raw bytes) is only decoded.
+tensor item holds the dtype and shape of its chunk. A non-tensor item is an archive too:
+torch's save planner torch.saves every one (an `io.BytesIO` as well), and its load planner
+torch.loads every one.
 
 Memory stays at two windows of the archive, each held in whole pieces as read (at most a piece
 more; torch_save/archive_check.py); the rare archive whose records lie outside them is read
@@ -45,8 +46,6 @@ class ItemCheck:
                 return [self._problem(Rule.STORED_LENGTH, f"holds {self._archive.length_bytes} "
                                       f"bytes; the chunk has {location.expected.nbytes}")]
             return []
-        if location.expected is None and not self._archive.looks_like_zip():
-            return []  # raw bytes: nothing more to check
         try:
             checked = self._archive.finish(location.expected is not None,
                                            lambda: _random_access(location, reread))

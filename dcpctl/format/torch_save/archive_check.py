@@ -29,11 +29,9 @@ from dcpctl.errors import DataError
 from dcpctl.format.torch_save.crc32 import crc32_of_span
 from dcpctl.format.torch_save.layout import (TorchSaveLayout, build_torch_save_layout,
                                              check_torch_save_records, find_pickle_record)
-from dcpctl.format.torch_save.zip_records import (END_SIGNATURE, LOCAL_SIGNATURE, ReadRange,
-                                                  ZipRecord, read_zip_records)
+from dcpctl.format.torch_save.zip_records import ReadRange, ZipRecord, read_zip_records
 
 DEFAULT_WINDOW_BYTES = 256 << 10
-_END_RECORD_BYTES = 22
 _CRC_PIECE_BYTES = 4 << 20
 
 RandomAccessOpener = Callable[[], ContextManager[ReadRange]]
@@ -120,18 +118,6 @@ class ArchiveStreamCheck:
             self._crc_before_tail = zlib.crc32(leaving, self._crc_before_tail)
             self._tail_start += len(leaving)
             self._tail_bytes -= len(leaving)
-
-    def looks_like_zip(self) -> bool:
-        """Whether what was fed so far begins like a zip archive or ends like one (its end
-        record, with no comment, as torch.save writes it): a damaged archive still looks
-        like one by its other end."""
-        starts = bytes(_joined(self._head)[:len(LOCAL_SIGNATURE)]) == LOCAL_SIGNATURE
-        end = bytearray()
-        for piece in reversed(self._tail):
-            end[:0] = piece[-_END_RECORD_BYTES:]
-            if len(end) >= _END_RECORD_BYTES:
-                break
-        return starts or end[-_END_RECORD_BYTES:].startswith(END_SIGNATURE)
 
     def finish(self, expect_tensor: bool, open_random_access: RandomAccessOpener) -> ArchiveCheck:
         """Check what was fed: records, the tensor when expected, every CRC-32."""
