@@ -76,7 +76,7 @@ class ObjectStore:
         tree = {}
         for key, details in found.items():
             relative = key[len(base):] if key.startswith(base) else ""
-            if relative:
+            if relative and not relative.endswith("/"):  # not a folder marker (`sub/`)
                 info = tree[relative] = _info_of(details)
                 self._remember(base + relative, info, replace=pin_current)
         return tree

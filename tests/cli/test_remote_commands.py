@@ -428,3 +428,13 @@ def test_an_output_named_by_another_name_of_its_protocol_is_still_the_input(
     assert s3_server.client().list_objects_v2(Bucket=bucket)["KeyCount"] == before
     ok("compress", url, "-o", f"s3a://{bucket}/run/step-100")  # the input itself: in place
     assert tensor_digests(load_with_dcpctl_reader(url)) == expected_tensors()
+
+
+def test_a_folder_marker_in_a_checkpoint_prefix_is_no_file(moto_s3, moto_checkpoint):
+    """Consoles and some tools make `prefix/` objects to show folders (rclone, over a file
+    system, cannot hold one): verify called the checkpoint damaged by an unknown file `sub/`."""
+    bucket, url = moto_checkpoint
+    prefix = url.removeprefix(f"s3://{bucket}/")
+    for key in (f"{prefix}/", f"{prefix}/sub/"):
+        moto_s3.client().put_object(Bucket=bucket, Key=key, Body=b"")
+    assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
