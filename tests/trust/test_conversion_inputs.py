@@ -90,6 +90,26 @@ def test_a_key_path_that_names_another_entry_is_refused(run_cli, tmp_path, check
     assert not list(tmp_path.glob("out*"))
 
 
+@pytest.mark.parametrize("edit, words", [
+    (lambda planner_data: planner_data.pop("config.lr"),
+     "planner_data gives no key path to 'config.lr'"),
+    (lambda planner_data: planner_data.update({"config.lr": ("config", {"lr": 1})}),
+     "but not each fqn (a name) to a key path of names and indices"),
+    (lambda planner_data: planner_data.update({("config", "lr"): ("config", "lr")}),
+     "but not each fqn (a name) to a key path of names and indices"),
+], ids=["entry-left-out", "path-holds-a-dict", "key-not-a-name"])
+def test_planner_data_damaged_past_its_form_is_refused(run_cli, tmp_path, checkpoint, edit,
+                                                       words):
+    """One flipped bit of a memo reference dropped an entry's key path (torch's loaders then
+    put it at the top level) or made one of its parts a dict: verify called it whole and
+    compress passed it on."""
+    _with_planner_data(checkpoint, lambda metadata: edit(metadata.planner_data))
+    for command in (["verify"], ["compress", "-o", tmp_path / "out"]):
+        result = run_cli(command[0], checkpoint, *command[1:])
+        assert result.exit_code == 1 and words in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_planner_data_that_is_not_a_mapping_is_refused(run_cli, tmp_path, checkpoint):
     _with_planner_data(checkpoint, lambda metadata: setattr(metadata, "planner_data", ["x"]))
     result = run_cli("convert", checkpoint, "--to", "torch", "-o", tmp_path / "state.pt")

@@ -67,10 +67,16 @@ def _check_records(loaded: Any, fail: Fail) -> None:
         for key, info in storage_data.items():
             _check_storage_entry(key, info, entries, fail)
     _normalize_transforms(storage_data.values())
-    if not _planner_data_looks_sound(loaded.planner_data):
-        _check_plain_value(loaded.planner_data, "planner_data", fail)
-    elif loaded.planner_data:
-        _refuse_misnamed_key_paths(loaded.planner_data, fail)
+    planner_data = loaded.planner_data
+    if _planner_data_looks_sound(planner_data):
+        if planner_data:
+            _refuse_misnamed_key_paths(planner_data, fail)
+            _refuse_missing_key_paths(planner_data, entries, fail)
+    elif _holds_a_key_path(planner_data):
+        raise fail("planner_data maps fqns to their key paths, as torch's planner does, but not "
+                   "each fqn (a name) to a key path of names and indices")
+    else:  # a custom planner's own data
+        _check_plain_value(planner_data, "planner_data", fail)
     if loaded.mcore_data is not None:
         if type(loaded.mcore_data) is not dict:
             raise fail(f"mcore_data is a {type(loaded.mcore_data).__name__}, not a dict")
@@ -127,6 +133,14 @@ def _planner_data_looks_sound(planner_data: Any) -> bool:
             and len(set(map(id, paths))) == len(paths))
 
 
+def _holds_a_key_path(planner_data: Any) -> bool:
+    """Whether planner_data is a dict giving some fqn its key path, as torch's planner gives
+    each one: the rest of it must then be key paths too, not a custom planner's data."""
+    return type(planner_data) is dict and any(
+        type(path) in (tuple, list) and all(type(key) in (str, int) for key in path)
+        and ".".join(map(str, path)) == fqn for fqn, path in planner_data.items())
+
+
 def _refuse_misnamed_key_paths(planner_data: dict, fail: Fail) -> None:
     """torch's planner (flatten_state_dict) names each entry by its key path, joined with dots;
     a key path that joins to another name (one damaged string) would nest its entry under a
@@ -137,6 +151,17 @@ def _refuse_misnamed_key_paths(planner_data: dict, fail: Fail) -> None:
             raise fail(f"planner_data gives {_shown(fqn)} the key path {_shown(list(key_path))}, "
                        f"which names {_shown(joined)}: torch names each entry by its key path "
                        "joined with dots")
+
+
+def _refuse_missing_key_paths(planner_data: dict, entries: dict, fail: Fail) -> None:
+    """torch's planner (flatten_state_dict) gives every entry its key path: one it lacks is
+    put at the top level by torch's own loaders (a dropped key, one damaged memo reference),
+    not where the state dict had it."""
+    missing = entries.keys() - planner_data.keys()
+    if missing:
+        raise fail(f"planner_data gives no key path to {_shown(min(missing))}"
+                   f"{f' and {len(missing) - 1} more entries' if len(missing) > 1 else ''}: "
+                   "torch's planner gives one to every entry")
 
 
 def _check_plain_value(value: Any, what: str, fail: Fail) -> None:

@@ -181,6 +181,7 @@ def _many_tensors_metadata(count: int = 2000):
             entry, chunks=[dataclasses.replace(chunk) for chunk in entry.chunks])
         for key, info in storage.items():
             metadata.storage_data[dataclasses.replace(key, fqn=fqn)] = dataclasses.replace(info)
+        metadata.planner_data[fqn] = ("copies", str(index), "weight")
     return metadata
 
 
