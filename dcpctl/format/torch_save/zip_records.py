@@ -269,6 +269,9 @@ def _check_entry(name: str, flags: int, method: int, disk: int, attributes: int,
                  size_bytes: int, uncompressed_bytes: int, header_offset: int,
                  archive_length: int) -> None:
     """Refuse what torch.save never writes in a central directory entry."""
+    if "\x00" in name:  # torch's reader takes names as C strings: it would look up another
+        raise DataError(f"zip record name {name!r} holds a NUL, which torch's reader cannot "
+                        "take")
     if attributes & _DOS_DIRECTORY_ATTRIBUTE or name.endswith("/"):
         raise DataError(f"zip record {name!r} is marked as a directory")
     if flags & _UNSUPPORTED_FLAGS:

@@ -185,3 +185,14 @@ def test_a_template_reads_any_damaged_directory_as_a_fresh_parse_does():
         with_template = outcome(bytes(damaged))
         zip_records._directory_templates.clear()
         assert with_template == outcome(bytes(damaged)), position
+
+
+def test_a_record_name_holding_a_nul_is_refused():
+    """One flip in a zstd frame's back-reference wrote `arch7\\x00x/` into every name of an
+    item: the names still shared one directory, but torch's reader takes them as C strings,
+    finds no `version` record and refuses the checkpoint."""
+    _, good = next(fixture_archives())
+    prefix = good[30:good.index(b"/", 30) + 1]  # the first local header's directory
+    damaged = good.replace(prefix, prefix[:4] + b"\x00" + prefix[5:])
+    with pytest.raises(DataError, match="holds a NUL, which torch's reader cannot take"):
+        read_zip_records(reader_of(damaged), len(damaged))
