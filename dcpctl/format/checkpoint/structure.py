@@ -211,6 +211,19 @@ def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
     if covered != volume:
         return [Problem(Rule.CHUNK_GAP, f"chunks hold {covered} of the {volume} elements of shape "
                         f"{list(tensor.shape)}", fqns=(tensor.fqn,))]
+    if not volume and tensor.chunks:  # no elements to count: the chunks must span each dim
+        for dim, extent in enumerate(tensor.shape):
+            spans = sorted((chunk.offsets[dim], chunk.offsets[dim] + chunk.sizes[dim])
+                           for chunk in tensor.chunks)
+            reached = 0
+            for start, end in spans:
+                if start > reached:
+                    break
+                reached = max(reached, end)
+            if reached < extent:
+                return [Problem(Rule.CHUNK_GAP, f"chunks of the empty tensor of shape "
+                                f"{list(tensor.shape)} span {reached} of the {extent} places of "
+                                f"dim {dim}", fqns=(tensor.fqn,))]
     return []
 
 

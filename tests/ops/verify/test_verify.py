@@ -472,3 +472,35 @@ def test_a_stopped_runs_temporary_files_are_leftovers_not_damage(copy_fixture):
     report = verify_checkpoint(checkpoint)
     assert report.status == "ok" and report.to_json()["leftover_temporaries"] == []
     assert not (checkpoint / "__0_0.distcp.dcpctl-0123456789ab.tmp").exists()
+
+
+@pytest.mark.parametrize("size, chunk_sizes, gap", [
+    ((0, 20), [(0, 4)], True),  # a damaged size: the chunk spans 4 of 20 columns
+    ((0, 20), [(0, 10), (0, 10)], False),  # two ranks' chunks of an empty tensor
+    ((3, 0), [(2, 0), (1, 0)], False),
+    ((3, 0), [(2, 0)], True),
+])
+def test_the_chunks_of_an_empty_tensor_must_span_it(copy_fixture, size, chunk_sizes, gap):
+    """No element to count: a chunk of shape (0, 4) in a tensor of (0, 20) held all 0 of its
+    elements, and a flipped bit in its size passed every check."""
+    checkpoint = copy_fixture("objects_2ranks")
+
+    def edit(metadata):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        entry = metadata.state_dict_metadata["weights.empty"]
+        old_key = _first_key(metadata, "weights.empty")
+        info = metadata.storage_data.pop(old_key)
+        entry.size = torch.Size(size)
+        entry.chunks, at = [], [0, 0]
+        dim = 1 if size[0] == 0 else 0
+        for index, sizes in enumerate(chunk_sizes):
+            offsets = torch.Size(at)
+            entry.chunks.append(ChunkStorageMetadata(offsets, torch.Size(sizes)))
+            if index == 0:
+                metadata.storage_data[MetadataIndex("weights.empty", offsets, 0)] = info
+            at[dim] += sizes[dim]
+
+    edit_metadata(checkpoint, edit)
+    found = rules(verify_checkpoint(checkpoint, deep=False))
+    assert ("chunk-gap" in found) == gap, found
