@@ -43,10 +43,21 @@ def parse_json(data: bytes | str):
         raise ValueError("nested deeper than any real one") from None
 
 
-@functools.lru_cache(maxsize=64)
 def read_safetensors_header(path: Path, blob_offset: int = 0) -> tuple[dict, int]:
     """The JSON header of the safetensors blob at blob_offset of a file (a whole safetensors
-    file, or one of a SAFETENSORS-serialized DCP checkpoint), and where its data starts."""
+    file, or one of a SAFETENSORS-serialized DCP checkpoint), and where its data starts; read
+    once per version of the file (a file rewritten since is read again)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise missing_file_error(path) from None
+    version = tuple(getattr(stat, field, None)
+                    for field in ("st_size", "st_ino", "st_mtime_ns", "st_ctime_ns"))
+    return _read_safetensors_header(path, blob_offset, version)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_safetensors_header(path: Path, blob_offset: int, version: tuple) -> tuple[dict, int]:
     where = f"safetensors header at byte {blob_offset}"
     try:
         with open_ranged(path) as reader:

@@ -132,3 +132,20 @@ def test_hostile_indexes_are_refused_in_a_line(tmp_path, index, message):
     (tmp_path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(DataError, match=message):
         read_safetensors_model(tmp_path)
+
+
+def test_a_header_is_read_again_once_its_file_is_rewritten(tmp_path):
+    """The parsed header was kept by path alone: a long-lived process (a library user's)
+    checked a file rewritten at the same size against its old header."""
+    import os
+
+    from dcpctl.format.safetensors import read_safetensors_header
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(4)}, path)
+    stat = path.stat()
+    assert set(read_safetensors_header(path)[0]) - {"__metadata__"} == {"a"}
+    save_file({"b": torch.ones(4)}, path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same size and mtime
+    assert path.stat().st_size == stat.st_size
+    assert set(read_safetensors_header(path)[0]) - {"__metadata__"} == {"b"}
