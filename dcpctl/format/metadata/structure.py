@@ -71,7 +71,6 @@ def _check_records(loaded: Any, fail: Fail) -> None:
     if _planner_data_looks_sound(planner_data):
         if planner_data:
             _refuse_misnamed_key_paths(planner_data, fail)
-            _refuse_missing_key_paths(planner_data, entries, fail)
     elif _holds_a_key_path(planner_data):
         raise fail("planner_data maps fqns to their key paths, as torch's planner does, but not "
                    "each fqn (a name) to a key path of names and indices")
@@ -151,17 +150,6 @@ def _refuse_misnamed_key_paths(planner_data: dict, fail: Fail) -> None:
             raise fail(f"planner_data gives {_shown(fqn)} the key path {_shown(list(key_path))}, "
                        f"which names {_shown(joined)}: torch names each entry by its key path "
                        "joined with dots")
-
-
-def _refuse_missing_key_paths(planner_data: dict, entries: dict, fail: Fail) -> None:
-    """torch's planner (flatten_state_dict) gives every entry its key path: one it lacks is
-    put at the top level by torch's own loaders (a dropped key, one damaged memo reference),
-    not where the state dict had it."""
-    missing = entries.keys() - planner_data.keys()
-    if missing:
-        raise fail(f"planner_data gives no key path to {_shown(min(missing))}"
-                   f"{f' and {len(missing) - 1} more entries' if len(missing) > 1 else ''}: "
-                   "torch's planner gives one to every entry")
 
 
 def _check_plain_value(value: Any, what: str, fail: Fail) -> None:
