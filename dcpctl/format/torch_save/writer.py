@@ -31,6 +31,7 @@ ARCHIVE_PREFIX = "archive/"
 _ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
+_EMPTY_RECORD_FLAGS = 0x0800  # UTF-8 names; no data descriptor: its zero sizes are the header's
 _MADE_BY_UNIX = 0x031E  # "version made by" of the zip64 end record: Unix, zip 3.0, as miniz writes
 _ENTRY_CRC_OFFSET = 16
 _DESCRIPTOR_CRC_OFFSET = 4
@@ -39,7 +40,10 @@ _SERIALIZATION_ID_BYTES = 40
 
 
 def data_descriptor(crc: int, size: int) -> bytes:
-    """The data descriptor that ends a record of size bytes whose CRC-32 is crc."""
+    """The data descriptor that ends a record of size bytes whose CRC-32 is crc: none for an
+    empty record, which torch.save's writer (miniz) ends with its header."""
+    if size == 0:
+        return b""
     if size >= _ZIP64_LIMIT:
         return struct.pack("<4sIQQ", DATA_DESCRIPTOR_SIGNATURE, crc, size, size)
     return struct.pack("<4sIII", DATA_DESCRIPTOR_SIGNATURE, crc, size, size)
@@ -95,20 +99,21 @@ def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
 
 class ZipStreamWriter:
     """Lays out stored zip records one after another, as torch.save does (64-byte aligned data,
-    data descriptors), tracking offsets for the directory."""
+    data descriptors but after empty records), tracking offsets for the directory."""
 
     def __init__(self) -> None:
         self.position = 0
         self._entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, offset
 
-    def local_header(self, name: str) -> bytes:
-        """The header that starts record `name`; its data follows, 64-byte aligned."""
+    def local_header(self, name: str, size: int) -> bytes:
+        """The header that starts record `name` of size bytes; its data follows, 64-byte
+        aligned."""
         encoded = name.encode()
         start = self.position + 30 + len(encoded) + 4
         padding = (-start) % _ALIGNMENT
         extra = struct.pack("<HH", 0x4246, padding) + b"Z" * padding  # "FB" padding field
-        header = struct.pack("<4sHHHHHIIIHH", LOCAL_SIGNATURE, 0, _FLAGS, 0, 0, 0, 0, 0, 0,
-                             len(encoded), len(extra)) + encoded + extra
+        header = struct.pack("<4sHHHHHIIIHH", LOCAL_SIGNATURE, 0, _record_flags(size), 0, 0, 0,
+                             0, 0, 0, len(encoded), len(extra)) + encoded + extra
         self._entries.append((encoded, 0, 0, self.position))
         self.position += len(header)
         return header
@@ -133,7 +138,7 @@ class ZipStreamWriter:
 
     def record(self, name: str, data: bytes) -> bytes:
         """A whole record holding data."""
-        header = self.local_header(name)
+        header = self.local_header(name, len(data))
         self.position += len(data)
         return header + data + self.data_descriptor(zlib.crc32(data), len(data))
 
@@ -153,7 +158,7 @@ class ZipStreamWriter:
                 zip64 = struct.pack("<HHQQQ", ZIP64_EXTRA_ID, 24, size, size, offset)
             entries.append(struct.pack(
                 "<4sHHHHHHIIIHHHHHII", CENTRAL_SIGNATURE, 0x1E03 if zip64 else 0,
-                45 if zip64 else 0, _FLAGS, 0, 0, 0, crc, min(size, _ZIP64_LIMIT),
+                45 if zip64 else 0, _record_flags(size), 0, 0, 0, crc, min(size, _ZIP64_LIMIT),
                 min(size, _ZIP64_LIMIT), len(name), len(zip64), 0, 0, 0, 0,
                 min(offset, _ZIP64_LIMIT)) + name + zip64)
         directory_bytes = sum(map(len, entries))
@@ -179,12 +184,13 @@ class _ArchiveTemplate:
             zip_writer.record(ARCHIVE_PREFIX + ".format_version", b"1"),
             zip_writer.record(ARCHIVE_PREFIX + ".storage_alignment", b"64"),
             zip_writer.record(ARCHIVE_PREFIX + "byteorder", b"little"),
-            zip_writer.local_header(ARCHIVE_PREFIX + "data/0"),
+            zip_writer.local_header(ARCHIVE_PREFIX + "data/0", self.nbytes),
         ])
         zip_writer.position += self.nbytes
         self._payload_descriptor = zip_writer.data_descriptor(0, self.nbytes)
         self._version_record = zip_writer.record(ARCHIVE_PREFIX + "version", b"3\n")
-        self._id_header = zip_writer.local_header(ARCHIVE_PREFIX + ".data/serialization_id")
+        self._id_header = zip_writer.local_header(ARCHIVE_PREFIX + ".data/serialization_id",
+                                                  _SERIALIZATION_ID_BYTES)
         zip_writer.position += _SERIALIZATION_ID_BYTES
         self._id_descriptor = zip_writer.data_descriptor(0, _SERIALIZATION_ID_BYTES)
         entries, self._directory_end = zip_writer.directory_parts()
@@ -199,12 +205,17 @@ class _ArchiveTemplate:
         id_crc = _PACK_CRC(zlib.crc32(serialization_id))
         crc_bytes = _PACK_CRC(crc)
         return b"".join((
-            _with_crc(self._payload_descriptor, _DESCRIPTOR_CRC_OFFSET, crc_bytes),
+            _with_crc(self._payload_descriptor, _DESCRIPTOR_CRC_OFFSET, crc_bytes)
+            if self._payload_descriptor else b"",
             self._version_record, self._id_header, serialization_id,
             _with_crc(self._id_descriptor, _DESCRIPTOR_CRC_OFFSET, id_crc),
             self._directory_head, _with_crc(self._payload_entry, _ENTRY_CRC_OFFSET, crc_bytes),
             self._version_entry, _with_crc(self._id_entry, _ENTRY_CRC_OFFSET, id_crc),
             self._directory_end))
+
+
+def _record_flags(size: int) -> int:
+    return _EMPTY_RECORD_FLAGS if size == 0 else _FLAGS
 
 
 def _with_crc(record: bytes, offset: int, crc_bytes: bytes) -> bytes:
@@ -301,7 +312,7 @@ def _tail_template(head: bytes, payload_bytes: int, version_bytes: int,
     and field zero and their places noted (checkpoints repeat heads chunk after chunk)."""
     writer = ZipStreamWriter()
     try:
-        name = _replay_head(writer, head)
+        name = _replay_head(writer, head, payload_bytes)
     except DataError:  # no zip records there at all
         return None
     if name is None or not name.endswith("/data/0"):
@@ -313,7 +324,7 @@ def _tail_template(head: bytes, payload_bytes: int, version_bytes: int,
     records_at = []
     for record_name, size in (("version", version_bytes), (".data/serialization_id", id_bytes)):
         records_at.append(writer.position - base)
-        header = writer.local_header(prefix + record_name)
+        header = writer.local_header(prefix + record_name, size)
         writer.position += size
         parts += [header, bytes(size), writer.data_descriptor(0, size)]
     directory_at = writer.position - base
@@ -327,23 +338,24 @@ def _tail_template(head: bytes, payload_bytes: int, version_bytes: int,
     id_at = id_header + len(parts[4])
     return _TailTemplate(
         tail, version_at, id_at,
-        (_DESCRIPTOR_CRC_OFFSET, entry_at[-3] + _ENTRY_CRC_OFFSET),
+        ((_DESCRIPTOR_CRC_OFFSET,) if parts[0] else ()) + (entry_at[-3] + _ENTRY_CRC_OFFSET,),
         (version_at + version_bytes + _DESCRIPTOR_CRC_OFFSET, entry_at[-2] + _ENTRY_CRC_OFFSET),
         (id_at + id_bytes + _DESCRIPTOR_CRC_OFFSET, entry_at[-1] + _ENTRY_CRC_OFFSET))
 
 
-def _replay_head(writer: ZipStreamWriter, head: bytes) -> str | None:
+def _replay_head(writer: ZipStreamWriter, head: bytes, payload_bytes: int) -> str | None:
     """Lay out head's records again with writer: whole records, then the local header of the
-    payload's record, whose name it returns; None where that does not give head back."""
+    payload's record (of payload_bytes), whose name it returns; None where that does not give
+    head back."""
     replayed, position = [], 0
     while position < len(head):
-        record = whole_record_in(head, position)
-        if record is None:  # the payload's record, whose data is not in the head
-            found = local_record_in(head, position)
-            if found is None or found[1] != len(head):
-                return None
-            replayed.append(writer.local_header(found[0]))
+        found = local_record_in(head, position)
+        if found is not None and found[1] == len(head):  # the payload's: its data follows head
+            replayed.append(writer.local_header(found[0], payload_bytes))
             return found[0] if b"".join(replayed) == head else None
+        record = whole_record_in(head, position)
+        if record is None:
+            return None
         replayed.append(writer.record(*record))
         position += len(replayed[-1])
     return None
@@ -354,7 +366,7 @@ def tail_fields(head: bytes, payload_bytes: int, tail: bytes) -> ArchiveTail | N
     descriptor = data_descriptor(0, payload_bytes)
     if len(tail) < len(descriptor) or not tail.startswith(descriptor[:4]):
         return None
-    payload_crc = struct.unpack_from("<I", tail, _DESCRIPTOR_CRC_OFFSET)[0]
+    payload_crc = struct.unpack_from("<I", tail, _DESCRIPTOR_CRC_OFFSET)[0] if descriptor else 0
     try:
         version = whole_record_in(tail, len(descriptor))
         id_header = tail.index(LOCAL_SIGNATURE, len(descriptor) + len(LOCAL_SIGNATURE))

@@ -155,7 +155,7 @@ def torch_save_layout(plan: TorchSavePlan, checkpoint: Checkpoint, path: Storage
     slots = []
     for key, tensor in enumerate(stored):
         offset = archive.position
-        header = archive.local_header(f"{ARCHIVE_PREFIX}data/{key}")
+        header = archive.local_header(f"{ARCHIVE_PREFIX}data/{key}", tensor.nbytes)
         archive.position += tensor.nbytes
         archive.data_descriptor(0, tensor.nbytes)
         slots.append(TensorSlot(tensor.entry.fqn, tensor.dtype, str(path), offset, header,

@@ -341,3 +341,25 @@ def test_torch_output_with_newer_dtypes_loads_mapped_and_converts_back(tmp_path)
     again = load_with_torch(tmp_path / "again")
     assert tensor_sha256(again["f8"]) == tensor_sha256(state["f8"])
     assert again["config.name"] == "x"
+
+
+def test_a_torch_save_file_with_an_empty_tensor_is_laid_out_as_torchs(tmp_path, run_cli):
+    """A data descriptor after an empty tensor's record (torch.save writes none) moved every
+    record after it: torch's mmap load, which works offsets out by its writer's layout, read
+    `c` from the wrong bytes, and dcpctl refused its own file as a torch.save input."""
+    import torch.distributed.checkpoint as dcp
+    import torch.utils.serialization as serialization
+
+    state = {f"a{index:02d}": torch.arange(4, dtype=torch.int8) for index in range(10)}
+    state.update({"b_empty": torch.empty(0), "c": torch.arange(16, dtype=torch.int64)})
+    dcp.save(state, checkpoint_id=tmp_path / "ck", no_dist=True)
+    assert run_cli("convert", tmp_path / "ck", "--to", "torch", "-o", tmp_path / "out.pt"
+                   ).exit_code == 0
+    serialization.config.load.calculate_storage_offsets = True
+    try:
+        loaded = torch.load(tmp_path / "out.pt", mmap=True, weights_only=True)
+    finally:
+        serialization.config.load.calculate_storage_offsets = False
+    assert all(torch.equal(loaded[name], value) for name, value in state.items())
+    assert run_cli("convert", tmp_path / "out.pt", "--to", "dcp", "-o", tmp_path / "back"
+                   ).exit_code == 0
