@@ -45,10 +45,15 @@ def hf_storage_files(names: Iterable[str]) -> list[str]:
 
 
 def is_hf_storage_shards(directory: StoragePath) -> bool:
-    """Whether directory holds the ranks' files of a sharded save (and no `.metadata`)."""
+    """Whether directory holds the ranks' files of a save (and no `.metadata`): files named
+    for their ranks, or files whose headers place their tensors as chunks (DCP_SHARDING_INFO,
+    which torch's writer gives even the one file of a save from one process)."""
     if not directory.is_dir() or (directory / METADATA_FILE_NAME).exists():
         return False
-    return any(_SHARD_FILE.fullmatch(name) for name in file_names_in(directory))
+    names = file_names_in(directory)
+    return any(_SHARD_FILE.fullmatch(name) for name in names) or any(
+        _sharding_info(read_safetensors_header(directory / name, 0)[0], directory / name)
+        is not None for name in hf_storage_files(names))
 
 
 def describe_hf_storage(file_names: Iterable[str]) -> str:

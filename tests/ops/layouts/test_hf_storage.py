@@ -97,6 +97,19 @@ def test_reshard_and_convert_to_dcp_write_what_stock_torch_loads(saves, expected
     assert _equal(load_with_torch(tmp_path / "converted"), expected)
 
 
+def test_the_one_file_of_a_save_from_one_process_converts_to_dcp(expected, tmp_path):
+    """With its defaults, torch's writer saves from one process into
+    `model-00001-of-00001.safetensors`, its tensors placed by DCP_SHARDING_INFO at offset 0:
+    convert --to dcp took it for one rank's file of a sharded save and refused it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    dcp.save(expected, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf")),
+             no_dist=True)
+    convert_checkpoint(tmp_path / "hf", "dcp", tmp_path / "converted", ranks=2)
+    assert _equal(load_with_torch(tmp_path / "converted"), expected)
+
+
 def test_one_ranks_file_alone_or_a_prefix_is_refused(saves, tmp_path):
     with pytest.raises(UnsupportedLayoutError, match="holds one rank's chunks"):
         convert_checkpoint(saves / "sharded" / SHARD.format(1), "dcp", tmp_path / "one")
