@@ -87,7 +87,7 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str,
     taken: dict[str, str] = {}
     for fqn in selected:
         name = _output_name(fqn, strip_prefix, selection.renames)
-        if not name:
+        if not name and fqn:  # an entry named "" keeps its name, as torch's state dicts can
             raise SelectionError(f"{fqn!r} is renamed to an empty name")
         if name in taken:
             raise SelectionError(f"{taken[name]!r} and {fqn!r} are both renamed to {name!r}; "

@@ -97,3 +97,12 @@ def test_clashes_and_empty_selections_are_refused():
         select_and_rename(["model."], KeySelection(include=("*",), strip_prefix="model."))
     with pytest.raises(SelectionError, match="none of the 4 entries matches --include"):
         select_and_rename(TRAINING, KeySelection(include=("decoder.*",)))
+
+
+def test_an_entry_named_empty_keeps_its_name_and_only_a_rename_to_empty_is_refused():
+    """torch saves and loads a state dict entry named "": convert refused it as renamed to an
+    empty name, though nothing renamed it."""
+    everything = KeySelection(strip_prefix="")
+    assert select_and_rename(["", "w"], everything) == {"": "", "w": "w"}
+    with pytest.raises(SelectionError, match="'w' is renamed to an empty name"):
+        select_and_rename(["w"], KeySelection(strip_prefix="", renames=(Rename.parse("w="),)))
