@@ -145,7 +145,8 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
     from dcpctl.ops.convert.tensor_bytes import bytes_of
 
     name = '.'.join(map(str, key_path))
-    if type(placeholder) is not torch.Tensor or placeholder.layout != torch.strided:
+    if (type(placeholder) not in (torch.Tensor, torch.nn.Parameter)
+            or placeholder.layout != torch.strided):
         raise UnsupportedLayoutError(f"{name!r} is a {type(placeholder).__name__} "
                                      f"({placeholder.layout}), not a plain tensor", path=path)
     if placeholder.is_conj() or placeholder.is_neg():

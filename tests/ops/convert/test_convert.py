@@ -363,3 +363,14 @@ def test_a_torch_save_file_with_an_empty_tensor_is_laid_out_as_torchs(tmp_path, 
     assert all(torch.equal(loaded[name], value) for name, value in state.items())
     assert run_cli("convert", tmp_path / "out.pt", "--to", "dcp", "-o", tmp_path / "back"
                    ).exit_code == 0
+
+
+def test_a_torch_save_file_of_parameters_converts_to_dcp(tmp_path):
+    """`torch.save(dict(model.named_parameters()))` holds nn.Parameters, which were refused as
+    not plain tensors."""
+    model = torch.nn.Linear(4, 3)
+    torch.save(dict(model.named_parameters()), tmp_path / "params.pt")
+    convert_to_dcp(tmp_path / "params.pt", tmp_path / "dcp", ranks=2)
+    loaded = load_with_torch(tmp_path / "dcp")
+    assert all(torch.equal(loaded[name], value.detach())
+               for name, value in model.named_parameters())
