@@ -438,3 +438,18 @@ def test_a_folder_marker_in_a_checkpoint_prefix_is_no_file(moto_s3, moto_checkpo
     for key in (f"{prefix}/", f"{prefix}/sub/"):
         moto_s3.client().put_object(Bucket=bucket, Key=key, Body=b"")
     assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
+
+
+def test_a_long_lived_process_reads_a_checkpoint_saved_again_since_anew(moto_s3,
+                                                                        moto_checkpoint):
+    """A service that verifies `latest/` each time it is saved again: each command reads the
+    objects there when it starts, not those a command before it read."""
+    from dcpctl.ops.verify.verifier import verify_checkpoint
+
+    bucket, url = moto_checkpoint
+    assert verify_checkpoint(url).status == "ok"
+    prefix = url.removeprefix(f"s3://{bucket}/")
+    upload_directory(moto_s3, fixture_path("zstd_fsdp2_2ranks"), bucket, prefix)
+    moto_s3.client().delete_object(Bucket=bucket, Key=f"{prefix}/__2_0.distcp")
+    report = verify_checkpoint(url)
+    assert report.status == "ok", report.problems

@@ -130,7 +130,7 @@ def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = T
     truncated files. In an object store this is one listing and one read of `.metadata`."""
     directory = storage_path(path)
     if isinstance(directory, ObjectPath):
-        listing = directory.store.list_tree(directory.key)
+        listing = directory.store.list_tree(directory.key, pin_current=True)  # read anew
         hf_files = _check_is_checkpoint_prefix(directory, listing)
     else:
         listing = None
