@@ -145,7 +145,7 @@ def _sharding_api(checkpoint: Checkpoint) -> str:
         split_somewhere = split_somewhere or len(chunks) > 1
         if not tensor.shape or tensor.shape[0] >= world_size:
             continue
-        if any(not chunk.sizes[0] for chunk in chunks):
+        if len(chunks) > 1 and any(not chunk.sizes[0] for chunk in chunks):  # not just empty
             return "; FSDP2/DTensor chunks"
         whole_rows = all(tuple(chunk.sizes[1:]) == tensor.shape[1:] for chunk in chunks)
         one_row_split = one_row_split or (len(chunks) > 1 and whole_rows and all(

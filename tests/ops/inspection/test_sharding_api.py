@@ -60,3 +60,13 @@ def test_the_sharding_api_is_told_from_the_chunks(tmp_path, api, told):
     run_gloo_job(3, _save, api, str(tmp_path / api))
     layout = inspect_checkpoint(tmp_path / api).layout
     assert layout.endswith("optimizer state nested)" + told), layout
+
+
+def test_an_empty_tensor_of_a_one_process_save_tells_nothing(tmp_path):
+    """The one chunk of an empty tensor (no rows, fewer than the one rank) was taken for the
+    empty chunk a DTensor leaves for the ranks past its rows."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.randn(4, 3), "empty": torch.empty(0)}, checkpoint_id=tmp_path / "ck",
+             no_dist=True)
+    assert "DTensor" not in inspect_checkpoint(tmp_path / "ck").layout
