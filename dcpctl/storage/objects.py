@@ -314,6 +314,10 @@ class ObjectPath:
         return posixpath.basename(self.key)
 
     @property
+    def suffix(self) -> str:
+        return posixpath.splitext(self.name)[1]
+
+    @property
     def parent(self) -> ObjectPath:
         return ObjectPath(self.store, posixpath.dirname(self.key))
 

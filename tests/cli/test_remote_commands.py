@@ -453,3 +453,23 @@ def test_a_long_lived_process_reads_a_checkpoint_saved_again_since_anew(moto_s3,
     moto_s3.client().delete_object(Bucket=bucket, Key=f"{prefix}/__2_0.distcp")
     report = verify_checkpoint(url)
     assert report.status == "ok", report.problems
+
+
+def test_single_file_sources_in_a_bucket_convert_to_dcp_or_are_refused_in_a_line(
+        moto_s3, moto_checkpoint, tmp_path):
+    """A safetensors file in a bucket converts; a torch.save file there, which torch's loader
+    reads from a local path only, is refused in a line (both were internal errors)."""
+    import io
+
+    from safetensors.torch import save
+
+    bucket, _ = moto_checkpoint
+    client = moto_s3.client()
+    client.put_object(Bucket=bucket, Key="m.safetensors", Body=save({"w": torch.ones(3)}))
+    stream = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, stream)
+    client.put_object(Bucket=bucket, Key="m.pt", Body=stream.getvalue())
+    ok("convert", f"s3://{bucket}/m.safetensors", "--to", "dcp", "-o", tmp_path / "dcp")
+    assert torch.equal(load_with_torch(tmp_path / "dcp")["w"], torch.ones(3))
+    assert "read from a local path only" in failure(
+        "convert", f"s3://{bucket}/m.pt", "--to", "dcp", "-o", tmp_path / "other")

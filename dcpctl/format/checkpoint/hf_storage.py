@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from dcpctl.errors import DataError, MetadataError
+from dcpctl.errors import DcpctlError, DataError, MetadataError
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
 from dcpctl.format.metadata.records import (ChunkMetadata, CheckpointMetadata, MetadataIndex,
                                             StorageInfo, TensorMetadata, TensorProperties)
@@ -52,8 +52,16 @@ def is_hf_storage_shards(directory: StoragePath) -> bool:
         return False
     names = file_names_in(directory)
     return any(_SHARD_FILE.fullmatch(name) for name in names) or any(
-        _sharding_info(read_safetensors_header(directory / name, 0)[0], directory / name)
-        is not None for name in hf_storage_files(names))
+        _places_chunks(directory / name) for name in hf_storage_files(names))
+
+
+def _places_chunks(path: StoragePath) -> bool:
+    """Whether a safetensors file's header places its tensors as chunks; False for one that
+    does not read (a stray file beside a model: what reads it says what is wrong with it)."""
+    try:
+        return _sharding_info(read_safetensors_header(path, 0)[0], path) is not None
+    except DcpctlError:
+        return False
 
 
 def describe_hf_storage(file_names: Iterable[str]) -> str:

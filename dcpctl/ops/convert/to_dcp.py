@@ -85,6 +85,9 @@ def read_source(source: Path, prefix: str) -> tuple[str, list[SourceEntry]]:
     if source.is_dir() or source.suffix == ".safetensors":
         return "safetensors", [_safetensors_entry(path, tensor, prefix_path)
                                for path, tensor in read_safetensors_model(source)]
+    if is_remote(source):  # torch's loader reads a local file
+        raise UnsupportedLayoutError("a torch.save file is read from a local path only; copy "
+                                     "it out of the object store first", path=source)
     return "torch", _torch_save_entries(source, prefix_path)
 
 

@@ -374,3 +374,18 @@ def test_a_torch_save_file_of_parameters_converts_to_dcp(tmp_path):
     loaded = load_with_torch(tmp_path / "dcp")
     assert all(torch.equal(loaded[name], value.detach())
                for name, value in model.named_parameters())
+
+
+def test_a_stray_unreadable_safetensors_file_beside_an_indexed_model_is_left_alone(tmp_path):
+    """Looking for torch's HF writer's chunk headers read every safetensors file of the
+    directory: a stray one (an interrupted download) beside an indexed model stopped it."""
+    model = tmp_path / "hf"
+    model.mkdir()
+    save_file({"a": torch.ones(2)}, model / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.zeros(3)}, model / "model-00002-of-00002.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (model / "adapter_model.safetensors").write_bytes(b"")
+    convert_to_dcp(model, tmp_path / "dcp")
+    loaded = load_with_torch(tmp_path / "dcp")
+    assert torch.equal(loaded["a"], torch.ones(2)) and torch.equal(loaded["b"], torch.zeros(3))
