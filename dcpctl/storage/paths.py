@@ -43,6 +43,10 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
     protocol = match.group("protocol").lower()
     if protocol == "file":
         return Path(text[len("file://"):])
+    if protocol in ("http", "https"):  # fsspec's http file system lists no objects to write
+        raise InvalidOptionError("an http(s) URL names a web page, not objects dcpctl can list "
+                                 "and write; give the store's own URL (s3://, gs://, az://...)",
+                                 path=text)
     store = store_for(protocol)
     key = store.fs._strip_protocol(text)
     segments = key.strip("/").split("/") if key.strip("/") else []

@@ -240,6 +240,14 @@ def test_an_existing_output_in_a_bucket_is_refused_without_overwrite(bucket_chec
         or "inside the input" in failure("compress", url, "-o", f"{url}/inner")
 
 
+def test_an_http_url_is_refused_for_what_it_is():
+    """fsspec's http file system keeps the whole URL as its key: the check of path segments
+    called `http://127.0.0.1:9/ck` one with an empty segment."""
+    result = run_dcpctl("inspect", "http://127.0.0.1:9/ck")
+    assert result.returncode == 2 and "names a web page" in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
 @pytest.mark.parametrize("suffix", ["x/..", "x/.", "x//y"])
 def test_a_url_with_dot_or_empty_segments_is_refused_before_anything_is_written(
         bucket_checkpoint, s3_server, suffix):
