@@ -50,3 +50,28 @@ def test_an_item_that_decodes_far_past_its_tensor_is_refused(copy_fixture, tmp_p
     chunk_nbytes = math.prod(chunk.sizes) * metadata.state_dict_metadata[
         "model.norm.weight"].properties.dtype.itemsize
     assert f"decodes to more than {chunk_nbytes + 65536} bytes" in problems[0].message
+
+
+def test_a_floatsplit_block_past_what_its_item_can_hold_is_refused_before_it_is_decoded():
+    """A FLOATS block declaring 4 MiB of float64 (a few KiB stored) in an item that can hold
+    80 KiB was decoded whole before the item's bound was checked: a few such blocks cost
+    hundreds of MB."""
+    import tracemalloc
+
+    from dcpctl.format.codecs.base import PayloadHint, iter_decoded, iter_encoded
+    from dcpctl.format.codecs.registry import floatsplit_codec
+
+    payload = bytes(4 << 20)
+    codec = floatsplit_codec()
+    stream = b"".join(iter_encoded(codec.new_encoder(len(payload), PayloadHint(
+        "float64", len(payload))), [payload]))
+    assert len(stream) < 64 << 10
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match="more than 81920 bytes"):
+            for _ in iter_decoded(codec.new_decoder(81920), [stream], 81920):
+                pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

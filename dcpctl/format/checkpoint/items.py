@@ -72,8 +72,8 @@ def iter_decoded_item(location: ItemLocation, stored_pieces: Iterable[bytes]) ->
     they pass what the item can hold; a DcpctlError they raise names the item. The one path
     by which an item is decoded: decode_stored_pieces checks what it gives, verify reports it."""
     try:
-        yield from iter_decoded(location.codec.new_decoder(), stored_pieces,
-                                location.max_decoded_bytes)
+        yield from iter_decoded(location.codec.new_decoder(location.max_decoded_bytes),
+                                stored_pieces, location.max_decoded_bytes)
     except DcpctlError as error:
         raise error.located(path=location.path, fqn=location.fqn, start=location.start,
                             end=location.end) from None

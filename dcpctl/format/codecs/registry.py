@@ -46,13 +46,14 @@ class Codec:
             return FloatSplitEncoder(level, payload, predicts=level > FLOATSPLIT_FAST_LEVEL)
         return ZstdEncoder(level, size_bytes)
 
-    def new_decoder(self) -> Decoder:
-        """A decoder for one item."""
+    def new_decoder(self, max_bytes: int | None = None) -> Decoder:
+        """A decoder for one item; one that knows its blocks' sizes before decoding them
+        (floatsplit's) refuses a block that would take the item past max_bytes."""
         if self.name == IDENTITY_NAME:
             return IdentityCoder()
         if self.name == FLOATSPLIT:
             from dcpctl.format.codecs.floatsplit.decoder import FloatSplitDecoder
-            return FloatSplitDecoder()
+            return FloatSplitDecoder(max_bytes)
         return ZstdDecoder()
 
 

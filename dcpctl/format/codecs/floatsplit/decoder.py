@@ -59,7 +59,8 @@ class _Block:
 class FloatSplitDecoder:
     """Decodes one item given piece by piece; `finish` raises if the item was cut short."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self._max_bytes = max_bytes  # what the item can hold: a block past it is not decoded
         self._pending: list = []  # pieces that hold the start of a block not complete yet
         self._pending_bytes = 0
         self._wanted_bytes = 0  # how many pending bytes that block is known to need
@@ -143,6 +144,9 @@ class FloatSplitDecoder:
         if block is None:
             return None, end
         self._decoded_bytes += block.decoded_bytes
+        if self._max_bytes is not None and self._decoded_bytes > self._max_bytes:
+            raise DataError(f"decodes to more than {self._max_bytes} bytes, more than the item "
+                            "can hold")
         return block, end
 
     def _scan_end(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
