@@ -153,5 +153,5 @@ def test_an_object_item_scrambled_past_recognition_is_refused(copy_fixture, run_
     assert result.exit_code == 1
     assert "optim.param_groups.0.eps" in result.output and '"archive"' in result.output
     result = run_cli("decompress", checkpoint, "-o", tmp_path / "out")
-    assert result.exit_code == 1 and "is not an intact torch.save archive" in result.output
+    assert result.exit_code == 1 and "is not a torch.save archive" in result.output
     assert not (tmp_path / "out").exists() and directory_state(checkpoint) == before

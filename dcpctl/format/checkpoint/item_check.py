@@ -14,16 +14,26 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterable, Iterator
 
-from dcpctl.errors import DcpctlError
+from dcpctl.errors import DataError, DcpctlError
 from dcpctl.format.checkpoint.locations import ItemLocation
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     spooled_read_range)
-from dcpctl.format.torch_save.zip_records import ReadRange
+from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE, ReadRange
 from dcpctl.storage.paths import open_ranged
 
 Reread = Callable[[], Iterable[bytes]]
 """The item's decoded bytes once more, from the start."""
+
+
+class NotAnArchiveError(DataError):
+    """An item's first decoded bytes are no torch.save archive's: raised at once, so that a
+    stored item that decodes to gigabytes of something else stops there."""
+
+    def __init__(self, problem: Problem, path) -> None:
+        super().__init__(problems_error([problem], path).message, path=path,
+                         fqn=problem.fqns[0], start=problem.start, end=problem.end)
+        self.problem = problem
 
 
 class ItemCheck:
@@ -32,10 +42,18 @@ class ItemCheck:
     def __init__(self, location: ItemLocation) -> None:
         self.location = location
         self._archive = ArchiveStreamCheck()
+        self._start_checked = location.raw  # a tensor's bare bytes have no archive to start
 
     def feed(self, piece: bytes) -> None:
-        """Take the next decoded piece."""
+        """Take the next decoded piece; raises NotAnArchiveError as soon as the item's first
+        bytes are no zip record's, as every torch.save archive starts."""
         self._archive.update(piece)
+        if not self._start_checked and self._archive.length_bytes >= len(LOCAL_SIGNATURE):
+            self._start_checked = True
+            if not self._archive.starts_with(LOCAL_SIGNATURE):
+                raise NotAnArchiveError(self._problem(
+                    Rule.ARCHIVE, "item is not a torch.save archive: its bytes do not start "
+                    "with a zip record"), self.location.path)
 
     def problems(self, reread: Reread) -> list[Problem]:
         """What is wrong with the item fed, as problems without a file name (the item's own

@@ -119,6 +119,10 @@ class ArchiveStreamCheck:
             self._tail_start += len(leaving)
             self._tail_bytes -= len(leaving)
 
+    def starts_with(self, prefix: bytes) -> bool:
+        """Whether what was fed so far starts with prefix."""
+        return bytes(_joined(self._head)[:len(prefix)]) == prefix
+
     def finish(self, expect_tensor: bool, open_random_access: RandomAccessOpener) -> ArchiveCheck:
         """Check what was fed: records, the tensor when expected, every CRC-32."""
         head = _joined(self._head)

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 from dcpctl.errors import DcpctlError, UnsafePathError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.checksums import checksum_mismatch
-from dcpctl.format.checkpoint.item_check import ItemCheck
+from dcpctl.format.checkpoint.item_check import ItemCheck, NotAnArchiveError
 from dcpctl.format.checkpoint.items import iter_decoded_item
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_item
 from dcpctl.format.checkpoint.problems import Problem, Rule
@@ -256,6 +256,8 @@ def check_archive_item(archive: ArchiveItem, file_name: str,
         for piece in iter_decoded_item(location,
                                        cursor.iter_range(location.start, location.length)):
             check.feed(piece)
+    except NotAnArchiveError as error:
+        return [dataclasses.replace(error.problem, file=file_name)]
     except DcpctlError as error:
         return [Problem(Rule.DECODE, f"item does not decode: {error.message}", file_name,
                         location.start, location.end, (item.fqn,))]
