@@ -114,6 +114,12 @@ class ObjectStore:
         self._remember(key, info)
         return info
 
+    def info_now(self, key: str) -> ObjectInfo | None:
+        """info(key) as the store says now, not as first seen (dcpctl's own write or another
+        job's may have replaced it); reads are held to this answer from then on."""
+        self.forget(key)
+        return self.info(key)
+
     def is_prefix(self, key: str) -> bool:
         """Whether some object lies under key/."""
         with self.translated_errors(key):

@@ -267,8 +267,7 @@ def _put_back_unless_replaced(stale: ObjectPath, stale_bytes: bytes, path: Objec
     if not only_if_absent and seen_etag is None:
         return
     try:
-        path.store.forget(path.key)
-        now = path.store.info(path.key)
+        now = path.store.info_now(path.key)
         if (now is None) if only_if_absent else (now is not None and now.etag == seen_etag):
             path.store.put(stale.key, stale_bytes, if_absent=True)
     except Exception:  # noqa: BLE001 - the failed write is the error to report

@@ -122,10 +122,13 @@ class S3Store(ObjectStore):
             condition["IfMatch"] = f'"{if_etag}"'
         with _exists_when_refused(self.url(key), if_absent), self.translated_errors(key):
             if condition:  # asked first too, for the servers that ignore the condition
-                self.fs.invalidate_cache(key)
                 self.refuse_unmet_condition(key, if_absent, if_etag)
             self._call(key, "put_object", Body=bytes(data), **condition)
         self._written(key)
+
+    def refuse_unmet_condition(self, key: str, if_absent: bool, if_etag: str | None) -> None:
+        self.fs.invalidate_cache(key)  # asked of the server, not of s3fs's listings
+        super().refuse_unmet_condition(key, if_absent, if_etag)
 
     def _written(self, key: str) -> None:
         self.forget(key)
@@ -287,7 +290,6 @@ class MultipartWriter(ObjectWriter):
         with (_exists_when_refused(self.store.url(self.key), if_absent),
               self.store.translated_errors(self.key)):
             if if_absent:  # asked first too, for the servers that ignore the condition
-                self.store.fs.invalidate_cache(self.key)
                 self.store.refuse_unmet_condition(self.key, True, None)
             self.store._call(self.key, "complete_multipart_upload", UploadId=self._upload_id,
                              MultipartUpload={"Parts": self._parts}, **condition)

@@ -286,8 +286,7 @@ class ObjectStoreOutput:
 def _current_etag(path: ObjectPath) -> str | None:
     """The ETag of the object at path as the store says now ("" where it gives none), None
     where there is none."""
-    path.store.forget(path.key)
-    info = path.store.info(path.key)
+    info = path.store.info_now(path.key)
     return None if info is None else info.etag or ""
 
 

@@ -99,10 +99,14 @@ def iter_decoded(decoder: Decoder, pieces: Iterable[bytes],
         for out in decoder.decode(piece):
             decoded += len(out)
             if max_bytes is not None and decoded > max_bytes:
-                raise DataError(f"decodes to more than {max_bytes} bytes, more than the item "
-                                "can hold")
+                raise past_the_item_error(max_bytes)
             yield out
     decoder.finish()
+
+
+def past_the_item_error(max_bytes: int) -> DataError:
+    """The error of an item that decodes (or declares it would) past max_bytes."""
+    return DataError(f"decodes to more than {max_bytes} bytes, more than the item can hold")
 
 
 class PieceStream(io.RawIOBase):

@@ -17,6 +17,7 @@ import numpy
 import zstandard
 
 from dcpctl.errors import DataError
+from dcpctl.format.codecs.base import past_the_item_error
 from dcpctl.format.codecs.floatsplit.framing import (framing_decompressor, tail_block_size,
                                                      tail_of_block)
 from dcpctl.format.codecs.floatsplit.planes import (LAYOUTS_BY_CODE, FloatLayout, join_planes,
@@ -145,8 +146,7 @@ class FloatSplitDecoder:
             return None, end
         self._decoded_bytes += block.decoded_bytes
         if self._max_bytes is not None and self._decoded_bytes > self._max_bytes:
-            raise DataError(f"decodes to more than {self._max_bytes} bytes, more than the item "
-                            "can hold")
+            raise past_the_item_error(self._max_bytes)
         return block, end
 
     def _scan_end(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
