@@ -4,14 +4,13 @@ bytes lie in the file, so that they can be read or written a piece at a time."""
 from __future__ import annotations
 
 import re
-import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.format.torch_save.zip_records import ZipRecord, read_zip_records
+from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.storage.local import open_for_reading
 
 
@@ -25,16 +24,18 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
             return stream.read(length)
 
         try:
-            records = read_zip_records(read_range, path.stat().st_size)
+            checked = check_archive(read_range, path.stat().st_size, expect_tensor=False)
         except DataError as error:
             raise UnsupportedLayoutError(f"not a torch.save zip archive ({error}; the legacy "
                                          "format of torch < 1.6 is not supported)",
                                          path=path) from None
+        records = checked.records
         byteorder = next((r for r in records if r.name.endswith("/byteorder")), None)
         if byteorder and read_range(byteorder.data_offset, byteorder.size_bytes) != b"little":
             raise UnsupportedLayoutError("saved on a big-endian machine", path=path)
-        for record in records:  # torch's reader does not check them: damage would pass
-            _check_record_crc(read_range, record, path)
+        if checked.crc_mismatches:  # torch's reader does not check them: damage would pass
+            raise DataError(f"record {checked.crc_mismatches[0][0].name!r} does not match its "
+                            "CRC-32", path=path)
     try:
         skeleton = torch.load(path, map_location="meta", weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
@@ -44,20 +45,6 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
     storages = {record.data_offset: record.size_bytes for record in records
                 if record.name.partition("/")[2].startswith("data/")}
     return skeleton, storages
-
-
-_CRC_PIECE_BYTES = 8 << 20
-
-
-def _check_record_crc(read_range, record: ZipRecord, path: Path) -> None:
-    """Raise DataError unless the record's bytes, read a piece at a time, match its CRC-32."""
-    crc = 0
-    for start in range(record.data_offset, record.data_end, _CRC_PIECE_BYTES):
-        crc = zlib.crc32(read_range(start, min(_CRC_PIECE_BYTES, record.data_end - start)), crc)
-    try:
-        record.check_crc_value(crc)
-    except DataError as error:
-        raise error.located(path=path) from None
 
 
 _ANSI_SEQUENCE = re.compile(r"\x1b\[[0-9;]*m")

@@ -81,11 +81,7 @@ class ZipRecord:
     def check_crc(self, data) -> None:
         """Raise DataError unless data, the record's bytes, match its CRC-32 (one of 0 was
         written with CRC-32s turned off, and says nothing)."""
-        self.check_crc_value(zlib.crc32(data))
-
-    def check_crc_value(self, crc: int) -> None:
-        """check_crc, given the CRC-32 of the record's bytes."""
-        if self.crc32 and crc != self.crc32:
+        if self.crc32 and zlib.crc32(data) != self.crc32:
             raise DataError(f"record {self.name!r} does not match its CRC-32")
 
 
