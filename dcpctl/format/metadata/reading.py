@@ -14,7 +14,7 @@ import pickle
 import sys
 import threading
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import MetadataError, UnsafeMetadataError
@@ -25,6 +25,8 @@ from dcpctl.format.metadata.records import (MEMORY_FORMAT_CODES, TORCH_LAYOUTS, 
                                             StorageInfo, StorageMeta, TensorMetadata,
                                             TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
+from dcpctl.storage.local import open_for_reading
+from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
 from dcpctl.unpickling_memory import bounded_memory, memory_budget_bytes
 
@@ -151,14 +153,19 @@ class _AllowlistUnpickler(pickle.Unpickler):
 
 def parse_metadata(data: bytes, source: str = METADATA_FILE_NAME) -> CheckpointMetadata:
     """Unpickle `.metadata` bytes with the allowlist and check that they are DCP metadata."""
-    if not data:
+    return _parse_stream(io.BytesIO(data), len(data), source)
+
+
+def _parse_stream(stream: BinaryIO, size: int, source: str) -> CheckpointMetadata:
+    """parse_metadata of the size bytes that stream holds, read as the unpickler goes."""
+    if not size:
         raise MetadataError("file is empty", path=source)
     with paused_cycle_collector():
-        return _run_with_stack_for(data, lambda: _load_and_check(data, source))
+        return _run_with_stack_for(size, lambda: _load_and_check(stream, size, source))
 
 
-def _load_and_check(data: bytes, source: str) -> CheckpointMetadata:
-    loaded = _load_with_allowlist(data, source)
+def _load_and_check(stream: BinaryIO, size: int, source: str) -> CheckpointMetadata:
+    loaded = _load_with_allowlist(stream, size, source)
     try:
         check_metadata_structure(loaded, source)
     except RecursionError:
@@ -166,18 +173,20 @@ def _load_and_check(data: bytes, source: str) -> CheckpointMetadata:
     return loaded
 
 
-def _load_with_allowlist(data: bytes, source: str) -> Any:
+def _load_with_allowlist(stream: BinaryIO, size: int, source: str) -> Any:
     try:
-        with bounded_memory(len(data)), _without_cpython_bytearray_noise():
-            return _AllowlistUnpickler(io.BytesIO(data)).load()
+        with bounded_memory(size), _without_cpython_bytearray_noise():
+            return _AllowlistUnpickler(stream).load()
     except MetadataError as error:  # a class off the allowlist, a record's fields not torch's
         raise error.located(path=source) from None
     except RecursionError:
         raise MetadataError("nests deeper than any DCP metadata does", path=source) from None
     except MemoryError:  # a memo index far past the file's (unpickling_memory.py), say
-        raise MetadataError(f"asks for more memory than a pickle of {len(data)} bytes can "
-                            f"honestly take (over {memory_budget_bytes(len(data)) >> 20} MiB)",
+        raise MetadataError(f"asks for more memory than a pickle of {size} bytes can "
+                            f"honestly take (over {memory_budget_bytes(size) >> 20} MiB)",
                             path=source) from None
+    except OSError as error:  # the file, not the pickle
+        raise MetadataError(f"cannot read ({error.strerror or error})", path=source) from None
     except Exception as error:  # a damaged pickle fails in many ways; all mean the same
         raise MetadataError(f"not a readable DCP metadata pickle ({type(error).__name__}: "
                             f"{error})", path=source) from None
@@ -227,8 +236,9 @@ _MIN_STACK_BYTES = 8 << 20
 _stack_size_lock = threading.Lock()
 
 
-def _run_with_stack_for(data: bytes, function: Callable[[], Any]) -> Any:
-    """function(), on a thread with a stack sized for unpickling data; raises what it raised."""
+def _run_with_stack_for(pickle_bytes: int, function: Callable[[], Any]) -> Any:
+    """function(), on a thread with a stack sized for unpickling a pickle of pickle_bytes;
+    raises what it raised."""
     outcome: list = []
 
     def run() -> None:
@@ -237,7 +247,7 @@ def _run_with_stack_for(data: bytes, function: Callable[[], Any]) -> Any:
         except BaseException as error:  # handed to the calling thread
             outcome.append((False, error))
 
-    stack_bytes = max(len(data) * _STACK_BYTES_PER_PICKLE_BYTE, _MIN_STACK_BYTES)
+    stack_bytes = max(pickle_bytes * _STACK_BYTES_PER_PICKLE_BYTE, _MIN_STACK_BYTES)
     stack_bytes = -(-stack_bytes // _MIN_STACK_BYTES) * _MIN_STACK_BYTES  # 8 MiB multiples
     while True:
         try:
@@ -267,10 +277,18 @@ def _started_with_stack(run: Callable[[], None], stack_bytes: int) -> threading.
 
 
 def read_metadata(checkpoint_dir: str | os.PathLike | StoragePath) -> CheckpointMetadata:
-    """Read and check `checkpoint_dir/.metadata` without importing torch."""
+    """Read and check `checkpoint_dir/.metadata` without importing torch. A local file is
+    unpickled as it is read, never whole in memory beside what it unpickles to (142 MB at a
+    million chunks)."""
     path = storage_path(checkpoint_dir) / METADATA_FILE_NAME
     try:
-        data = read_whole(path)
+        if isinstance(path, ObjectPath):
+            return parse_metadata(read_whole(path), str(path))
+        raw = open_for_reading(path)
     except OSError as error:
         raise MetadataError(f"cannot read ({error.strerror})", path=path) from None
-    return parse_metadata(data, str(path))
+    with io.BufferedReader(raw, _READ_BUFFER_BYTES) as stream:
+        return _parse_stream(stream, os.fstat(raw.fileno()).st_size, str(path))
+
+
+_READ_BUFFER_BYTES = 1 << 20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import subprocess
@@ -196,6 +197,43 @@ def _refusal(edit) -> str:
 def test_many_sound_tensors_read_back_equal():
     metadata = _many_tensors_metadata()
     assert parse_metadata(serialize_metadata(metadata)) == metadata
+
+
+def test_a_local_metadata_is_unpickled_as_it_is_read_never_whole(tmp_path, monkeypatch):
+    """At a million chunks `.metadata` is 142 MB: it is read in pieces of the read buffer while
+    the unpickler goes, not held whole beside what it unpickles to."""
+    from dcpctl.format.metadata import reading
+
+    metadata = _many_tensors_metadata(6000)
+    data = serialize_metadata(metadata)
+    assert len(data) > 2 * reading._READ_BUFFER_BYTES
+    (tmp_path / ".metadata").write_bytes(data)
+    largest_read = []
+    opened = reading.open_for_reading
+
+    class Recorded(io.RawIOBase):
+        def __init__(self, path):
+            self.raw = opened(path)
+
+        def readable(self):
+            return True
+
+        def fileno(self):
+            return self.raw.fileno()
+
+        def readinto(self, buffer):
+            count = self.raw.readinto(buffer)
+            largest_read.append(count)
+            return count
+
+        def close(self):
+            self.raw.close()
+            super().close()
+
+    monkeypatch.setattr(reading, "open_for_reading", Recorded)
+    assert read_metadata(tmp_path) == metadata
+    assert sum(largest_read) == len(data)
+    assert max(largest_read) <= reading._READ_BUFFER_BYTES
 
 
 @pytest.mark.parametrize("value", [1.0, True, -1, "1", None])
