@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -108,11 +109,14 @@ class Faults:
     """What a faulty_proxy does to the traffic it passes: the first `throttled` requests are
     answered 503 SlowDown (S3 asking a client to back off); the first `dropped` GETs of more
     than a KiB whose path holds `dropped_in` have their connection cut half-way through the
-    body. Counts are of what was done so far."""
+    body; a DeleteObjects request whose body holds `refused_deletes_in` is answered as S3
+    answers one it refused key by key (an Object Lock, a policy): 200, each key listed with
+    AccessDenied, nothing deleted. Counts are of what was done so far."""
 
     throttled: int = 0
     dropped: int = 0
     dropped_in: str = ""
+    refused_deletes_in: str = ""
     throttled_so_far: int = 0
     dropped_so_far: int = 0
 
@@ -153,6 +157,20 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
                 self.send_header("Content-Length", str(len(error)))
                 self.end_headers()
                 self.wfile.write(error)
+                return
+            if (faults.refused_deletes_in and self.command == "POST" and "delete" in self.path
+                    and body and faults.refused_deletes_in.encode() in body):
+                refused = b"".join(
+                    b"<Error><Key>" + key + b"</Key><Code>AccessDenied</Code><Message>Access "
+                    b"Denied</Message></Error>" for key in re.findall(rb"<Key>(.*?)</Key>", body))
+                result = (b"<?xml version='1.0' encoding='UTF-8'?><DeleteResult xmlns="
+                          b"'http://s3.amazonaws.com/doc/2006-03-01/'>" + refused
+                          + b"</DeleteResult>")
+                self.send_response(200)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(result)))
+                self.end_headers()
+                self.wfile.write(result)
                 return
             connection = http.client.HTTPConnection(target.hostname, target.port)
             headers = {name: value for name, value in self.headers.items()

@@ -16,7 +16,7 @@ import posixpath
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from dcpctl.errors import DcpctlError
 
@@ -166,21 +166,19 @@ class ObjectStore:
                                          "(its ETag is not the one first seen); nothing was "
                                          "published", path=self.url(key))
 
-    def delete(self, keys: list[str]) -> None:
-        """Delete objects, in batches where the store has them; missing ones are no error."""
-        if not keys:
-            return
+    def delete(self, keys: list[str], if_etags: Mapping[str, str | None] | None = None) -> None:
+        """Delete the objects of exactly these keys (fsspec's `rm` would take a key holding
+        `*`, `?` or `[` for a pattern, and delete what it matches), in batches where the store
+        has them; missing ones are no error. if_etags gives the ETag a key's object must still
+        have, where a store can promise it (S3); elsewhere the caller checks just before.
+        Raises StorageError naming an object the store did not delete."""
         for key in keys:
             self.forget(key)
-        with self.translated_errors(keys[0]):
-            try:
-                self.fs.rm(keys)
-            except FileNotFoundError:
-                for key in keys:
-                    try:
-                        self.fs.rm_file(key)
-                    except FileNotFoundError:
-                        pass
+            with self.translated_errors(key):
+                try:
+                    self.fs.rm_file(key)
+                except FileNotFoundError:
+                    pass
 
     # errors and changes
 

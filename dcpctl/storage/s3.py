@@ -14,7 +14,7 @@ import errno
 import importlib
 import os
 import threading
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from dcpctl.errors import DcpctlError
 from dcpctl.storage.objects import ObjectChangedError, ObjectStore, ObjectWriter, StorageError
@@ -29,6 +29,7 @@ PARTS_IN_FLIGHT = 6
 """Parts uploading at once across every object being written, each held in memory (twice:
 botocore hands aiohttp a copy) until done; a writer with a part ready waits for a slot."""
 _PART_SLOTS = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
+_DELETE_BATCH_KEYS = 1000  # the most one DeleteObjects takes
 
 
 def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
@@ -134,10 +135,45 @@ class S3Store(ObjectStore):
         self.forget(key)
         self.fs.invalidate_cache(key)
 
-    def delete(self, keys: list[str]) -> None:
-        super().delete(keys)
+    def delete(self, keys: list[str], if_etags: Mapping[str, str | None] | None = None) -> None:
+        """DeleteObjects, a batch of up to 1,000 literal keys of one bucket at a time, each
+        with the ETag if_etags gives it (servers that know the condition refuse the deletion
+        of an object replaced since). S3 answers a batch with 200 whatever became of each key:
+        the errors it lists are raised, the first named."""
+        if_etags = if_etags or {}
+        batches: dict[str, list[tuple[str, str]]] = {}
         for key in keys:
-            self._written(key)
+            bucket, object_key, _ = self.fs.split_path(key)
+            batches.setdefault(bucket, []).append((key, object_key))
+        for bucket, batch in batches.items():
+            for start in range(0, len(batch), _DELETE_BATCH_KEYS):
+                self._delete_batch(bucket, batch[start:start + _DELETE_BATCH_KEYS], if_etags)
+
+    def _delete_batch(self, bucket: str, batch: list[tuple[str, str]],
+                      if_etags: Mapping[str, str | None]) -> None:
+        objects = []
+        for key, object_key in batch:
+            self.forget(key)
+            etag = if_etags.get(key)
+            objects.append({"Key": object_key, **({"ETag": f'"{etag}"'} if etag else {})})
+        with self.translated_errors(batch[0][0]):
+            try:
+                response = self._run(self.fs._call_s3(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}))
+            finally:
+                for key, _ in batch:
+                    self._written(key)
+        failed = [error for error in response.get("Errors") or ()
+                  if error.get("Code") != "NoSuchKey"]
+        if failed:
+            first = failed[0]
+            code = first.get("Code")
+            reason = ("it changed since dcpctl first saw it"
+                      if code in ("PreconditionFailed", "412")
+                      else f"S3 error {code}: {first.get('Message')}")
+            raise StorageError(f"was not deleted ({reason})"
+                               + (f"; nor were {len(failed) - 1} more" if len(failed) > 1 else ""),
+                               path=self.url(f"{bucket}/{first.get('Key')}"))
 
     def open_writer(self, key: str) -> ObjectWriter:
         return MultipartWriter(self, key)

@@ -10,7 +10,7 @@ import fcntl
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from dcpctl.errors import OutputError
 from dcpctl.failpoints import Failpoint, failpoint
@@ -20,7 +20,7 @@ from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
                                   fsync_directory, is_temporary_name, new_token,
                                   open_directory_at, temporary_name)
 from dcpctl.storage.locks import lock_descriptor
-from dcpctl.storage.objects import ObjectPath, StorageError
+from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
 from dcpctl.storage.paths import StoragePath, missing_files
 
 
@@ -291,15 +291,45 @@ def _current_etag(path: ObjectPath) -> str | None:
 
 
 def delete_checkpoint_objects(directory: ObjectPath,
-                              metadata_names: Sequence[str] = (METADATA_FILE_NAME,)) -> None:
+                              metadata_names: Sequence[str] = (METADATA_FILE_NAME,),
+                              seen: Mapping[str, ObjectInfo] | None = None) -> None:
     """Delete every object under a checkpoint's prefix, its `.metadata` files first (so that
     a deletion cut short leaves an incomplete checkpoint rather than one that looks complete;
     `part/.metadata` where its parts are DCP directories), then the rest, listed once they
-    are gone, in batches."""
+    are gone, in batches.
+
+    Given seen, what a scan listed under the prefix (by name relative to it), only those
+    objects go, and only as they were (S3 makes each deletion conditional on its ETag too): a
+    save that has started again there since (a trainer back at that step) keeps what it wrote.
+    A `.metadata` written or replaced since stops the deletion before anything goes; other
+    objects written since stay, and StorageError names them once the rest is gone."""
     store = directory.store
-    store.delete([(directory / name).key for name in metadata_names])
+
+    def keys(names: Iterable[str]) -> list[str]:
+        return [(directory / name).key for name in names]
+
+    def as_seen(names: Iterable[str]) -> dict[str, str | None] | None:
+        return None if seen is None else {
+            (directory / name).key: seen[name].etag for name in names if name in seen}
+
+    if seen is not None:
+        now = store.list_tree(directory.key)
+        changed = [name for name in metadata_names if name in now and now[name] != seen.get(name)]
+        if changed:
+            raise StorageError("was written since dcpctl listed it (a save at work there?); "
+                               "nothing of the checkpoint was deleted",
+                               path=directory / changed[0])
+    store.delete(keys(metadata_names), if_etags=as_seen(metadata_names))
     failpoint(Failpoint.AFTER_METADATA_REMOVED)
-    store.delete([(directory / name).key for name in sorted(store.list_tree(directory.key))])
+    standing = store.list_tree(directory.key)
+    names = sorted(name for name, info in standing.items()
+                   if seen is None or seen.get(name) == info)
+    store.delete(keys(names), if_etags=as_seen(names))
+    new = sorted(set(standing) - set(names))
+    if new:
+        raise StorageError(f"holds {len(new)} object(s) written since dcpctl listed it, left "
+                           f"where they are (the first: {new[0]!r}); the rest was deleted, "
+                           ".metadata first", path=directory)
 
 
 def staged_output(destination: StoragePath, overwrite: bool, source: StoragePath,

@@ -187,6 +187,109 @@ def test_ls_and_prune_a_run_in_a_bucket(bucket_checkpoint, s3_server):
     assert not client.list_objects_v2(Bucket=bucket, Prefix="run/step-100/").get("Contents")
 
 
+def keys_under(server, bucket: str, prefix: str = "") -> set[str]:
+    paginator = server.client().get_paginator("list_objects_v2")
+    pages = paginator.paginate(Bucket=bucket, Prefix=prefix)
+    return {item["Key"] for page in pages for item in page.get("Contents", [])}
+
+
+def test_prune_in_a_bucket_deletes_its_own_keys_never_what_they_match_as_patterns(s3_server):
+    """fsspec's rm takes a key holding `[`, `*` or `?` for a glob: `run[1]/step-1/...` matched
+    another run's `run1/step-1/...`, which went instead, while the run's own stayed."""
+    bucket = s3_server.new_bucket()
+    for run, steps in (("run[1]", (1, 2, 3)), ("run1", (1, 2))):
+        for step in steps:
+            upload_directory(s3_server, fixture_path(SOURCE), bucket, f"{run}/step-{step}")
+    s3_server.client().put_object(Bucket=bucket, Key="run[1]/step-1/notes[1]*?.txt", Body=b"x")
+    other_run = keys_under(s3_server, bucket, "run1/")
+    output = ok("prune", f"s3://{bucket}/run[1]", "--keep-last", "1")
+    assert "deleted 2 of 2" in output, output
+    assert keys_under(s3_server, bucket, "run1/") == other_run
+    assert {key.split("/")[1] for key in keys_under(s3_server, bucket, "run[1]/")} == {"step-3"}
+
+
+def test_an_object_written_since_prunes_scan_stays_and_the_run_says_so(moto_s3, monkeypatch,
+                                                                       tmp_path):
+    """A trainer back at an old step writes into the incomplete checkpoint prune is deleting:
+    what it wrote since the scan stays, and prune reports that deletion failed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    for step in (1, 2):
+        upload_directory(moto_s3, fixture_path(SOURCE), bucket, f"run/step-{step}")
+    client = moto_s3.client()
+    client.put_object(Bucket=bucket, Key="run/step-3/__0_0.distcp", Body=b"old")
+    time.sleep(1.5)  # a crashed save's leftovers, unchanged for over a second
+    env = {**os.environ, "DCPCTL_FAILPOINT": "after-metadata-removed:SIGSTOP"}
+    process = subprocess.Popen(  # stopped once its first deletion took a `.metadata`
+        [sys.executable, "-m", "dcpctl", "prune", f"s3://{bucket}/run", "--keep-last", "1",
+         "--incomplete-older-than", "1s", "--json"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while open(f"/proc/{process.pid}/stat").read().split(") ")[1][0] != "T":
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        client.put_object(Bucket=bucket, Key="run/step-3/__0_0.distcp", Body=b"new save")
+        client.put_object(Bucket=bucket, Key="run/step-3/__1_0.distcp", Body=b"new save")
+    finally:
+        process.send_signal(signal.SIGCONT)
+        stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1, stderr
+    rows = {row["name"]: row for row in json.loads(stdout)["checkpoints"]}
+    assert rows["step-1"]["status"] == "deleted"
+    assert rows["step-3"]["status"] == "failed"
+    assert "written since dcpctl listed it" in rows["step-3"]["error"]
+    assert keys_under(moto_s3, bucket, "run/step-3/") == {
+        "run/step-3/__0_0.distcp", "run/step-3/__1_0.distcp"}
+    body = client.get_object(Bucket=bucket, Key="run/step-3/__0_0.distcp")["Body"].read()
+    assert body == b"new save"
+
+
+def test_a_checkpoint_whose_metadata_came_since_the_scan_is_not_deleted(moto_s3, monkeypatch):
+    from dcpctl.storage.objects import StorageError
+    from dcpctl.storage.paths import storage_path
+    from dcpctl.storage.staging import delete_checkpoint_objects
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    url = upload_directory(moto_s3, fixture_path(SOURCE), bucket, "run/step-1")
+    directory = storage_path(url)
+    seen = directory.store.list_tree(directory.key)
+    moto_s3.client().put_object(Bucket=bucket, Key="run/step-1/.metadata",  # a new save's
+                                Body=(fixture_path("mesh2d_4ranks") / ".metadata").read_bytes())
+    before = keys_under(moto_s3, bucket)
+    with pytest.raises(StorageError, match="was written since dcpctl listed it"):
+        delete_checkpoint_objects(directory, seen=seen)
+    assert keys_under(moto_s3, bucket) == before
+
+
+def test_an_object_the_store_refuses_to_delete_stops_the_deletion(s3_server, monkeypatch):
+    """S3 answers DeleteObjects with 200 and lists the keys it did not delete: prune took that
+    for done and went on to delete the data of a checkpoint whose `.metadata` stayed, which then
+    looked complete and was not."""
+    bucket = s3_server.new_bucket()
+    for step in (1, 2):
+        upload_directory(s3_server, fixture_path(SOURCE), bucket, f"run/step-{step}")
+    before = keys_under(s3_server, bucket)
+    with faulty_proxy(s3_server, Faults(refused_deletes_in="step-1/.metadata")) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        result = run_dcpctl("prune", f"s3://{bucket}/run", "--keep-last", "1", "--json")
+    assert result.returncode == 1, result.stderr
+    row = json.loads(result.stdout)["checkpoints"][0]
+    assert (row["name"], row["status"]) == ("step-1", "failed")
+    assert row["error"] == (f"s3://{bucket}/run/step-1/.metadata: was not deleted (S3 error "
+                            "AccessDenied: Access Denied)")
+    assert keys_under(s3_server, bucket) == before
+
+
 def test_ls_and_prune_accelerate_checkpoints_in_a_bucket(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     for step in range(3):

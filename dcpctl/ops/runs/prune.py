@@ -210,7 +210,8 @@ def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
         for decision in report.to_delete:
             _carry_out(decision, functools.partial(delete_checkpoint_objects,
                                                    decision.checkpoint.path,
-                                                   decision.checkpoint.metadata_files))
+                                                   decision.checkpoint.metadata_files,
+                                                   decision.checkpoint.objects))
         return report
     with locked_directory(directory, exclusive=True,
                           what="another dcpctl prune is pruning this run directory"

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Mapping
 
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
@@ -50,6 +51,9 @@ class CheckpointEntry:
     """The directory's device and inode when scanned: what a deletion checks it still is
     ((0, 0) in an object store, which has no directories)."""
     parts: tuple[str, ...] = ()
+    objects: Mapping[str, ObjectInfo] = field(default_factory=dict, repr=False, compare=False)
+    """In an object store, the objects the scan listed under it, by name relative to it: all
+    that a deletion may remove, and only as they were then."""
 
     @property
     def dcp_directories(self) -> list[StoragePath]:
@@ -177,7 +181,8 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
             name=name, path=scan.path / name, step=parse_step(name), complete=shape.complete,
             size_bytes=sum(info.size for info in objects.values()), modified_at=modified_at,
             age_seconds=max(0.0, now - modified_at),
-            has_sha256sums=SHA256SUMS_FILE_NAME in objects, identity=(0, 0), parts=shape.parts))
+            has_sha256sums=SHA256SUMS_FILE_NAME in objects, identity=(0, 0), parts=shape.parts,
+            objects=objects))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
 
 
