@@ -6,9 +6,12 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 
+from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import DcpctlError, describe_os_error
-from dcpctl.ops.inspection.report import inspect_checkpoint
+from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.ops.inspection.report import build_inspect_report
 from dcpctl.ops.runs.scan import CheckpointEntry, RunDirectoryScan, scan_run_directory
+from dcpctl.storage.locks import locked_checkpoint
 
 
 @dataclass
@@ -55,8 +58,10 @@ def list_run_directory(run_dir: str | os.PathLike) -> ListReport:
 
 
 def _compression(entry: CheckpointEntry) -> dict[str, int]:
-    """Item counts by codec name, most used first, over the checkpoint's parts."""
+    """Item counts by codec name, most used first, over the checkpoint's parts; raises what
+    makes one of them damaged, as prune finds it (damaged_checkpoints)."""
     counts: Counter[str] = Counter()
     for directory in entry.dcp_directories:
-        counts.update(inspect_checkpoint(directory).compression)
+        with paused_cycle_collector(), locked_checkpoint(directory, exclusive=False):
+            counts.update(build_inspect_report(open_checked_checkpoint(directory)).compression)
     return dict(counts.most_common())

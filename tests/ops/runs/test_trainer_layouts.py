@@ -41,6 +41,40 @@ def test_each_accelerate_checkpoint_is_one_entry_with_its_parts(accelerate_run):
     assert scan.ignored == []
 
 
+def add_trainer_checkpoint(run_dir, name, finished=True, optimizer=True):
+    """A checkpoint as the transformers Trainer writes it under FSDP with SHARDED_STATE_DICT:
+    accelerate's DCP parts, then scheduler.pt, each rank's RNG state and trainer_state.json."""
+    checkpoint = run_dir / name
+    for part in ACCELERATE_PARTS if optimizer else ("pytorch_model_fsdp_0",):
+        add_checkpoint(checkpoint, part, complete=True)
+    (checkpoint / "scheduler.pt").write_bytes(b"scheduler state")
+    for rank in range(2):
+        (checkpoint / f"rng_state_{rank}.pth").write_bytes(b"rng state")
+    if finished:
+        (checkpoint / "trainer_state.json").write_text('{"global_step": 1}')
+    return checkpoint
+
+
+def test_transformers_trainer_checkpoints_are_complete_once_its_state_is_written(tmp_path):
+    """Trainer writes accelerate's parts but not accelerate's RNG states: every one of its
+    checkpoints read as incomplete, and --incomplete-older-than deleted them all."""
+    run_dir = tmp_path / "output"
+    for step in (500, 1000, 1500):
+        add_trainer_checkpoint(run_dir, f"checkpoint-{step}", optimizer=step != 1000)
+    add_trainer_checkpoint(run_dir, "checkpoint-2000", finished=False)
+    for path in run_dir.rglob("*"):
+        os.utime(path, (0, 0))  # long unchanged
+    scan = scan_run_directory(run_dir)
+    assert [(entry.name, entry.complete) for entry in scan.checkpoints] == [
+        ("checkpoint-500", True), ("checkpoint-1000", True), ("checkpoint-1500", True),
+        ("checkpoint-2000", False)]
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=2,
+                                                         incomplete_older_than_seconds=DAY))
+    assert [decision.checkpoint.name for decision in report.with_status(prune.DELETED)] == [
+        "checkpoint-500", "checkpoint-2000"]
+    assert sorted(os.listdir(run_dir)) == ["checkpoint-1000", "checkpoint-1500"]
+
+
 def test_ls_sums_the_compression_of_the_parts(accelerate_run):
     items = inspect_checkpoint(fixture_path("mesh2d_4ranks")).compression["none"]
     compress_checkpoint(accelerate_run / "checkpoint_1" / "optimizer_0")
@@ -54,6 +88,33 @@ def test_a_damaged_part_is_named_in_ls(accelerate_run):
     (accelerate_run / "checkpoint_2" / "optimizer_0" / ".metadata").write_bytes(b"garbage")
     listed = {item.entry.name: item for item in list_run_directory(accelerate_run).checkpoints}
     assert "optimizer_0/.metadata" in listed["checkpoint_2"].problem
+
+
+def test_ls_names_the_damage_prune_finds(tmp_path):
+    """ls read only what inspect reads and showed a checkpoint whose items overlap as sound,
+    the newest one to resume from, while prune called it damaged."""
+    import dataclasses
+
+    from dcpctl.format.metadata.reading import read_metadata
+    from dcpctl.format.metadata.writing import serialize_metadata
+
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        add_checkpoint(run_dir, f"step-{step}", fixture="fsdp2_adamw_3ranks")
+    metadata_path = run_dir / "step-2" / ".metadata"
+    metadata = read_metadata(metadata_path.parent)
+    first = min(metadata.storage_data.values(), key=lambda info: info.offset)
+    second_key, second = next((key, info) for key, info in metadata.storage_data.items()
+                              if info.relative_path == first.relative_path and info != first)
+    metadata.storage_data[second_key] = dataclasses.replace(second, offset=first.offset)
+    metadata_path.write_bytes(serialize_metadata(metadata))
+    listed = {item.entry.name: item for item in list_run_directory(run_dir).checkpoints}
+    assert listed["step-1"].problem is None
+    assert listed["step-2"].problem.startswith(f"{metadata_path.parent}/")
+    assert "item-overlap" in listed["step-2"].problem
+    decisions = prune_run_directory(run_dir, RetentionRules(keep_last=1), dry_run=True)
+    assert {decision.checkpoint.name: decision.damage for decision in decisions.decisions}[
+        "step-2"] is not None
 
 
 def test_prune_deletes_whole_accelerate_checkpoints_only(accelerate_run):
