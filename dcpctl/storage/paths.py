@@ -47,14 +47,15 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
         raise InvalidOptionError("an http(s) URL names a web page, not objects dcpctl can list "
                                  "and write; give the store's own URL (s3://, gs://, az://...)",
                                  path=text)
-    store = store_for(protocol)
-    key = store.fs._strip_protocol(text)
-    segments = key.strip("/").split("/") if key.strip("/") else []
+    segments = text[match.end():].rstrip("/").split("/")
+    if not segments[0]:
+        raise InvalidOptionError(f"names no bucket: give {protocol}://BUCKET/PREFIX", path=text)
     if any(segment in ("", ".", "..") for segment in segments):
         raise InvalidOptionError(
             "an object store URL cannot hold '.', '..' or empty path segments: the store keeps "
             "them as literal parts of its object names, not as directories", path=text)
-    return ObjectPath(store, key)
+    store = store_for(protocol)
+    return ObjectPath(store, store.fs._strip_protocol(text))
 
 
 def is_remote(path: StoragePath) -> bool:

@@ -51,6 +51,7 @@ def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
         filesystem = s3fs.S3FileSystem(config_kwargs=config, skip_instance_cache=True,
                                        **options)
         _check_session_options(filesystem.kwargs)
+        filesystem.connect()  # the client, made of the options (no request sent yet)
     except (TypeError, ValueError) as error:
         raise DcpctlError(f"cannot open {protocol}:// URLs with these storage options: "
                           f"{error}") from None

@@ -395,6 +395,8 @@ def test_storage_options_reach_the_client_and_wrong_ones_are_named(moto_s3, moto
     assert "unknown option 'retries'" in failure("--storage-option", "retries=2", "inspect", url)
     monkeypatch.setenv("DCPCTL_STORAGE_OPTIONS", "{endpoint_url: 1")
     assert "DCPCTL_STORAGE_OPTIONS is not JSON" in failure("inspect", url)
+    monkeypatch.setenv("DCPCTL_STORAGE_OPTIONS", json.dumps({"endpoint_url": 5}))
+    assert "cannot open s3:// URLs with these storage options" in failure("inspect", url)
     result = run_dcpctl("--storage-option", "anon", "inspect", url)
     assert result.returncode == 2 and "'anon' is not KEY=VALUE" in result.stderr
 

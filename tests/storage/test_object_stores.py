@@ -172,3 +172,12 @@ def test_a_generic_fsspec_store_refuses_to_create_over_an_object():
     with pytest.raises(FileExistsError):
         write_whole(storage_path("memory://generic-ck/.metadata"), b"new", only_if_absent=True)
     assert filesystem.cat_file("/generic-ck/.metadata") == b"first"
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///run", "s3:////run/step-1"])
+def test_a_url_that_names_no_bucket_is_refused(url):
+    from dcpctl.errors import InvalidOptionError
+    from dcpctl.storage.paths import storage_path
+
+    with pytest.raises(InvalidOptionError, match="names no bucket: give s3://BUCKET/PREFIX"):
+        storage_path(url)

@@ -23,7 +23,7 @@ from typing import Collection, Iterable
 
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
-                                      METADATA_TEMPORARY_FILE_NAME)
+                                      METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
 from dcpctl.format.state_dict_layouts import ACCELERATE_MODEL_PART, ACCELERATE_PART
 from dcpctl.storage.paths import StoragePath
 
@@ -48,9 +48,17 @@ class CheckpointShape:
     def metadata_files(self) -> list[str]:
         """The `.metadata` files that make it complete, relative to it: what a deletion
         removes first, so that a deletion cut short leaves it looking incomplete."""
+        return self._in_each_part(METADATA_FILE_NAME)
+
+    @property
+    def sha256sums_files(self) -> list[str]:
+        """The SHA256SUMS files that certify all of it (`dcpctl checksum` of each part)."""
+        return self._in_each_part(SHA256SUMS_FILE_NAME)
+
+    def _in_each_part(self, file_name: str) -> list[str]:
         if not self.parts:
-            return [METADATA_FILE_NAME]
-        return [f"{part}/{METADATA_FILE_NAME}" for part in self.parts]
+            return [file_name]
+        return [f"{part}/{file_name}" for part in self.parts]
 
 
 def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:

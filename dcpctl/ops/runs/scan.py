@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dcpctl.errors import CheckpointNotFoundError
-from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import (MEGATRON_TRACKER, MEGATRON_TRACKER_MAX_BYTES,
                                      CheckpointShape, checkpoint_shape, parse_tracked_iteration,
                                      refuse_a_checkpoint_as_run_directory)
@@ -181,7 +181,8 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
             name=name, path=scan.path / name, step=parse_step(name), complete=shape.complete,
             size_bytes=sum(info.size for info in objects.values()), modified_at=modified_at,
             age_seconds=max(0.0, now - modified_at),
-            has_sha256sums=SHA256SUMS_FILE_NAME in objects, identity=(0, 0), parts=shape.parts,
+            has_sha256sums=all(name in objects for name in shape.sha256sums_files),
+            identity=(0, 0), parts=shape.parts,
             objects=objects))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
 
@@ -220,7 +221,7 @@ def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: flo
     return CheckpointEntry(
         name=path.name, path=path, step=step, complete=shape.complete, size_bytes=size_bytes,
         modified_at=modified_at, age_seconds=max(0.0, now - modified_at),
-        has_sha256sums=(path / SHA256SUMS_FILE_NAME).is_file(),
+        has_sha256sums=all((path / name).is_file() for name in shape.sha256sums_files),
         identity=(status.st_dev, status.st_ino), parts=shape.parts)
 
 

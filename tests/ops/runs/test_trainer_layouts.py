@@ -75,6 +75,17 @@ def test_transformers_trainer_checkpoints_are_complete_once_its_state_is_written
     assert sorted(os.listdir(run_dir)) == ["checkpoint-1000", "checkpoint-1500"]
 
 
+def test_an_accelerate_checkpoint_is_checksummed_when_every_part_is(accelerate_run):
+    from dcpctl.ops.checksum import checksum_checkpoint
+
+    for name, parts in (("checkpoint_1", ACCELERATE_PARTS),
+                        ("checkpoint_2", ACCELERATE_PARTS[:1])):
+        for part in parts:
+            checksum_checkpoint(accelerate_run / name / part)
+    scan = scan_run_directory(accelerate_run)
+    assert [entry.has_sha256sums for entry in scan.checkpoints] == [False, True, False]
+
+
 def test_ls_sums_the_compression_of_the_parts(accelerate_run):
     items = inspect_checkpoint(fixture_path("mesh2d_4ranks")).compression["none"]
     compress_checkpoint(accelerate_run / "checkpoint_1" / "optimizer_0")
