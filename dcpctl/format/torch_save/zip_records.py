@@ -130,6 +130,12 @@ def read_central_directory(read_range: ReadRange, archive_length: int) -> Centra
                             min(offset, structure_start))
 
 
+def holds_storages(directory: CentralDirectory) -> bool:
+    """Whether a torch.save archive holds tensor storages: `<archive>/data/<key>` records."""
+    return any(len(parts) == 3 and parts[1] == "data"
+               for parts in (entry.name.split("/") for entry in directory.entries))
+
+
 class _DirectoryTemplate(NamedTuple):
     """A central directory parsed before, its CRC-32 fields zeroed at crc_positions."""
 

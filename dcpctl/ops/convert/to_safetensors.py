@@ -12,18 +12,22 @@ import time
 from dataclasses import dataclass
 
 from dcpctl.execution.running import checked_job_source, threads_per_worker
+from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.format.checkpoint.items import read_item
+from dcpctl.format.checkpoint.locations import ItemLocation, locate_object
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
 from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor,
                                        check_tensor_name, encode_header, encode_index, plan_shards,
                                        shard_file_name)
-from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
+from dcpctl.format.torch_save.zip_records import holds_storages, read_central_directory
+from dcpctl.ops.convert.key_selection import KeySelection, is_selected, select_and_rename
 from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
                                                placed_tensors_planning, write_placed_tensors)
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype)
-from dcpctl.storage.paths import StoragePath, new_output_file, storage_path
+from dcpctl.storage.paths import StoragePath, new_output_file, open_ranged, storage_path
 from dcpctl.storage.staging import staged_output
 
 
@@ -107,6 +111,7 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     with checked_job_source(source, placed_tensors_planning(source), threads, workers,
                             on_progress) as checkpoint:
         threads = threads_per_worker(threads, checkpoint.path, workers)
+        _refuse_objects_holding_tensors(checkpoint, selection)
         plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path)
         try:
@@ -124,3 +129,31 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
     report.count_tensors(tensor.nbytes for tensor in plan.tensors)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _refuse_objects_holding_tensors(checkpoint: Checkpoint, selection: KeySelection) -> None:
+    """A save with flatten_state_dict=False keeps each nested dict of tensors as one object,
+    and objects are left out: refuse one that the selection takes and that holds tensors,
+    rather than write the model without them."""
+    for entry in checkpoint.objects:
+        if (is_selected(entry.fqn, selection.include, selection.exclude)
+                and _holds_tensors(locate_object(checkpoint, entry))):
+            raise UnsupportedLayoutError(
+                f"{entry.fqn!r} is an object holding tensors (a save with "
+                "flatten_state_dict=False keeps each nested dict of tensors as one object), "
+                "which convert --to safetensors does not take apart; leave it out with "
+                "--exclude", path=checkpoint.path)
+
+
+def _holds_tensors(location: ItemLocation) -> bool:
+    """Whether the object's torch.save archive holds tensor storages, from its central
+    directory alone where it is stored plain."""
+    if location.codec.descriptors:
+        archive = read_item(location)
+        directory = read_central_directory(lambda start, count: archive[start:start + count],
+                                           len(archive))
+    else:
+        with open_ranged(location.path) as file:
+            directory = read_central_directory(
+                lambda start, count: file.read(location.start + start, count), location.length)
+    return holds_storages(directory)

@@ -136,7 +136,7 @@ def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
         raise UnsupportedLayoutError("planner_data is not a mapping of fqns to key paths, so the "
                                      "nesting of the state is unknown", path=checkpoint.path)
     paths = {fqn: tuple(planner_data.get(fqn) or (fqn,)) for fqn in order if fqn in names}
-    check_key_paths(paths, checkpoint.path)
+    check_key_paths(paths, checkpoint.path, entry_count=len(order))
     return TorchSavePlan(tensors, objects, paths, len(checkpoint.tensors) - len(tensors),
                          len(checkpoint.objects) - len(objects))
 
@@ -249,11 +249,12 @@ def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
     return value
 
 
-def check_key_paths(paths: dict[str, tuple], source: Path) -> None:
+def check_key_paths(paths: dict[str, tuple], source: Path, entry_count: int) -> None:
     """Refuse key paths that cannot all hold their values in one nested state: a path that is
     another's, or runs through another's value, a container both a dict (str keys) and a list
-    (int keys), a key that is neither, a list index past the number of entries (an honest
-    list holds each of its elements' entries), or a root that is not a dict."""
+    (int keys), a key that is neither, a list index past the checkpoint's entry_count (an
+    honest list holds each of its elements' entries, selected or not), or a root that is not
+    a dict."""
     def refuse(fqn: str, rule: str) -> UnsupportedLayoutError:
         return UnsupportedLayoutError(f"planner_data gives {fqn!r} the key path "
                                       f"{list(paths[fqn])[:8]}, which {rule}", path=source)
@@ -263,9 +264,9 @@ def check_key_paths(paths: dict[str, tuple], source: Path) -> None:
     for fqn, path in paths.items():
         node = root
         for depth, key in enumerate(path):
-            if type(key) not in (str, int) or (type(key) is int and not 0 <= key < len(paths)):
+            if type(key) not in (str, int) or (type(key) is int and not 0 <= key < entry_count):
                 raise refuse(fqn, f"holds key {key!r}, not a name or an index below "
-                                  f"{len(paths)}")
+                                  f"{entry_count}")
             if type(key) is not kinds.setdefault(id(node), type(key)):
                 raise refuse(fqn, "makes one container both a dict and a list")
             child = node.get(key)

@@ -202,6 +202,40 @@ def test_objects_beyond_plain_data_are_loaded_by_torch(tmp_path):
     assert_same_state(mine, torch.load(tmp_path / "torch.pt", weights_only=True))
 
 
+@pytest.mark.parametrize("zstd", [False, True])
+def test_an_object_holding_tensors_is_refused_not_left_out_of_safetensors(tmp_path, zstd):
+    """A save with flatten_state_dict=False keeps each nested dict of tensors as one object,
+    and safetensors takes tensors only: the model came out without its layers, exit 0."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = {"lm_head.weight": torch.ones(2, 2), "layers": {"0": {"w": torch.arange(4.0)}},
+             "step": 3, "optimizer": {"lr": torch.tensor(0.1)}}
+    writer = dcp.FileSystemWriter(tmp_path / "ck", _extensions=[ZStandard()] if zstd else None)
+    dcp.save(state, storage_writer=writer, no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False))
+    for include in ((), ("*",)):
+        with pytest.raises(UnsupportedLayoutError,
+                           match="'layers' is an object holding tensors .*--exclude"):
+            convert_to_safetensors(tmp_path / "ck", tmp_path / "out",
+                                   KeySelection(include=include or None))
+        assert not (tmp_path / "out").exists()
+    convert_to_safetensors(tmp_path / "ck", tmp_path / "out", KeySelection(exclude=("layers",)))
+    assert list(load_file(tmp_path / "out" / "model.safetensors")) == ["lm_head.weight"]
+
+
+def test_torch_output_of_some_elements_of_a_list_keeps_their_places(tmp_path):
+    """A list index is bounded by the checkpoint's entries, not by those selected."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"l": [torch.full((1,), float(index)) for index in range(3)], "o": [1, 2, 3]}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    convert_to_torch_save(tmp_path / "ck", tmp_path / "out.pt", KeySelection(include=("l.2",)))
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert loaded["l"][:2] == [None, None] and torch.equal(loaded["l"][2], state["l"][2])
+
+
 def assert_same_state(mine, theirs, path=()):
     """Equal nested structure, key order, types and tensor values."""
     assert type(mine) is type(theirs), path
