@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -74,11 +73,28 @@ TORCH_INDEX_LIMIT = 1 << 63
 """torch counts sizes, elements and bytes in int64: no tensor it can hold reaches this."""
 
 
+_UINT64_LIMIT = 1 << 64
+
+
 def fits_in_torch(sizes: Sequence[int], itemsize: int) -> bool:
-    """Whether torch can hold a tensor of these sizes and bytes per element: every size, the
-    element count and the byte count below 2**63."""
-    return (all(size < TORCH_INDEX_LIMIT for size in sizes)
-            and math.prod(sizes) * itemsize < TORCH_INDEX_LIMIT)
+    """Whether torch can make a tensor of these sizes and bytes per element, as its own checks
+    decide: every size, the element count and the byte count below 2**63, the element count
+    multiplied out left to right in uint64 without overflowing on the way (so (2**32, 2**32,
+    0), 0 elements, is refused: c10::safe_multiplies_u64), and each contiguous stride, the
+    product of the later sizes with 0 taken as 1, below 2**63 (empty_tensor_restride)."""
+    if not all(0 <= size < TORCH_INDEX_LIMIT for size in sizes):
+        return False
+    elements = 1
+    for size in sizes:
+        elements *= size
+        if elements >= _UINT64_LIMIT:
+            return False
+    stride = 1
+    for size in reversed(sizes[1:]):
+        stride *= max(size, 1)
+        if stride >= TORCH_INDEX_LIMIT:
+            return False
+    return elements * itemsize < TORCH_INDEX_LIMIT
 
 
 def dtype_by_name(name: str) -> DType:

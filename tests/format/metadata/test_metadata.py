@@ -127,6 +127,28 @@ def test_truncated_metadata_is_a_metadata_error(name):
             parse_metadata(data[:cut], "x/.metadata")
 
 
+def test_what_fits_in_torch_is_what_torch_makes():
+    """A shape whose element count is 0 can still overflow torch's own counting (left to
+    right in uint64, and its contiguous strides): (2**32, 2**32, 0) passed every check and
+    came out as files torch and safetensors refuse to load."""
+    import random
+
+    from dcpctl.format.dtypes import fits_in_torch
+
+    chooser = random.Random(7)
+    powers = [0, 1, 2, 3, 2**20, 2**31, 2**32, 2**40, 2**61, 2**62, 2**63 - 1]
+    for _ in range(3000):
+        shape = tuple(chooser.choice(powers) for _ in range(chooser.randint(0, 4)))
+        itemsize = chooser.choice([1, 2, 8])
+        try:
+            torch.empty(shape, dtype={1: torch.uint8, 2: torch.int16, 8: torch.int64}[itemsize],
+                        device="meta")
+            made = True
+        except RuntimeError:
+            made = False
+        assert fits_in_torch(shape, itemsize) == made, (shape, itemsize)
+
+
 def _edited_metadata(edit) -> bytes:
     metadata = torch_metadata(fixture_path("fsdp2_adamw_3ranks"))
     edit(metadata)
