@@ -111,14 +111,19 @@ class Faults:
     than a KiB whose path holds `dropped_in` have their connection cut half-way through the
     body; a DeleteObjects request whose body holds `refused_deletes_in` is answered as S3
     answers one it refused key by key (an Object Lock, a policy): 200, each key listed with
-    AccessDenied, nothing deleted. Counts are of what was done so far."""
+    AccessDenied, nothing deleted; the first `lost` PUTs whose path ends with `lost_to` reach
+    the server, and their connection is cut before the reply (the client tries again). Counts
+    are of what was done so far."""
 
     throttled: int = 0
     dropped: int = 0
     dropped_in: str = ""
     refused_deletes_in: str = ""
+    lost: int = 0
+    lost_to: str = ""
     throttled_so_far: int = 0
     dropped_so_far: int = 0
+    lost_so_far: int = 0
 
 
 @contextlib.contextmanager
@@ -179,6 +184,11 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
             response = connection.getresponse()
             data = response.read()
             connection.close()
+            if (self.command == "PUT" and faults.lost_to
+                    and self.path.split("?")[0].endswith(faults.lost_to) and take("lost")):
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+                return
             cut = (self.command == "GET" and len(data) > 1024 and faults.dropped_in in self.path
                    and take("dropped"))
             self.send_response(response.status)
@@ -186,7 +196,8 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
                 if name.lower() not in ("connection", "transfer-encoding", "content-length",
                                         "server", "date"):
                     self.send_header(name, value)
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Length", str(len(data)) if self.command != "HEAD"
+                             else response.getheader("Content-Length", "0"))
             self.end_headers()
             if cut:
                 self.wfile.write(data[:len(data) // 2])

@@ -118,6 +118,7 @@ class ObjectStore:
         """info(key) as the store says now, not as first seen (dcpctl's own write or another
         job's may have replaced it); reads are held to this answer from then on."""
         self.forget(key)
+        self.fs.invalidate_cache(key)  # asked of the store, not of fsspec's listings
         return self.info(key)
 
     def is_prefix(self, key: str) -> bool:
@@ -154,6 +155,7 @@ class ObjectStore:
     def refuse_unmet_condition(self, key: str, if_absent: bool, if_etag: str | None) -> None:
         """Raise FileExistsError (if_absent) or ObjectChangedError (if_etag) where the object
         under key, asked now, does not meet a write's condition."""
+        self.fs.invalidate_cache(key)  # asked of the store, not of fsspec's listings
         if if_absent and self.fs.exists(key):
             raise FileExistsError(17, "exists", self.url(key))
         if if_etag is not None:

@@ -241,6 +241,15 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
         stale_bytes = _take_away(made_stale) if made_stale is not None else None
         try:
             store.put(path.key, data, if_absent=only_if_absent, if_etag=seen_etag)
+        except Exception:
+            # A reply lost after the store wrote it (a dropped connection): the client sends
+            # the write again, which a conditional write then fails. What holds the name now
+            # says whether this write happened.
+            if not _holds_exactly(path, data):
+                if stale_bytes is not None:
+                    _put_back_unless_replaced(made_stale, stale_bytes, path, only_if_absent,
+                                              seen_etag)
+                raise
         except BaseException:
             if stale_bytes is not None:
                 _put_back_unless_replaced(made_stale, stale_bytes, path, only_if_absent,
@@ -248,6 +257,16 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
             raise
         return hashlib.sha256(data).hexdigest()
     return write_file_atomically(path, data, made_stale)
+
+
+def _holds_exactly(path: ObjectPath, data: bytes) -> bool:
+    """Whether the object at path, asked now, holds data (a write of it that failed to say so
+    did land); False where the store cannot say either."""
+    try:
+        now = path.store.info_now(path.key)
+        return now is not None and now.size == len(data) and path.read_bytes() == data
+    except Exception:  # noqa: BLE001 - the failed write is the error to report
+        return False
 
 
 def _take_away(path: ObjectPath) -> bytes | None:

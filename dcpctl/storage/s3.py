@@ -128,10 +128,6 @@ class S3Store(ObjectStore):
             self._call(key, "put_object", Body=bytes(data), **condition)
         self._written(key)
 
-    def refuse_unmet_condition(self, key: str, if_absent: bool, if_etag: str | None) -> None:
-        self.fs.invalidate_cache(key)  # asked of the server, not of s3fs's listings
-        super().refuse_unmet_condition(key, if_absent, if_etag)
-
     def _written(self, key: str) -> None:
         self.forget(key)
         self.fs.invalidate_cache(key)

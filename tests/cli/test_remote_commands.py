@@ -290,6 +290,28 @@ def test_an_object_the_store_refuses_to_delete_stops_the_deletion(s3_server, mon
     assert keys_under(s3_server, bucket) == before
 
 
+@pytest.mark.parametrize("command", [["compress"], ["decompress"],
+                                     ["compress", "-o", "{bucket_url}/out"]])
+def test_a_reply_lost_after_the_metadata_was_written_is_no_failure(moto_s3, moto_checkpoint,
+                                                                   monkeypatch, command):
+    """The store wrote `.metadata` and the connection dropped before its reply: the client
+    sent the conditional write again, which failed (412), and an in-place run then deleted
+    the new files the new `.metadata` names, the old `.metadata` gone: nothing loaded."""
+    bucket, url = moto_checkpoint
+    if command == ["decompress"]:
+        ok("compress", url)
+    args = [part.format(bucket_url=f"s3://{bucket}") for part in command]
+    output = args[2] if len(args) > 1 else url
+    faults = Faults(lost=1, lost_to="/.metadata")
+    with faulty_proxy(moto_s3, faults) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        result = run_dcpctl(args[0], url, *args[1:])
+    assert faults.lost_so_far == 1
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.endpoint)
+    assert json.loads(ok("verify", output, "--json"))["status"] == "ok"
+
+
 def test_ls_and_prune_accelerate_checkpoints_in_a_bucket(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     for step in range(3):
