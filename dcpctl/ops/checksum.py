@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dcpctl.errors import DataError
-from dcpctl.format.checkpoint.checksums import read_sha256sums, write_sha256sums
+from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256sums,
+                                               write_sha256sums)
 from dcpctl.format.checkpoint.problems import Problem, problems_error
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.execution.running import (plan_ahead, sharing_processes, threads_per_worker,
@@ -55,7 +56,11 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
         unknown = unknown_file_problems(checkpoint)
         if unknown:  # verify would call the checkpoint damaged: nothing to certify
             raise problems_error(unknown, checkpoint.path)
-        planning = _planning(checkpoint.path, read_sha256sums(checkpoint.path))
+        old_sums = read_sha256sums(checkpoint.path)
+        absent = absent_listed_files(checkpoint.path, old_sums or {})
+        if absent:  # a file certified before is gone: not to be certified away
+            raise problems_error(absent, checkpoint.path)
+        planning = _planning(checkpoint.path, old_sums)
         archive_items, safetensors_items, problems = items_to_check(
             checkpoint, list_stored_items(checkpoint))
         units = planning.units(checkpoint, archive_items, safetensors_items)

@@ -13,7 +13,8 @@ from dcpctl.format.checkpoint.side_files import files_beside_data
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
-from dcpctl.storage.paths import StoragePath, open_ranged, read_whole, storage_path, write_whole
+from dcpctl.storage.paths import (StoragePath, missing_files, open_ranged, read_whole,
+                                  storage_path, write_whole)
 
 _LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")  # sha256sum -c takes either case
 HASH_PIECE_BYTES = 4 << 20
@@ -53,12 +54,17 @@ def checksum_mismatch(name: str, actual: str, listed: str, end: int | None = Non
 
 def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = None,
                                on_progress: Callable[[int, int], None] | None = None) -> None:
-    """When the checkpoint holds SHA256SUMS, hash `.metadata` and the data files it lists, on
-    `threads` threads, and raise DataError naming the first that does not match.
+    """When the checkpoint holds SHA256SUMS, refuse it where a file it lists is absent (the
+    last rank's shard of a checkpoint without `.metadata`, a trainer's side file: nothing else
+    tells they are gone), then hash `.metadata` and the data files it lists, on `threads`
+    threads, and raise DataError naming the first that does not match.
     on_progress(bytes_done, total_bytes) follows the hashing."""
     sums = read_sha256sums(checkpoint.path)
     if sums is None:
         return
+    absent = absent_listed_files(checkpoint.path, sums)
+    if absent:
+        raise problems_error(absent, checkpoint.path)
     listed = [name for name in checksummed_files(checkpoint) if name in sums]
     total = sum((checkpoint.path / name).stat().st_size for name in listed)
 
@@ -72,6 +78,12 @@ def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = Non
                   if digests[name] != sums[name]]
     if mismatches:
         raise problems_error(mismatches, checkpoint.path)
+
+
+def absent_listed_files(directory: StoragePath, sums: dict[str, str]) -> list[Problem]:
+    """A problem for each file SHA256SUMS lists that is not in directory."""
+    return [Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name)
+            for name in missing_files(directory, sums)]
 
 
 def checksummed_files(checkpoint: Checkpoint) -> list[str]:
