@@ -10,7 +10,7 @@ from typing import Callable
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256sums,
-                                               write_sha256sums)
+                                                write_sha256sums)
 from dcpctl.format.checkpoint.problems import Problem, problems_error
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.execution.running import (plan_ahead, sharing_processes, threads_per_worker,
