@@ -12,6 +12,7 @@ from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256sums,
                                                 write_sha256sums)
 from dcpctl.format.checkpoint.problems import Problem, problems_error
+from dcpctl.format.checkpoint.side_files import side_file_problems, side_files_of
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.execution.running import (plan_ahead, sharing_processes, threads_per_worker,
                                       workers_started)
@@ -66,6 +67,7 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
         units = planning.units(checkpoint, archive_items, safetensors_items)
         job = ScanJob(planning, threads_per_worker(threads, checkpoint.path, workers))
         problems += run_scan(job, units, workers, on_progress)
+        problems += side_file_problems(checkpoint.path, side_files_of(checkpoint))
         if problems:
             raise problems_error(sorted(problems, key=_problem_order), checkpoint.path)
         digests = {unit.name: unit.sha256 for unit in units if unit.hashing}

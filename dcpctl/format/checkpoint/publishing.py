@@ -31,6 +31,8 @@ from typing import Hashable, Iterable, Sequence
 from dcpctl.errors import DataError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import HASH_PIECE_BYTES, sha256_of_file, write_sha256sums
+from dcpctl.format.checkpoint.problems import problems_error
+from dcpctl.format.checkpoint.side_files import side_file_problems
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
@@ -142,7 +144,11 @@ class CheckpointOutput:
     def __init__(self, destination: StoragePath, in_place: bool, source: StoragePath,
                  overwrite: bool = False, side_files: Sequence[str] = ()) -> None:
         """side_files: the source's trainer side files (side_files.py), copied into a new
-        directory as they are (left as they are in place) and listed in SHA256SUMS."""
+        directory as they are (left as they are in place) and listed in SHA256SUMS; refused
+        first where damaged (side_file_problems), as SHA256SUMS would certify them."""
+        problems = side_file_problems(source, side_files)
+        if problems:
+            raise problems_error(problems, source)
         self.destination = destination
         self.in_place = in_place
         self._source = source

@@ -5,19 +5,25 @@ torch.save file) and `metadata.json` (its backend: without it Megatron's loader 
 directory "is not a distributed checkpoint") next to `.metadata` and the `.distcp` files. They
 belong to the checkpoint: `verify` checks them against SHA256SUMS and does not call them
 unknown, `checksum` hashes them, and every command that writes a new checkpoint directory
-carries them over byte for byte (they do not depend on the layout of the DCP files).
+carries them over byte for byte (they do not depend on the layout of the DCP files). `common.pt`
+is a torch.save archive: its records are checked against their CRC-32s as an item's are
+(side_file_problems), by verify, by checksum before it certifies it, and before it is carried.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from typing import Iterable
 
+from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
+from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
+from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.storage.objects import ObjectPath
-from dcpctl.storage.paths import file_names_in
+from dcpctl.storage.paths import StoragePath, file_names_in, open_ranged
 
 MEGATRON_COMMON_STATE = "common.pt"
 MEGATRON_CONFIG = "metadata.json"
@@ -67,3 +73,20 @@ def _regular_file_sizes(checkpoint: Checkpoint, names: list[str]) -> dict[str, i
         if stat.S_ISREG(status.st_mode):
             sizes[name] = status.st_size
     return sizes
+
+
+def side_file_problems(directory: StoragePath, side_files: Iterable[str]) -> list[Problem]:
+    """What is wrong with a checkpoint's side files (side_files_of): `common.pt` must be a
+    torch.save archive whose records match their CRC-32s (torch.load does not check them)."""
+    name = MEGATRON_COMMON_STATE
+    if name not in side_files:
+        return []
+    try:
+        with open_ranged(directory / name) as file:
+            checked = check_archive(file.read, file.size(), expect_tensor=False)
+    except DataError as error:
+        return [Problem(Rule.ARCHIVE, f"not a torch.save archive: {error.message}", name)]
+    return [Problem(Rule.CRC_MISMATCH, f"record {record.name!r} has CRC-32 {actual_crc:08x}, "
+                    f"its archive says {record.crc32:08x}", name, record.data_offset,
+                    record.data_end)
+            for record, actual_crc in checked.crc_mismatches]

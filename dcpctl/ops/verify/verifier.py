@@ -14,7 +14,7 @@ from dcpctl.format.checkpoint.checksums import read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_beside_data,
-                                                 side_files_of)
+                                                 side_file_problems, side_files_of)
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
@@ -107,6 +107,8 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         report.leftover_temporaries = leftover_temporaries(checkpoint, present)
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
+    if deep and checkpoint is not None:
+        report.problems += side_file_problems(directory, side_files_of(checkpoint))
     units = planning.units(checkpoint, archive_items, safetensors_items)
     job = ScanJob(planning, threads)
     report.problems += run_scan(job, units, workers, on_progress)

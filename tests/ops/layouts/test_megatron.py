@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import struct
+
+import zipfile
 
 import pytest
 from conftest import load_with_torch
@@ -105,10 +108,40 @@ def test_a_damaged_side_file_is_caught_by_its_checksum(megatron_saves, tmp_path)
     common.write_bytes(bytes(data))
     problems = verify_checkpoint(checkpoint).problems
     assert [(problem.rule, problem.file) for problem in problems] == [
-        ("checksum-mismatch", "common.pt")]
+        ("archive", "common.pt"), ("checksum-mismatch", "common.pt")]  # a header hit
     with pytest.raises(DataError, match="common.pt"):
         compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["a flipped bit", "cut short"])
+def test_a_damaged_common_state_is_found_without_checksums(megatron_saves, tmp_path, damage):
+    """common.pt is a torch.save archive: without SHA256SUMS its CRC-32s are all that tells
+    damage, which verify passed, checksum certified and every command carried over."""
+    import shutil
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(megatron_saves["0.16"], checkpoint)
+    common = checkpoint / "common.pt"
+    data = bytearray(common.read_bytes())
+    if damage == "a flipped bit":
+        record = next(info for info in zipfile.ZipFile(common).infolist()
+                      if info.filename.endswith("data.pkl"))
+        name_bytes, extra_bytes = struct.unpack_from("<HH", data, record.header_offset + 26)
+        data[record.header_offset + 30 + name_bytes + extra_bytes + 2] ^= 0x10
+    else:
+        del data[-200:]
+    common.write_bytes(bytes(data))
+    problems = verify_checkpoint(checkpoint).problems
+    assert [(problem.rule, problem.file) for problem in problems] == [
+        ("crc-mismatch" if damage == "a flipped bit" else "archive", "common.pt")]
+    for attempt in (lambda: checksum_checkpoint(checkpoint),
+                    lambda: compress_checkpoint(checkpoint, output_path=str(tmp_path / "out")),
+                    lambda: compress_checkpoint(checkpoint)):
+        with pytest.raises(DataError, match="common.pt"):
+            attempt()
+    assert not (tmp_path / "out").exists() and not (checkpoint / "SHA256SUMS").exists()
+    assert common.read_bytes() == bytes(data)
 
 
 def test_a_linked_side_file_is_neither_carried_nor_trusted(megatron_saves, tmp_path):
