@@ -5,6 +5,7 @@ is what makes it a checkpoint, and an object only appears once its upload comple
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -21,7 +22,7 @@ from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
                                   open_directory_at, temporary_name)
 from dcpctl.storage.locks import lock_descriptor
 from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
-from dcpctl.storage.paths import StoragePath, missing_files
+from dcpctl.storage.paths import StoragePath
 
 
 class StagedOutput:
@@ -56,9 +57,14 @@ class StagedOutput:
                         what="another dcpctl holds this run's own staging directory")
         self.path = self._staging if is_directory else self._staging / destination.name
 
-    def confirm(self, names: Iterable[str] = ()) -> None:
+    def confirm(self, names: Iterable[str] = (), sizes: Mapping[str, int] | None = None
+                ) -> None:
         """Nothing to check here: no other run writes in this run's staging directory (see
         ObjectStoreOutput.confirm)."""
+
+    def confirm_published(self, names: Iterable[str], sizes: Mapping[str, int], last_file: str,
+                          last_bytes: bytes) -> None:
+        """Nothing to check here either (see ObjectStoreOutput.confirm_published)."""
 
     def publish(self) -> None:
         """Rename the finished output into place: replacing what is there with overwrite;
@@ -234,21 +240,53 @@ class ObjectStoreOutput:
             raise OutputError("another run wrote here meanwhile: the output is not empty (pass "
                               "--overwrite to replace it)", path=destination)
 
-    def confirm(self, names: Iterable[str] = ()) -> None:
+    def confirm(self, names: Iterable[str] = (), sizes: Mapping[str, int] | None = None
+                ) -> None:
         """Before the output's last file is written: check that the claim is still this run's
-        and that every one of names (the files it wrote) is there, and give the claim up;
-        raises OutputError, nothing published, where another run took the output over."""
+        and that every one of names (the files it wrote) is there, with the size sizes gives
+        it where it does, and give the claim up; raises OutputError, nothing published, where
+        another run took the output over."""
         if not self._claimed:
             return
         if not self._claim_is_ours():
             raise OutputError("another run took this output over while this one wrote it "
                               "(--overwrite?): nothing was published", path=self.destination)
-        missing = missing_files(self.destination, names)
-        if missing:
-            raise OutputError(f"{missing[0]} was deleted while this run wrote the output "
-                              "(another run?): nothing was published", path=self.destination)
+        self._refuse_replaced(names, sizes or {})
         self._give_up_claim()
         self._confirmed = True
+
+    def confirm_published(self, names: Iterable[str], sizes: Mapping[str, int], last_file: str,
+                          last_bytes: bytes) -> None:
+        """Once the last file (last_bytes) is written: check the files again, as confirm()
+        did. A run with --overwrite may have deleted them and written its own since the claim
+        was given up; then the last file is taken back where it is still this run's, the rest
+        left to that run, and OutputError raised."""
+        if not self._confirmed:
+            return
+        try:
+            self._refuse_replaced([*names, last_file], {**sizes, last_file: len(last_bytes)})
+        except OutputError:
+            self._confirmed = False  # the output is the other run's now: abort leaves it
+            last = self.destination / last_file
+            with contextlib.suppress(StorageError, OSError):
+                info = last.store.info_now(last.key)
+                if info is not None and last.read_bytes() == last_bytes:
+                    last.store.delete([last.key], if_etags={last.key: info.etag})
+            raise
+
+    def _refuse_replaced(self, names: Iterable[str], sizes: Mapping[str, int]) -> None:
+        standing = self.destination.store.list_tree(self.destination.key)
+        for name in sorted({*names, *sizes}):
+            info = standing.get(name)
+            if info is None:
+                raise OutputError(f"{name} was deleted while this run wrote the output "
+                                  "(another run?): nothing was published",
+                                  path=self.destination)
+            if name in sizes and info.size != sizes[name]:
+                raise OutputError(f"{name} was replaced while this run wrote the output (it "
+                                  f"holds {info.size} bytes, not the {sizes[name]} this run "
+                                  "wrote; another run with --overwrite?): nothing was "
+                                  "published", path=self.destination)
 
     def publish(self) -> None:
         """Nothing to move: every object is in place once its write finished; the claim is

@@ -312,6 +312,59 @@ def test_a_reply_lost_after_the_metadata_was_written_is_no_failure(moto_s3, moto
     assert json.loads(ok("verify", output, "--json"))["status"] == "ok"
 
 
+def wait_until_stopped(process, seconds: float = 60) -> None:
+    """Until process stops itself at a failpoint (SIGSTOP)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while open(f"/proc/{process.pid}/stat").read().split(") ")[1][0] != "T":
+        assert process.poll() is None and time.monotonic() < deadline, process.poll()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("second_stops", ["before-atomic-rename@1", "before-atomic-rename@2"],
+                         ids=["before its SHA256SUMS", "before its .metadata"])
+def test_an_output_taken_over_as_it_was_published_is_taken_back(moto_s3, moto_checkpoint,
+                                                                 second_stops):
+    """Run A gave its claim up and was about to write `.metadata` when run B, with
+    --overwrite, deleted A's files and wrote its own in their place: A published its
+    `.metadata` over B's data files and exited 0, the output damaged."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    bucket, url = moto_checkpoint
+    output = f"s3://{bucket}/out"
+
+    def started(*args, failpoint):
+        return subprocess.Popen([sys.executable, "-m", "dcpctl", *args],
+                                env={**os.environ, "DCPCTL_FAILPOINT": failpoint},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = started("compress", url, "-o", output, failpoint="before-atomic-rename@2:SIGSTOP")
+    second = None
+    try:
+        wait_until_stopped(first)  # its claim given up, `.metadata` next
+        second = started("decompress", url, "-o", output, "--overwrite",
+                         failpoint=f"{second_stops}:SIGSTOP")
+        wait_until_stopped(second)  # its data files written in place of the first's
+        first.send_signal(signal.SIGCONT)
+        _, first_error = first.communicate(timeout=120)
+        second.send_signal(signal.SIGCONT)
+        _, second_error = second.communicate(timeout=120)
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+    assert first.returncode == 1 and "while this run wrote the output" in first_error, \
+        first_error
+    assert second.returncode == 0, second_error
+    report = json.loads(ok("verify", output, "--json"))
+    assert report["status"] == "ok" and json.loads(ok("inspect", output, "--json"))[
+        "compression"] == {"none": report["items_checked"]}
+
+
 def test_ls_and_prune_accelerate_checkpoints_in_a_bucket(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     for step in range(3):

@@ -206,8 +206,10 @@ class CheckpointOutput:
         written = [*digests, SHA256SUMS_FILE_NAME]
         digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
         write_sha256sums(self.directory, digests)
-        self._staged.confirm(written)  # in an object store: still this run's output, whole
+        sizes = _data_file_sizes(metadata)
+        self._staged.confirm(written, sizes)  # in an object store: still this run's, whole
         write_whole(self.directory / METADATA_FILE_NAME, metadata_bytes, only_if_absent=True)
+        self._staged.confirm_published(written, sizes, METADATA_FILE_NAME, metadata_bytes)
         _sync(self.directory, digests)
         self._staged.publish()
 
@@ -257,6 +259,16 @@ class CheckpointOutput:
             digests[name] = sha256_of_file(directory / name)
         write_sha256sums(directory, digests)
         _sync(directory, [*digests, *replaced_files])
+
+
+def _data_file_sizes(metadata: CheckpointMetadata) -> dict[str, int]:
+    """The size of each data file dcpctl wrote for metadata: its items lie back to back from
+    its first byte, so it ends where its last item does."""
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0),
+                                        info.offset + info.length)
+    return sizes
 
 
 def _copy_file(source: StoragePath, destination: StoragePath) -> str:
