@@ -324,8 +324,8 @@ def wait_until_stopped(process, seconds: float = 60) -> None:
 
 @pytest.mark.parametrize("second_stops", ["before-atomic-rename@1", "before-atomic-rename@2"],
                          ids=["before its SHA256SUMS", "before its .metadata"])
-def test_an_output_taken_over_as_it_was_published_is_taken_back(moto_s3, moto_checkpoint,
-                                                                 second_stops):
+def test_an_output_taken_over_as_it_was_published_is_taken_back(
+        moto_s3, moto_checkpoint, second_stops):
     """Run A gave its claim up and was about to write `.metadata` when run B, with
     --overwrite, deleted A's files and wrote its own in their place: A published its
     `.metadata` over B's data files and exited 0, the output damaged."""
