@@ -209,6 +209,9 @@ class ObjectStoreOutput:
         self._claimed = self._confirmed = False
         store = destination.store
         if not is_directory:
+            if "/" not in destination.key.strip("/") and store.protocol != "memory":
+                raise OutputError(f"names a bucket, not an object in it; give "
+                                  f"{store.protocol}://BUCKET/NAME", path=destination)
             self._standing_etag = _current_etag(destination)
             if self._standing_etag is not None and not overwrite:
                 raise OutputError("exists (pass --overwrite to replace it)", path=destination)

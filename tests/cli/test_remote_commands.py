@@ -312,6 +312,27 @@ def test_a_reply_lost_after_the_metadata_was_written_is_no_failure(moto_s3, moto
     assert json.loads(ok("verify", output, "--json"))["status"] == "ok"
 
 
+def test_old_files_an_in_place_run_cannot_delete_are_named_and_gone_next_run(
+        moto_s3, moto_checkpoint, monkeypatch):
+    """Once `.metadata` names the new files the rewrite is done; a store that then refuses to
+    delete the old files made the run fail as a connection error, SHA256SUMS unwritten."""
+    bucket, url = moto_checkpoint
+    faults = Faults(refused_deletes_in="step-100/__0_0.distcp</Key>")
+    with faulty_proxy(moto_s3, faults) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        result = run_dcpctl("compress", url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.endpoint)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"Error: {url}: was rewritten (its .metadata and SHA256SUMS "
+                                    "name the new files), but removing the 3 old data files "
+                                    "failed (")
+    assert result.stderr.endswith("; run the command again to remove them\n")
+    state = load_with_dcpctl_reader(url)
+    assert tensor_digests(state) == expected_tensors()
+    ok("compress", url)
+    assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
+
+
 def wait_until_stopped(process, seconds: float = 60) -> None:
     """Until process stops itself at a failpoint (SIGSTOP)."""
     import time
@@ -416,6 +437,13 @@ def test_an_existing_output_in_a_bucket_is_refused_without_overwrite(bucket_chec
         == {"floatsplit"}
     assert "is the input" in failure("compress", url, "-o", f"{url}/inner") \
         or "inside the input" in failure("compress", url, "-o", f"{url}/inner")
+
+
+def test_a_file_output_that_names_a_bucket_is_refused(moto_s3, moto_checkpoint):
+    _, url = moto_checkpoint
+    bucket = moto_s3.new_bucket()
+    assert failure("convert", url, "--to", "torch", "-o", f"s3://{bucket}") == (
+        f"Error: s3://{bucket}: names a bucket, not an object in it; give s3://BUCKET/NAME\n")
 
 
 def test_an_http_url_is_refused_for_what_it_is():

@@ -28,7 +28,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
-from dcpctl.errors import DataError
+from dcpctl.errors import DataError, DcpctlError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import HASH_PIECE_BYTES, sha256_of_file, write_sha256sums
 from dcpctl.format.checkpoint.problems import problems_error
@@ -253,12 +253,25 @@ class CheckpointOutput:
         else:  # no hard links here: the new files keep their temporary names
             metadata_digest = switched_digest
             digests = {temporary_names[name]: digest for name, digest in digests.items()}
-        _remove(directory, sorted(replaced_files - set(digests)))
+        old_files = sorted(replaced_files - set(digests))
+        try:
+            _remove(directory, old_files)
+        except (DcpctlError, OSError) as error:
+            removal_error = error
+        else:
+            removal_error = None
         digests[METADATA_FILE_NAME] = metadata_digest
         for name in self._side_files:
             digests[name] = sha256_of_file(directory / name)
         write_sha256sums(directory, digests)
         _sync(directory, [*digests, *replaced_files])
+        if removal_error is not None:
+            reason = (describe_os_error(removal_error) if isinstance(removal_error, OSError)
+                      else str(removal_error))
+            raise DcpctlError(f"was rewritten (its .metadata and SHA256SUMS name the new files), "
+                              f"but removing the {len(old_files)} old data files failed "
+                              f"({reason}); run the command again to remove them",
+                              path=directory) from None
 
 
 def _data_file_sizes(metadata: CheckpointMetadata) -> dict[str, int]:
