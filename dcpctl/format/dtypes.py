@@ -30,7 +30,7 @@ _KNOWN_DTYPES = [
     DType("float8_e4m3fnuz", 1, "F8_E4M3FNUZ", True),
     DType("float8_e5m2", 1, "F8_E5M2", True),
     DType("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", True),
-    DType("float8_e8m0fnu", 1, None, True),
+    DType("float8_e8m0fnu", 1, "F8_E8M0", True),
     DType("float4_e2m1fn_x2", 1, None, True),
     DType("complex128", 16, None),
     DType("complex64", 8, "C64"),

@@ -136,9 +136,11 @@ def encode_header(tensors: list[SafetensorsTensor]) -> bytes:
     for tensor in tensors:
         check_tensor_name(tensor.name)
         if tensor.dtype.safetensors_code is None:
+            remedy = ("cast it with --dtype, or leave it out with --exclude"
+                      if tensor.dtype.is_floating_point else "leave it out with --exclude")
             raise UnsupportedLayoutError(
                 f"tensor {tensor.name!r} has dtype torch.{tensor.dtype.name}, which safetensors "
-                "cannot store (cast it with --dtype, or leave it out with --exclude)")
+                f"cannot store ({remedy})")
         entries[tensor.name] = {"dtype": tensor.dtype.safetensors_code,
                                 "shape": list(tensor.shape),
                                 "data_offsets": [offset, offset + tensor.nbytes]}

@@ -377,6 +377,31 @@ def test_torch_output_with_newer_dtypes_loads_mapped_and_converts_back(tmp_path)
     assert again["config.name"] == "x"
 
 
+def test_float8_e8m0_goes_to_safetensors_and_back(tmp_path):
+    """safetensors stores it as F8_E8M0; it was refused both ways as a dtype it lacks."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"scales": torch.tensor([0.5, 1.0, 2.0, 1024.0]).to(torch.float8_e8m0fnu)}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    convert_to_safetensors(tmp_path / "dcp", tmp_path / "hf", EVERYTHING)
+    loaded = load_file(tmp_path / "hf" / "model.safetensors")
+    assert loaded["scales"].dtype == torch.float8_e8m0fnu
+    assert tensor_sha256(loaded["scales"]) == tensor_sha256(state["scales"])
+    convert_to_dcp(tmp_path / "hf", tmp_path / "again")
+    assert tensor_sha256(load_with_torch(tmp_path / "again")["scales"]) == tensor_sha256(
+        state["scales"])
+
+
+def test_complex128_is_refused_with_a_remedy_that_works(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"z": torch.ones(2, dtype=torch.complex128)}, checkpoint_id=tmp_path / "dcp",
+             no_dist=True)
+    with pytest.raises(UnsupportedLayoutError, match=r"cannot store \(leave it out with "):
+        convert_to_safetensors(tmp_path / "dcp", tmp_path / "hf", EVERYTHING,
+                               cast_to=dtype_by_name("float32"))
+
+
 def test_a_torch_save_file_with_an_empty_tensor_is_laid_out_as_torchs(tmp_path, run_cli):
     """A data descriptor after an empty tensor's record (torch.save writes none) moved every
     record after it: torch's mmap load, which works offsets out by its writer's layout, read
