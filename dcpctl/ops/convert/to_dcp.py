@@ -28,7 +28,7 @@ from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, 
 from dcpctl.format.checkpoint.sharding import (RankChunk, check_world_size, place_like_a_save,
                                                shard_dim0_chunks)
 from dcpctl.format.checkpoint.view import open_checkpoint
-from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name
+from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType, dtype_by_name, fits_in_torch
 from dcpctl.format.file_names import rank_file_name
 from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, ChunkMetadata,
                                             MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
@@ -159,6 +159,7 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
                                      path=path)
     dtype = dtype_by_name(str(placeholder.dtype))
     shape = tuple(placeholder.shape)
+    _refuse_view_past_its_storage(path, name, placeholder, dtype)
     start = (storage_file_offset(path, placeholder, records)
              + placeholder.storage_offset() * dtype.itemsize)
     if placeholder.is_contiguous():
@@ -175,6 +176,24 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
             rows = rows.narrow(0, chunk.offsets[0], chunk.sizes[0]) if chunk.sizes else rows
             return bytearray(bytes_of(rows))
     return SourceEntry(key_path, dtype, shape, read_chunk)
+
+
+def _refuse_view_past_its_storage(path: Path, name: str, placeholder, dtype: DType) -> None:
+    """torch works a view's extent out in int64, so one of sizes, strides or offset near 2**63
+    wraps around to fit its storage; worked out here without wrapping, it must."""
+    shape, strides, offset = tuple(placeholder.shape), placeholder.stride(), \
+        placeholder.storage_offset()
+    storage_bytes = placeholder.untyped_storage().nbytes()
+    if math.prod(shape) == 0:
+        end = 0
+    else:
+        end = (offset + 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+               ) * dtype.itemsize
+    if (not fits_in_torch(shape, dtype.itemsize) or offset < 0 or min(strides, default=0) < 0
+            or end > storage_bytes):
+        raise DataError(f"{name!r} is a view of shape {list(shape)}, strides {list(strides)} "
+                        f"and offset {offset} that does not lie inside its storage of "
+                        f"{storage_bytes} bytes", path=path)
 
 
 def plan_items(entries: list[SourceEntry], ranks: int) -> list[list[_Item]]:

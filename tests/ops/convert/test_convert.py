@@ -17,7 +17,7 @@ from rank_loading import assert_matches_manifest, describe_after_loading_on_rank
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dcpctl.errors import OutputError, SelectionError, UnsupportedLayoutError
+from dcpctl.errors import DataError, OutputError, SelectionError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.payloads import PayloadReader
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.dtypes import dtype_by_name
@@ -375,6 +375,35 @@ def test_torch_output_with_newer_dtypes_loads_mapped_and_converts_back(tmp_path)
     again = load_with_torch(tmp_path / "again")
     assert tensor_sha256(again["f8"]) == tensor_sha256(state["f8"])
     assert again["config.name"] == "x"
+
+
+class _CraftedView:
+    """Pickles as torch.save pickles a view: a storage, an offset, sizes and strides."""
+
+    def __init__(self, storage, offset, size, stride) -> None:
+        self.arguments = (storage, offset, size, stride)
+
+    def __reduce__(self):
+        import collections
+
+        return (torch._utils._rebuild_tensor_v2,
+                (*self.arguments, False, collections.OrderedDict()))
+
+
+@pytest.mark.parametrize("offset,size,stride", [(0, (2,), (2**62,)), (0, (2**62 + 1,), (1,)),
+                                                (2**62, (1,), (1,))])
+def test_a_view_that_fits_its_storage_only_in_wrapped_int64_is_refused(tmp_path, offset, size,
+                                                                       stride):
+    """torch's loader works the extent out in int64 and takes these; reading them was an
+    internal OverflowError."""
+    values = torch.arange(4, dtype=torch.float32)
+    storage = torch.storage.TypedStorage(wrap_storage=values.untyped_storage(),
+                                         dtype=values.dtype, _internal=True)
+    torch.save({"a": _CraftedView(storage, offset, size, stride)}, tmp_path / "crafted.pt")
+    with pytest.raises(DataError, match="'a' is a view of shape .* that does not lie inside "
+                                        "its storage of 16 bytes"):
+        convert_to_dcp(tmp_path / "crafted.pt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_float8_e8m0_goes_to_safetensors_and_back(tmp_path):
