@@ -35,12 +35,24 @@ class SafetensorsTensor:
 
 
 def parse_json(data: bytes | str):
-    """A JSON document read from a file (a header, an index): ValueError where it is not one,
-    or nests deeper than Python's parser can follow (RecursionError otherwise)."""
+    """A JSON document read from a file (a header, an index): ValueError where it is not one
+    as JSON (and the safetensors library) defines it: a byte order mark first, NaN or
+    Infinity, a string that is no Unicode (a lone surrogate such as "\\ud800"); or where it
+    nests deeper than Python's parser can follow (RecursionError otherwise)."""
+    if data[:3] == b"\xef\xbb\xbf" or data[:1] == "\ufeff":
+        raise ValueError("starts with a byte order mark")
     try:
-        return json.loads(data)
+        document = json.loads(data, parse_constant=_refuse_constant)
+        json.dumps(document, ensure_ascii=False).encode()  # a lone surrogate cannot be
     except RecursionError:
         raise ValueError("nested deeper than any real one") from None
+    except UnicodeEncodeError:
+        raise ValueError("holds a string that is not Unicode (a lone surrogate)") from None
+    return document
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"holds {name}, which is not JSON")
 
 
 def read_safetensors_header(path: Path, blob_offset: int = 0) -> tuple[dict, int]:
@@ -75,6 +87,9 @@ def _read_safetensors_header(path: Path, blob_offset: int, version: tuple) -> tu
         raise missing_file_error(path) from None
     if not isinstance(header, dict):
         raise DataError(f"{where} is not an object", path=path)
+    metadata = header.get(METADATA_KEY, {})
+    if not (isinstance(metadata, dict) and all(type(value) is str for value in metadata.values())):
+        raise DataError(f"{where} has a {METADATA_KEY} that is not a map of strings", path=path)
     return header, blob_offset + 8 + header_bytes
 
 
@@ -266,6 +281,9 @@ def _model_files(source: Path) -> tuple[list[Path], dict | None]:
     index_path = source / HF_INDEX_FILE_NAME
     if index_path.is_file():
         weight_map = read_weight_map(index_path)
+        if not weight_map:
+            raise DataError("its weight_map names no tensors: no model to convert",
+                            path=index_path)
         names = list(dict.fromkeys(weight_map.values()))
         return [_file_named_by_index(source, index_path, name) for name in names], weight_map
     if (source / SINGLE_FILE_NAME).is_file():

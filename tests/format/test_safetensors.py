@@ -114,6 +114,16 @@ ENTRY = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
     (json.dumps({"a": {**ENTRY, "dtype": ["F32"]}}).encode(), "'a' is not a valid tensor entry"),
     (json.dumps({"a": {**ENTRY, "dtype": {"F32": 1}}}).encode(), "not a valid tensor entry"),
     (b"[" * 100_000 + b"]" * 100_000, "not JSON \\(nested deeper than any real one\\)"),
+    # what the safetensors library refuses, and a rewrite from it could not write back
+    (b"\xef\xbb\xbf" + json.dumps({"a": ENTRY}).encode(), "starts with a byte order mark"),
+    (b'{"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, "b": NaN}',
+     "holds NaN, which is not JSON"),
+    (b'{"\\ud800": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}',
+     "a string that is not Unicode"),
+    (json.dumps({"a": ENTRY, "__metadata__": {"format": 1}}).encode(),
+     "__metadata__ that is not a map of strings"),
+    (json.dumps({"a": ENTRY, "__metadata__": ["pt"]}).encode(),
+     "__metadata__ that is not a map of strings"),
 ])
 def test_hostile_headers_are_refused_in_a_line(tmp_path, header, message):
     """A dtype that is a list crashed on a dict lookup, and a header nested 100,000 deep with
@@ -127,6 +137,7 @@ def test_hostile_headers_are_refused_in_a_line(tmp_path, header, message):
 @pytest.mark.parametrize("index, message", [
     ('{"weight_map": {"a": ["model.safetensors"]}}', "gives 'a' the file \\['model"),
     ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", "not a safetensors index"),
+    ('{"weight_map": {}}', "its weight_map names no tensors"),  # converted to 0 tensors
 ])
 def test_hostile_indexes_are_refused_in_a_line(tmp_path, index, message):
     _with_header(tmp_path / "model.safetensors", json.dumps({"a": ENTRY}).encode())
