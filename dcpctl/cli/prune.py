@@ -107,7 +107,8 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     failed = report.with_status(FAILED)
     if failed:
         raise PartialFailureError(f"{len(failed)} of {len(report.to_delete)} checkpoint "
-                                  f"deletions failed; first: {failed[0].error}", path=run_dir)
+                                  f"deletions failed; first, {failed[0].checkpoint.name}: "
+                                  f"{failed[0].error}", path=run_dir)
 
 
 def render_prune(report: PruneReport) -> str:

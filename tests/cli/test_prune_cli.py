@@ -74,8 +74,8 @@ def test_partial_failure_reports_both_and_exits_1(run_cli, run_dir, monkeypatch)
     statuses = {c["name"]: c["status"] for c in json.loads(result.stdout)["checkpoints"]}
     assert statuses == {"step-100": "deleted", "step-200": "failed", "step-300": "deleted",
                         "step-400": "kept", "step-450": "kept"}
-    assert result.stderr == (f"Error: {run_dir}: 1 of 3 checkpoint deletions failed; first: "
-                             f"{run_dir}/step-200/__1_0.distcp: Permission denied\n")
+    assert result.stderr == (f"Error: {run_dir}: 1 of 3 checkpoint deletions failed; first, "
+                             f"step-200: {run_dir}/step-200/__1_0.distcp: Permission denied\n")
 
 
 def test_second_prune_exits_1_with_a_clear_message(run_dir, another_prune):

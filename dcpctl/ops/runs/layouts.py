@@ -73,7 +73,8 @@ def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
         # or the user's: deleting the directory would delete them with whatever lies beside.
         foreign = [part for part in parts if not ACCELERATE_PART.fullmatch(part)]
         if foreign:
-            return (f"holds DCP checkpoints ({', '.join(foreign[:3])}) that are not the parts "
+            shown = ", ".join(part or "''" for part in foreign[:3])  # a key's empty segment
+            return (f"holds DCP checkpoints ({shown}) that are not the parts "
                     "of an accelerate checkpoint: a run of its own, or the user's")
         complete = (all(f"{part}/{METADATA_FILE_NAME}" in names for part in parts)
                     and (ACCELERATE_LAST_WRITTEN in names or TRAINER_LAST_WRITTEN in names))
