@@ -87,7 +87,7 @@ def _read_safetensors_header(path: Path, blob_offset: int, version: tuple) -> tu
         raise missing_file_error(path) from None
     if not isinstance(header, dict):
         raise DataError(f"{where} is not an object", path=path)
-    metadata = header.get(METADATA_KEY, {})
+    metadata = header.get(METADATA_KEY) or {}  # null, as the library reads it: none
     if not (isinstance(metadata, dict) and all(type(value) is str for value in metadata.values())):
         raise DataError(f"{where} has a {METADATA_KEY} that is not a map of strings", path=path)
     return header, blob_offset + 8 + header_bytes

@@ -134,6 +134,12 @@ def test_hostile_headers_are_refused_in_a_line(tmp_path, header, message):
         read_safetensors_model(path)
 
 
+def test_a_null_metadata_is_none_as_the_library_reads_it(tmp_path):
+    path = tmp_path / "model.safetensors"
+    _with_header(path, json.dumps({"a": ENTRY, "__metadata__": None}).encode())
+    assert [tensor.name for _, tensor in read_safetensors_model(path)] == ["a"]
+
+
 @pytest.mark.parametrize("index, message", [
     ('{"weight_map": {"a": ["model.safetensors"]}}', "gives 'a' the file \\['model"),
     ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", "not a safetensors index"),
