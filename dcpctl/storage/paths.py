@@ -245,7 +245,7 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
             # A reply lost after the store wrote it (a dropped connection): the client sends
             # the write again, which a conditional write then fails. What holds the name now
             # says whether this write happened.
-            if not _holds_exactly(path, data):
+            if not holds_exactly(path, data):
                 if stale_bytes is not None:
                     _put_back_unless_replaced(made_stale, stale_bytes, path, only_if_absent,
                                               seen_etag)
@@ -259,7 +259,7 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
     return write_file_atomically(path, data, made_stale)
 
 
-def _holds_exactly(path: ObjectPath, data: bytes) -> bool:
+def holds_exactly(path: ObjectPath, data: bytes) -> bool:
     """Whether the object at path, asked now, holds data (a write of it that failed to say so
     did land); False where the store cannot say either."""
     try:

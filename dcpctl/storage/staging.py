@@ -22,7 +22,7 @@ from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
                                   open_directory_at, temporary_name)
 from dcpctl.storage.locks import lock_descriptor
 from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
-from dcpctl.storage.paths import StoragePath
+from dcpctl.storage.paths import StoragePath, holds_exactly
 
 
 class StagedOutput:
@@ -234,9 +234,11 @@ class ObjectStoreOutput:
         try:
             store.put(self._claim.key, self._claim_data, if_absent=True)
         except FileExistsError:
-            raise OutputError(f"another run is writing this output (it holds "
-                              f"{METADATA_TEMPORARY_FILE_NAME}, as a save in progress does); if "
-                              "none is, pass --overwrite to replace it", path=destination) from None
+            if not holds_exactly(self._claim, self._claim_data):  # not a lost reply's retry
+                raise OutputError(
+                    f"another run is writing this output (it holds "
+                    f"{METADATA_TEMPORARY_FILE_NAME}, as a save in progress does); if none is, "
+                    "pass --overwrite to replace it", path=destination) from None
         self._claimed = True
         if set(store.list_tree(destination.key)) - {METADATA_TEMPORARY_FILE_NAME}:
             self._give_up_claim()

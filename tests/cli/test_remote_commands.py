@@ -290,10 +290,12 @@ def test_an_object_the_store_refuses_to_delete_stops_the_deletion(s3_server, mon
     assert keys_under(s3_server, bucket) == before
 
 
-@pytest.mark.parametrize("command", [["compress"], ["decompress"],
-                                     ["compress", "-o", "{bucket_url}/out"]])
+@pytest.mark.parametrize("command,lost_to", [
+    (["compress"], "/.metadata"), (["decompress"], "/.metadata"),
+    (["compress", "-o", "{bucket_url}/out"], "/.metadata"),
+    (["compress", "-o", "{bucket_url}/out"], "/.metadata.tmp")])  # the output's claim
 def test_a_reply_lost_after_the_metadata_was_written_is_no_failure(moto_s3, moto_checkpoint,
-                                                                   monkeypatch, command):
+                                                                   monkeypatch, command, lost_to):
     """The store wrote `.metadata` and the connection dropped before its reply: the client
     sent the conditional write again, which failed (412), and an in-place run then deleted
     the new files the new `.metadata` names, the old `.metadata` gone: nothing loaded."""
@@ -302,7 +304,7 @@ def test_a_reply_lost_after_the_metadata_was_written_is_no_failure(moto_s3, moto
         ok("compress", url)
     args = [part.format(bucket_url=f"s3://{bucket}") for part in command]
     output = args[2] if len(args) > 1 else url
-    faults = Faults(lost=1, lost_to="/.metadata")
+    faults = Faults(lost=1, lost_to=lost_to)
     with faulty_proxy(moto_s3, faults) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
         result = run_dcpctl(args[0], url, *args[1:])
