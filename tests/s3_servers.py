@@ -112,8 +112,9 @@ class Faults:
     body; a DeleteObjects request whose body holds `refused_deletes_in` is answered as S3
     answers one it refused key by key (an Object Lock, a policy): 200, each key listed with
     AccessDenied, nothing deleted; the first `lost` PUTs whose path ends with `lost_to` reach
-    the server, and their connection is cut before the reply (the client tries again). Counts
-    are of what was done so far."""
+    the server, and their connection is cut before the reply (the client tries again), and
+    after such a loss GETs and HEADs of `lost_to` are answered 500 InternalError while
+    `unreadable_after_loss` says so. Counts are of what was done so far."""
 
     throttled: int = 0
     dropped: int = 0
@@ -121,6 +122,7 @@ class Faults:
     refused_deletes_in: str = ""
     lost: int = 0
     lost_to: str = ""
+    unreadable_after_loss: bool = False
     throttled_so_far: int = 0
     dropped_so_far: int = 0
     lost_so_far: int = 0
@@ -154,6 +156,18 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
         def forward(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
+            if (faults.unreadable_after_loss and faults.lost_so_far
+                    and self.command in ("GET", "HEAD")
+                    and self.path.split("?")[0].endswith(faults.lost_to)):
+                error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError"
+                         b"</Code><Message>We encountered an internal error.</Message></Error>")
+                self.send_response(500)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(error)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(error)
+                return
             if take("throttled"):
                 error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
                          b"<Message>Please reduce your request rate.</Message></Error>")

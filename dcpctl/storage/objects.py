@@ -30,6 +30,11 @@ class ObjectChangedError(StorageError):
     """An object was replaced while dcpctl read it (its ETag changed)."""
 
 
+class WriteOutcomeUnknownError(StorageError):
+    """A write failed, and the store would not say whether it happened all the same (its
+    reply lost, then every read refused)."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """What a listing says of one object."""

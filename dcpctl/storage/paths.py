@@ -24,7 +24,7 @@ from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, open_regular_file,
                                   read_file, write_file_atomically)
-from dcpctl.storage.objects import ObjectPath
+from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError
 from dcpctl.storage.stores import store_for
 
 StoragePath = Union[Path, ObjectPath]
@@ -241,11 +241,17 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
         stale_bytes = _take_away(made_stale) if made_stale is not None else None
         try:
             store.put(path.key, data, if_absent=only_if_absent, if_etag=seen_etag)
-        except Exception:
+        except Exception as error:
             # A reply lost after the store wrote it (a dropped connection): the client sends
             # the write again, which a conditional write then fails. What holds the name now
-            # says whether this write happened.
-            if not holds_exactly(path, data):
+            # says whether this write happened; where the store will not say, neither may be
+            # assumed.
+            landed = holds_exactly(path, data)
+            if landed is None:
+                raise WriteOutcomeUnknownError(
+                    f"the write failed ({type(error).__name__}), and the store would not say "
+                    "whether it happened all the same", path=store.url(path.key)) from None
+            if not landed:
                 if stale_bytes is not None:
                     _put_back_unless_replaced(made_stale, stale_bytes, path, only_if_absent,
                                               seen_etag)
@@ -259,14 +265,14 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
     return write_file_atomically(path, data, made_stale)
 
 
-def holds_exactly(path: ObjectPath, data: bytes) -> bool:
+def holds_exactly(path: ObjectPath, data: bytes) -> bool | None:
     """Whether the object at path, asked now, holds data (a write of it that failed to say so
-    did land); False where the store cannot say either."""
+    did land); None where the store will not say."""
     try:
         now = path.store.info_now(path.key)
         return now is not None and now.size == len(data) and path.read_bytes() == data
     except Exception:  # noqa: BLE001 - the failed write is the error to report
-        return False
+        return None
 
 
 def _take_away(path: ObjectPath) -> bytes | None:

@@ -234,7 +234,7 @@ class ObjectStoreOutput:
         try:
             store.put(self._claim.key, self._claim_data, if_absent=True)
         except FileExistsError:
-            if not holds_exactly(self._claim, self._claim_data):  # not a lost reply's retry
+            if holds_exactly(self._claim, self._claim_data) is not True:  # a lost reply's?
                 raise OutputError(
                     f"another run is writing this output (it holds "
                     f"{METADATA_TEMPORARY_FILE_NAME}, as a save in progress does); if none is, "

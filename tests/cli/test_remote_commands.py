@@ -314,6 +314,23 @@ def test_a_reply_lost_after_the_metadata_was_written_is_no_failure(moto_s3, moto
     assert json.loads(ok("verify", output, "--json"))["status"] == "ok"
 
 
+@pytest.mark.slow  # the client's retries of the refused reads: about 40 s
+def test_a_switch_whose_outcome_the_store_will_not_tell_keeps_every_file(
+        moto_s3, moto_checkpoint, monkeypatch):
+    """The reply to the switch of `.metadata` lost, then its reads refused: taking that for a
+    switch not made, the run deleted the new files the new `.metadata` names."""
+    bucket, url = moto_checkpoint
+    faults = Faults(lost=1, lost_to="/.metadata", unreadable_after_loss=True)
+    with faulty_proxy(moto_s3, faults) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        result = run_dcpctl("compress", url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.endpoint)
+    assert result.returncode == 1
+    assert "the store would not say whether it happened all the same; the old and the new " \
+           "data files are both kept" in result.stderr, result.stderr
+    assert tensor_digests(load_with_dcpctl_reader(url)) == expected_tensors()
+
+
 def test_old_files_an_in_place_run_cannot_delete_are_named_and_gone_next_run(
         moto_s3, moto_checkpoint, monkeypatch):
     """Once `.metadata` names the new files the rewrite is done; a store that then refuses to

@@ -38,6 +38,7 @@ from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
+from dcpctl.storage.objects import WriteOutcomeUnknownError
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   open_ranged, write_whole)
 from dcpctl.storage.staging import staged_output
@@ -227,9 +228,16 @@ class CheckpointOutput:
         with finishing_first():  # from here on, a stop waits for the end
             # SHA256SUMS describes the old files: it goes at the switch, so a run that fails
             # or stops earlier leaves the source with its sums
-            switched_digest = write_whole(directory / METADATA_FILE_NAME, switched_metadata,
-                                          made_stale=directory / SHA256SUMS_FILE_NAME,
-                                          only_if_unchanged=True)
+            try:
+                switched_digest = write_whole(directory / METADATA_FILE_NAME, switched_metadata,
+                                              made_stale=directory / SHA256SUMS_FILE_NAME,
+                                              only_if_unchanged=True)
+            except WriteOutcomeUnknownError as error:
+                self._metadata_switched = True  # it may have: abort must keep the new files
+                raise WriteOutcomeUnknownError(
+                    f"{error.message}; the old and the new data files are both kept, so the "
+                    ".metadata there loads whichever it is: check with dcpctl verify, and run "
+                    "the command again", path=error.path) from None
             self._metadata_switched = True
             self._finish_in_place(metadata, digests, temporary_names, replaced_files,
                                   switched_digest)
