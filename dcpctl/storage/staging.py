@@ -355,16 +355,22 @@ def delete_checkpoint_objects(directory: ObjectPath,
         return None if seen is None else {
             (directory / name).key: seen[name].etag for name in names if name in seen}
 
-    if seen is not None:
-        now = store.list_tree(directory.key)
-        changed = [name for name in metadata_names if name in now and now[name] != seen.get(name)]
+    def refuse_new_metadata(listing: Mapping[str, ObjectInfo], outcome: str) -> None:
+        changed = [name for name in metadata_names
+                   if name in listing and listing[name] != seen.get(name)]
         if changed:
-            raise StorageError("was written since dcpctl listed it (a save at work there?); "
-                               "nothing of the checkpoint was deleted",
-                               path=directory / changed[0])
-    store.delete(keys(metadata_names), if_etags=as_seen(metadata_names))
+            raise StorageError(f"was written since dcpctl listed it (a save at work there?); "
+                               f"{outcome}", path=directory / changed[0])
+
+    if seen is not None:
+        refuse_new_metadata(store.list_tree(directory.key),
+                            "nothing of the checkpoint was deleted")
+    listed_metadata = [name for name in metadata_names if seen is None or name in seen]
+    store.delete(keys(listed_metadata), if_etags=as_seen(listed_metadata))  # never a new one
     failpoint(Failpoint.AFTER_METADATA_REMOVED)
     standing = store.list_tree(directory.key)
+    if seen is not None:
+        refuse_new_metadata(standing, "the rest of the checkpoint was left")
     names = sorted(name for name, info in standing.items()
                    if seen is None or seen.get(name) == info)
     store.delete(keys(names), if_etags=as_seen(names))

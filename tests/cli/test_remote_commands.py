@@ -271,6 +271,39 @@ def test_a_checkpoint_whose_metadata_came_since_the_scan_is_not_deleted(moto_s3,
     assert keys_under(moto_s3, bucket) == before
 
 
+def test_a_metadata_that_lands_as_prune_deletes_is_kept_with_its_data(moto_s3, monkeypatch):
+    """The save of an incomplete checkpoint finished between prune's last look and its first
+    deletion: its `.metadata`, never listed, was deleted with no condition, then its data."""
+    from dcpctl.storage.objects import StorageError
+    from dcpctl.storage.paths import storage_path
+    from dcpctl.storage.s3 import S3Store
+    from dcpctl.storage.staging import delete_checkpoint_objects
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    client = moto_s3.client()
+    source = fixture_path(SOURCE)
+    for path in sorted(source.glob("*.distcp")):
+        client.put_object(Bucket=bucket, Key=f"run/step-3/{path.name}", Body=path.read_bytes())
+    directory = storage_path(f"s3://{bucket}/run/step-3")
+    seen = directory.store.list_tree(directory.key)
+    delete, landed = S3Store.delete, []
+
+    def save_finishing_first(store, keys, if_etags=None):
+        if not landed:
+            landed.append(True)
+            client.put_object(Bucket=bucket, Key="run/step-3/.metadata",
+                              Body=(source / ".metadata").read_bytes())
+        return delete(store, keys, if_etags)
+
+    monkeypatch.setattr(S3Store, "delete", save_finishing_first)
+    before_save = keys_under(moto_s3, bucket)
+    with pytest.raises(StorageError, match="was written since dcpctl listed it"):
+        delete_checkpoint_objects(directory, seen=seen)
+    assert keys_under(moto_s3, bucket) == before_save | {"run/step-3/.metadata"}
+
+
 def test_an_object_the_store_refuses_to_delete_stops_the_deletion(s3_server, monkeypatch):
     """S3 answers DeleteObjects with 200 and lists the keys it did not delete: prune took that
     for done and went on to delete the data of a checkpoint whose `.metadata` stayed, which then
