@@ -54,13 +54,13 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
             checked_checkpoint(path, exclusive=True, check_sums=False,
                                once_held=ahead) as checkpoint:
         remove_stale_temporaries(checkpoint.path, set(checkpoint.files))
-        unknown = unknown_file_problems(checkpoint)
-        if unknown:  # verify would call the checkpoint damaged: nothing to certify
-            raise problems_error(unknown, checkpoint.path)
         old_sums = read_sha256sums(checkpoint.path)
         absent = absent_listed_files(checkpoint.path, old_sums or {})
         if absent:  # a file certified before is gone: not to be certified away
             raise problems_error(absent, checkpoint.path)
+        unknown = unknown_file_problems(checkpoint)
+        if unknown:  # verify would call the checkpoint damaged: nothing to certify
+            raise problems_error(unknown, checkpoint.path)
         planning = _planning(checkpoint.path, old_sums)
         archive_items, safetensors_items, problems = items_to_check(
             checkpoint, list_stored_items(checkpoint))

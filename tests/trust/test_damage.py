@@ -111,7 +111,8 @@ def test_a_file_that_no_longer_matches_sha256sums_is_named_first(saved, tmp_path
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda command: " ".join(command[:3]))
-def test_a_file_sha256sums_lists_that_is_gone_stops_the_command(saved, tmp_path, command):
+@pytest.mark.parametrize("loss", ["gone", "a symlink"])
+def test_a_file_sha256sums_lists_that_is_gone_stops_the_command(saved, tmp_path, command, loss):
     """Where the metadata does not name a file (a trainer's side file, the shards of a
     checkpoint torch's HF writer left without `.metadata`), SHA256SUMS alone tells it is gone:
     the data commands went on, and an in-place compress wrote SHA256SUMS anew without it."""
@@ -119,15 +120,19 @@ def test_a_file_sha256sums_lists_that_is_gone_stops_the_command(saved, tmp_path,
     shutil.copytree(saved / "plain", checkpoint)
     torch.save({"iteration": 7}, checkpoint / "common.pt")  # Megatron's common state
     assert run_dcpctl("checksum", checkpoint).returncode == 0
-    (checkpoint / "common.pt").unlink()
+    (checkpoint / "common.pt").rename(tmp_path / "elsewhere.pt")
+    if loss == "a symlink":  # neither read nor carried: as good as gone
+        (checkpoint / "common.pt").symlink_to(tmp_path / "elsewhere.pt")
     before = directory_state(checkpoint)
     args = [part.format(out=tmp_path / "out") for part in command]
     result = run_dcpctl(args[0], checkpoint, *args[1:])
     assert result.returncode == 1, result.stdout
-    assert result.stderr == (f"Error: {checkpoint}/common.pt: missing-file: listed in "
-                             "SHA256SUMS but absent\n")
+    assert result.stderr == (f"Error: {checkpoint}/common.pt: " + (
+        "missing-file: listed in SHA256SUMS but absent\n" if loss == "gone" else
+        "not-regular-file: listed in SHA256SUMS but not a regular file here (a symlink, "
+        "say)\n"))
     assert directory_state(checkpoint) == before
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt", "elsewhere.pt"]
 
 
 def test_an_item_holding_another_shape_than_its_chunk_is_refused(run_cli, tmp_path):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -13,6 +15,7 @@ from dcpctl.format.checkpoint.side_files import files_beside_data
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import (StoragePath, missing_files, open_ranged, read_whole,
                                   storage_path, write_whole)
 
@@ -81,9 +84,16 @@ def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = Non
 
 
 def absent_listed_files(directory: StoragePath, sums: dict[str, str]) -> list[Problem]:
-    """A problem for each file SHA256SUMS lists that is not in directory."""
-    return [Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name)
-            for name in missing_files(directory, sums)]
+    """A problem for each file SHA256SUMS lists that is not in directory as a regular file (a
+    symlink put in its place is not it: no command reads or carries one)."""
+    problems = [Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name)
+                for name in missing_files(directory, sums)]
+    if not isinstance(directory, ObjectPath):
+        problems += [Problem(Rule.NOT_REGULAR_FILE, "listed in SHA256SUMS but not a regular "
+                             "file here (a symlink, say)", name)
+                     for name in sorted(set(sums) - {problem.file for problem in problems})
+                     if not stat.S_ISREG(os.lstat(directory / name).st_mode)]
+    return problems
 
 
 def checksummed_files(checkpoint: Checkpoint) -> list[str]:

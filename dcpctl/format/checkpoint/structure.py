@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.format.checkpoint.checksums import refuse_sha256sums_mismatch
+from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256sums,
+                                                refuse_sha256sums_mismatch)
 from dcpctl.format.checkpoint.locations import ExpectedTensor
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry, find_file_problems,
@@ -107,6 +108,16 @@ def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:
         problems = check_structure(checkpoint, list_stored_items(checkpoint))
     if problems:
         raise problems_error(problems, checkpoint.path)
+    return checkpoint
+
+
+def open_quickly_verified(path: str | os.PathLike) -> Checkpoint:
+    """open_checked_checkpoint, refused also where its SHA256SUMS lists a file that is gone:
+    all that `verify --quick` reports short of hashing (what ls and prune call damage)."""
+    checkpoint = open_checked_checkpoint(path)
+    absent = absent_listed_files(checkpoint.path, read_sha256sums(checkpoint.path) or {})
+    if absent:
+        raise problems_error(absent, checkpoint.path)
     return checkpoint
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import DcpctlError, describe_os_error
-from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.structure import open_quickly_verified
 from dcpctl.ops.inspection.report import build_inspect_report
 from dcpctl.ops.runs.scan import CheckpointEntry, RunDirectoryScan, scan_run_directory
 from dcpctl.storage.locks import locked_checkpoint
@@ -63,5 +63,5 @@ def _compression(entry: CheckpointEntry) -> dict[str, int]:
     counts: Counter[str] = Counter()
     for directory in entry.dcp_directories:
         with paused_cycle_collector(), locked_checkpoint(directory, exclusive=False):
-            counts.update(build_inspect_report(open_checked_checkpoint(directory)).compression)
+            counts.update(build_inspect_report(open_quickly_verified(directory)).compression)
     return dict(counts.most_common())

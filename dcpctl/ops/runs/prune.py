@@ -27,7 +27,7 @@ from typing import Callable
 
 from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
-from dcpctl.format.checkpoint.structure import open_checked_checkpoint
+from dcpctl.format.checkpoint.structure import open_quickly_verified
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_directory,
@@ -149,14 +149,14 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
 
 def damaged_checkpoints(checkpoints: list[CheckpointEntry]) -> dict[str, str]:
     """The problem, by name, of each complete checkpoint (each of its parts) that the quick
-    check (`verify --quick`, SHA256SUMS aside) calls damaged."""
+    check (`verify --quick` short of hashing: open_quickly_verified) calls damaged."""
     damaged = {}
     for entry in checkpoints:
         if not entry.complete:
             continue
         for directory in entry.dcp_directories:
             try:
-                open_checked_checkpoint(directory)
+                open_quickly_verified(directory)
             except DcpctlError as error:
                 damaged[entry.name] = error.message.splitlines()[0]
                 break

@@ -128,6 +128,29 @@ def test_ls_names_the_damage_prune_finds(tmp_path):
         "step-2"] is not None
 
 
+def test_a_checkpoint_that_lost_a_file_its_sha256sums_lists_is_damaged_to_ls_and_prune(
+        tmp_path):
+    """Megatron's common.pt gone from the newest: verify --quick said damaged, ls said sound
+    and prune kept it as the newest complete checkpoint, deleting the sound one before."""
+    import torch
+
+    from dcpctl.ops.checksum import checksum_checkpoint
+
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        checkpoint = add_checkpoint(run_dir, f"iter_{step:07d}", fixture="fsdp2_adamw_3ranks")
+        torch.save({"iteration": step}, checkpoint / "common.pt")
+        checksum_checkpoint(checkpoint)
+    (run_dir / "iter_0000002" / "common.pt").unlink()
+    listed = {item.entry.name: item for item in list_run_directory(run_dir).checkpoints}
+    assert "common.pt: missing-file: listed in SHA256SUMS but absent" in listed[
+        "iter_0000002"].problem
+    assert listed["iter_0000001"].problem is None
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert report.with_status(prune.DELETED) == []
+    assert sorted(os.listdir(run_dir)) == ["iter_0000001", "iter_0000002"]
+
+
 def test_prune_deletes_whole_accelerate_checkpoints_only(accelerate_run):
     add_accelerate_checkpoint(accelerate_run, "checkpoint_3", parts_complete=(True, False))
     report = prune_run_directory(accelerate_run, RetentionRules(keep_last=1))
