@@ -6,12 +6,14 @@ directory "is not a distributed checkpoint") next to `.metadata` and the `.distc
 belong to the checkpoint: `verify` checks them against SHA256SUMS and does not call them
 unknown, `checksum` hashes them, and every command that writes a new checkpoint directory
 carries them over byte for byte (they do not depend on the layout of the DCP files). `common.pt`
-is a torch.save archive: its records are checked against their CRC-32s as an item's are
-(side_file_problems), by verify, by checksum before it certifies it, and before it is carried.
+is a torch.save archive: its records are checked against their CRC-32s as an item's are, and
+`metadata.json` must be a JSON object (side_file_problems), by verify, by checksum before it
+certifies them, and before they are carried.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from typing import Iterable
@@ -77,10 +79,35 @@ def _regular_file_sizes(checkpoint: Checkpoint, names: list[str]) -> dict[str, i
 
 def side_file_problems(directory: StoragePath, side_files: Iterable[str]) -> list[Problem]:
     """What is wrong with a checkpoint's side files (side_files_of): `common.pt` must be a
-    torch.save archive whose records match their CRC-32s (torch.load does not check them)."""
+    torch.save archive whose records match their CRC-32s (torch.load does not check them),
+    `metadata.json` a JSON object (Megatron's loader reads it with json.load)."""
+    side_files = list(side_files)
+    problems = []
+    if MEGATRON_CONFIG in side_files:
+        problems += _config_problems(directory)
+    if MEGATRON_COMMON_STATE in side_files:
+        problems += _common_state_problems(directory)
+    return problems
+
+
+_MAX_CONFIG_BYTES = 1 << 20  # Megatron's is a few lines
+
+
+def _config_problems(directory: StoragePath) -> list[Problem]:
+    name = MEGATRON_CONFIG
+    with open_ranged(directory / name) as file:
+        size = file.size()
+        data = file.read(0, min(size, _MAX_CONFIG_BYTES + 1))
+    try:
+        if size > _MAX_CONFIG_BYTES or not isinstance(json.loads(data), dict):
+            raise ValueError("not one JSON object of at most 1 MiB")
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        return [Problem(Rule.DECODE, f"not the JSON object Megatron reads ({error})", name)]
+    return []
+
+
+def _common_state_problems(directory: StoragePath) -> list[Problem]:
     name = MEGATRON_COMMON_STATE
-    if name not in side_files:
-        return []
     try:
         with open_ranged(directory / name) as file:
             checked = check_archive(file.read, file.size(), expect_tensor=False)

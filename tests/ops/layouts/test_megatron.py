@@ -144,6 +144,23 @@ def test_a_damaged_common_state_is_found_without_checksums(megatron_saves, tmp_p
     assert common.read_bytes() == bytes(data)
 
 
+def test_a_cut_megatron_config_is_found_without_checksums(megatron_saves, tmp_path):
+    import shutil
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(megatron_saves["0.16"], checkpoint)
+    config = checkpoint / "metadata.json"
+    config.write_bytes(config.read_bytes()[:len(config.read_bytes()) // 2])
+    problems = verify_checkpoint(checkpoint).problems
+    assert [(problem.rule, problem.file) for problem in problems] == [
+        ("decode", "metadata.json")]
+    for attempt in (lambda: checksum_checkpoint(checkpoint),
+                    lambda: compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))):
+        with pytest.raises(DataError, match="metadata.json: decode: not the JSON object"):
+            attempt()
+    assert not (tmp_path / "out").exists() and not (checkpoint / "SHA256SUMS").exists()
+
+
 def test_a_linked_side_file_is_neither_carried_nor_trusted(megatron_saves, tmp_path):
     import shutil
 
