@@ -7,7 +7,9 @@ tensor only for layouts that are not split by rows), never the checkpoint.
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -136,13 +138,27 @@ def _refuse_objects_holding_tensors(checkpoint: Checkpoint, selection: KeySelect
     and objects are left out: refuse one that the selection takes and that holds tensors,
     rather than write the model without them."""
     for entry in checkpoint.objects:
-        if (is_selected(entry.fqn, selection.include, selection.exclude)
+        if (_may_take(entry.fqn, selection)
                 and _holds_tensors(locate_object(checkpoint, entry))):
             raise UnsupportedLayoutError(
                 f"{entry.fqn!r} is an object holding tensors (a save with "
                 "flatten_state_dict=False keeps each nested dict of tensors as one object), "
                 "which convert --to safetensors does not take apart; leave it out with "
                 "--exclude", path=checkpoint.path)
+
+
+def _may_take(fqn: str, selection: KeySelection) -> bool:
+    """Whether the selection takes fqn, or, given include globs, one of them could name
+    something inside it (`layers.*` for the tensors an object `layers` holds) unless an
+    exclude glob leaves fqn out."""
+    if is_selected(fqn, selection.include, selection.exclude):
+        return True
+    if selection.include is None or any(fnmatch.fnmatchcase(fqn, glob)
+                                        for glob in selection.exclude):
+        return False
+    inside = fqn + "."
+    literals = (re.split(r"[*?\[]", glob, maxsplit=1)[0] for glob in selection.include)
+    return any(inside.startswith(literal) or literal.startswith(inside) for literal in literals)
 
 
 def _holds_tensors(location: ItemLocation) -> bool:

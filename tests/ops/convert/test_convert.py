@@ -215,14 +215,16 @@ def test_an_object_holding_tensors_is_refused_not_left_out_of_safetensors(tmp_pa
     writer = dcp.FileSystemWriter(tmp_path / "ck", _extensions=[ZStandard()] if zstd else None)
     dcp.save(state, storage_writer=writer, no_dist=True,
              planner=DefaultSavePlanner(flatten_state_dict=False))
-    for include in ((), ("*",)):
+    for include in ((), ("*",), ("lm_head.weight", "layers.*"), ("lay*",)):
         with pytest.raises(UnsupportedLayoutError,
                            match="'layers' is an object holding tensors .*--exclude"):
             convert_to_safetensors(tmp_path / "ck", tmp_path / "out",
                                    KeySelection(include=include or None))
         assert not (tmp_path / "out").exists()
-    convert_to_safetensors(tmp_path / "ck", tmp_path / "out", KeySelection(exclude=("layers",)))
-    assert list(load_file(tmp_path / "out" / "model.safetensors")) == ["lm_head.weight"]
+    for selection in (KeySelection(exclude=("layers",)), KeySelection(include=("lm_head.*",)),
+                      KeySelection(include=("*",), exclude=("layers", "optimizer"))):
+        convert_to_safetensors(tmp_path / "ck", tmp_path / "out", selection, overwrite=True)
+        assert list(load_file(tmp_path / "out" / "model.safetensors")) == ["lm_head.weight"]
 
 
 def test_torch_output_of_some_elements_of_a_list_keeps_their_places(tmp_path):
