@@ -153,44 +153,34 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
         def log_message(self, *args) -> None:
             pass
 
+        def answer(self, status: int, xml: bytes) -> None:
+            """Answer here, as S3 would, without asking the server."""
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(xml)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(xml)
+
         def forward(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
+            head = b"<?xml version='1.0' encoding='UTF-8'?>"
             if (faults.unreadable_after_loss and faults.lost_so_far
                     and self.command in ("GET", "HEAD")
                     and self.path.split("?")[0].endswith(faults.lost_to)):
-                error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError"
-                         b"</Code><Message>We encountered an internal error.</Message></Error>")
-                self.send_response(500)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(error)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(error)
-                return
+                return self.answer(500, head + b"<Error><Code>InternalError</Code><Message>We "
+                                   b"encountered an internal error.</Message></Error>")
             if take("throttled"):
-                error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
-                         b"<Message>Please reduce your request rate.</Message></Error>")
-                self.send_response(503)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(error)))
-                self.end_headers()
-                self.wfile.write(error)
-                return
+                return self.answer(503, head + b"<Error><Code>SlowDown</Code><Message>Please "
+                                   b"reduce your request rate.</Message></Error>")
             if (faults.refused_deletes_in and self.command == "POST" and "delete" in self.path
                     and body and faults.refused_deletes_in.encode() in body):
                 refused = b"".join(
                     b"<Error><Key>" + key + b"</Key><Code>AccessDenied</Code><Message>Access "
                     b"Denied</Message></Error>" for key in re.findall(rb"<Key>(.*?)</Key>", body))
-                result = (b"<?xml version='1.0' encoding='UTF-8'?><DeleteResult xmlns="
-                          b"'http://s3.amazonaws.com/doc/2006-03-01/'>" + refused
-                          + b"</DeleteResult>")
-                self.send_response(200)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(result)))
-                self.end_headers()
-                self.wfile.write(result)
-                return
+                return self.answer(200, head + b"<DeleteResult xmlns='http://s3.amazonaws.com/"
+                                   b"doc/2006-03-01/'>" + refused + b"</DeleteResult>")
             connection = http.client.HTTPConnection(target.hostname, target.port)
             headers = {name: value for name, value in self.headers.items()
                        if name.lower() != "connection"}
