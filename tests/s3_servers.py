@@ -123,6 +123,9 @@ class Faults:
     lost: int = 0
     lost_to: str = ""
     unreadable_after_loss: bool = False
+    no_delete_conditions: bool = False
+    """A DeleteObjects naming ETags is answered 400 MalformedXML, as by a store that does not
+    know the condition."""
     throttled_so_far: int = 0
     dropped_so_far: int = 0
     lost_so_far: int = 0
@@ -171,6 +174,10 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
                     and self.path.split("?")[0].endswith(faults.lost_to)):
                 return self.answer(500, head + b"<Error><Code>InternalError</Code><Message>We "
                                    b"encountered an internal error.</Message></Error>")
+            if (faults.no_delete_conditions and self.command == "POST" and "delete" in self.path
+                    and body and b"<ETag>" in body):
+                return self.answer(400, head + b"<Error><Code>MalformedXML</Code><Message>The "
+                                   b"XML you provided was not well-formed.</Message></Error>")
             if take("throttled"):
                 return self.answer(503, head + b"<Error><Code>SlowDown</Code><Message>Please "
                                    b"reduce your request rate.</Message></Error>")

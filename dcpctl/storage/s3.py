@@ -30,6 +30,8 @@ PARTS_IN_FLIGHT = 6
 botocore hands aiohttp a copy) until done; a writer with a part ready waits for a slot."""
 _PART_SLOTS = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
 _DELETE_BATCH_KEYS = 1000  # the most one DeleteObjects takes
+_CONDITION_NOT_TAKEN = ("MalformedXML", "NotImplemented", "InvalidArgument", "InvalidRequest")
+"""What an S3-compatible store that does not know DeleteObjects' ETag condition may answer."""
 
 
 def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
@@ -157,6 +159,12 @@ class S3Store(ObjectStore):
             try:
                 response = self._run(self.fs._call_s3(
                     "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}))
+            except Exception as error:  # noqa: BLE001 - a store that will not take ETags here
+                if _code_of(error) not in _CONDITION_NOT_TAKEN or not if_etags:
+                    raise
+                plain = [{"Key": item["Key"]} for item in objects]  # callers checked before
+                response = self._run(self.fs._call_s3(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": plain, "Quiet": True}))
             finally:
                 for key, _ in batch:
                     self._written(key)

@@ -193,6 +193,17 @@ def keys_under(server, bucket: str, prefix: str = "") -> set[str]:
     return {item["Key"] for page in pages for item in page.get("Contents", [])}
 
 
+def test_prune_in_a_store_that_takes_no_etags_in_deletions_still_prunes(
+        s3_server, monkeypatch):
+    bucket = s3_server.new_bucket()
+    for step in (1, 2):
+        upload_directory(s3_server, fixture_path(SOURCE), bucket, f"run/step-{step}")
+    with faulty_proxy(s3_server, Faults(no_delete_conditions=True)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        ok("prune", f"s3://{bucket}/run", "--keep-last", "1")
+    assert {key.split("/")[1] for key in keys_under(s3_server, bucket)} == {"step-2"}
+
+
 def test_prune_in_a_bucket_deletes_its_own_keys_never_what_they_match_as_patterns(s3_server):
     """fsspec's rm takes a key holding `[`, `*` or `?` for a glob: `run[1]/step-1/...` matched
     another run's `run1/step-1/...`, which went instead, while the run's own stayed."""
