@@ -272,3 +272,23 @@ def test_a_save_into_a_bucket(s3_server, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(run_dcpctl("inspect", url, "--json").stdout)
     assert set(report["compression"]) == {"floatsplit"}
+
+
+@pytest.mark.parametrize("at", [0.3, 0.6, 0.9])
+def test_a_flipped_bit_in_a_float_plane_fails_the_load(tmp_path, at):
+    """torch.load checks no CRC-32: a flip in a raw plane of a floatsplit item loaded as a
+    wrong value, with no error, through dcpctl.storage_reader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {"w": torch.randn(256, 256)}
+    dcp.save(state, storage_writer=dcpctl.storage_writer(tmp_path / "ck"), no_dist=True)
+    info = next(iter(torch_metadata(tmp_path / "ck").storage_data.values()))
+    path = tmp_path / "ck" / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + int(info.length * at)] ^= 0x04
+    path.write_bytes(bytes(data))
+    loaded = {"w": torch.empty(256, 256)}
+    with pytest.raises(CheckpointException, match="the tensor's bytes decode to CRC-32 .* "
+                                                  "damaged"):
+        dcp.load(loaded, storage_reader=dcpctl.storage_reader(tmp_path / "ck"), no_dist=True)

@@ -46,14 +46,17 @@ class Codec:
             return FloatSplitEncoder(level, payload, predicts=level > FLOATSPLIT_FAST_LEVEL)
         return ZstdEncoder(level, size_bytes)
 
-    def new_decoder(self, max_bytes: int | None = None) -> Decoder:
+    def new_decoder(self, max_bytes: int | None = None, checks_payload: bool = False
+                    ) -> Decoder:
         """A decoder for one item; one that knows its blocks' sizes before decoding them
-        (floatsplit's) refuses a block that would take the item past max_bytes."""
+        (floatsplit's) refuses a block that would take the item past max_bytes. With
+        checks_payload, floatsplit's checks a tensor's bytes against the CRC-32 its stream
+        keeps (zstd frames that dcpctl writes carry zstd's own checksum)."""
         if self.name == IDENTITY_NAME:
             return IdentityCoder()
         if self.name == FLOATSPLIT:
             from dcpctl.format.codecs.floatsplit.decoder import FloatSplitDecoder
-            return FloatSplitDecoder(max_bytes)
+            return FloatSplitDecoder(max_bytes, checks_payload)
         return ZstdDecoder()
 
 

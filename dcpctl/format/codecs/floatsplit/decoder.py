@@ -10,6 +10,7 @@ stream.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -55,12 +56,20 @@ class _Block:
     streams: list[_Stream] = field(default_factory=list)
     row_length: int = 0  # for a PREDICTED block: its elements' row length, else 0
     decoded: bytes | None = None  # where scanning decoded it already: a head, a TAIL block
+    payload_crc: int | None = None  # for a TAIL block: the CRC-32 it gives the payload
+    is_head: bool = False
 
 
 class FloatSplitDecoder:
-    """Decodes one item given piece by piece; `finish` raises if the item was cut short."""
+    """Decodes one item given piece by piece; `finish` raises if the item was cut short.
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    With checks_payload, a tensor archive's payload is checked against the CRC-32 its TAIL
+    block gives (DataError where they differ): for readers that check nothing else, as torch's
+    load does not (dcpctl's own commands check every record of the archive decoded)."""
+
+    def __init__(self, max_bytes: int | None = None, checks_payload: bool = False) -> None:
+        self._checks_payload = checks_payload
+        self._payload_crc = 0  # of the blocks decoded after the head so far
         self._max_bytes = max_bytes  # what the item can hold: a block past it is not decoded
         self._pending: list = []  # pieces that hold the start of a block not complete yet
         self._pending_bytes = 0
@@ -101,7 +110,18 @@ class FloatSplitDecoder:
             raise DataError("bytes follow the end of the floatsplit stream")
         for block in blocks:
             if block.decoded_bytes:
-                yield self._decode_block(block)
+                decoded = self._decode_block(block)
+                if self._checks_payload:
+                    self._check_payload(block, decoded)
+                yield decoded
+
+    def _check_payload(self, block: _Block, decoded) -> None:
+        if block.payload_crc is not None:
+            if block.payload_crc and block.payload_crc != self._payload_crc:  # 0: none kept
+                raise DataError(f"the tensor's bytes decode to CRC-32 {self._payload_crc:08x}, "
+                                f"the stream says {block.payload_crc:08x}: damaged")
+        elif not block.is_head:
+            self._payload_crc = zlib.crc32(decoded, self._payload_crc)
 
     def finish(self) -> None:
         if not self._ended:
@@ -136,6 +156,7 @@ class FloatSplitDecoder:
             if block and self._decoded_bytes == 0 and block.decoded_bytes <= MAX_HEAD_BYTES:
                 # the first block may be a tensor archive's head, which a TAIL block needs
                 block.decoded = self._head = self._stream_bytes(stream)
+                block.is_head = True
         elif kind == FLOATS_BLOCK:
             block, end = self._scan_floats(view, position)
         elif kind == PREDICTED_BLOCK:
@@ -189,7 +210,8 @@ class FloatSplitDecoder:
         if tail is None:
             raise self._damage(position, "a tail block that follows no torch.save archive's "
                                          "head and payload it can end")
-        return _Block(len(tail), decoded=tail), position + size
+        payload_crc = TAIL_HEADER.unpack_from(view, position)[1]
+        return _Block(len(tail), decoded=tail, payload_crc=payload_crc), position + size
 
     def _scan_predicted(self, view: memoryview, position: int) -> tuple[_Block | None, int]:
         if position + PREDICTED_HEADER.size > len(view):
