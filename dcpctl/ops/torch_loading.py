@@ -5,8 +5,8 @@ fetches only the byte ranges this rank's load plan needs, several at once.
 The remote reader sorts the stored items the plan needs by file and offset, joins neighbours
 into ranges of at most MERGED_RANGE_BYTES and fetches up to RANGES_IN_FLIGHT of them at once,
 handing each item to torch as its range arrives; memory stays bounded by the ranges in flight.
-`.metadata` is read once and refused unless dcpctl's allowlist reader accepts it, before torch
-unpickles it.
+Either way `.metadata` is read once and refused unless dcpctl's allowlist reader accepts it,
+before torch unpickles it (torch's own reader runs whatever a hostile one names).
 """
 
 from __future__ import annotations
@@ -44,7 +44,28 @@ def storage_reader(path: str | os.PathLike) -> FileSystemReader:
     location = storage_path(path)
     if isinstance(location, ObjectPath):
         return ObjectStoreReader(location)
-    return FileSystemReader(location, _extension_registry=extension_registry())
+    return LocalReader(location, _extension_registry=extension_registry())
+
+
+def torch_metadata(data: bytes, source: str, load_id: str) -> Metadata:
+    """`.metadata` as torch's reader makes it, once dcpctl's allowlist reader accepted the
+    pickle: torch's own reader unpickles whatever it finds, running what it names."""
+    parse_metadata(data, source)  # refuses anything but DCP metadata, running nothing
+    metadata = pickle.loads(data)  # what the allowlist reader accepted: torch's classes
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = load_id
+    return metadata
+
+
+class LocalReader(FileSystemReader):
+    """torch's FileSystemReader, `.metadata` read through torch_metadata."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            data = stream.read()
+        return torch_metadata(data, str(path), self.load_id)
 
 
 @dataclass
@@ -81,13 +102,7 @@ class ObjectStoreReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self.location / METADATA_FILE_NAME
         path.store.list_tree(self.location.key, pin_current=True)  # this load reads them now
-        data = read_whole(path)
-        parse_metadata(data, str(path))  # refuses anything but DCP metadata, running nothing
-        metadata = pickle.loads(data)  # what the allowlist reader accepted: torch's classes
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return torch_metadata(read_whole(path), str(path), self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture:
         ranges = self._merged_ranges(plan.items)

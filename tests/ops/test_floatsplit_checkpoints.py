@@ -185,3 +185,29 @@ def test_a_version_1_checkpoint_still_reads_and_rewrites(tmp_path):
         dcp.load(loaded, storage_reader=dcpctl.storage_reader(tmp_path / rewritten))
         for name, tensor in tensors.items():
             assert loaded[name].view(torch.uint8).equal(tensor.view(torch.uint8)), name
+
+
+class _RunsCommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (self.command,))
+
+
+def test_the_reader_refuses_a_hostile_metadata_before_torch_runs_it(tmp_path):
+    """The local reader was torch's, whose read_metadata unpickles whatever it finds; the one
+    for buckets checked `.metadata` with dcpctl's allowlist first."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import dcpctl
+
+    marker = tmp_path / "ran"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "ck", no_dist=True)
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_RunsCommand(f"touch {marker}")))
+    with pytest.raises(CheckpointException, match="not a DCP metadata class; refusing"):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=dcpctl.storage_reader(tmp_path / "ck"),
+                 no_dist=True)
+    assert not marker.exists()
