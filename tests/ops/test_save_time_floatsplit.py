@@ -111,6 +111,27 @@ def test_a_save_writes_what_compress_writes(saves, tmp_path, name, level):
     assert {block[0] for block in block_structure(rank_object)} <= {BYTES_BLOCK, END_BLOCK}
 
 
+def test_a_save_with_crc32s_turned_off_still_writes_what_compress_writes(tmp_path):
+    """torch.save writes zero CRC-32s then: the save took the head for no tensor's and coded
+    float tensors as plain zstd, larger than compress writes."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": (torch.randn(128, 64) * 0.02).to(torch.bfloat16), "f": torch.randn(64, 64)}
+    torch.serialization.set_crc32_options(False)
+    try:
+        dcp.save(state, checkpoint_id=tmp_path / "plain", no_dist=True)
+        dcp.save(state, storage_writer=dcpctl.storage_writer(tmp_path / "saved"), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    result = run_dcpctl("compress", tmp_path / "plain", "--codec", "floatsplit", "--level", "1",
+                        "-o", tmp_path / "compressed")
+    assert result.returncode == 0, result.stderr
+    saved, expected = stored_items(tmp_path / "saved"), stored_items(tmp_path / "compressed")
+    assert saved == expected
+    assert all(set(FLOAT_BLOCKS) & {block[0] for block in block_structure(data)}
+               for _, data in saved.values())
+
+
 @pytest.mark.parametrize("name", ["floatsplit", "floatsplit-3", "async", "zstd"])
 def test_it_loads_equal_to_the_plain_save(saves, name):
     plain = load_with_torch(saves / "plain")

@@ -331,7 +331,8 @@ def whole_record_in(head: bytes, position: int) -> tuple[str, bytes] | None:
     """The name and data of the stored record whose local header is at `position` of head,
     read front to back, when head holds it whole: up to the next local header, its size and
     CRC-32 checked against the data descriptor before that header (or against the local header,
-    where that carries them). None when head ends too soon or the record does not check out."""
+    where that carries them; a CRC-32 of 0 is none, as torch.save writes with its CRC-32s
+    turned off). None when head ends too soon or the record does not check out."""
     record = local_record_in(head, position)
     if record is None:
         return None
@@ -342,7 +343,7 @@ def whole_record_in(head: bytes, position: int) -> tuple[str, bytes] | None:
         return None
     if not flags & _SIZES_FOLLOW_FLAG:
         data = head[data_offset:data_offset + size_bytes]
-        return (name, data) if len(data) == size_bytes and zlib.crc32(data) == crc32 else None
+        return (name, data) if len(data) == size_bytes and _crc_holds(data, crc32) else None
     next_header = head.find(LOCAL_SIGNATURE, data_offset)
     for descriptor in _DATA_DESCRIPTORS if next_header >= 0 else ():
         data = head[data_offset:next_header - descriptor.size]
@@ -351,9 +352,13 @@ def whole_record_in(head: bytes, position: int) -> tuple[str, bytes] | None:
         signature, crc32, size_bytes, uncompressed_bytes = descriptor.unpack_from(
             head, next_header - descriptor.size)
         if (signature == DATA_DESCRIPTOR_SIGNATURE and size_bytes == uncompressed_bytes == len(data)
-                and zlib.crc32(data) == crc32):
+                and _crc_holds(data, crc32)):
             return name, data
     return None
+
+
+def _crc_holds(data: bytes, crc32: int) -> bool:
+    return crc32 == 0 or zlib.crc32(data) == crc32
 
 
 def locate_record(read_range: ReadRange, entry: CentralEntry, data_limit: int) -> ZipRecord:
