@@ -344,8 +344,10 @@ def delete_checkpoint_objects(directory: ObjectPath,
     Given seen, what a scan listed under the prefix (by name relative to it), only those
     objects go, and only as they were (S3 makes each deletion conditional on its ETag too): a
     save that has started again there since (a trainer back at that step) keeps what it wrote.
-    A `.metadata` written or replaced since stops the deletion before anything goes; other
-    objects written since stay, and StorageError names them once the rest is gone."""
+    A `.metadata` written or replaced since is never deleted: found before anything goes, or
+    before the data goes, it stops the deletion there; found once the data is gone (its save
+    wrote no object the scan had not seen), it is named in the error. Other objects written
+    since stay, and StorageError names them once the rest is gone."""
     store = directory.store
 
     def keys(names: Iterable[str]) -> list[str]:
@@ -374,6 +376,10 @@ def delete_checkpoint_objects(directory: ObjectPath,
     names = sorted(name for name, info in standing.items()
                    if seen is None or seen.get(name) == info)
     store.delete(keys(names), if_etags=as_seen(names))
+    if seen is not None:  # a `.metadata` that came as the data went stands over nothing
+        refuse_new_metadata(store.list_tree(directory.key),
+                            "its data, as listed before, was deleted: the save there must be "
+                            "made again")
     new = sorted(set(standing) - set(names))
     if new:
         raise StorageError(f"holds {len(new)} object(s) written since dcpctl listed it, left "

@@ -93,14 +93,25 @@ def side_file_problems(directory: StoragePath, side_files: Iterable[str]) -> lis
 _MAX_CONFIG_BYTES = 1 << 20  # Megatron's is a few lines
 
 
+_CONFIG_FIELDS = {"sharded_backend": str, "sharded_backend_version": int,
+                  "common_backend": str, "common_backend_version": int}
+"""Megatron-Core's CheckpointingConfig, which its loader builds from the file's keys: the
+backend is required; other keys a later Megatron may add are let be."""
+
+
 def _config_problems(directory: StoragePath) -> list[Problem]:
     name = MEGATRON_CONFIG
     with open_ranged(directory / name) as file:
         size = file.size()
         data = file.read(0, min(size, _MAX_CONFIG_BYTES + 1))
     try:
-        if size > _MAX_CONFIG_BYTES or not isinstance(json.loads(data), dict):
-            raise ValueError("not one JSON object of at most 1 MiB")
+        if size > _MAX_CONFIG_BYTES:
+            raise ValueError("over 1 MiB")
+        config = json.loads(data.decode("utf-8"))  # as Megatron opens it: no BOM, no UTF-16
+        if not isinstance(config, dict) or "sharded_backend" not in config or any(
+                type(config[key]) is not kind for key, kind in _CONFIG_FIELDS.items()
+                if key in config):
+            raise ValueError("not an object of Megatron's fields (sharded_backend, ...)")
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         return [Problem(Rule.DECODE, f"not the JSON object Megatron reads ({error})", name)]
     return []

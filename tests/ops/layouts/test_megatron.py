@@ -144,13 +144,21 @@ def test_a_damaged_common_state_is_found_without_checksums(megatron_saves, tmp_p
     assert common.read_bytes() == bytes(data)
 
 
-def test_a_cut_megatron_config_is_found_without_checksums(megatron_saves, tmp_path):
+@pytest.mark.parametrize("damage", ["cut", "utf-16", "a byte order mark", "empty object",
+                                    "a version that is a string"])
+def test_a_cut_megatron_config_is_found_without_checksums(megatron_saves, tmp_path, damage):
+    import json
     import shutil
 
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(megatron_saves["0.16"], checkpoint)
     config = checkpoint / "metadata.json"
-    config.write_bytes(config.read_bytes()[:len(config.read_bytes()) // 2])
+    text = config.read_text()
+    config.write_bytes({
+        "cut": text[:len(text) // 2].encode(), "utf-16": text.encode("utf-16"),
+        "a byte order mark": b"\xef\xbb\xbf" + text.encode(), "empty object": b"{}",
+        "a version that is a string": json.dumps(
+            {**json.loads(text), "sharded_backend_version": "1"}).encode()}[damage])
     problems = verify_checkpoint(checkpoint).problems
     assert [(problem.rule, problem.file) for problem in problems] == [
         ("decode", "metadata.json")]
