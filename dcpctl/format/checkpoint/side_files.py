@@ -7,8 +7,8 @@ belong to the checkpoint: `verify` checks them against SHA256SUMS and does not c
 unknown, `checksum` hashes them, and every command that writes a new checkpoint directory
 carries them over byte for byte (they do not depend on the layout of the DCP files). `common.pt`
 is a torch.save archive: its records are checked against their CRC-32s as an item's are, and
-`metadata.json` must be a JSON object (side_file_problems), by verify, by checksum before it
-certifies them, and before they are carried.
+`metadata.json` must be what Megatron's loader reads (side_file_problems), by verify, by
+checksum before it certifies them, and before they are carried.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _regular_file_sizes(checkpoint: Checkpoint, names: list[str]) -> dict[str, i
 def side_file_problems(directory: StoragePath, side_files: Iterable[str]) -> list[Problem]:
     """What is wrong with a checkpoint's side files (side_files_of): `common.pt` must be a
     torch.save archive whose records match their CRC-32s (torch.load does not check them),
-    `metadata.json` a JSON object (Megatron's loader reads it with json.load)."""
+    `metadata.json` the UTF-8 JSON object of Megatron's fields its loader reads."""
     side_files = list(side_files)
     problems = []
     if MEGATRON_CONFIG in side_files:
