@@ -305,6 +305,13 @@ def _tensor_of_pickle_record(pickle_record: ZipRecord, pickle_bytes: bytes) -> S
     return parse_tensor_pickle(pickle_bytes, f"{prefix}/data/")
 
 
+def last_element_index(shape: Sequence[int], stride: Sequence[int], storage_offset: int = 0
+                       ) -> int:
+    """Where in its storage a non-empty strided view's last element lies, worked out in Python
+    ints (torch works it out in int64, where values near 2**63 wrap around)."""
+    return storage_offset + sum((size - 1) * step for size, step in zip(shape, stride))
+
+
 def _join_storage(tensor: SavedTensor, storage: ZipRecord | None) -> TorchSaveLayout:
     """The layout of the tensor in its storage record, once both are checked to agree."""
     if storage is None:
@@ -316,8 +323,7 @@ def _join_storage(tensor: SavedTensor, storage: ZipRecord | None) -> TorchSaveLa
                         f"data.pkl says {tensor.storage_numel} elements of {tensor.dtype.name} "
                         f"({storage_bytes} bytes)")
     if tensor.numel:
-        last_element = tensor.storage_offset + sum(
-            (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride))
+        last_element = last_element_index(tensor.shape, tensor.stride, tensor.storage_offset)
         if last_element >= tensor.storage_numel or min(tensor.stride, default=0) < 0:
             raise DataError(f"data.pkl describes a tensor of shape {list(tensor.shape)}, stride "
                             f"{list(tensor.stride)} and offset {tensor.storage_offset} that "

@@ -34,6 +34,7 @@ from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, C
                                             MetadataIndex, StorageInfo, StorageMeta, TensorMetadata,
                                             TensorProperties)
 from dcpctl.format.safetensors import SafetensorsTensor, read_safetensors_model
+from dcpctl.format.torch_save.layout import last_element_index
 from dcpctl.format.torch_save.writer import iter_torch_save_archive
 from dcpctl.ops.convert.report import ConvertReport, ProgressCallback, WrittenFile, run_in_order
 from dcpctl.ops.convert.tensor_bytes import torch_dtype
@@ -166,9 +167,8 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
         def read_chunk(chunk: RankChunk) -> bytearray:
             return _read_rows(path, start, dtype, shape, chunk)
     else:  # a view saved with its strides: read the span it covers, then take the rows
-        span = 1 + sum((size - 1) * stride for size, stride
-                       in zip(shape, placeholder.stride())) if placeholder.numel() else 0
         stride = placeholder.stride()
+        span = last_element_index(shape, stride) + 1 if placeholder.numel() else 0
 
         def read_chunk(chunk: RankChunk) -> bytearray:
             whole = _read_rows(path, start, dtype, (span,), RankChunk((0,), (span,), range(1)))
@@ -181,14 +181,10 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
 def _refuse_view_past_its_storage(path: Path, name: str, placeholder, dtype: DType) -> None:
     """torch works a view's extent out in int64, so one of sizes, strides or offset near 2**63
     wraps around to fit its storage; worked out here without wrapping, it must."""
-    shape, strides, offset = tuple(placeholder.shape), placeholder.stride(), \
-        placeholder.storage_offset()
-    storage_bytes = placeholder.untyped_storage().nbytes()
-    if math.prod(shape) == 0:
-        end = 0
-    else:
-        end = (offset + 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
-               ) * dtype.itemsize
+    shape, strides = tuple(placeholder.shape), placeholder.stride()
+    offset, storage_bytes = placeholder.storage_offset(), placeholder.untyped_storage().nbytes()
+    last = last_element_index(shape, strides, offset) if math.prod(shape) else -1
+    end = (last + 1) * dtype.itemsize
     if (not fits_in_torch(shape, dtype.itemsize) or offset < 0 or min(strides, default=0) < 0
             or end > storage_bytes):
         raise DataError(f"{name!r} is a view of shape {list(shape)}, strides {list(strides)} "
