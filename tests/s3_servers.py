@@ -111,10 +111,11 @@ class Faults:
     than a KiB whose path holds `dropped_in` have their connection cut half-way through the
     body; a DeleteObjects request whose body holds `refused_deletes_in` is answered as S3
     answers one it refused key by key (an Object Lock, a policy): 200, each key listed with
-    AccessDenied, nothing deleted; the first `lost` PUTs whose path ends with `lost_to` reach
-    the server, and their connection is cut before the reply (the client tries again), and
-    after such a loss GETs and HEADs of `lost_to` are answered 500 InternalError while
-    `unreadable_after_loss` says so. Counts are of what was done so far."""
+    AccessDenied, nothing deleted; the first `lost` PUTs (and POSTs completing a multipart
+    upload) whose path ends with `lost_to` reach the server, and their connection is cut
+    before the reply (the client tries again), and after such a loss GETs and HEADs of
+    `lost_to` are answered 500 InternalError while `unreadable_after_loss` says so. Counts
+    are of what was done so far."""
 
     throttled: int = 0
     dropped: int = 0
@@ -195,7 +196,9 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
             response = connection.getresponse()
             data = response.read()
             connection.close()
-            if (self.command == "PUT" and faults.lost_to
+            writes = self.command == "PUT" or (self.command == "POST"
+                                               and "uploadId=" in self.path)  # a completion
+            if (writes and faults.lost_to
                     and self.path.split("?")[0].endswith(faults.lost_to) and take("lost")):
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True

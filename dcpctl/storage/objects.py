@@ -142,9 +142,10 @@ class ObjectStore:
 
     # writing
 
-    def open_writer(self, key: str) -> ObjectWriter:
-        """A new object being written in pieces; it appears only once finished."""
-        return FileObjectWriter(self, key)
+    def open_writer(self, key: str, if_absent: bool = False) -> ObjectWriter:
+        """A new object being written in pieces; it appears only once finished, and with
+        if_absent only where no object has its name (else FileExistsError)."""
+        return FileObjectWriter(self, key, if_absent)
 
     def put(self, key: str, data: bytes, if_absent: bool = False,
             if_etag: str | None = None) -> None:
@@ -248,13 +249,14 @@ class _TranslatedErrors:
 
 
 class ObjectWriter:
-    """An object written in pieces; published only by finish()."""
+    """An object written in pieces; published only by finish(), where it was opened with
+    if_absent only if no object has its name (else FileExistsError)."""
 
     def write(self, data) -> None:
         raise NotImplementedError
 
-    def finish(self, if_absent: bool = False) -> None:
-        """Publish the object (only where none has its name by then, with if_absent)."""
+    def finish(self) -> None:
+        """Publish the object."""
         raise NotImplementedError
 
     def discard(self) -> None:
@@ -262,22 +264,22 @@ class ObjectWriter:
 
 
 class FileObjectWriter(ObjectWriter):
-    """Through fsspec's file objects, which upload in blocks as they fill."""
+    """Through fsspec's file objects, which upload in blocks as they fill. Some stores write
+    the object in place as it grows, so with if_absent the name is asked for before anything
+    is written (a store without conditional writes leaves a racing writer that moment)."""
 
-    def __init__(self, store: ObjectStore, key: str) -> None:
+    def __init__(self, store: ObjectStore, key: str, if_absent: bool) -> None:
         self.store = store
         self.key = key
         with store.translated_errors(key):
+            store.refuse_unmet_condition(key, if_absent, None)
             self._file = store.fs.open(key, "wb")
 
     def write(self, data) -> None:
         with self.store.translated_errors(self.key):
             self._file.write(data)
 
-    def finish(self, if_absent: bool = False) -> None:
-        if if_absent and self.store.fs.exists(self.key):
-            self.discard()
-            raise FileExistsError(17, "exists", self.store.url(self.key))
+    def finish(self) -> None:
         with self.store.translated_errors(self.key):
             self._file.close()
         self.store.forget(self.key)

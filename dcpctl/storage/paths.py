@@ -9,6 +9,7 @@ local file with pread (no seek, no buffer, safe from any thread), an object with
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import posixpath
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Union
 
-from dcpctl.errors import InvalidOptionError
+from dcpctl.errors import InvalidOptionError, OutputError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, open_regular_file,
@@ -352,13 +353,15 @@ run's (remove_stale_temporaries)."""
 
 class ObjectOutputFile:
     """A new object being written (see OutputFile, its local twin): uploaded in parts as it
-    grows, there only once finish() completes it, and optionally only if no object has its
-    name by then (if_absent, where the store can promise that)."""
+    grows, there only once finish() completes it, and, as OutputFile creates its file
+    exclusively, only where no object has its name by then: a run whose output another run
+    took over (--overwrite) never writes over that run's objects. replacing: a file output
+    that --overwrite replaces whole, which may stand there."""
 
-    def __init__(self, path: ObjectPath, if_absent: bool = False) -> None:
+    def __init__(self, path: ObjectPath, replacing: bool = False) -> None:
         self.path = path
-        self.if_absent = if_absent
-        self._writer = path.store.open_writer(path.key)
+        with _another_runs_object_refused(path):
+            self._writer = path.store.open_writer(path.key, if_absent=not replacing)
         self._size = 0
 
     def write(self, data) -> None:
@@ -372,7 +375,8 @@ class ObjectOutputFile:
 
     def finish(self) -> None:
         """Complete the object."""
-        self._writer.finish(if_absent=self.if_absent)
+        with _another_runs_object_refused(self.path):
+            self._writer.finish()
         failpoint(Failpoint.AFTER_DATA_FILE)
 
     def discard(self) -> None:
@@ -385,6 +389,16 @@ class ObjectOutputFile:
     def __exit__(self, *exception) -> None:
         if exception[0] is not None:
             self.discard()
+
+
+@contextlib.contextmanager
+def _another_runs_object_refused(path: ObjectPath) -> Iterator[None]:
+    try:
+        yield
+    except FileExistsError:
+        raise OutputError("another run wrote an object of this name while this run wrote its "
+                          "output (one with --overwrite?): nothing was published",
+                          path=path) from None
 
 
 def new_output_file(path: StoragePath) -> OutputFile | ObjectOutputFile:

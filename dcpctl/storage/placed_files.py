@@ -64,9 +64,9 @@ class ObjectPlacedFile:
     """A new object written as a placed file whose parts come in order (see the module
     docstring): an offset other than the end written so far is refused."""
 
-    def __init__(self, path: ObjectPath) -> None:
+    def __init__(self, path: ObjectPath, replacing: bool) -> None:
         self.path = path
-        self._output = ObjectOutputFile(path)
+        self._output = ObjectOutputFile(path, replacing)
 
     def write_at(self, offset: int, data) -> None:
         """Append data, which must start where the object ends so far."""
@@ -84,10 +84,12 @@ class ObjectPlacedFile:
         self._output.discard()
 
 
-def new_placed_file(path: StoragePath) -> LocalPlacedFile | ObjectPlacedFile:
-    """A new placed file at path, for its coordinator."""
+def new_placed_file(path: StoragePath, replacing: bool = False
+                    ) -> LocalPlacedFile | ObjectPlacedFile:
+    """A new placed file at path, for its coordinator; an object only where none has its name,
+    unless replacing (see ObjectOutputFile)."""
     if isinstance(path, ObjectPath):
-        return ObjectPlacedFile(path)
+        return ObjectPlacedFile(path, replacing)
     return LocalPlacedFile(path, create=True)
 
 

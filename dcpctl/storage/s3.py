@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import importlib
 import os
 import threading
@@ -180,8 +181,8 @@ class S3Store(ObjectStore):
                                + (f"; nor were {len(failed) - 1} more" if len(failed) > 1 else ""),
                                path=self.url(f"{bucket}/{first.get('Key')}"))
 
-    def open_writer(self, key: str) -> ObjectWriter:
-        return MultipartWriter(self, key)
+    def open_writer(self, key: str, if_absent: bool = False) -> ObjectWriter:
+        return MultipartWriter(self, key, if_absent)
 
     def describe(self, error: Exception) -> tuple[type[StorageError], str] | None:
         reason = self._reason(error)
@@ -266,11 +267,14 @@ def _message_of(error: Exception) -> str:
 class MultipartWriter(ObjectWriter):
     """An object uploaded as parts of PART_BYTES and up, several at once (PARTS_IN_FLIGHT
     among all writers), while the caller goes on writing; completed (published) by finish(),
-    aborted by discard(). An object smaller than one part is one PUT."""
+    only where no object has its name by then with if_absent; aborted by discard(). An object
+    smaller than one part is one PUT."""
 
-    def __init__(self, store: S3Store, key: str) -> None:
+    def __init__(self, store: S3Store, key: str, if_absent: bool) -> None:
         self.store = store
         self.key = key
+        self.if_absent = if_absent
+        self._size = 0
         self._pending = bytearray()
         self._upload_id: str | None = None
         self._parts: list[dict] = []
@@ -278,6 +282,7 @@ class MultipartWriter(ObjectWriter):
 
     def write(self, data) -> None:
         self._pending += data
+        self._size += len(data)
         while len(self._pending) >= self._next_part_bytes():
             part_bytes = self._next_part_bytes()
             with memoryview(self._pending) as pending, pending[:part_bytes] as head:
@@ -318,23 +323,50 @@ class MultipartWriter(ObjectWriter):
                 still.append((number, future))
         self._in_flight = still
 
-    def finish(self, if_absent: bool = False) -> None:
-        if self._upload_id is None:
-            self.store.put(self.key, bytes(self._pending), if_absent=if_absent)
-            return
-        if self._pending:
-            self._upload_part(bytes(self._pending))
-            self._pending = bytearray()
-        self._reap(block=True)
-        self._parts.sort(key=lambda part: part["PartNumber"])
-        condition = {"IfNoneMatch": "*"} if if_absent else {}
-        with (_exists_when_refused(self.store.url(self.key), if_absent),
+    def finish(self) -> None:
+        if self._upload_id is not None:
+            if self._pending:
+                self._upload_part(bytes(self._pending))
+                self._pending = bytearray()
+            self._reap(block=True)
+            self._parts.sort(key=lambda part: part["PartNumber"])
+        try:
+            if self._upload_id is None:
+                self.store.put(self.key, bytes(self._pending), if_absent=self.if_absent)
+            else:
+                self._complete()
+        except Exception:
+            # A reply lost after the store made the object (a dropped connection): the
+            # client's retry is refused (the upload is done, or, if_absent, the name taken).
+            if not self._made_as_written():
+                raise
+        self.store._written(self.key)
+
+    def _complete(self) -> None:
+        condition = {"IfNoneMatch": "*"} if self.if_absent else {}
+        with (_exists_when_refused(self.store.url(self.key), self.if_absent),
               self.store.translated_errors(self.key)):
-            if if_absent:  # asked first too, for the servers that ignore the condition
+            if self.if_absent:  # asked first too, for the servers that ignore the condition
                 self.store.refuse_unmet_condition(self.key, True, None)
             self.store._call(self.key, "complete_multipart_upload", UploadId=self._upload_id,
                              MultipartUpload={"Parts": self._parts}, **condition)
-        self.store._written(self.key)
+
+    def _made_as_written(self) -> bool:
+        """After finish() failed: whether the object under the key, asked now, is the one this
+        writer wrote all the same: its bytes (one PUT), or the ETag S3 gives an upload of
+        these parts (the MD5 of their MD5s, and their count). False where the store will not
+        say, or gives ETags of another kind (SSE-KMS)."""
+        try:
+            info = self.store.info_now(self.key)
+            if info is None or info.size != self._size:
+                return False
+            if self._upload_id is None:
+                return self.store.read_range(self.key, 0, self._size) == bytes(self._pending)
+            digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in self._parts)
+            md5 = hashlib.md5(digests, usedforsecurity=False).hexdigest()
+            return info.etag == f"{md5}-{len(self._parts)}"
+        except Exception:  # noqa: BLE001 - the failed write is the error to report
+            return False
 
     def discard(self) -> None:
         for _, future in self._in_flight:

@@ -454,6 +454,77 @@ def test_an_output_taken_over_as_it_was_published_is_taken_back(
         "compression"] == {"none": report["items_checked"]}
 
 
+def test_a_run_taken_over_while_it_wrote_leaves_the_other_runs_output_whole(
+        moto_s3, moto_checkpoint):
+    """Run A stopped after its first data file; run B, with --overwrite, deleted A's files and
+    published its own output. A, resumed, wrote its remaining data files over B's (uploads
+    were unconditional) before its own check failed it: B's published output was damaged."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    bucket, url = moto_checkpoint
+    output = f"s3://{bucket}/out"
+    first = subprocess.Popen([sys.executable, "-m", "dcpctl", "compress", url, "-o", output,
+                              "--threads", "1"],
+                             env={**os.environ, "DCPCTL_FAILPOINT": "after-data-file@1:SIGSTOP"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_stopped(first)
+        ok("decompress", url, "-o", output, "--overwrite")
+        first.send_signal(signal.SIGCONT)
+        _, first_error = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 1, first_error
+    assert "another run" in first_error and "nothing was published" in first_error, first_error
+    report = json.loads(ok("verify", output, "--json"))
+    assert report["status"] == "ok", report
+    assert json.loads(ok("inspect", output, "--json"))["compression"] == {
+        "none": report["items_checked"]}
+    assert tensor_digests(load_with_dcpctl_reader(output)) == expected_tensors()
+
+
+def test_a_reply_lost_after_a_data_object_was_written_is_no_failure(
+        moto_s3, moto_checkpoint, monkeypatch):
+    """A data object is created only where none has its name; the client's retry of a create
+    whose reply was lost is refused, and the object there is this run's own."""
+    bucket, url = moto_checkpoint
+    faults = Faults(lost=1, lost_to="/out/__1_0.distcp")
+    with faulty_proxy(moto_s3, faults) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        result = run_dcpctl("compress", url, "-o", f"s3://{bucket}/out")
+    assert faults.lost_so_far == 1
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.endpoint)
+    assert json.loads(ok("verify", f"s3://{bucket}/out", "--json"))["status"] == "ok"
+
+
+def test_a_reply_lost_after_a_multipart_object_was_completed_is_no_failure(
+        moto_s3, monkeypatch, tmp_path):
+    """An object of several parts: the reply to the request completing it lost, the client's
+    retry finds the upload gone (or, with the condition, the object there)."""
+    import torch.distributed.checkpoint as dcp
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    weights = {"w": torch.randn(3 << 20, generator=torch.Generator().manual_seed(0))}  # 12 MiB
+    dcp.save(weights, checkpoint_id=str(tmp_path / "big"), no_dist=True)
+    bucket = moto_s3.new_bucket()
+    url = upload_directory(moto_s3, tmp_path / "big", bucket, "big")
+    faults = Faults(lost=1, lost_to="/out/__0_0.distcp")
+    with faulty_proxy(moto_s3, faults) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+        result = run_dcpctl("reshard", url, "--ranks", "1", "-o", f"s3://{bucket}/out")
+    assert faults.lost_so_far == 1
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.endpoint)
+    assert json.loads(ok("verify", f"s3://{bucket}/out", "--json"))["status"] == "ok"
+    assert torch.equal(load_with_dcpctl_reader(f"s3://{bucket}/out")["w"], weights["w"])
+
+
 def test_ls_and_prune_accelerate_checkpoints_in_a_bucket(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     for step in range(3):

@@ -157,6 +157,60 @@ def test_reading_an_object_replaced_since_it_was_listed_fails(s3_server):
             reader.read(0, 10)
 
 
+@pytest.mark.parametrize("size", [100, PART_BYTES + 100], ids=["one PUT", "multipart"])
+def test_a_new_output_object_never_replaces_one_that_came_meanwhile(s3_server, size):
+    """An output's objects are created, never written over (as local output files are
+    created exclusively): a run whose output another run took over wrote its remaining data
+    objects over the other run's published ones."""
+    from dcpctl.errors import OutputError
+
+    bucket = s3_server.new_bucket()
+    path = storage_path(f"s3://{bucket}/out/__1_0.distcp")
+    output = ObjectOutputFile(path)
+    output.write(os.urandom(size))
+    s3_server.client().put_object(Bucket=bucket, Key="out/__1_0.distcp", Body=b"the other's")
+    with pytest.raises(OutputError, match="another run wrote an object of this name"):
+        output.finish()
+    output.discard()
+    assert path.read_bytes() == b"the other's"
+    replacing = ObjectOutputFile(path, replacing=True)
+    replacing.write(b"a file output, replaced whole")
+    replacing.finish()
+    assert path.read_bytes() == b"a file output, replaced whole"
+
+
+def test_a_multipart_object_is_known_for_ones_own_by_its_etag(moto_s3, monkeypatch):
+    """After a completion whose reply was lost, the object there is this writer's where S3's
+    ETag of an upload (the MD5 of the parts' MD5s, and their count) is that of its parts."""
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    path = storage_path(f"s3://{bucket}/out/__0_0.distcp")
+    data = os.urandom(PART_BYTES + 100)
+    writer = path.store.open_writer(path.key, if_absent=True)
+    writer.write(data)
+    writer.finish()
+    assert writer._made_as_written()
+    moto_s3.client().put_object(Bucket=bucket, Key="out/__0_0.distcp", Body=os.urandom(len(data)))
+    assert not writer._made_as_written()
+
+
+def test_a_generic_store_output_object_never_replaces_one():
+    import fsspec
+
+    from dcpctl.errors import OutputError
+
+    filesystem = fsspec.filesystem("memory")
+    filesystem.pipe_file("/generic-out/__0_0.distcp", b"the other's")
+    with pytest.raises(OutputError, match="another run wrote an object of this name"):
+        ObjectOutputFile(storage_path("memory://generic-out/__0_0.distcp"))
+    assert filesystem.cat_file("/generic-out/__0_0.distcp") == b"the other's"
+    output = ObjectOutputFile(storage_path("memory://generic-out/__1_0.distcp"))
+    output.write(b"new")
+    output.finish()
+    assert filesystem.cat_file("/generic-out/__1_0.distcp") == b"new"
+
+
 def test_a_missing_bucket_is_one_clear_error(s3_server):
     with pytest.raises((FileNotFoundError, StorageError)) as raised:
         storage_path("s3://no-such-bucket-here/ck/.metadata").read_bytes()

@@ -253,7 +253,7 @@ def test_an_object_store_output_whose_objects_went_missing_is_not_published(s3_s
 def test_a_file_output_in_an_object_store_that_fails_leaves_what_stood_there(s3_server):
     """A file object is written whole or not at all: the abort of a run that failed before its
     object was complete deleted the file `--overwrite` was to replace; one it completed goes."""
-    from dcpctl.storage.paths import new_output_file, storage_path
+    from dcpctl.storage.paths import ObjectOutputFile, storage_path
     from dcpctl.storage.staging import staged_output
 
     bucket = s3_server.new_bucket()
@@ -261,13 +261,13 @@ def test_a_file_output_in_an_object_store_that_fails_leaves_what_stood_there(s3_
     destination.store.put(destination.key, b"the model of last week")
     staged = staged_output(destination, True, SOURCE, is_directory=False)
     with pytest.raises(RuntimeError):
-        with new_output_file(staged.path) as output:
+        with ObjectOutputFile(staged.path, replacing=True) as output:
             output.write(b"half of a new one")
             raise RuntimeError("the run failed")
     staged.abort()
     assert destination.read_bytes() == b"the model of last week"
     staged = staged_output(destination, True, SOURCE, is_directory=False)
-    with new_output_file(staged.path) as output:
+    with ObjectOutputFile(staged.path, replacing=True) as output:
         output.write(b"a whole new one")
         output.finish()
     staged.abort()  # a later step failed: the run's own object goes

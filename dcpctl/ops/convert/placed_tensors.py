@@ -70,6 +70,9 @@ class FileLayout:
     front: bytes
     slots: list[TensorSlot]
     tail: Callable[[list[int]], bytes] = field(default=lambda crcs: b"")
+    replacing: bool = False
+    """A file output that may stand there, replaced whole (--overwrite); the files of a
+    directory output are new (storage/paths.py, ObjectOutputFile)."""
 
     @property
     def tensors_end(self) -> int:
@@ -89,7 +92,7 @@ class _CoordinatorFiles:
         slots = 0
         for name, layout in self.layouts.items():
             self.first_slot[name], slots = slots, slots + len(layout.slots)
-            self.files[name] = new_placed_file(layout.path)
+            self.files[name] = new_placed_file(layout.path, layout.replacing)
             self.files[name].write_at(0, layout.front)
 
     def holds_all_slots(self, name: str, crcs: dict[int, int]) -> bool:

@@ -141,11 +141,11 @@ def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
                          len(checkpoint.objects) - len(objects))
 
 
-def torch_save_layout(plan: TorchSavePlan, checkpoint: Checkpoint, path: StoragePath
-                      ) -> FileLayout:
+def torch_save_layout(plan: TorchSavePlan, checkpoint: Checkpoint, path: StoragePath,
+                      replacing: bool) -> FileLayout:
     """The archive laid out: the records before the tensors, a record per tensor (its CRC-32
     in its data descriptor and directory entry, filled in as it is written), then the last
-    records and the central directory."""
+    records and the central directory; replacing: it may replace a file standing at path."""
     stored, state_pickle = _pickle_state(plan, checkpoint)
     archive = ZipStreamWriter()
     front = b"".join(archive.record(ARCHIVE_PREFIX + name, data) for name, data in (
@@ -169,7 +169,7 @@ def torch_save_layout(plan: TorchSavePlan, checkpoint: Checkpoint, path: Storage
                 + archive.record(ARCHIVE_PREFIX + ".data/serialization_id", serialization_id)
                 + archive.directory())
 
-    return FileLayout(path, front, slots, tail)
+    return FileLayout(path, front, slots, tail, replacing)
 
 
 def _pickle_state(plan: TorchSavePlan, checkpoint: Checkpoint) -> tuple[list[OutputTensor], bytes]:
@@ -206,7 +206,7 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
         staged = staged_output(storage_path(output), overwrite, checkpoint.path,
                                is_directory=False)
         try:
-            layout = torch_save_layout(plan, checkpoint, staged.path)
+            layout = torch_save_layout(plan, checkpoint, staged.path, replacing=overwrite)
             sizes = write_placed_tensors([layout], checkpoint, staged.path, threads, workers,
                                          on_progress)
             size_bytes = sizes[str(staged.path)]
