@@ -174,6 +174,12 @@ class ObjectStore:
                                          "(its ETag is not the one first seen); nothing was "
                                          "published", path=self.url(key))
 
+    def abort_stale_uploads(self, prefix: str, written_before: float) -> list[str]:
+        """Abort the unfinished uploads under prefix/ that nothing added to since
+        written_before (seconds since the epoch), as a killed run leaves them; their keys,
+        relative to prefix. Only S3 has them: here, none."""
+        return []
+
     def delete(self, keys: list[str], if_etags: Mapping[str, str | None] | None = None) -> None:
         """Delete the objects of exactly these keys (fsspec's `rm` would take a key holding
         `*`, `?` or `[` for a pattern, and delete what it matches), in batches where the store

@@ -331,19 +331,29 @@ def remove_stale_temporaries(directory: StoragePath, keep: set[str]) -> list[str
     in-place rewrite had switched away from but not yet deleted); returns their names. The
     caller holds the checkpoint exclusively (storage/locks.py), so no other run's are there.
     An object store has no locks: another run's live temporaries look the same there, so only
-    what nothing wrote to for STALE_OBJECT_SECONDS goes."""
+    what nothing wrote to for STALE_OBJECT_SECONDS goes, unfinished uploads too (S3 keeps, and
+    bills, their parts until they are aborted)."""
     replaced = {final_name_of(name) for name in keep if is_temporary_name(name)} - keep
+    aborted = []
     if isinstance(directory, ObjectPath):
         oldest_live = time.time() - STALE_OBJECT_SECONDS
         names = {name for name, info in directory.store.list_tree(directory.key).items()
                  if name in replaced or (info.modified and info.modified < oldest_live)}
+        aborted = [f"{name} (an unfinished upload)" for name in abort_stale_uploads(directory)]
     else:
         names = file_names_in(directory)
     removed = sorted(name for name in names if name not in keep and (
         is_temporary_name(posixpath.basename(name)) or name in replaced))
     for name in removed:
         (directory / name).unlink(missing_ok=True)
-    return removed
+    return removed + aborted
+
+
+def abort_stale_uploads(directory: ObjectPath) -> list[str]:
+    """Abort the uploads under directory that nothing added to for STALE_OBJECT_SECONDS (a
+    killed run's: S3 keeps, and bills, their parts until then); their names."""
+    return directory.store.abort_stale_uploads(directory.key,
+                                               time.time() - STALE_OBJECT_SECONDS)
 
 
 STALE_OBJECT_SECONDS = 24 * 3600

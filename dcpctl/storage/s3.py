@@ -184,6 +184,47 @@ class S3Store(ObjectStore):
     def open_writer(self, key: str, if_absent: bool = False) -> ObjectWriter:
         return MultipartWriter(self, key, if_absent)
 
+    def abort_stale_uploads(self, prefix: str, written_before: float) -> list[str]:
+        """Abort the multipart uploads under prefix/ that were started, and given their last
+        part, before written_before: a killed run's, whose parts S3 keeps (and bills, out of
+        every listing) until they are aborted. Best effort: a store that will not list or
+        abort them (rclone's) leaves them, and says nothing."""
+        bucket, key_prefix, _ = self.fs.split_path(prefix.rstrip("/") + "/")
+        aborted = []
+        try:
+            for upload in self._uploads_under(bucket, key_prefix):
+                if self._last_written(bucket, upload) < written_before:
+                    self._run(self.fs._call_s3("abort_multipart_upload", Bucket=bucket,
+                                               Key=upload["Key"], UploadId=upload["UploadId"]))
+                    aborted.append(upload["Key"][len(key_prefix):])
+        except Exception:  # noqa: BLE001 - housekeeping never fails the command it follows
+            pass
+        return aborted
+
+    def _uploads_under(self, bucket: str, key_prefix: str) -> Iterator[dict]:
+        markers: dict[str, str] = {}
+        while True:
+            page = self._run(self.fs._call_s3("list_multipart_uploads", Bucket=bucket,
+                                              Prefix=key_prefix, **markers))
+            yield from page.get("Uploads") or ()
+            if not page.get("IsTruncated"):
+                return
+            markers = {"KeyMarker": page["NextKeyMarker"],
+                       "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def _last_written(self, bucket: str, upload: dict) -> float:
+        """When the upload was started or last given a part, in seconds since the epoch."""
+        last = upload["Initiated"].timestamp()
+        markers: dict[str, int] = {}
+        while True:
+            page = self._run(self.fs._call_s3("list_parts", Bucket=bucket, Key=upload["Key"],
+                                              UploadId=upload["UploadId"], **markers))
+            for part in page.get("Parts") or ():
+                last = max(last, part["LastModified"].timestamp())
+            if not page.get("IsTruncated"):
+                return last
+            markers = {"PartNumberMarker": page["NextPartNumberMarker"]}
+
     def describe(self, error: Exception) -> tuple[type[StorageError], str] | None:
         reason = self._reason(error)
         if reason is None:

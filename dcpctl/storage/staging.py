@@ -22,7 +22,7 @@ from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
                                   open_directory_at, temporary_name)
 from dcpctl.storage.locks import lock_descriptor
 from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
-from dcpctl.storage.paths import StoragePath, holds_exactly
+from dcpctl.storage.paths import StoragePath, abort_stale_uploads, holds_exactly
 
 
 class StagedOutput:
@@ -347,7 +347,8 @@ def delete_checkpoint_objects(directory: ObjectPath,
     A `.metadata` written or replaced since is never deleted: found before anything goes, or
     before the data goes, it stops the deletion there; found once the data is gone (its save
     wrote no object the scan had not seen), it is named in the error. Other objects written
-    since stay, and StorageError names them once the rest is gone."""
+    since stay, and StorageError names them once the rest is gone. Uploads a killed run left
+    unfinished under the prefix go too, once a day old (abort_stale_uploads)."""
     store = directory.store
 
     def keys(names: Iterable[str]) -> list[str]:
@@ -376,6 +377,7 @@ def delete_checkpoint_objects(directory: ObjectPath,
     names = sorted(name for name, info in standing.items()
                    if seen is None or seen.get(name) == info)
     store.delete(keys(names), if_etags=as_seen(names))
+    abort_stale_uploads(directory)
     if seen is not None:  # a `.metadata` that came as the data went stands over nothing
         refuse_new_metadata(store.list_tree(directory.key),
                             "its data, as listed before, was deleted: the save there must be "

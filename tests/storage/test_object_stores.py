@@ -195,6 +195,45 @@ def test_a_multipart_object_is_known_for_ones_own_by_its_etag(moto_s3, monkeypat
     assert not writer._made_as_written()
 
 
+def _start_upload(client, bucket: str, key: str) -> str:
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"part")
+    return upload
+
+
+def _uploads(client, bucket: str) -> list[str]:
+    return sorted(upload["Key"] for upload in
+                  client.list_multipart_uploads(Bucket=bucket).get("Uploads") or ())
+
+
+def test_uploads_a_killed_run_left_are_aborted_once_stale(moto_s3, monkeypatch, tmp_path):
+    """A run killed mid-upload leaves its multipart uploads, whose parts S3 keeps and bills,
+    out of every listing, until they are aborted: prune, --overwrite and the cleanup of an
+    in-place run left them forever."""
+    from conftest import fixture_path, upload_directory
+
+    from dcpctl.ops.runs.prune import RetentionRules, prune_run_directory
+    from dcpctl.storage import paths
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    client, bucket = moto_s3.client(), moto_s3.new_bucket()
+    for step in (1, 2, 10):
+        upload_directory(moto_s3, fixture_path("fsdp2_adamw_3ranks"), bucket, f"run/step-{step}")
+    for key in ("run/step-1/__0_0.distcp", "run/step-10/__0_0.distcp.dcpctl-x.tmp",
+                "run/step-100/__0_0.distcp"):
+        _start_upload(client, bucket, key)
+    # fresh: a live run's look the same, so they stay for a day
+    assert paths.remove_stale_temporaries(storage_path(f"s3://{bucket}/run/step-10"), set()) \
+        == []
+    assert len(_uploads(client, bucket)) == 3
+    monkeypatch.setattr(paths, "STALE_OBJECT_SECONDS", -60)
+    assert paths.remove_stale_temporaries(storage_path(f"s3://{bucket}/run/step-10"), set()) \
+        == ["__0_0.distcp.dcpctl-x.tmp (an unfinished upload)"]
+    prune_run_directory(f"s3://{bucket}/run", RetentionRules(keep_last=2))  # step-1 goes
+    assert _uploads(client, bucket) == ["run/step-100/__0_0.distcp"]  # under no pruned prefix
+
+
 def test_a_generic_store_output_object_never_replaces_one():
     import fsspec
 
