@@ -65,8 +65,7 @@ class ObjectStore:
 
     def url(self, key: str) -> str:
         """The URL a user would write for key."""
-        return f"{self.protocol}://{key.lstrip('/')}" if self.protocol != "memory" else \
-            f"memory://{key}"
+        return f"{self.protocol}://{key.lstrip('/')}"
 
     # listing
 

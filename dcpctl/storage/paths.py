@@ -34,7 +34,8 @@ _URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
-    """A local path, or an object store URL (`file://` URLs are local paths)."""
+    """A local path, or an object store URL (`file://` and `local://` URLs are local paths;
+    a `memory://` path may start with `/`, as fsspec writes it)."""
     if isinstance(text, (Path, ObjectPath)):
         return text
     text = os.fspath(text)
@@ -42,13 +43,16 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
     if match is None:
         return Path(text)
     protocol = match.group("protocol").lower()
-    if protocol == "file":
-        return Path(text[len("file://"):])
+    if protocol in _LOCAL_PROTOCOLS:  # fsspec's names of the local file system
+        return Path(text[match.end():])
     if protocol in ("http", "https"):  # fsspec's http file system lists no objects to write
         raise InvalidOptionError("an http(s) URL names a web page, not objects dcpctl can list "
                                  "and write; give the store's own URL (s3://, gs://, az://...)",
                                  path=text)
-    segments = text[match.end():].rstrip("/").split("/")
+    remainder = text[match.end():]
+    if protocol == "memory":  # no buckets: one tree of paths
+        remainder = remainder.lstrip("/")
+    segments = remainder.rstrip("/").split("/")
     if not segments[0]:
         raise InvalidOptionError(f"names no bucket: give {protocol}://BUCKET/PREFIX", path=text)
     if any(segment in ("", ".", "..") for segment in segments):
@@ -57,6 +61,9 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
             "them as literal parts of its object names, not as directories", path=text)
     store = store_for(protocol)
     return ObjectPath(store, store.fs._strip_protocol(text))
+
+
+_LOCAL_PROTOCOLS = ("file", "local")
 
 
 def is_remote(path: StoragePath) -> bool:

@@ -5,6 +5,7 @@ conditional creates and replaces, reads held to the object first seen."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -265,6 +266,51 @@ def test_a_generic_fsspec_store_refuses_to_create_over_an_object():
     with pytest.raises(FileExistsError):
         write_whole(storage_path("memory://generic-ck/.metadata"), b"new", only_if_absent=True)
     assert filesystem.cat_file("/generic-ck/.metadata") == b"first"
+
+
+def test_local_urls_are_local_paths(tmp_path):
+    """local://, fsspec's other name for file://, went to the generic store, whose URLs drop
+    the leading `/`: an in-place compress of local://CK read CK and rewrote the checkpoint at
+    the same path below the working directory, exit 0."""
+    import shutil
+
+    from conftest import fixture_path, run_dcpctl
+
+    from dcpctl.format.checkpoint.view import open_checkpoint
+
+    def contents(directory: Path) -> dict[str, bytes]:
+        return {file.name: file.read_bytes() for file in directory.iterdir()}
+
+    assert storage_path("local://ck") == storage_path("file://ck") == Path("ck")
+    source = tmp_path / "ck"
+    shutil.copytree(fixture_path("fsdp2_adamw_3ranks"), source)
+    twin = tmp_path / str(source).lstrip("/")  # the same path, below the working directory
+    shutil.copytree(fixture_path("fsdp2_adamw_3ranks"), twin)
+    before = contents(twin)
+    result = run_dcpctl("compress", f"local://{source}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert contents(twin) == before
+    assert {item.transform_descriptors for item in
+            open_checkpoint(source).metadata.storage_data.values()} == {("stream.zstd/1",)}
+
+
+def test_a_memory_store_checkpoint_is_rewritten_in_place():
+    """memory:// has no buckets: a run named its checkpoint memory:///m/ck, then refused that
+    name as one without a bucket, so compress and decompress in place always failed."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from click.testing import CliRunner
+
+    from dcpctl.cli.main import cli
+
+    dcp.save({"w": torch.ones(64, 64), "step": 1}, checkpoint_id="memory://m/ck", no_dist=True)
+    assert storage_path("memory:///m/ck") == storage_path("memory://m/ck")
+    for command in ("compress", "decompress"):
+        result = CliRunner().invoke(cli, [command, "memory://m/ck"], obj={})
+        assert result.exit_code == 0, result.output
+    state = {"w": torch.zeros(64, 64), "step": 0}
+    dcp.load(state, checkpoint_id="memory://m/ck", no_dist=True)
+    assert torch.equal(state["w"], torch.ones(64, 64)) and state["step"] == 1
 
 
 @pytest.mark.parametrize("url", ["s3://", "s3:///run", "s3:////run/step-1"])
