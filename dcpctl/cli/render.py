@@ -37,8 +37,11 @@ def format_bytes(size_bytes: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def format_age(seconds: float) -> str:
-    """`45s`, `90m`, `36h`, `9d`: whole units of the largest unit that fits twice, rounded down."""
+def format_age(seconds: float | None) -> str:
+    """`45s`, `90m`, `36h`, `9d`: whole units of the largest unit that fits twice, rounded
+    down; `?` where the age is unknown."""
+    if seconds is None:
+        return "?"
     for unit, unit_seconds in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= 2 * unit_seconds:
             return f"{int(seconds // unit_seconds)}{unit}"

@@ -12,9 +12,12 @@ everything under a prefix, ranged reads, writes in pieces, conditional creates a
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import posixpath
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -373,13 +376,39 @@ class ObjectPath:
 def _info_of(details: dict) -> ObjectInfo:
     """What fsspec's details of an object say, whatever the protocol calls its fields."""
     etag = details.get("ETag") or details.get("etag")
-    modified = (details.get("LastModified") or details.get("mtime") or details.get("created")
-                or details.get("last_modified") or 0)
-    if hasattr(modified, "timestamp"):
-        modified = modified.timestamp()
-    try:
-        modified = float(modified)
-    except (TypeError, ValueError):
-        modified = 0.0
     return ObjectInfo(int(details.get("size") or 0), None if etag is None else str(etag).strip('"'),
-                      modified)
+                      _modified_of(details))
+
+
+_MODIFIED_FIELDS = ("LastModified", "mtime", "modified", "last_modified", "modify", "created")
+"""What fsspec's file systems call an object's last write: s3fs, local and sftp, webdav4,
+gcsfs and adlfs, ftp (`YYYYMMDDHHMMSS`), memory (its creation)."""
+_CLOCK_SKEW_SECONDS = 86400
+
+
+def _modified_of(details: dict) -> float:
+    """When the object was last written, in seconds since the epoch; 0 where no field says
+    so in a form read here, or says a time past tomorrow (a number in another unit)."""
+    latest = time.time() + _CLOCK_SKEW_SECONDS
+    for name in _MODIFIED_FIELDS:
+        value = details.get(name)
+        for seconds in _times_in(value):
+            if 0 < seconds <= latest:
+                return seconds
+    return 0.0
+
+
+def _times_in(value) -> Iterator[float]:
+    """The readings of value as seconds since the epoch, likeliest first."""
+    if isinstance(value, datetime.datetime):
+        yield (value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)
+               ).timestamp()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield float(value)
+    elif isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            yield float(value)
+        for parse in (datetime.datetime.fromisoformat,
+                      lambda text: datetime.datetime.strptime(text, "%Y%m%d%H%M%S")):
+            with contextlib.suppress(ValueError):
+                yield from _times_in(parse(value.strip()))

@@ -175,15 +175,23 @@ def _complete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules, newest
         reasons.append(f"one of the last {rules.keep_last} complete")
     if rules.keep_every_steps and entry.step % rules.keep_every_steps == 0:
         reasons.append(f"step is a multiple of {rules.keep_every_steps}")
-    if rules.older_than_seconds is not None and entry.age_seconds <= rules.older_than_seconds:
-        reasons.append("changed within --older-than")
+    if rules.older_than_seconds is not None:
+        if entry.age_seconds is None:
+            reasons.append(f"age unknown ({_NO_TIMES})")
+        elif entry.age_seconds <= rules.older_than_seconds:
+            reasons.append("changed within --older-than")
     return reasons
+
+
+_NO_TIMES = "the store does not say when its objects were written"
 
 
 def _incomplete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules, state: str
                              ) -> list[str]:
     if rules.incomplete_older_than_seconds is None:
         return [f"{state}: deleted only with --incomplete-older-than"]
+    if entry.age_seconds is None:
+        return [f"{state}, age unknown ({_NO_TIMES}): may be a save or copy in progress"]
     if entry.age_seconds <= rules.incomplete_older_than_seconds:
         return [f"{state}, changed within --incomplete-older-than: may be a save or copy in "
                 "progress"]

@@ -44,8 +44,10 @@ class CheckpointEntry:
     step: int
     complete: bool
     size_bytes: int
-    modified_at: float
-    age_seconds: float
+    modified_at: float | None
+    """Its newest file's last write, in seconds since the epoch; None where the store does not
+    say for every object (prune then takes it for one that may have changed just now)."""
+    age_seconds: float | None
     has_sha256sums: bool
     identity: tuple[int, int]
     """The directory's device and inode when scanned: what a deletion checks it still is
@@ -67,11 +69,13 @@ class CheckpointEntry:
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
-        modified = datetime.fromtimestamp(self.modified_at, timezone.utc)
+        modified = None if self.modified_at is None else datetime.fromtimestamp(
+            self.modified_at, timezone.utc).isoformat(timespec="seconds")
         return {"name": self.name, "path": str(self.path), "step": self.step,
                 "complete": self.complete, "size_bytes": self.size_bytes,
-                "modified_at": modified.isoformat(timespec="seconds"),
-                "age_seconds": round(self.age_seconds), "sha256sums": self.has_sha256sums,
+                "modified_at": modified,
+                "age_seconds": None if self.age_seconds is None else round(self.age_seconds),
+                "sha256sums": self.has_sha256sums,
                 "parts": list(self.parts)}
 
 
@@ -176,11 +180,12 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
         if not isinstance(shape, CheckpointShape):
             scan.ignored.append(IgnoredEntry(name, shape))
             continue
-        modified_at = max(info.modified for info in objects.values())
+        times = [info.modified for info in objects.values()]
+        modified_at = max(times) if all(times) else None  # 0: the store does not say
         scan.checkpoints.append(CheckpointEntry(
             name=name, path=scan.path / name, step=parse_step(name), complete=shape.complete,
             size_bytes=sum(info.size for info in objects.values()), modified_at=modified_at,
-            age_seconds=max(0.0, now - modified_at),
+            age_seconds=None if modified_at is None else max(0.0, now - modified_at),
             has_sha256sums=all(name in objects for name in shape.sha256sums_files),
             identity=(0, 0), parts=shape.parts,
             objects=objects))

@@ -273,3 +273,46 @@ def test_a_nested_run_named_like_a_step_is_never_deleted(tmp_path):
     assert _deleted(report) == [] and tree_listing(nested) == before
     assert [entry.name for entry in report.ignored] == ["seed_1"]
     assert "not the parts of an accelerate checkpoint" in report.ignored[0].reason
+
+
+@pytest.mark.parametrize("times_known", [True, False])
+def test_a_store_that_gives_no_write_times_keeps_what_an_age_would_decide(
+        monkeypatch, times_known):
+    """A store whose listing gives no write time (or one in a form not read: webdav's
+    `modified`, ftp's `modify`) dated every object 1970: prune took a save in progress for an
+    incomplete checkpoint days old, and deleted it."""
+    import fsspec
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcpctl.storage import objects
+
+    run = f"memory://run-{times_known}"
+    for step in (100, 200):
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=f"{run}/step-{step}", no_dist=True)
+    fsspec.filesystem("memory").pipe_file(f"/run-{times_known}/step-300/__0_0.distcp", b"a")
+    if not times_known:
+        monkeypatch.setattr(objects, "_MODIFIED_FIELDS", ())
+    listed = {entry.name: entry for entry in scan_run_directory(run).checkpoints}
+    assert (listed["step-300"].age_seconds is None) is not times_known
+    report = _prune(run, keep_last=1, older_than_seconds=DAY,
+                    incomplete_older_than_seconds=0)
+    assert _deleted(report) == (["step-300"] if times_known else [])
+    kept = {d.checkpoint.name: d.reasons for d in report.decisions if not d.delete}
+    if not times_known:
+        assert "age unknown (the store does not say when its objects were written)" in \
+            kept["step-100"]
+
+
+def test_object_write_times_are_read_as_each_store_writes_them():
+    import datetime
+
+    from dcpctl.storage.objects import _modified_of
+
+    moment = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    for details in ({"LastModified": moment}, {"modified": moment},  # s3fs, webdav4
+                    {"modify": "20260102030405"}, {"mtime": moment.timestamp()},  # ftp, sftp
+                    {"last_modified": moment.isoformat()}):
+        assert _modified_of(details) == moment.timestamp(), details
+    assert _modified_of({"mtime": 2e13}) == 0  # not seconds: a time past tomorrow
+    assert _modified_of({}) == 0
