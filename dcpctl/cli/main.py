@@ -15,7 +15,7 @@ from dcpctl.cli.render import escape_control_characters
 from dcpctl.cycle_collector import freeze_built_objects_on_resume
 from dcpctl.errors import DcpctlError, describe_os_error
 from dcpctl.ops.distributed import join_torchrun, launched_by_torchrun
-from dcpctl.ops.storage_options import add_storage_options
+from dcpctl.ops.storage_options import add_storage_options, without_secrets
 from dcpctl.stopping import Terminated, stop_on_signals
 from dcpctl.unpickling_memory import bound_unpickling_memory
 from dcpctl.version import __version__
@@ -69,7 +69,7 @@ class DcpctlGroup(click.Group):
     def _fail(context: click.Context, message: str, exit_code: int):
         if context.obj and context.obj.get("debug"):
             raise
-        click.echo(f"Error: {escape_control_characters(message)}", err=True)
+        click.echo(f"Error: {escape_control_characters(without_secrets(message))}", err=True)
         sys.exit(exit_code)
 
 
@@ -152,7 +152,8 @@ def _run_as_torchrun_rank() -> int:
         if team.rank != 0:
             return team.serve()
     except DcpctlError as error:  # ranks that differ, or the job lost: said as rank 0 says it
-        click.echo(f"Error: {escape_control_characters(str(error))}", err=True)
+        click.echo(f"Error: {escape_control_characters(without_secrets(str(error)))}",
+                   err=True)
         return error.exit_code
     except KeyboardInterrupt:  # said as rank 0's command says it (DcpctlGroup.invoke)
         click.echo("Error: interrupted", err=True)

@@ -10,6 +10,7 @@ import copyreg
 import importlib
 import json
 import os
+import re
 import threading
 
 from dcpctl.errors import DcpctlError
@@ -42,6 +43,35 @@ def storage_options() -> dict[str, object]:
         if not isinstance(options, dict):
             raise DcpctlError(f"{STORAGE_OPTIONS_ENVIRONMENT} must be a JSON object")
     return {**options, **_EXTRA_OPTIONS}
+
+
+_SECRET_OPTION = re.compile(r"secret|pass|token|auth|key|cred|sig|sas|cert", re.IGNORECASE)
+_SECRET_ENVIRONMENT = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
+def without_secrets(text: str) -> str:
+    """text with the secrets of the storage options in force (the values of options named
+    like a key, password, token or credentials, at any depth) and of the AWS environment shown
+    as `***`: what a file system's error may quote back."""
+    secrets = {os.environ.get(name) for name in _SECRET_ENVIRONMENT}
+    try:
+        _collect_secrets(storage_options(), False, secrets)
+    except DcpctlError:  # options that are no JSON object hold nothing to find
+        pass
+    for secret in sorted(filter(None, secrets), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _collect_secrets(value: object, secret: bool, into: set) -> None:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _collect_secrets(inner, secret or bool(_SECRET_OPTION.search(str(key))), into)
+    elif isinstance(value, (list, tuple)):
+        for inner in value:
+            _collect_secrets(inner, secret, into)
+    elif secret and value is not None and len(str(value)) >= 3:
+        into.add(str(value))
 
 
 def store_for(protocol: str) -> ObjectStore:
@@ -92,6 +122,6 @@ def _new_store(protocol: str, options: dict[str, object]) -> ObjectStore:
         return new_s3_store(protocol, options)
     try:
         filesystem = fsspec.filesystem(protocol, **options)
-    except (ImportError, ValueError) as error:
+    except (ImportError, ValueError, TypeError) as error:  # TypeError: an option's type
         raise DcpctlError(f"cannot open {protocol}:// URLs: {error}") from None
     return ObjectStore(protocol, filesystem)

@@ -320,3 +320,22 @@ def test_a_url_that_names_no_bucket_is_refused(url):
 
     with pytest.raises(InvalidOptionError, match="names no bucket: give s3://BUCKET/PREFIX"):
         storage_path(url)
+
+
+def test_errors_show_no_secret_of_the_storage_options(monkeypatch):
+    """A file system's error quoting its options (webdav4: `Invalid "auth" argument: ['u',
+    'TopSecret-123']`) printed the password in dcpctl's one line."""
+    import json
+
+    from dcpctl.storage.stores import STORAGE_OPTIONS_ENVIRONMENT, without_secrets
+
+    monkeypatch.setenv(STORAGE_OPTIONS_ENVIRONMENT, json.dumps({
+        "auth": ["u", "TopSecret-123"], "endpoint_url": "http://127.0.0.1:9",
+        "client_kwargs": {"aws_secret_access_key": "s3-secret"}, "profile": "training"}))
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "session-token")
+    assert without_secrets(
+        "Invalid auth ['u', 'TopSecret-123'] s3-secret session-token at http://127.0.0.1:9 "
+        "(profile training)") == (
+        "Invalid auth ['u', '***'] *** *** at http://127.0.0.1:9 (profile training)")
+    monkeypatch.setenv(STORAGE_OPTIONS_ENVIRONMENT, "not json")
+    assert without_secrets("text") == "text"
