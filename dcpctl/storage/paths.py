@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import importlib
 import os
 import posixpath
 import re
@@ -59,8 +60,28 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
         raise InvalidOptionError(
             "an object store URL cannot hold '.', '..' or empty path segments: the store keeps "
             "them as literal parts of its object names, not as directories", path=text)
+    settings = _settings_in_url(protocol, text)
+    if settings:
+        raise InvalidOptionError(
+            f"names {', '.join(sorted(settings))} in the URL, which dcpctl does not take from "
+            "URLs (its stores are one per protocol): give them as storage options; a file "
+            "server's (ftp, sftp, smb) files are read through a mount, as a local path",
+            path=_URL_USER_INFO.sub("//", text))
     store = store_for(protocol)
     return ObjectPath(store, store.fs._strip_protocol(text))
+
+
+_URL_USER_INFO = re.compile(r"//[^/]*@")  # a user and password: never printed
+
+
+def _settings_in_url(protocol: str, text: str) -> dict:
+    """What fsspec's file system for protocol would take from the URL besides its path: a
+    host, port, user, password (ftp, sftp), a version (s3's ?versionId)."""
+    try:
+        filesystem_class = importlib.import_module("fsspec").get_filesystem_class(protocol)
+        return dict(filesystem_class._get_kwargs_from_urls(text) or {})
+    except Exception:  # noqa: BLE001 - no such protocol, or its package absent: store_for says
+        return {}
 
 
 _LOCAL_PROTOCOLS = ("file", "local")

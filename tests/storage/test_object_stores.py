@@ -339,3 +339,17 @@ def test_errors_show_no_secret_of_the_storage_options(monkeypatch):
         "Invalid auth ['u', '***'] *** *** at http://127.0.0.1:9 (profile training)")
     monkeypatch.setenv(STORAGE_OPTIONS_ENVIRONMENT, "not json")
     assert without_secrets("text") == "text"
+
+
+@pytest.mark.parametrize("url", ["ftp://u:TopSecret@127.0.0.1:21211/run/ck",
+                                 "sftp://u@127.0.0.1/run/ck"])
+def test_a_url_naming_a_host_is_refused_with_no_password_shown(url):
+    """dcpctl's stores are one per protocol, made from the storage options: the host, user and
+    password of an ftp:// URL went nowhere (an internal error, `missing 'host'`), and a URL
+    naming another host went to the one in the options."""
+    from conftest import run_dcpctl
+
+    result = run_dcpctl("inspect", url)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "in the URL, which dcpctl does not take from " \
+        "URLs" in result.stderr and "TopSecret" not in result.stderr, result.stderr
