@@ -48,10 +48,38 @@ def bytes_of(values: torch.Tensor) -> bytearray | memoryview:
 
 
 def _cast(data: bytearray | memoryview, source: DType, target: DType) -> memoryview:
-    """Row-major bytes of source-dtype elements as target-dtype elements."""
+    """Row-major bytes of source-dtype elements as target-dtype elements, the same bytes for
+    the same elements however the tensor is split into pieces."""
     import torch
 
-    return bytes_of(torch.frombuffer(data, dtype=torch_dtype(source)).to(torch_dtype(target)))
+    values = torch.frombuffer(data, dtype=torch_dtype(source))
+    cast = values.to(torch_dtype(target))
+    if str(values.dtype) in _IEEE_FLOATS and str(cast.dtype) in _IEEE_FLOATS:
+        _cast_nans_as_full_vectors(values, cast)
+    return bytes_of(cast)
+
+
+_IEEE_FLOATS = {"torch.float16", "torch.bfloat16", "torch.float32", "torch.float64"}
+_NAN_RUN = 4096  # a multiple of every vector width, and one thread's share of a cast
+
+
+def _cast_nans_as_full_vectors(values, cast) -> None:
+    """Cast every NaN of values into cast again, in a run of full vectors. For some pairs of
+    dtypes (float16 to float32, float64 to bfloat16) torch's vector loop and its loop over
+    the tail give a NaN different bits, so a cast's bits followed where each NaN fell in the
+    piece cast: one checkpoint gave two outputs, as its chunks were laid out. Other values
+    cast alike in both loops."""
+    import torch
+
+    found = torch.isnan(values)
+    if not bool(found.any()):
+        return
+    where = found.nonzero().flatten()
+    for start in range(0, len(where), _NAN_RUN):
+        index = where[start:start + _NAN_RUN]
+        run = values[index[:1]].repeat(_NAN_RUN)
+        run[:len(index)] = values[index]
+        cast[index] = run.to(cast.dtype)[:len(index)]
 
 
 def iter_tensor_bytes(payloads: PayloadReader, checkpoint: Checkpoint, tensor: TensorEntry,

@@ -85,6 +85,36 @@ def test_dtype_casts_floating_tensors_only(name, tmp_path):
             assert converted[fqn].dtype == expected.dtype and torch.equal(converted[fqn], expected)
 
 
+@pytest.mark.parametrize("source,target", [("float16", "float32"), ("float64", "bfloat16")])
+def test_a_cast_nan_has_the_same_bits_however_the_tensor_is_split(tmp_path, source, target):
+    """torch casts a NaN of these dtypes to bits that depend on where it falls in what it
+    casts (its vector loop and its tail loop disagree): one tensor, cast from one chunk and
+    from five, came out with two sets of bits."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcpctl.ops.reshard.execution import reshard_checkpoint
+
+    width = torch.finfo(getattr(torch, source)).bits
+    exponent = {"float16": 5, "float64": 11}[source]
+    mantissa = width - 1 - exponent
+    patterns = [(sign << (width - 1)) | (((1 << exponent) - 1) << mantissa) | payload
+                for sign in (0, 1) for payload in (1, 1 << (mantissa - 1), 3 << (mantissa - 2))]
+    integer = {16: torch.int16, 64: torch.int64}[width]
+    bits = torch.tensor([value - (1 << width) if value >= 1 << (width - 1) else value
+                         for value in patterns] * 3, dtype=integer)
+    weights = {"w": bits.view(getattr(torch, source)).reshape(-1, 1)}
+    dcp.save(weights, checkpoint_id=str(tmp_path / "one"), no_dist=True)
+    reshard_checkpoint(tmp_path / "one", 5, str(tmp_path / "five"))
+    cast = {}
+    for layout in ("one", "five"):
+        convert_to_safetensors(tmp_path / layout, tmp_path / f"{layout}-st", EVERYTHING,
+                               cast_to=dtype_by_name(target))
+        cast[layout] = load_safetensors_output(tmp_path / f"{layout}-st")["w"]
+    assert bool(cast["one"].isnan().all())
+    assert torch.equal(cast["one"].view(torch.int16 if target == "bfloat16" else torch.int32),
+                       cast["five"].view(torch.int16 if target == "bfloat16" else torch.int32))
+
+
 def test_row_split_tensors_stream_a_chunk_at_a_time(tmp_path):
     checkpoint = open_checkpoint(fixture_path("fsdp2_adamw_3ranks"))
     embed = next(t for t in checkpoint.tensors if t.fqn == "model.embed.weight")
