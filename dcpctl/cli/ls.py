@@ -36,9 +36,10 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     latest_checkpointed_iteration.txt is shown as the tracked step.
 
     One row per checkpoint: step, name, complete or incomplete, size, compression (read
-    from `.metadata`), age (time since anything inside it last changed) and whether it
-    holds SHA256SUMS. Entries named like a checkpoint that are symlinks, files or not DCP
-    directories are listed after the table as ignored; symlinks are never followed.
+    from `.metadata`), age (time since anything inside it last changed; `?` where the store
+    does not say when its objects were written) and whether it holds SHA256SUMS. Entries
+    named like a checkpoint that are symlinks, files or not DCP directories are listed after
+    the table as ignored; symlinks are never followed.
 
     \b
     Examples:
