@@ -20,7 +20,7 @@ from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
                                   fsync_directory, is_temporary_name, new_token,
                                   open_directory_at, temporary_name)
-from dcpctl.storage.locks import lock_descriptor
+from dcpctl.storage.locks import lock_descriptor, locked_checkpoint
 from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
 from dcpctl.storage.paths import StoragePath, abort_stale_uploads, holds_exactly
 
@@ -41,6 +41,9 @@ class StagedOutput:
             destination = Path(os.path.realpath(destination))
         refuse_overlap(source, destination)
         check_destination(destination, overwrite, is_directory)
+        if overwrite and is_directory:
+            with locked_checkpoint(destination, exclusive=True):  # held by another dcpctl?
+                pass  # fails at once; publish() takes the lock again to replace it
         self.destination = destination
         self.overwrite = overwrite
         self.is_directory = is_directory
@@ -77,11 +80,14 @@ class StagedOutput:
             if not self.overwrite:
                 self._publish_without_replacing()
             elif self.is_directory and self.destination.exists():
-                aside = self.destination.parent / temporary_name(
-                    f".{self.destination.name}.old", self.token)
-                os.replace(self.destination, aside)
-                os.replace(self.path, self.destination)
-                shutil.rmtree(aside)
+                # as an in-place rewrite would: never under another dcpctl reading or
+                # changing it, which works on through its path
+                with locked_checkpoint(self.destination, exclusive=True):
+                    aside = self.destination.parent / temporary_name(
+                        f".{self.destination.name}.old", self.token)
+                    os.replace(self.destination, aside)
+                    os.replace(self.path, self.destination)
+                    shutil.rmtree(aside)
             else:
                 os.replace(self.path, self.destination)
             if not self.is_directory:

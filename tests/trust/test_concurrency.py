@@ -73,3 +73,57 @@ def test_two_in_place_rewrites_started_together_never_lose_the_checkpoint(tmp_pa
                   if isinstance(value, torch.Tensor)}
         assert loaded == expected, trial
         assert run_dcpctl("verify", checkpoint).returncode == 0
+
+
+@pytest.mark.parametrize("held", ["shared", "exclusive"])
+def test_an_output_another_dcpctl_holds_is_not_replaced_with_overwrite(
+        run_cli, tmp_path, copy_fixture, held):
+    """`-o B --overwrite` moved B aside and deleted it under a compress rewriting B in place
+    (which then finished its rewrite through the path, into the new B: exit 0, B damaged),
+    and under a reshard reading B (which then read the rest of its files from the new B: an
+    output of two checkpoints mixed, certified by its SHA256SUMS)."""
+    held_output = copy_fixture(SOURCE)
+    before = directory_state(held_output)
+    with locked_checkpoint(held_output, exclusive=held == "exclusive"):
+        result = run_cli("reshard", fixture_path("zstd_fsdp2_2ranks"), "--ranks", "2", "-o",
+                         held_output, "--overwrite")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"Error: {held_output}: another dcpctl is ")
+    assert directory_state(held_output) == before
+
+
+def test_an_output_held_once_written_is_not_replaced_either(tmp_path, copy_fixture):
+    """Held only after the run began: the replacement waits for nothing and takes nothing."""
+    import os
+    import signal
+
+    held_output = copy_fixture(SOURCE)
+    before = directory_state(held_output)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "dcpctl", "reshard", fixture_path("zstd_fsdp2_2ranks"),
+         "--ranks", "2", "-o", held_output, "--overwrite"],
+        env={**os.environ, "DCPCTL_FAILPOINT": "before-publish:SIGSTOP"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while open(f"/proc/{run.pid}/stat").read().split(") ")[1][0] != "T":
+            assert run.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        with locked_checkpoint(held_output, exclusive=False):
+            run.send_signal(signal.SIGCONT)
+            _, error = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1 and "another dcpctl is reading or changing" in error, error
+    assert directory_state(held_output) == before
+    assert sorted(path.name for path in held_output.parent.iterdir()) == [held_output.name]
+
+
+def test_a_new_file_gone_before_its_final_name_is_no_lack_of_hard_links(tmp_path):
+    """An in-place rewrite whose new file was deleted under it (its directory replaced) took
+    link(2)'s ENOENT for a file system without hard links, and went on to report success."""
+    from dcpctl.format.checkpoint.publishing import _give_final_names
+
+    with pytest.raises(FileNotFoundError):
+        _give_final_names(tmp_path, {"__0_0.distcp": "__0_0.distcp.dcpctl-gone.tmp"})

@@ -21,6 +21,7 @@ Data files are hashed while written, so SHA256SUMS costs no second read.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import posixpath
@@ -323,6 +324,10 @@ def _remove(directory: StoragePath, names: list[str]) -> None:
         (directory / name).unlink(missing_ok=True)
 
 
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS)
+"""What link(2) answers on a file system that takes no hard links."""
+
+
 def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:
     """Hard-link each new file under its final name, replacing the old file atomically; False
     when the file system has no hard links (nothing is changed then)."""
@@ -330,10 +335,10 @@ def _give_final_names(directory: Path, temporary_names: dict[str, str]) -> bool:
         link = directory / f"{temporary}.link"
         try:
             os.link(directory / temporary, link)
-        except OSError:
-            if final_name == next(iter(temporary_names)):
+        except OSError as error:
+            if final_name == next(iter(temporary_names)) and error.errno in _NO_HARD_LINKS:
                 return False
-            raise
+            raise  # the new file gone (its directory replaced?) is no lack of hard links
         os.replace(link, directory / final_name)
         failpoint(Failpoint.AFTER_FINAL_NAME)
     _sync(directory, temporary_names)
