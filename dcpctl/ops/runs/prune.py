@@ -23,15 +23,15 @@ import fnmatch
 import functools
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.structure import open_quickly_verified
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
-from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, check_run_directory,
-                                  scan_run_directory)
+from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, changed_since_scanned,
+                                  check_run_directory, scan_run_directory)
 from dcpctl.storage.local import empty_directory, open_directory_at
 from dcpctl.storage.locks import lock_descriptor, locked_directory
 from dcpctl.storage.objects import ObjectPath
@@ -266,12 +266,16 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
                                   path=entry.path)
         lock_descriptor(descriptor, exclusive=True, path=entry.path,
                         what="another dcpctl is using this checkpoint; not deleted")
-        if entry.parts:
-            for part in entry.parts:
-                _unlink_part_metadata(descriptor, entry, part)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(METADATA_FILE_NAME, dir_fd=descriptor)
+        with contextlib.ExitStack() as parts_held:
+            # every part held before any `.metadata` goes: one in use stops it all
+            holders = [parts_held.enter_context(_held_part(descriptor, entry, part))
+                       for part in entry.parts] or [descriptor]
+            if changed_since_scanned(entry):
+                raise DcpctlError("was written since prune looked at it (a save at work "
+                                  "there?); not deleted", path=entry.path)
+            for holder in filter(None.__ne__, holders):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(METADATA_FILE_NAME, dir_fd=holder)
         failpoint(Failpoint.AFTER_METADATA_REMOVED)
         empty_directory(descriptor)
     finally:
@@ -292,18 +296,21 @@ def _open_real_directory(parent_descriptor: int, name: str, path: StoragePath,
         raise
 
 
-def _unlink_part_metadata(descriptor: int, entry: CheckpointEntry, part: str) -> None:
-    """Remove the `.metadata` of one part of a checkpoint open as descriptor, under the part's
-    own lock (a dcpctl working on the part holds it)."""
+@contextlib.contextmanager
+def _held_part(descriptor: int, entry: CheckpointEntry, part: str
+               ) -> Iterator[int | None]:
+    """A descriptor of one part of a checkpoint open as descriptor, held under the part's own
+    lock (a dcpctl working on the part holds it) while the block runs; None for a part gone."""
     try:
         part_descriptor = _open_real_directory(descriptor, part, entry.path / part,
                                                "nothing deleted")
     except FileNotFoundError:
+        yield None
         return
     try:
         lock_descriptor(part_descriptor, exclusive=True, path=entry.path / part,
-                        what="another dcpctl is using this part of the checkpoint; not deleted")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(METADATA_FILE_NAME, dir_fd=part_descriptor)
+                        what="another dcpctl is using this part of the checkpoint; nothing "
+                             "deleted")
+        yield part_descriptor
     finally:
         os.close(part_descriptor)

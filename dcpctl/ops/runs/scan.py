@@ -230,6 +230,12 @@ def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: flo
         identity=(status.st_dev, status.st_ino), parts=shape.parts)
 
 
+def changed_since_scanned(entry: CheckpointEntry) -> bool:
+    """Whether a local checkpoint was written since the scan that described it: its bytes, or
+    the newest time of anything in it, are not what the scan found."""
+    return _measure_directory(Path(entry.path)) != (entry.size_bytes, entry.modified_at)
+
+
 def _measure_directory(path: Path) -> tuple[int, float]:
     """Bytes of the regular files under path and the newest mtime of path and anything in it;
     symlinks inside count as themselves and are not followed."""

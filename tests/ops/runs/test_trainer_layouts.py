@@ -235,3 +235,18 @@ def test_a_tracker_that_is_a_symlink_or_huge_is_not_read(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").unlink()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1" + " " * 10_000)
     assert scan_run_directory(tmp_path).tracked_step is None
+
+
+def test_a_part_in_use_stops_the_whole_deletion_before_any_metadata_goes(accelerate_run):
+    """One part held by another dcpctl: prune said "nothing was changed", but the parts
+    before it had already lost their `.metadata`, so the checkpoint was left incomplete."""
+    from dcpctl.storage.locks import locked_checkpoint
+
+    held = accelerate_run / "checkpoint_0" / ACCELERATE_PARTS[-1]
+    with locked_checkpoint(held, exclusive=False):
+        report = prune_run_directory(accelerate_run, RetentionRules(keep_last=2))
+    failed = {d.checkpoint.name: d.error for d in report.decisions if d.status == "failed"}
+    assert list(failed) == ["checkpoint_0"] and "another dcpctl is using this part" in \
+        failed["checkpoint_0"]
+    assert all((accelerate_run / "checkpoint_0" / part / ".metadata").exists()
+               for part in ACCELERATE_PARTS)
