@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import os
@@ -147,6 +148,26 @@ def write_file_atomically(path: Path, data: bytes, made_stale: Path | None = Non
         temporary.unlink(missing_ok=True)
         raise
     return hashlib.sha256(data).hexdigest()
+
+
+def exchange(path: Path, other: Path) -> bool:
+    """Swap two directories' names in one step (Linux renameat2 RENAME_EXCHANGE), so that a
+    process killed at any moment leaves each name holding one of them; False, nothing done,
+    where the kernel, the C library or the file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(path), _AT_FDCWD, os.fsencode(other),
+                 _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), os.fspath(path))
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
 def open_directory_at(parent_descriptor: int, name: str) -> int:

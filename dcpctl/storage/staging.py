@@ -17,7 +17,7 @@ from dcpctl.errors import OutputError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, METADATA_TEMPORARY_FILE_NAME
 from dcpctl.stopping import finishing_first
-from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, final_name_of,
+from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, exchange, final_name_of,
                                   fsync_directory, is_temporary_name, new_token,
                                   open_directory_at, temporary_name)
 from dcpctl.storage.locks import lock_descriptor, locked_checkpoint
@@ -83,17 +83,29 @@ class StagedOutput:
                 # as an in-place rewrite would: never under another dcpctl reading or
                 # changing it, which works on through its path
                 with locked_checkpoint(self.destination, exclusive=True):
-                    aside = self.destination.parent / temporary_name(
-                        f".{self.destination.name}.old", self.token)
-                    os.replace(self.destination, aside)
-                    os.replace(self.path, self.destination)
-                    shutil.rmtree(aside)
+                    self._replace_destination()
             else:
                 os.replace(self.path, self.destination)
             if not self.is_directory:
                 os.rmdir(self._staging)
             fsync_directory(self.destination.parent)
         self._unlock()
+
+    def _replace_destination(self) -> None:
+        """Put the staged directory in the destination's place, and delete the old one, held
+        by the caller: in one step where the system can (the old one then lies under the
+        staging name), else moved aside first, under a staging name of its own (a run killed
+        between the two renames leaves no destination). Either way a run killed before the
+        old one is gone leaves it under a staging name, unlocked: the next run for this
+        destination removes it (remove_dead_stagings)."""
+        if exchange(self.path, self.destination):
+            shutil.rmtree(self.path)
+            return
+        aside = self.destination.parent / temporary_name(f".{self.destination.name}",
+                                                         new_token())
+        os.replace(self.destination, aside)
+        os.replace(self.path, self.destination)
+        shutil.rmtree(aside)
 
     def _publish_without_replacing(self) -> None:
         # rename(2) takes the place of an empty directory only, in one step; a file's place is

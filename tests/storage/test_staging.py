@@ -272,3 +272,26 @@ def test_a_file_output_in_an_object_store_that_fails_leaves_what_stood_there(s3_
         output.finish()
     staged.abort()  # a later step failed: the run's own object goes
     assert not destination.exists()
+
+
+def test_an_output_is_replaced_in_one_step_and_a_killed_replacement_is_cleared(tmp_path):
+    """A run killed while it replaced its output (--overwrite) left the old output hidden
+    beside it for ever, under a name no later run removed; killed between the two renames,
+    it left no output at all."""
+    from dcpctl.storage.local import exchange
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    (first / "a").write_text("first")
+    (second / "b").write_text("second")
+    assert exchange(first, second)
+    assert [path.name for path in first.iterdir()] == ["b"]
+    assert [path.name for path in second.iterdir()] == ["a"]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "__0_0.distcp").write_bytes(b"old")
+    staged = StagedOutput(tmp_path / "out", overwrite=True, source=SOURCE)
+    (staged.path / "__0_0.distcp").write_bytes(b"new")
+    staged.publish()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["first", "out", "second"]
+    assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == b"new"
