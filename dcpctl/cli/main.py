@@ -121,7 +121,8 @@ def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -
 def _parsed_storage_option(text: str) -> tuple[str, object]:
     key, equals, value = text.partition("=")
     if not equals or not key:
-        raise click.BadParameter(f"{text!r} is not KEY=VALUE", param_hint="--storage-option")
+        raise click.BadParameter("takes KEY=VALUE; one given has no KEY= (its value is not "
+                                 "shown: it may be a secret)", param_hint="--storage-option")
     try:
         return key, json.loads(value)
     except ValueError:

@@ -44,6 +44,10 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
     if match is None:
         return Path(text)
     protocol = match.group("protocol").lower()
+    if _URL_USER_INFO.match(text, match.end() - 2):
+        raise InvalidOptionError("a URL here holds no user or password: give credentials as "
+                                 "the store takes them (its environment, or storage options)",
+                                 path=_URL_USER_INFO.sub("//", text, count=1))
     if protocol in _LOCAL_PROTOCOLS:  # fsspec's names of the local file system
         return Path(text[match.end():])
     if protocol in ("http", "https"):  # fsspec's http file system lists no objects to write
@@ -66,7 +70,7 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
             f"names {', '.join(sorted(settings))} in the URL, which dcpctl does not take from "
             "URLs (its stores are one per protocol): give them as storage options; a file "
             "server's (ftp, sftp, smb) files are read through a mount, as a local path",
-            path=_URL_USER_INFO.sub("//", text))
+            path=text)
     store = store_for(protocol)
     return ObjectPath(store, store.fs._strip_protocol(text))
 

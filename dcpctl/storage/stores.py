@@ -58,15 +58,23 @@ def without_secrets(text: str) -> str:
         _collect_secrets(storage_options(), False, secrets)
     except DcpctlError:  # options that are no JSON object hold nothing to find
         pass
-    for secret in sorted(filter(None, secrets), key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
+    spellings = {spelling for secret in filter(None, secrets)
+                 for spelling in (secret, repr(secret)[1:-1], json.dumps(secret)[1:-1])}
+    for spelling in sorted(spellings, key=len, reverse=True):  # as quoted back, too
+        text = text.replace(spelling, "***")
+    return _URL_USER_INFO.sub(r"\1***@", text)
+
+
+_URL_USER_INFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@")
 
 
 def _collect_secrets(value: object, secret: bool, into: set) -> None:
+    """Into `into`, the values of value held under a key named like a secret: all of a list's
+    (`auth: [user, password]`), the secret-named ones of a dict (a service account's JSON
+    keeps its private key beside its project's name)."""
     if isinstance(value, dict):
         for key, inner in value.items():
-            _collect_secrets(inner, secret or bool(_SECRET_OPTION.search(str(key))), into)
+            _collect_secrets(inner, bool(_SECRET_OPTION.search(str(key))), into)
     elif isinstance(value, (list, tuple)):
         for inner in value:
             _collect_secrets(inner, secret, into)
