@@ -19,7 +19,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from dcpctl.errors import DcpctlError
 
@@ -176,10 +176,11 @@ class ObjectStore:
                                          "(its ETag is not the one first seen); nothing was "
                                          "published", path=self.url(key))
 
-    def abort_stale_uploads(self, prefix: str, written_before: float) -> list[str]:
+    def abort_stale_uploads(self, prefix: str, written_before: float,
+                            wanted: Callable[[str], bool] = lambda name: True) -> list[str]:
         """Abort the unfinished uploads under prefix/ that nothing added to since
-        written_before (seconds since the epoch), as a killed run leaves them; their keys,
-        relative to prefix. Only S3 has them: here, none."""
+        written_before (seconds since the epoch), as a killed run leaves them, those whose
+        name relative to prefix is wanted; their names. Only S3 has them: here, none."""
         return []
 
     def delete(self, keys: list[str], if_etags: Mapping[str, str | None] | None = None) -> None:

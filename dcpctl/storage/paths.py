@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol, Union
+from typing import Callable, Iterable, Iterator, Protocol, Union
 
 from dcpctl.errors import InvalidOptionError, OutputError
 from dcpctl.failpoints import Failpoint, failpoint
@@ -83,9 +83,12 @@ def _settings_in_url(protocol: str, text: str) -> dict:
     host, port, user, password (ftp, sftp), a version (s3's ?versionId)."""
     try:
         filesystem_class = importlib.import_module("fsspec").get_filesystem_class(protocol)
-        return dict(filesystem_class._get_kwargs_from_urls(text) or {})
     except Exception:  # noqa: BLE001 - no such protocol, or its package absent: store_for says
         return {}
+    try:
+        return dict(filesystem_class._get_kwargs_from_urls(text) or {})
+    except Exception:  # noqa: BLE001 - a host part it cannot read (a port past 65535)
+        return {"host": None}
 
 
 _LOCAL_PROTOCOLS = ("file", "local")
@@ -371,7 +374,8 @@ def remove_stale_temporaries(directory: StoragePath, keep: set[str]) -> list[str
         oldest_live = time.time() - STALE_OBJECT_SECONDS
         names = {name for name, info in directory.store.list_tree(directory.key).items()
                  if name in replaced or (info.modified and info.modified < oldest_live)}
-        aborted = [f"{name} (an unfinished upload)" for name in abort_stale_uploads(directory)]
+        aborted = [f"{name} (an unfinished upload)" for name in abort_stale_uploads(
+            directory, lambda name: is_temporary_name(posixpath.basename(name)))]
     else:
         names = file_names_in(directory)
     removed = sorted(name for name in names if name not in keep and (
@@ -381,11 +385,13 @@ def remove_stale_temporaries(directory: StoragePath, keep: set[str]) -> list[str
     return removed + aborted
 
 
-def abort_stale_uploads(directory: ObjectPath) -> list[str]:
+def abort_stale_uploads(directory: ObjectPath,
+                        wanted: Callable[[str], bool] = lambda name: True) -> list[str]:
     """Abort the uploads under directory that nothing added to for STALE_OBJECT_SECONDS (a
-    killed run's: S3 keeps, and bills, their parts until then); their names."""
+    killed run's: S3 keeps, and bills, their parts until then), those whose names are
+    wanted; their names."""
     return directory.store.abort_stale_uploads(directory.key,
-                                               time.time() - STALE_OBJECT_SECONDS)
+                                               time.time() - STALE_OBJECT_SECONDS, wanted)
 
 
 STALE_OBJECT_SECONDS = 24 * 3600

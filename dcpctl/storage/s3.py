@@ -15,7 +15,7 @@ import hashlib
 import importlib
 import os
 import threading
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from dcpctl.errors import DcpctlError
 from dcpctl.storage.objects import ObjectChangedError, ObjectStore, ObjectWriter, StorageError
@@ -184,7 +184,8 @@ class S3Store(ObjectStore):
     def open_writer(self, key: str, if_absent: bool = False) -> ObjectWriter:
         return MultipartWriter(self, key, if_absent)
 
-    def abort_stale_uploads(self, prefix: str, written_before: float) -> list[str]:
+    def abort_stale_uploads(self, prefix: str, written_before: float,
+                            wanted: Callable[[str], bool] = lambda name: True) -> list[str]:
         """Abort the multipart uploads under prefix/ that were started, and given their last
         part, before written_before: a killed run's, whose parts S3 keeps (and bills, out of
         every listing) until they are aborted. Best effort: a store that will not list or
@@ -193,10 +194,11 @@ class S3Store(ObjectStore):
         aborted = []
         try:
             for upload in self._uploads_under(bucket, key_prefix):
-                if self._last_written(bucket, upload) < written_before:
+                name = upload["Key"][len(key_prefix):]
+                if wanted(name) and self._last_written(bucket, upload) < written_before:
                     self._run(self.fs._call_s3("abort_multipart_upload", Bucket=bucket,
                                                Key=upload["Key"], UploadId=upload["UploadId"]))
-                    aborted.append(upload["Key"][len(key_prefix):])
+                    aborted.append(name)
         except Exception:  # noqa: BLE001 - housekeeping never fails the command it follows
             pass
         return aborted

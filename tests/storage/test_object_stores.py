@@ -221,18 +221,20 @@ def test_uploads_a_killed_run_left_are_aborted_once_stale(moto_s3, monkeypatch, 
     client, bucket = moto_s3.client(), moto_s3.new_bucket()
     for step in (1, 2, 10):
         upload_directory(moto_s3, fixture_path("fsdp2_adamw_3ranks"), bucket, f"run/step-{step}")
-    for key in ("run/step-1/__0_0.distcp", "run/step-10/__0_0.distcp.dcpctl-x.tmp",
-                "run/step-100/__0_0.distcp"):
+    for key in ("run/step-1/__0_0.distcp", "run/step-10/__0_0.distcp.dcpctl-0123456789ab.tmp",
+                "run/step-10/hf/model.safetensors", "run/step-100/__0_0.distcp"):
         _start_upload(client, bucket, key)
     # fresh: a live run's look the same, so they stay for a day
     assert paths.remove_stale_temporaries(storage_path(f"s3://{bucket}/run/step-10"), set()) \
         == []
-    assert len(_uploads(client, bucket)) == 3
+    assert len(_uploads(client, bucket)) == 4
     monkeypatch.setattr(paths, "STALE_OBJECT_SECONDS", -60)
+    # an in-place run's clean-up takes only uploads of dcpctl's temporary names
     assert paths.remove_stale_temporaries(storage_path(f"s3://{bucket}/run/step-10"), set()) \
-        == ["__0_0.distcp.dcpctl-x.tmp (an unfinished upload)"]
+        == ["__0_0.distcp.dcpctl-0123456789ab.tmp (an unfinished upload)"]
     prune_run_directory(f"s3://{bucket}/run", RetentionRules(keep_last=2))  # step-1 goes
-    assert _uploads(client, bucket) == ["run/step-100/__0_0.distcp"]  # under no pruned prefix
+    assert _uploads(client, bucket) == ["run/step-10/hf/model.safetensors",
+                                        "run/step-100/__0_0.distcp"]  # under no pruned prefix
 
 
 def test_a_generic_store_output_object_never_replaces_one():
@@ -350,7 +352,8 @@ def test_errors_show_no_secret_of_the_storage_options(monkeypatch):
 @pytest.mark.parametrize("url", ["ftp://u:TopSecret@127.0.0.1:21211/run/ck",
                                  "sftp://u@127.0.0.1/run/ck", "ftp://127.0.0.1/run/ck",
                                  "s3://AKIA:TopSecret@bucket/run/ck",
-                                 "ftp://u:TopSecret@127.0.0.1/a/../ck"])
+                                 "ftp://u:TopSecret@127.0.0.1/a/../ck",
+                                 "ftp://127.0.0.1:99999/ck"])
 def test_a_url_naming_a_host_is_refused_with_no_password_shown(url):
     """dcpctl's stores are one per protocol, made from the storage options: the host, user and
     password of an ftp:// URL went nowhere (an internal error, `missing 'host'`), and a URL
@@ -360,5 +363,6 @@ def test_a_url_naming_a_host_is_refused_with_no_password_shown(url):
     result = run_dcpctl("inspect", url)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "TopSecret" not in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
     assert ("in the URL, which dcpctl does not take from URLs" in result.stderr
             or "a URL here holds no user or password" in result.stderr), result.stderr

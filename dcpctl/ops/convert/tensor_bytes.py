@@ -60,26 +60,30 @@ def _cast(data: bytearray | memoryview, source: DType, target: DType) -> memoryv
 
 
 _IEEE_FLOATS = {"torch.float16", "torch.bfloat16", "torch.float32", "torch.float64"}
-_NAN_RUN = 4096  # a multiple of every vector width, and one thread's share of a cast
+_FULL_VECTORS = 16384
+"""Elements cast at a time where NaNs are: a multiple of every vector width, and under
+torch's parallel grain (32,768), so one thread's vector loop casts them all, with no tail."""
 
 
 def _cast_nans_as_full_vectors(values, cast) -> None:
-    """Cast every NaN of values into cast again, in a run of full vectors. For some pairs of
-    dtypes (float16 to float32, float64 to bfloat16) torch's vector loop and its loop over
-    the tail give a NaN different bits, so a cast's bits followed where each NaN fell in the
+    """Where values holds a NaN, cast it all again in blocks of full vectors. For some pairs
+    of dtypes (float16 to float32, float64 to bfloat16) torch's vector loop and its loop over
+    a tail give a NaN different bits, so a cast's bits followed where each NaN fell in the
     piece cast: one checkpoint gave two outputs, as its chunks were laid out. Other values
-    cast alike in both loops."""
+    cast alike in both loops. The test for a NaN is a sum (no mask of the piece), which an
+    infinity of each sign also makes NaN: those pieces take the blocks too, to the same
+    bits."""
     import torch
 
-    found = torch.isnan(values)
-    if not bool(found.any()):
+    if not bool(values.sum().isnan()):
         return
-    where = found.nonzero().flatten()
-    for start in range(0, len(where), _NAN_RUN):
-        index = where[start:start + _NAN_RUN]
-        run = values[index[:1]].repeat(_NAN_RUN)
-        run[:len(index)] = values[index]
-        cast[index] = run.to(cast.dtype)[:len(index)]
+    tail = torch.zeros(_FULL_VECTORS, dtype=values.dtype)
+    for start in range(0, len(values), _FULL_VECTORS):
+        block = values[start:start + _FULL_VECTORS]
+        if len(block) < _FULL_VECTORS:  # padded to full vectors
+            tail[:len(block)] = block
+            block = tail
+        cast[start:start + len(block)] = block.to(cast.dtype)[:len(cast) - start]
 
 
 def iter_tensor_bytes(payloads: PayloadReader, checkpoint: Checkpoint, tensor: TensorEntry,
