@@ -86,6 +86,19 @@ def _cast_nans_as_full_vectors(values, cast) -> None:
         cast[start:start + len(block)] = block.to(cast.dtype)[:len(cast) - start]
 
 
+def largest_piece_bytes(tensor: TensorEntry, dtype: DType | None = None) -> int:
+    """The most bytes iter_tensor_bytes(..., tensor, dtype) gives in one piece: the largest
+    chunk of a tensor split by rows, else the whole tensor (at the larger of the two dtypes'
+    sizes: a cast holds both)."""
+    chunks = [chunk for chunk in tensor.chunks if math.prod(chunk.sizes)]
+    if not chunks:
+        return 0
+    itemsize = max(tensor.dtype.itemsize, (dtype or tensor.dtype).itemsize)
+    if _are_row_blocks(tensor.shape, chunks):
+        return max(math.prod(chunk.sizes) for chunk in chunks) * itemsize
+    return math.prod(tensor.shape) * itemsize
+
+
 def iter_tensor_bytes(payloads: PayloadReader, checkpoint: Checkpoint, tensor: TensorEntry,
                       dtype: DType | None = None) -> Iterator[BytesWithCrc]:
     """The full tensor's row-major bytes in order, cast to dtype if given, in pieces, each

@@ -115,6 +115,33 @@ def test_a_cast_nan_has_the_same_bits_however_the_tensor_is_split(tmp_path, sour
                        cast["five"].view(torch.int16 if target == "bfloat16" else torch.int32))
 
 
+def test_threads_hold_no_more_than_a_bounded_sum_of_pieces(tmp_path, monkeypatch):
+    """Each thread holds a piece (a chunk, or a whole tensor not split by rows): at 8 threads
+    a checkpoint of 8 tensors of 64 MiB took 0.49 GB, its size. Threads stop at as many of the
+    largest piece as fit in PIECES_IN_HAND_BYTES."""
+    from dcpctl.ops.convert.tensor_bytes import largest_piece_bytes
+
+    checkpoint = open_checkpoint(fixture_path("mesh2d_4ranks"))
+    pieces = {tensor.fqn: largest_piece_bytes(tensor) for tensor in checkpoint.tensors}
+    column_split = next(tensor for tensor in checkpoint.tensors
+                        if len({chunk.offsets[-1] for chunk in tensor.chunks}) > 1)
+    assert pieces[column_split.fqn] == column_split.nbytes  # assembled whole
+    itemsize = column_split.dtype.itemsize  # a cast holds the larger of the two
+    assert largest_piece_bytes(column_split, dtype_by_name("float64")) == \
+        column_split.nbytes // itemsize * max(itemsize, 8)
+    used = []
+    real = placed_tensors.run_in_order
+    monkeypatch.setattr(placed_tensors, "run_in_order",
+                        lambda produce, tasks, write, threads: (used.append(threads),
+                                                                real(produce, tasks, write,
+                                                                     threads)))
+    for budget, expected in ((max(pieces.values()) * 3, 3), (1, 1)):
+        monkeypatch.setattr(placed_tensors, "PIECES_IN_HAND_BYTES", budget)
+        convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path / f"out-{budget}",
+                               EVERYTHING, threads=8)
+        assert used.pop() == expected
+
+
 def test_row_split_tensors_stream_a_chunk_at_a_time(tmp_path):
     checkpoint = open_checkpoint(fixture_path("fsdp2_adamw_3ranks"))
     embed = next(t for t in checkpoint.tensors if t.fqn == "model.embed.weight")
