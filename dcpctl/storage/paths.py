@@ -27,7 +27,7 @@ from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, open_regular_file,
                                   read_file, write_file_atomically)
 from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError
-from dcpctl.storage.stores import store_for
+from dcpctl.storage.stores import holds_user_info, store_for, without_user_info
 
 StoragePath = Union[Path, ObjectPath]
 
@@ -44,10 +44,10 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
     if match is None:
         return Path(text)
     protocol = match.group("protocol").lower()
-    if _URL_USER_INFO.match(text, match.end() - 2):
+    if holds_user_info(text):
         raise InvalidOptionError("a URL here holds no user or password: give credentials as "
                                  "the store takes them (its environment, or storage options)",
-                                 path=_URL_USER_INFO.sub("//", text, count=1))
+                                 path=without_user_info(text))
     if protocol in _LOCAL_PROTOCOLS:  # fsspec's names of the local file system
         return Path(text[match.end():])
     if protocol in ("http", "https"):  # fsspec's http file system lists no objects to write
@@ -73,9 +73,6 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
             path=text)
     store = store_for(protocol)
     return ObjectPath(store, store.fs._strip_protocol(text))
-
-
-_URL_USER_INFO = re.compile(r"//[^/]*@")  # a user and password: never printed
 
 
 def _settings_in_url(protocol: str, text: str) -> dict:

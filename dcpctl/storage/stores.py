@@ -62,10 +62,20 @@ def without_secrets(text: str) -> str:
                  for spelling in (secret, repr(secret)[1:-1], json.dumps(secret)[1:-1])}
     for spelling in sorted(spellings, key=len, reverse=True):  # as quoted back, too
         text = text.replace(spelling, "***")
-    return _URL_USER_INFO.sub(r"\1***@", text)
+    return without_user_info(text)
 
 
 _URL_USER_INFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@")
+
+
+def holds_user_info(url: str) -> bool:
+    """Whether a URL names a user or password (`ftp://user:password@host/...`)."""
+    return _URL_USER_INFO.match(url) is not None
+
+
+def without_user_info(text: str) -> str:
+    """text with the user and password of every URL in it shown as `***`."""
+    return _URL_USER_INFO.sub(r"\1***@", text)
 
 
 def _collect_secrets(value: object, secret: bool, into: set) -> None:
