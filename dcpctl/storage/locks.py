@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -39,23 +40,26 @@ def locked_directory(path: Path, exclusive: bool, what: str) -> Iterator[int]:
 
 @contextlib.contextmanager
 def locked_checkpoint(path: str | os.PathLike, exclusive: bool) -> Iterator[None]:
-    """Hold a checkpoint directory: exclusively to change it (another dcpctl reading or
-    changing it makes this fail at once), shared to read its data (another dcpctl changing it
-    makes this fail at once). A path that is not a directory is left to the caller to refuse. A
-    checkpoint in an object store takes no lock: there are none; conditional writes guard what
-    dcpctl replaces there."""
+    """Hold a checkpoint directory, or a file dcpctl reads or replaces whole (a safetensors or
+    torch.save file): exclusively to change it (another dcpctl reading or changing it makes
+    this fail at once), shared to read its data (another dcpctl changing it makes this fail at
+    once). A path that is neither is left to the caller to refuse. A checkpoint in an object
+    store takes no lock: there are none; conditional writes guard what dcpctl replaces
+    there."""
     what = ("another dcpctl is reading or changing this checkpoint" if exclusive
             else "another dcpctl is changing this checkpoint")
     if is_remote(storage_path(path)):
         yield
         return
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
+    try:  # never waits: a FIFO planted there opens at once, non-blocking
+        descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
         yield
         return
     try:
-        lock_descriptor(descriptor, exclusive, Path(path), what)
+        mode = os.fstat(descriptor).st_mode
+        if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+            lock_descriptor(descriptor, exclusive, Path(path), what)
         yield
     finally:
         os.close(descriptor)

@@ -10,6 +10,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -41,7 +42,7 @@ class StagedOutput:
             destination = Path(os.path.realpath(destination))
         refuse_overlap(source, destination)
         check_destination(destination, overwrite, is_directory)
-        if overwrite and is_directory:
+        if overwrite:
             with locked_checkpoint(destination, exclusive=True):  # held by another dcpctl?
                 pass  # fails at once; publish() takes the lock again to replace it
         self.destination = destination
@@ -85,7 +86,8 @@ class StagedOutput:
                 with locked_checkpoint(self.destination, exclusive=True):
                     self._replace_destination()
             else:
-                os.replace(self.path, self.destination)
+                with locked_checkpoint(self.destination, exclusive=True):
+                    os.replace(self.path, self.destination)
             if not self.is_directory:
                 os.rmdir(self._staging)
             fsync_directory(self.destination.parent)
@@ -98,6 +100,9 @@ class StagedOutput:
         between the two renames leaves no destination). Either way a run killed before the
         old one is gone leaves it under a staging name, unlocked: the next run for this
         destination removes it (remove_dead_stagings)."""
+        if not stat.S_ISDIR(os.lstat(self.destination).st_mode):  # a file or link came
+            raise OutputError("is no longer a directory (it was replaced while this run "
+                              "wrote): nothing was replaced", path=self.destination)
         if exchange(self.path, self.destination):
             shutil.rmtree(self.path)
             return

@@ -295,3 +295,20 @@ def test_an_output_is_replaced_in_one_step_and_a_killed_replacement_is_cleared(t
     staged.publish()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["first", "out", "second"]
     assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == b"new"
+
+
+def test_a_destination_that_became_a_file_is_not_replaced(tmp_path):
+    """Replaced by a file while the run wrote: the run swapped it for its output, failed on
+    removing the old one (`Not a directory`), and left the user's file under a hidden name no
+    later run removes."""
+    destination = tmp_path / "out"
+    destination.mkdir()
+    staged = StagedOutput(destination, overwrite=True, source=SOURCE)
+    (staged.path / "__0_0.distcp").write_bytes(b"new")
+    destination.rmdir()
+    destination.write_text("a user's file")
+    with pytest.raises(OutputError, match="is no longer a directory"):
+        staged.publish()
+    staged.abort()
+    assert destination.read_text() == "a user's file"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]

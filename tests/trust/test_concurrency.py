@@ -127,3 +127,25 @@ def test_a_new_file_gone_before_its_final_name_is_no_lack_of_hard_links(tmp_path
 
     with pytest.raises(FileNotFoundError):
         _give_final_names(tmp_path, {"__0_0.distcp": "__0_0.distcp.dcpctl-gone.tmp"})
+
+
+def test_a_file_or_safetensors_source_is_held_while_converted_to_dcp(run_cli, tmp_path):
+    """convert --to dcp read its safetensors directory (or torch.save file) with no lock, so
+    another dcpctl replaced it with --overwrite mid-read: the output mixed tensors of two
+    checkpoints, exit 0, certified by its SHA256SUMS."""
+    hf, model = tmp_path / "hf", tmp_path / "model.pt"
+    assert run_cli("convert", fixture_path(SOURCE), "--to", "safetensors", "-o", hf
+                   ).exit_code == 0
+    assert run_cli("convert", fixture_path(SOURCE), "--to", "torch", "-o", model).exit_code == 0
+    for source, to in ((hf, "safetensors"), (model, "torch")):
+        before = directory_state(hf), directory_state(tmp_path)
+        with locked_checkpoint(source, exclusive=False):  # as a convert reading it holds it
+            result = run_cli("convert", fixture_path("zstd_fsdp2_2ranks"), "--to", to, "-o",
+                             source, "--overwrite")
+            assert result.exit_code == 1, result.output
+            assert "another dcpctl is reading or changing" in result.output
+        assert (directory_state(hf), directory_state(tmp_path)) == before
+        with locked_checkpoint(source, exclusive=True):  # as one replacing it holds it
+            result = run_cli("convert", source, "--to", "dcp", "-o", tmp_path / "dcp")
+            assert result.exit_code == 1 and "another dcpctl is changing" in result.output
+        assert not (tmp_path / "dcp").exists()

@@ -38,6 +38,7 @@ from dcpctl.format.torch_save.layout import last_element_index
 from dcpctl.format.torch_save.writer import iter_torch_save_archive
 from dcpctl.ops.convert.report import ConvertReport, ProgressCallback, WrittenFile, run_in_order
 from dcpctl.ops.convert.tensor_bytes import torch_dtype
+from dcpctl.storage.locks import locked_checkpoint
 from dcpctl.storage.paths import StoragePath, is_remote, open_ranged, storage_path
 
 if TYPE_CHECKING:
@@ -338,6 +339,15 @@ def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: 
     if is_hf_storage_shards(storage_path(source)):
         return _convert_shards(source, output, ranks, prefix, threads, overwrite, on_progress,
                                workers, started)
+    with locked_checkpoint(source, exclusive=False):  # not replaced while it is read
+        return _convert_file_or_files(source, output, ranks, prefix, threads, overwrite,
+                                      on_progress, workers, started)
+
+
+def _convert_file_or_files(source: str | os.PathLike, output: str | os.PathLike, ranks: int,
+                           prefix: str, threads: int, overwrite: bool,
+                           on_progress: ProgressCallback | None, workers: int,
+                           started: float) -> ConvertReport:
     plan_ahead(DcpWritePlanning(str(source), prefix, ranks))  # workers read it as this does
     source_format, entries = read_source(storage_path(source), prefix)
     output_path = storage_path(output)
