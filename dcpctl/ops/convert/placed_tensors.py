@@ -152,8 +152,9 @@ def placed_tensors_planning(source: str | os.PathLike | StoragePath) -> PlacedTe
 
 PIECES_IN_HAND_BYTES = 128 << 20
 """Each thread holds a piece of a tensor at a time (a chunk, or a whole tensor not split by
-rows): threads stop at as many of the largest piece as fit in this, so that memory stays near
-the largest tensor whatever --threads (at 8 threads, 8 tensors of 64 MiB took 0.49 GB)."""
+rows): threads stop at as many of the largest piece as fit in this, or two where it is larger
+(one reads while one writes), so that memory stays near the largest tensor whatever --threads
+(at 8 threads, 8 tensors of 64 MiB took 0.49 GB)."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,8 @@ class PlacedTensorsJob:
         largest = max((largest_piece_bytes(tensors[self.slots[index].fqn],
                                            self.slots[index].dtype) for index in lanes),
                       default=0)
-        threads = max(1, min(self.threads, PIECES_IN_HAND_BYTES // max(largest, 1)))
+        threads = max(1, min(self.threads,
+                             max(PIECES_IN_HAND_BYTES, 2 * largest) // max(largest, 1)))
         try:
             with open_payload_reader(self.scratch) as payloads:
                 run_in_order(lambda index: iter_tensor_bytes(

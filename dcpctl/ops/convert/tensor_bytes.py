@@ -48,42 +48,45 @@ def bytes_of(values: torch.Tensor) -> bytearray | memoryview:
 
 
 def _cast(data: bytearray | memoryview, source: DType, target: DType) -> memoryview:
-    """Row-major bytes of source-dtype elements as target-dtype elements, the same bytes for
-    the same elements however the tensor is split into pieces."""
+    """Row-major bytes of source-dtype elements as target-dtype elements, as torch casts them
+    but for a NaN, which becomes the target's quiet NaN of its sign: the bits torch gives a
+    NaN depend on where it falls in what it casts (its vector loop against its tail loop) and
+    on the machine's vector instructions, so one tensor split differently, or cast on another
+    machine, came out with other bits."""
     import torch
 
     values = torch.frombuffer(data, dtype=torch_dtype(source))
     cast = values.to(torch_dtype(target))
-    if str(values.dtype) in _IEEE_FLOATS and str(cast.dtype) in _IEEE_FLOATS:
-        _cast_nans_as_full_vectors(values, cast)
+    quiet_nan = _QUIET_NANS.get(str(cast.dtype))
+    if quiet_nan is not None and str(values.dtype) in _QUIET_NANS:
+        _make_nans_quiet(values, cast, *quiet_nan)
     return bytes_of(cast)
 
 
-_IEEE_FLOATS = {"torch.float16", "torch.bfloat16", "torch.float32", "torch.float64"}
-_FULL_VECTORS = 16384
-"""Elements cast at a time where NaNs are: a multiple of every vector width, and under
-torch's parallel grain (32,768), so one thread's vector loop casts them all, with no tail."""
+_QUIET_NANS = {"torch.float16": ("int16", 0x7E00), "torch.bfloat16": ("int16", 0x7FC0),
+               "torch.float32": ("int32", 0x7FC00000), "torch.float64": ("int64", 0x7FF8 << 48)}
+"""Each IEEE float dtype's bits seen as a signed integer, and its positive quiet NaN."""
+_BLOCK_ELEMENTS = 1 << 20  # the NaN masks of a block at a time
 
 
-def _cast_nans_as_full_vectors(values, cast) -> None:
-    """Where values holds a NaN, cast it all again in blocks of full vectors. For some pairs
-    of dtypes (float16 to float32, float64 to bfloat16) torch's vector loop and its loop over
-    a tail give a NaN different bits, so a cast's bits followed where each NaN fell in the
-    piece cast: one checkpoint gave two outputs, as its chunks were laid out. Other values
-    cast alike in both loops. The test for a NaN is a sum (no mask of the piece), which an
-    infinity of each sign also makes NaN: those pieces take the blocks too, to the same
-    bits."""
+def _make_nans_quiet(values, cast, integer: str, quiet_nan: int) -> None:
+    """Set each element of cast whose value is a NaN to the quiet NaN of the value's sign. A
+    piece is looked into only where its sum is NaN (no mask of a piece without NaN; an
+    infinity of each sign makes it NaN too)."""
     import torch
 
     if not bool(values.sum().isnan()):
         return
-    tail = torch.zeros(_FULL_VECTORS, dtype=values.dtype)
-    for start in range(0, len(values), _FULL_VECTORS):
-        block = values[start:start + _FULL_VECTORS]
-        if len(block) < _FULL_VECTORS:  # padded to full vectors
-            tail[:len(block)] = block
-            block = tail
-        cast[start:start + len(block)] = block.to(cast.dtype)[:len(cast) - start]
+    bits = cast.view(getattr(torch, integer))
+    sign = -1 << (bits.element_size() * 8 - 1)  # the sign bit, as a signed integer
+    for start in range(0, len(values), _BLOCK_ELEMENTS):
+        block = values[start:start + _BLOCK_ELEMENTS]
+        nans = block.isnan()
+        if bool(nans.any()):
+            negative = torch.signbit(block[nans])
+            bits[start:start + len(block)][nans] = torch.where(
+                negative, torch.tensor(quiet_nan | sign, dtype=bits.dtype),
+                torch.tensor(quiet_nan, dtype=bits.dtype))
 
 
 def largest_piece_bytes(tensor: TensorEntry, dtype: DType | None = None) -> int:
