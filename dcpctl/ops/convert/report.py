@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from dcpctl.format.checkpoint.view import TensorEntry
+from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.dtypes import DType
 from dcpctl.pipeline import Pipeline
 
@@ -74,9 +75,17 @@ class OutputTensor:
         return math.prod(self.entry.shape) * self.dtype.itemsize
 
 
-def cast_dtype(dtype: DType, cast_to: DType | None) -> DType:
-    """The dtype a tensor gets: cast_to for floating-point tensors, its own otherwise."""
-    return cast_to if cast_to is not None and dtype.is_floating_point else dtype
+def cast_dtype(entry: TensorEntry, cast_to: DType | None, source: object) -> DType:
+    """The dtype a tensor gets: cast_to for floating-point tensors, its own otherwise. One of
+    values packed two to a byte (float4_e2m1fn_x2) is refused: torch casts no such tensor."""
+    if cast_to is None or not entry.dtype.is_floating_point or entry.dtype == cast_to:
+        return entry.dtype
+    if entry.dtype.name.endswith("_x2"):
+        raise UnsupportedLayoutError(
+            f"tensor {entry.fqn!r} is {entry.dtype.name}, two values packed in each byte, which "
+            "torch casts to no other dtype; leave it out with --exclude, or convert without "
+            "--dtype", path=source)
+    return cast_to
 
 
 def run_in_order(produce: Callable, tasks: list, write: Callable[[object, Iterator], None],

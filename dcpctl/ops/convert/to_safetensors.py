@@ -55,7 +55,7 @@ def plan_safetensors(checkpoint: Checkpoint, selection: KeySelection, cast_to: D
     names = select_and_rename([tensor.fqn for tensor in checkpoint.tensors], selection)
     for name in names.values():
         check_tensor_name(name)
-    tensors = [OutputTensor(entry, names[entry.fqn], cast_dtype(entry.dtype, cast_to))
+    tensors = [OutputTensor(entry, names[entry.fqn], cast_dtype(entry, cast_to, checkpoint.path))
                for entry in checkpoint.tensors if entry.fqn in names]
     shards = plan_shards([tensor.nbytes for tensor in tensors], max_shard_bytes)
     files = []

@@ -128,7 +128,7 @@ def plan_torch_save(checkpoint: Checkpoint, selection: KeySelection,
     """What goes into the file; every entry unless selection says otherwise."""
     order = list(checkpoint.metadata.state_dict_metadata)
     names = select_and_rename(order, selection)
-    tensors = [OutputTensor(entry, entry.fqn, cast_dtype(entry.dtype, cast_to))
+    tensors = [OutputTensor(entry, entry.fqn, cast_dtype(entry, cast_to, checkpoint.path))
                for entry in checkpoint.tensors if entry.fqn in names]
     objects = [entry for entry in checkpoint.objects if entry.fqn in names]
     planner_data = checkpoint.metadata.planner_data or {}

@@ -543,3 +543,20 @@ def test_a_stray_unreadable_safetensors_file_beside_an_indexed_model_is_left_alo
     convert_to_dcp(model, tmp_path / "dcp")
     loaded = load_with_torch(tmp_path / "dcp")
     assert torch.equal(loaded["a"], torch.ones(2)) and torch.equal(loaded["b"], torch.zeros(3))
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_a_packed_float4_tensor_is_refused_a_cast_by_name(tmp_path, run_cli, to):
+    """float4_e2m1fn_x2 counts as floating point, so --dtype took it, and torch's copy failed:
+    an internal error."""
+    import torch.distributed.checkpoint as dcp
+
+    packed = torch.zeros(4, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    dcp.save({"f4": packed, "w": torch.ones(3)}, checkpoint_id=str(tmp_path / "ck"),
+             no_dist=True)
+    result = run_cli("convert", tmp_path / "ck", "--to", to, "-o", tmp_path / "out",
+                     "--dtype", "bfloat16")
+    assert result.exit_code == 1
+    assert result.output == (f"Error: {tmp_path / 'ck'}: tensor 'f4' is float4_e2m1fn_x2, two "
+                             "values packed in each byte, which torch casts to no other dtype; "
+                             "leave it out with --exclude, or convert without --dtype\n")
