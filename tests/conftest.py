@@ -40,6 +40,23 @@ def run_dcpctl(*args, failpoint: str | None = None, trace: Path | None = None,
                           capture_output=True, text=True, **kwargs)
 
 
+def dcpctl_stopped_at(failpoint: str, *args) -> subprocess.Popen:
+    """`python -m dcpctl *args` in a process of its own, once it stopped itself (SIGSTOP) at
+    failpoint (name or name@n); SIGCONT resumes it. Killed if it does not stop in a minute."""
+    process = subprocess.Popen([sys.executable, "-m", "dcpctl", *map(str, args)],
+                               env={**os.environ, "DCPCTL_FAILPOINT": f"{failpoint}:SIGSTOP"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    try:
+        while open(f"/proc/{process.pid}/stat").read().split(") ")[1][0] != "T":
+            assert process.poll() is None and time.monotonic() < deadline, process.poll()
+            time.sleep(0.05)
+    except BaseException:
+        process.kill()
+        raise
+    return process
+
+
 def failpoint_passes(args: list, trace: Path) -> dict[str, int]:
     """How often `dcpctl *args` passes each failpoint, from one traced run that must succeed."""
     result = run_dcpctl(*args, trace=trace)

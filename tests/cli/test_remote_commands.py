@@ -11,9 +11,9 @@ import re
 
 import pytest
 import torch
-from conftest import (ACCELERATE_PARTS, MANIFEST, add_accelerate_checkpoint, download_prefix,
-                      fixture_path, load_with_dcpctl_reader, load_with_torch, run_dcpctl,
-                      upload_directory)
+from conftest import (ACCELERATE_PARTS, MANIFEST, add_accelerate_checkpoint,
+                      dcpctl_stopped_at, download_prefix, fixture_path, load_with_dcpctl_reader,
+                      load_with_torch, run_dcpctl, upload_directory)
 from make_fixtures import tensor_sha256
 from s3_servers import Faults, faulty_proxy
 from safetensors.torch import load_file
@@ -223,10 +223,7 @@ def test_an_object_written_since_prunes_scan_stays_and_the_run_says_so(moto_s3, 
                                                                        tmp_path):
     """A trainer back at an old step writes into the incomplete checkpoint prune is deleting:
     what it wrote since the scan stays, and prune reports that deletion failed."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
     for name, value in moto_s3.environment().items():
@@ -237,16 +234,10 @@ def test_an_object_written_since_prunes_scan_stays_and_the_run_says_so(moto_s3, 
     client = moto_s3.client()
     client.put_object(Bucket=bucket, Key="run/step-3/__0_0.distcp", Body=b"old")
     time.sleep(1.5)  # a crashed save's leftovers, unchanged for over a second
-    env = {**os.environ, "DCPCTL_FAILPOINT": "after-metadata-removed:SIGSTOP"}
-    process = subprocess.Popen(  # stopped once its first deletion took a `.metadata`
-        [sys.executable, "-m", "dcpctl", "prune", f"s3://{bucket}/run", "--keep-last", "1",
-         "--incomplete-older-than", "1s", "--json"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    process = dcpctl_stopped_at(  # once its first deletion took a `.metadata`
+        "after-metadata-removed", "prune", f"s3://{bucket}/run", "--keep-last", "1",
+        "--incomplete-older-than", "1s", "--json")
     try:
-        deadline = time.monotonic() + 60
-        while open(f"/proc/{process.pid}/stat").read().split(") ")[1][0] != "T":
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
         client.put_object(Bucket=bucket, Key="run/step-3/__0_0.distcp", Body=b"new save")
         client.put_object(Bucket=bucket, Key="run/step-3/__1_0.distcp", Body=b"new save")
     finally:
@@ -401,16 +392,6 @@ def test_old_files_an_in_place_run_cannot_delete_are_named_and_gone_next_run(
     assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
 
 
-def wait_until_stopped(process, seconds: float = 60) -> None:
-    """Until process stops itself at a failpoint (SIGSTOP)."""
-    import time
-
-    deadline = time.monotonic() + seconds
-    while open(f"/proc/{process.pid}/stat").read().split(") ")[1][0] != "T":
-        assert process.poll() is None and time.monotonic() < deadline, process.poll()
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("second_stops", ["before-atomic-rename@1", "before-atomic-rename@2"],
                          ids=["before its SHA256SUMS", "before its .metadata"])
 def test_an_output_taken_over_as_it_was_published_is_taken_back(
@@ -418,26 +399,16 @@ def test_an_output_taken_over_as_it_was_published_is_taken_back(
     """Run A gave its claim up and was about to write `.metadata` when run B, with
     --overwrite, deleted A's files and wrote its own in their place: A published its
     `.metadata` over B's data files and exited 0, the output damaged."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     bucket, url = moto_checkpoint
     output = f"s3://{bucket}/out"
-
-    def started(*args, failpoint):
-        return subprocess.Popen([sys.executable, "-m", "dcpctl", *args],
-                                env={**os.environ, "DCPCTL_FAILPOINT": failpoint},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    first = started("compress", url, "-o", output, failpoint="before-atomic-rename@2:SIGSTOP")
+    # the first stops with its claim given up, `.metadata` next
+    first = dcpctl_stopped_at("before-atomic-rename@2", "compress", url, "-o", output)
     second = None
-    try:
-        wait_until_stopped(first)  # its claim given up, `.metadata` next
-        second = started("decompress", url, "-o", output, "--overwrite",
-                         failpoint=f"{second_stops}:SIGSTOP")
-        wait_until_stopped(second)  # its data files written in place of the first's
+    try:  # the second stops with its data files written in place of the first's
+        second = dcpctl_stopped_at(second_stops, "decompress", url, "-o", output,
+                                   "--overwrite")
         first.send_signal(signal.SIGCONT)
         _, first_error = first.communicate(timeout=120)
         second.send_signal(signal.SIGCONT)
@@ -459,19 +430,13 @@ def test_a_run_taken_over_while_it_wrote_leaves_the_other_runs_output_whole(
     """Run A stopped after its first data file; run B, with --overwrite, deleted A's files and
     published its own output. A, resumed, wrote its remaining data files over B's (uploads
     were unconditional) before its own check failed it: B's published output was damaged."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     bucket, url = moto_checkpoint
     output = f"s3://{bucket}/out"
-    first = subprocess.Popen([sys.executable, "-m", "dcpctl", "compress", url, "-o", output,
-                              "--threads", "1"],
-                             env={**os.environ, "DCPCTL_FAILPOINT": "after-data-file@1:SIGSTOP"},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = dcpctl_stopped_at("after-data-file@1", "compress", url, "-o", output,
+                              "--threads", "1")
     try:
-        wait_until_stopped(first)
         ok("decompress", url, "-o", output, "--overwrite")
         first.send_signal(signal.SIGCONT)
         _, first_error = first.communicate(timeout=120)

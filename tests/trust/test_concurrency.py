@@ -94,21 +94,15 @@ def test_an_output_another_dcpctl_holds_is_not_replaced_with_overwrite(
 
 def test_an_output_held_once_written_is_not_replaced_either(tmp_path, copy_fixture):
     """Held only after the run began: the replacement waits for nothing and takes nothing."""
-    import os
     import signal
+
+    from conftest import dcpctl_stopped_at
 
     held_output = copy_fixture(SOURCE)
     before = directory_state(held_output)
-    run = subprocess.Popen(
-        [sys.executable, "-m", "dcpctl", "reshard", fixture_path("zstd_fsdp2_2ranks"),
-         "--ranks", "2", "-o", held_output, "--overwrite"],
-        env={**os.environ, "DCPCTL_FAILPOINT": "before-publish:SIGSTOP"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = dcpctl_stopped_at("before-publish", "reshard", fixture_path("zstd_fsdp2_2ranks"),
+                            "--ranks", "2", "-o", held_output, "--overwrite")
     try:
-        deadline = time.monotonic() + 60
-        while open(f"/proc/{run.pid}/stat").read().split(") ")[1][0] != "T":
-            assert run.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
         with locked_checkpoint(held_output, exclusive=False):
             run.send_signal(signal.SIGCONT)
             _, error = run.communicate(timeout=60)

@@ -323,24 +323,14 @@ def test_a_checkpoint_written_since_the_scan_is_not_deleted(tmp_path):
     it: prune then deleted the new, complete checkpoint, as the incomplete one it had seen."""
     import shutil
     import signal
-    import subprocess
-    import sys
-    import time
 
-    from conftest import fixture_path
+    from conftest import dcpctl_stopped_at, fixture_path
 
     run_dir = _run_dir(tmp_path, [1, 2, 3], age_seconds=2 * DAY)
     add_checkpoint(run_dir, "step-4", complete=False, age_seconds=2 * DAY)
-    prune = subprocess.Popen(
-        [sys.executable, "-m", "dcpctl", "prune", run_dir, "--keep-last", "2",
-         "--incomplete-older-than", "1h"],
-        env={**os.environ, "DCPCTL_FAILPOINT": "after-metadata-removed:SIGSTOP"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prune = dcpctl_stopped_at("after-metadata-removed", "prune", run_dir, "--keep-last", "2",
+                              "--incomplete-older-than", "1h")
     try:
-        deadline = time.monotonic() + 60
-        while open(f"/proc/{prune.pid}/stat").read().split(") ")[1][0] != "T":
-            assert prune.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
         shutil.copy(fixture_path("mesh2d_4ranks") / ".metadata", run_dir / "step-4")  # saved
         prune.send_signal(signal.SIGCONT)
         output, _ = prune.communicate(timeout=60)
