@@ -128,6 +128,16 @@ class ObjectStore:
         self.fs.invalidate_cache(key)  # asked of the store, not of fsspec's listings
         return self.info(key)
 
+    def holds_exactly(self, key: str, data: bytes) -> bool | None:
+        """Whether the object under key, asked now, holds data (a write of it that failed to
+        say so did land); None where the store will not say."""
+        try:
+            now = self.info_now(key)
+            return (now is not None and now.size == len(data)
+                    and self.read_range(key, 0, len(data)) == data)
+        except Exception:  # noqa: BLE001 - the failed write is the error to report
+            return None
+
     def is_prefix(self, key: str) -> bool:
         """Whether some object lies under key/."""
         with self.translated_errors(key):

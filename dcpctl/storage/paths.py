@@ -279,7 +279,7 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
             # the write again, which a conditional write then fails. What holds the name now
             # says whether this write happened; where the store will not say, neither may be
             # assumed.
-            landed = holds_exactly(path, data)
+            landed = store.holds_exactly(path.key, data)
             if landed is None:
                 raise WriteOutcomeUnknownError(
                     f"the write failed ({type(error).__name__}), and the store would not say "
@@ -296,16 +296,6 @@ def write_whole(path: StoragePath, data: bytes, made_stale: StoragePath | None =
             raise
         return hashlib.sha256(data).hexdigest()
     return write_file_atomically(path, data, made_stale)
-
-
-def holds_exactly(path: ObjectPath, data: bytes) -> bool | None:
-    """Whether the object at path, asked now, holds data (a write of it that failed to say so
-    did land); None where the store will not say."""
-    try:
-        now = path.store.info_now(path.key)
-        return now is not None and now.size == len(data) and path.read_bytes() == data
-    except Exception:  # noqa: BLE001 - the failed write is the error to report
-        return None
 
 
 def _take_away(path: ObjectPath) -> bytes | None:

@@ -399,12 +399,12 @@ class MultipartWriter(ObjectWriter):
         writer wrote all the same: its bytes (one PUT), or the ETag S3 gives an upload of
         these parts (the MD5 of their MD5s, and their count). False where the store will not
         say, or gives ETags of another kind (SSE-KMS)."""
+        if self._upload_id is None:
+            return self.store.holds_exactly(self.key, bytes(self._pending)) is True
         try:
             info = self.store.info_now(self.key)
             if info is None or info.size != self._size:
                 return False
-            if self._upload_id is None:
-                return self.store.read_range(self.key, 0, self._size) == bytes(self._pending)
             digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in self._parts)
             md5 = hashlib.md5(digests, usedforsecurity=False).hexdigest()
             return info.etag == f"{md5}-{len(self._parts)}"

@@ -23,7 +23,7 @@ from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, exchange, fina
                                   open_directory_at, temporary_name)
 from dcpctl.storage.locks import lock_descriptor, locked_checkpoint
 from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
-from dcpctl.storage.paths import StoragePath, abort_stale_uploads, holds_exactly
+from dcpctl.storage.paths import StoragePath, abort_stale_uploads
 
 
 class StagedOutput:
@@ -257,7 +257,7 @@ class ObjectStoreOutput:
         try:
             store.put(self._claim.key, self._claim_data, if_absent=True)
         except FileExistsError:
-            if holds_exactly(self._claim, self._claim_data) is not True:  # a lost reply's?
+            if store.holds_exactly(self._claim.key, self._claim_data) is not True:  # lost?
                 raise OutputError(
                     f"another run is writing this output (it holds "
                     f"{METADATA_TEMPORARY_FILE_NAME}, as a save in progress does); if none is, "
@@ -295,11 +295,10 @@ class ObjectStoreOutput:
             self._refuse_replaced([*names, last_file], {**sizes, last_file: len(last_bytes)})
         except OutputError:
             self._confirmed = False  # the output is the other run's now: abort leaves it
-            last = self.destination / last_file
+            store, last = self.destination.store, (self.destination / last_file).key
             with contextlib.suppress(StorageError, OSError):
-                info = last.store.info_now(last.key)
-                if info is not None and last.read_bytes() == last_bytes:
-                    last.store.delete([last.key], if_etags={last.key: info.etag})
+                if store.holds_exactly(last, last_bytes):
+                    store.delete([last], if_etags={last: store.remembered_etag(last)})
             raise
 
     def _refuse_replaced(self, names: Iterable[str], sizes: Mapping[str, int]) -> None:
