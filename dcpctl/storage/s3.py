@@ -204,28 +204,30 @@ class S3Store(ObjectStore):
         return aborted
 
     def _uploads_under(self, bucket: str, key_prefix: str) -> Iterator[dict]:
-        markers: dict[str, str] = {}
-        while True:
-            page = self._run(self.fs._call_s3("list_multipart_uploads", Bucket=bucket,
-                                              Prefix=key_prefix, **markers))
+        for page in self._pages("list_multipart_uploads", lambda page: {
+                "KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]},
+                Bucket=bucket, Prefix=key_prefix):
             yield from page.get("Uploads") or ()
-            if not page.get("IsTruncated"):
-                return
-            markers = {"KeyMarker": page["NextKeyMarker"],
-                       "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def _last_written(self, bucket: str, upload: dict) -> float:
         """When the upload was started or last given a part, in seconds since the epoch."""
-        last = upload["Initiated"].timestamp()
-        markers: dict[str, int] = {}
+        pages = self._pages("list_parts", lambda page: {
+            "PartNumberMarker": page["NextPartNumberMarker"]},
+            Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        return max([upload["Initiated"].timestamp(),
+                    *(part["LastModified"].timestamp()
+                      for page in pages for part in page.get("Parts") or ())])
+
+    def _pages(self, method: str, next_markers: Callable[[dict], dict], **arguments
+               ) -> Iterator[dict]:
+        """The pages of a listing call, each asked from where the one before ended."""
+        markers: dict = {}
         while True:
-            page = self._run(self.fs._call_s3("list_parts", Bucket=bucket, Key=upload["Key"],
-                                              UploadId=upload["UploadId"], **markers))
-            for part in page.get("Parts") or ():
-                last = max(last, part["LastModified"].timestamp())
+            page = self._run(self.fs._call_s3(method, **arguments, **markers))
+            yield page
             if not page.get("IsTruncated"):
-                return last
-            markers = {"PartNumberMarker": page["NextPartNumberMarker"]}
+                return
+            markers = next_markers(page)
 
     def describe(self, error: Exception) -> tuple[type[StorageError], str] | None:
         reason = self._reason(error)
