@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from dcpctl.format.checkpoint.view import TensorEntry
 from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.format.checkpoint.view import TensorEntry
 from dcpctl.format.dtypes import DType
 from dcpctl.pipeline import Pipeline
+from dcpctl.storage.paths import StoragePath
 
 # Called with (bytes just done, total bytes) as work advances.
 ProgressCallback = Callable[[int, int], None]
@@ -75,7 +76,7 @@ class OutputTensor:
         return math.prod(self.entry.shape) * self.dtype.itemsize
 
 
-def cast_dtype(entry: TensorEntry, cast_to: DType | None, source: object) -> DType:
+def cast_dtype(entry: TensorEntry, cast_to: DType | None, source: StoragePath) -> DType:
     """The dtype a tensor gets: cast_to for floating-point tensors, its own otherwise. One of
     values packed two to a byte (float4_e2m1fn_x2) is refused: torch casts no such tensor."""
     if cast_to is None or not entry.dtype.is_floating_point or entry.dtype == cast_to:

@@ -186,7 +186,7 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
             name=name, path=scan.path / name, step=parse_step(name), complete=shape.complete,
             size_bytes=sum(info.size for info in objects.values()), modified_at=modified_at,
             age_seconds=None if modified_at is None else max(0.0, now - modified_at),
-            has_sha256sums=all(name in objects for name in shape.sha256sums_files),
+            has_sha256sums=all(file in objects for file in shape.sha256sums_files),
             identity=(0, 0), parts=shape.parts,
             objects=objects))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
