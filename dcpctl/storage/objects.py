@@ -65,6 +65,7 @@ class ObjectStore:
         self.fs = filesystem
         self._seen: dict[str, ObjectInfo] = {}  # by key: each object as first listed or read
         self._seen_lock = threading.Lock()
+        self._written_etags: dict[str, str] = {}  # by key: the ETag of this run's own write
 
     def url(self, key: str) -> str:
         """The URL a user would write for key."""
@@ -168,7 +169,7 @@ class ObjectStore:
         with self.translated_errors(key):
             self.refuse_unmet_condition(key, if_absent, if_etag)
             self.fs.pipe_file(key, bytes(data))
-        self.forget(key)
+        self.note_written(key)
 
     def refuse_unmet_condition(self, key: str, if_absent: bool, if_etag: str | None) -> None:
         """Raise FileExistsError (if_absent) or ObjectChangedError (if_etag) where the object
@@ -200,7 +201,7 @@ class ObjectStore:
         have, where a store can promise it (S3); elsewhere the caller checks just before.
         Raises StorageError naming an object the store did not delete."""
         for key in keys:
-            self.forget(key)
+            self.note_written(key)
             with self.translated_errors(key):
                 try:
                     self.fs.rm_file(key)
@@ -227,6 +228,22 @@ class ObjectStore:
         """Forget what was seen of key (dcpctl wrote or deleted it)."""
         with self._seen_lock:
             self._seen.pop(key, None)
+
+    def note_written(self, key: str, etag: str | None = None) -> None:
+        """This run wrote (or deleted) the object of key: what was seen of it is forgotten,
+        and the ETag the store gave the write is kept, where it gave one."""
+        self.forget(key)
+        with self._seen_lock:
+            if etag:
+                self._written_etags[key] = str(etag).strip('"')
+            else:
+                self._written_etags.pop(key, None)
+
+    def etag_written(self, key: str) -> str | None:
+        """The ETag the store gave this run's last write of key; None where it gave none, or
+        this run did not write it."""
+        with self._seen_lock:
+            return self._written_etags.get(key)
 
     def translated_errors(self, key: str):
         """A context that turns what the store's client raises into dcpctl's errors."""
@@ -301,7 +318,7 @@ class FileObjectWriter(ObjectWriter):
     def finish(self) -> None:
         with self.store.translated_errors(self.key):
             self._file.close()
-        self.store.forget(self.key)
+        self.store.note_written(self.key)
 
     def discard(self) -> None:
         discard = getattr(self._file, "discard", None)

@@ -128,11 +128,11 @@ class S3Store(ObjectStore):
         with _exists_when_refused(self.url(key), if_absent), self.translated_errors(key):
             if condition:  # asked first too, for the servers that ignore the condition
                 self.refuse_unmet_condition(key, if_absent, if_etag)
-            self._call(key, "put_object", Body=bytes(data), **condition)
-        self._written(key)
+            response = self._call(key, "put_object", Body=bytes(data), **condition)
+        self.note_written(key, response.get("ETag"))
 
-    def _written(self, key: str) -> None:
-        self.forget(key)
+    def note_written(self, key: str, etag: str | None = None) -> None:
+        super().note_written(key, etag)
         self.fs.invalidate_cache(key)
 
     def delete(self, keys: list[str], if_etags: Mapping[str, str | None] | None = None) -> None:
@@ -168,7 +168,7 @@ class S3Store(ObjectStore):
                     "delete_objects", Bucket=bucket, Delete={"Objects": plain, "Quiet": True}))
             finally:
                 for key, _ in batch:
-                    self._written(key)
+                    self.note_written(key)
         failed = [error for error in response.get("Errors") or ()
                   if error.get("Code") != "NoSuchKey"]
         if failed:
@@ -378,16 +378,18 @@ class MultipartWriter(ObjectWriter):
         try:
             if self._upload_id is None:
                 self.store.put(self.key, bytes(self._pending), if_absent=self.if_absent)
-            else:
-                self._complete()
+                return  # put kept the ETag
+            etag = self._complete()
         except Exception:
             # A reply lost after the store made the object (a dropped connection): the
             # client's retry is refused (the upload is done, or, if_absent, the name taken).
-            if not self._made_as_written():
+            etag = self._etag_if_made_as_written()
+            if etag is None:
                 raise
-        self.store._written(self.key)
+        self.store.note_written(self.key, etag)
 
-    def _complete(self) -> None:
+    def _complete(self) -> str | None:
+        """Complete the upload; the object's ETag (None where it is not the one written)."""
         condition = {"IfNoneMatch": "*"} if self.if_absent else {}
         with (_exists_when_refused(self.store.url(self.key), self.if_absent),
               self.store.translated_errors(self.key)):
@@ -395,23 +397,29 @@ class MultipartWriter(ObjectWriter):
                 self.store.refuse_unmet_condition(self.key, True, None)
             self.store._call(self.key, "complete_multipart_upload", UploadId=self._upload_id,
                              MultipartUpload={"Parts": self._parts}, **condition)
+        # as a listing gives it: the completion's answer need not be (rclone's is the MD5 of
+        # the parts' MD5s, its listing's the MD5 of the object)
+        info = self.store.info_now(self.key)
+        return info.etag if info is not None and info.size == self._size else None
 
-    def _made_as_written(self) -> bool:
-        """After finish() failed: whether the object under the key, asked now, is the one this
-        writer wrote all the same: its bytes (one PUT), or the ETag S3 gives an upload of
-        these parts (the MD5 of their MD5s, and their count). False where the store will not
-        say, or gives ETags of another kind (SSE-KMS)."""
+    def _etag_if_made_as_written(self) -> str | None:
+        """After finish() failed: the object's ETag where the object under the key, asked now,
+        is the one this writer wrote all the same: its bytes (one PUT), or the ETag S3 gives an
+        upload of these parts (the MD5 of their MD5s, and their count). None where it is not,
+        where the store will not say, or gives ETags of another kind (SSE-KMS)."""
         if self._upload_id is None:
-            return self.store.holds_exactly(self.key, bytes(self._pending)) is True
+            if self.store.holds_exactly(self.key, bytes(self._pending)) is not True:
+                return None
+            return self.store.remembered_etag(self.key) or ""
         try:
             info = self.store.info_now(self.key)
             if info is None or info.size != self._size:
-                return False
+                return None
             digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in self._parts)
-            md5 = hashlib.md5(digests, usedforsecurity=False).hexdigest()
-            return info.etag == f"{md5}-{len(self._parts)}"
+            etag = f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(self._parts)}"
+            return etag if info.etag == etag else None
         except Exception:  # noqa: BLE001 - the failed write is the error to report
-            return False
+            return None
 
     def discard(self) -> None:
         for _, future in self._in_flight:

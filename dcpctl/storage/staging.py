@@ -302,7 +302,11 @@ class ObjectStoreOutput:
             raise
 
     def _refuse_replaced(self, names: Iterable[str], sizes: Mapping[str, int]) -> None:
-        standing = self.destination.store.list_tree(self.destination.key)
+        """Raise OutputError where one of names is gone, or is not the object this run wrote:
+        of another size than sizes gives it, or of another ETag than the store gave this run's
+        write (where the store gives ETags: a replacement of the same size)."""
+        store = self.destination.store
+        standing = store.list_tree(self.destination.key)
         for name in sorted({*names, *sizes}):
             info = standing.get(name)
             if info is None:
@@ -314,6 +318,12 @@ class ObjectStoreOutput:
                                   f"holds {info.size} bytes, not the {sizes[name]} this run "
                                   "wrote; another run with --overwrite?): nothing was "
                                   "published", path=self.destination)
+            written = store.etag_written((self.destination / name).key)
+            if written is not None and info.etag is not None and info.etag != written:
+                raise OutputError(f"{name} was replaced while this run wrote the output (its "
+                                  "ETag is not the one this run's write was given; another "
+                                  "run with --overwrite?): nothing was published",
+                                  path=self.destination)
 
     def publish(self) -> None:
         """Nothing to move: every object is in place once its write finished; the claim is

@@ -312,3 +312,38 @@ def test_a_destination_that_became_a_file_is_not_replaced(tmp_path):
     staged.abort()
     assert destination.read_text() == "a user's file"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_object_store_output_replaced_with_objects_of_the_same_sizes_is_not_published(
+        s3_server):
+    """Run A gave its claim up and was about to write `.metadata` when run B (--overwrite)
+    deleted A's objects and wrote its own, of the same sizes: A's check compared sizes only,
+    so A published its `.metadata` over B's data."""
+    first, destination = _object_output(s3_server)
+    _put(destination, "__0_0.distcp", b"first")
+    first.confirm(["__0_0.distcp"], {"__0_0.distcp": 5})
+    other_run = destination.store.fs  # another process: no record of this run's writes
+    key = (destination / "__0_0.distcp").key
+    other_run.rm_file(key)
+    other_run.pipe_file(key, b"other")
+    _put(destination, ".metadata", b"metadata")
+    with pytest.raises(OutputError, match="__0_0.distcp was replaced .*ETag"):
+        first.confirm_published(["__0_0.distcp"], {"__0_0.distcp": 5}, ".metadata",
+                                b"metadata")
+    first.abort()
+    assert _keys(destination) == ["__0_0.distcp"]
+    assert other_run.cat_file(key) == b"other"
+
+
+@pytest.mark.parametrize("size", [100, (8 << 20) + 100], ids=["one PUT", "multipart"])
+def test_the_etag_of_this_runs_own_write_is_the_one_its_listing_gives(s3_server, size):
+    """What the check above compares: a store that gave a write one ETag and listed the
+    object with another would fail every output."""
+    first, destination = _object_output(s3_server)
+    store, key = destination.store, (destination / "__0_0.distcp").key
+    writer = store.open_writer(key, if_absent=True)
+    writer.write(bytes(size))
+    writer.finish()
+    assert store.etag_written(key) == store.list_tree(destination.key)["__0_0.distcp"].etag
+    first.confirm(["__0_0.distcp"], {"__0_0.distcp": size})
+    first.abort()
