@@ -27,7 +27,7 @@ from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.torch_save.crc32 import crc32_of_concatenation
 from dcpctl.format.torch_save.writer import data_descriptor
-from dcpctl.ops.convert.report import ProgressCallback, run_in_order
+from dcpctl.ops.convert.report import OutputTensor, ProgressCallback, run_in_order
 from dcpctl.ops.convert.tensor_bytes import iter_tensor_bytes, largest_piece_bytes
 from dcpctl.storage.local import scratch_directory_beside
 from dcpctl.storage.paths import StoragePath, storage_path
@@ -157,6 +157,14 @@ rows): threads stop at as many of the largest piece as fit in this, or two where
 (at 8 threads, 8 tensors of 64 MiB took 0.49 GB)."""
 
 
+def threads_holding_pieces(threads: int, tensors: Iterable[OutputTensor]) -> int:
+    """How many of `threads` write these tensors: as many of the largest piece one is read in
+    as fit in PIECES_IN_HAND_BYTES, or two where it is larger."""
+    largest = max((largest_piece_bytes(tensor.entry, tensor.dtype) for tensor in tensors),
+                  default=0)
+    return max(1, min(threads, max(PIECES_IN_HAND_BYTES, 2 * largest) // max(largest, 1)))
+
+
 @dataclass(frozen=True)
 class PlacedTensorsJob:
     """Writing every slot's tensor (execution/jobs.py): its lanes are the slots, by bytes. A
@@ -167,6 +175,7 @@ class PlacedTensorsJob:
     """The scratch directory for payloads decoded whole (storage/local.py)."""
     slots: tuple[TensorSlot, ...]
     threads: int
+    """Threads of each share, as threads_holding_pieces gives them."""
 
     def lane_sizes(self, plan: PlacedTensorsPlan) -> list[int]:
         return [slot.nbytes for slot in self.slots]
@@ -198,16 +207,11 @@ class PlacedTensorsJob:
             elif plan.coordinator.holds_all_slots(slot.file, crcs):
                 plan.coordinator.finish(slot.file, crcs)
 
-        largest = max((largest_piece_bytes(tensors[self.slots[index].fqn],
-                                           self.slots[index].dtype) for index in lanes),
-                      default=0)
-        threads = max(1, min(self.threads,
-                             max(PIECES_IN_HAND_BYTES, 2 * largest) // max(largest, 1)))
         try:
             with open_payload_reader(self.scratch) as payloads:
                 run_in_order(lambda index: iter_tensor_bytes(
                     payloads, plan.checkpoint, tensors[self.slots[index].fqn],
-                    self.slots[index].dtype), lanes, write, threads)
+                    self.slots[index].dtype), lanes, write, self.threads)
         except BaseException:
             for file in own_files.values():
                 file.discard()

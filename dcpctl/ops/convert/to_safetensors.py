@@ -26,7 +26,8 @@ from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTenso
 from dcpctl.format.torch_save.zip_records import holds_storages, read_central_directory
 from dcpctl.ops.convert.key_selection import KeySelection, is_selected, select_and_rename
 from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
-                                               placed_tensors_planning, write_placed_tensors)
+                                               placed_tensors_planning, threads_holding_pieces,
+                                               write_placed_tensors)
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype)
 from dcpctl.storage.paths import StoragePath, new_output_file, open_ranged, storage_path
@@ -115,6 +116,7 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
         threads = threads_per_worker(threads, checkpoint.path, workers)
         _refuse_objects_holding_tensors(checkpoint, selection)
         plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
+        threads = threads_holding_pieces(threads, plan.tensors)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path)
         try:
             files = write_safetensors(plan, checkpoint, staged.path, threads, workers,

@@ -33,7 +33,8 @@ from dcpctl.format.torch_save.plain_objects import NotPlainData, load_plain_obje
 from dcpctl.format.torch_save.writer import ARCHIVE_PREFIX, ZipStreamWriter
 from dcpctl.ops.convert.key_selection import KeySelection, select_and_rename
 from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
-                                               placed_tensors_planning, write_placed_tensors)
+                                               placed_tensors_planning, threads_holding_pieces,
+                                               write_placed_tensors)
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype)
 from dcpctl.storage.paths import StoragePath, storage_path
@@ -203,6 +204,7 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
                             on_progress) as checkpoint:
         threads = threads_per_worker(threads, checkpoint.path, workers)
         plan = plan_torch_save(checkpoint, selection, cast_to)
+        threads = threads_holding_pieces(threads, plan.tensors)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path,
                                is_directory=False)
         try:

@@ -144,9 +144,13 @@ def test_threads_hold_no_more_than_a_bounded_sum_of_pieces(tmp_path, monkeypatch
                                                                      threads)))
     for budget, expected in ((max(pieces.values()) * 3, 3), (1, 2)):  # two where it is larger
         monkeypatch.setattr(placed_tensors, "PIECES_IN_HAND_BYTES", budget)
-        convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path / f"out-{budget}",
-                               EVERYTHING, threads=8)
+        report = convert_to_safetensors(fixture_path("mesh2d_4ranks"), tmp_path / f"out-{budget}",
+                                        EVERYTHING, threads=8)
         assert used.pop() == expected
+        assert report.threads == expected  # the report gives the threads that ran, not 8
+        report = convert_to_torch_save(fixture_path("mesh2d_4ranks"), tmp_path / f"{budget}.pt",
+                                       EVERYTHING, threads=8)
+        assert used.pop() == expected and report.threads == expected
 
 
 def test_row_split_tensors_stream_a_chunk_at_a_time(tmp_path):
