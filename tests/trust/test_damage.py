@@ -6,6 +6,7 @@ source, the mismatch is named before anything is read for the output."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -180,3 +181,22 @@ def test_an_object_item_scrambled_past_recognition_is_refused(copy_fixture, run_
     result = run_cli("decompress", checkpoint, "-o", tmp_path / "out")
     assert result.exit_code == 1 and "is not a torch.save archive" in result.output
     assert not (tmp_path / "out").exists() and directory_state(checkpoint) == before
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "deep"])
+def test_verify_names_a_listed_file_replaced_by_a_symlink_as_ls_and_the_commands_do(
+        saved, tmp_path, quick):
+    """verify reported a listed file that became a symlink out as a fault of SHA256SUMS, and
+    one to a file inside not at all, where ls, prune and every data command name the file
+    (checksums.absent_listed_files): one rule for all."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(saved / "plain", checkpoint)
+    torch.save({"iteration": 7}, checkpoint / "common.pt")
+    assert run_dcpctl("checksum", checkpoint).returncode == 0
+    (checkpoint / "common.pt").rename(checkpoint / "copy.pt")
+    (checkpoint / "common.pt").symlink_to("copy.pt")  # inside the checkpoint
+    result = run_dcpctl("verify", checkpoint, "--json", *(["--quick"] if quick else []))
+    assert result.returncode == 1
+    problems = json.loads(result.stdout)["problems"]
+    assert ("not-regular-file", "common.pt") in {(problem["rule"], problem["file"])
+                                                 for problem in problems}

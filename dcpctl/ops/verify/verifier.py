@@ -10,13 +10,13 @@ from typing import Callable
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
-from dcpctl.format.checkpoint.checksums import read_sha256sums
+from dcpctl.format.checkpoint.checksums import absent_listed_files, read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_beside_data,
                                                  side_file_problems, side_files_of)
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
-from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint, resolve_inside
+from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_started
 from dcpctl.ops.verify.scan import items_to_check
@@ -175,15 +175,8 @@ def _listing_problems(directory: StoragePath, checkpoint: Checkpoint | None, pre
     if sums is None:
         return problems
     reported_missing = {p.file for p in problems_so_far if p.rule == Rule.MISSING_FILE}
-    for name in sorted(sums):
-        try:  # its names are plain (parse_sha256sums); one can still link out
-            exists = resolve_inside(directory, name).exists()
-        except UnsafePathError as error:
-            problems.append(Problem(Rule.CHECKSUMS_FILE, f"a listed file, {error.message}",
-                                    SHA256SUMS_FILE_NAME))
-            continue
-        if not exists and name not in reported_missing:
-            problems.append(Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name))
+    problems += [problem for problem in absent_listed_files(directory, sums)
+                 if problem.file not in reported_missing]
     side_files = set(side_files_of(checkpoint)) if checkpoint is not None else set()
     for name in sorted(known & present - side_files - set(sums)):
         problems.append(Problem(Rule.NOT_CHECKSUMMED, "file is not listed in SHA256SUMS", name))
