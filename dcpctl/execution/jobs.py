@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
-from dcpctl.errors import DcpctlError
+from dcpctl.errors import DcpctlError, describe_os_error
 from dcpctl.execution.shares import split_by_size
 
 Plan = TypeVar("Plan")
@@ -105,6 +105,8 @@ def describe_failure(error: BaseException) -> str:
     """An error raised in a worker as the one line its coordinator reports."""
     if isinstance(error, DcpctlError):
         return str(error)
+    if isinstance(error, OSError):  # as the CLI words one raised in its own process
+        return describe_os_error(error)
     return f"internal error: {type(error).__name__}: {error}"
 
 

@@ -202,6 +202,23 @@ def empty_directory(descriptor: int) -> None:
             os.close(still_open)
 
 
+def remove_directory(path: str | os.PathLike) -> None:
+    """Delete the directory at path with everything in it, as empty_directory does (shutil's
+    rmtree refuses a directory whose inode a file system reports otherwise once opened, as
+    FUSE file systems may after a rename, taking it for a symlink swapped in)."""
+    path = Path(path)
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        descriptor = open_directory_at(parent, path.name)
+        try:
+            empty_directory(descriptor)
+        finally:
+            os.close(descriptor)
+        os.rmdir(path.name, dir_fd=parent)
+    finally:
+        os.close(parent)
+
+
 def _remove_files_in(descriptor: int) -> str | None:
     """Unlink every entry of the open directory but directories; the name of one of those."""
     subdirectory = None

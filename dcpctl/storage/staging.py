@@ -9,18 +9,17 @@ import contextlib
 import errno
 import fcntl
 import os
-import shutil
 import stat
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from dcpctl.errors import OutputError
+from dcpctl.errors import OutputError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, METADATA_TEMPORARY_FILE_NAME
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, exchange, final_name_of,
                                   fsync_directory, is_temporary_name, new_token,
-                                  open_directory_at, temporary_name)
+                                  open_directory_at, remove_directory, temporary_name)
 from dcpctl.storage.locks import lock_descriptor, locked_checkpoint
 from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
 from dcpctl.storage.paths import StoragePath, abort_stale_uploads
@@ -104,13 +103,24 @@ class StagedOutput:
             raise OutputError("is no longer a directory (it was replaced while this run "
                               "wrote): nothing was replaced", path=self.destination)
         if exchange(self.path, self.destination):
-            shutil.rmtree(self.path)
+            self._remove_replaced(self.path)
             return
         aside = self.destination.parent / temporary_name(f".{self.destination.name}",
                                                          new_token())
         os.replace(self.destination, aside)
         os.replace(self.path, self.destination)
-        shutil.rmtree(aside)
+        self._remove_replaced(aside)
+
+    def _remove_replaced(self, old_output: Path) -> None:
+        """Delete the output the new one replaced, now under a staging name; where that fails,
+        say so (the new output is in place, and the next run for it removes the old)."""
+        try:
+            remove_directory(old_output)
+        except OSError as error:
+            raise OutputError(f"holds the new output, but removing the one it replaced, moved "
+                              f"to {old_output.name}, failed ({describe_os_error(error)}); the "
+                              "next run for this output removes it", path=self.destination
+                              ) from None
 
     def _publish_without_replacing(self) -> None:
         # rename(2) takes the place of an empty directory only, in one step; a file's place is
@@ -140,7 +150,8 @@ class StagedOutput:
     def abort(self) -> None:
         """Remove the unfinished output, and the directories made for it where nothing else
         came to be in them; the destination stays as it was."""
-        shutil.rmtree(self._staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_directory(self._staging)
         self._unlock()
         for directory in self._made_parents:  # the deepest first
             try:

@@ -347,3 +347,53 @@ def test_the_etag_of_this_runs_own_write_is_the_one_its_listing_gives(s3_server,
     assert store.etag_written(key) == store.list_tree(destination.key)["__0_0.distcp"].etag
     first.confirm(["__0_0.distcp"], {"__0_0.distcp": size})
     first.abort()
+
+
+@pytest.mark.parametrize("exchanges", [True, False], ids=["exchange", "two renames"])
+def test_an_overwrite_where_inodes_look_changed_once_opened_replaces_and_removes_the_old(
+        tmp_path, monkeypatch, exchanges):
+    """On a FUSE file system (rclone mount) a directory's inode reads otherwise once it is
+    opened, so shutil's rmtree took the old output, moved aside, for a symlink swapped in: the
+    run failed, `Cannot call rmtree on a symbolic link`, after its output was in place, and
+    the old one stayed beside it."""
+    import os.path
+
+    from dcpctl.storage import staging
+
+    monkeypatch.setattr(os.path, "samestat", lambda first, second: False)
+    if not exchanges:  # as there: no renameat2 exchange either
+        monkeypatch.setattr(staging, "exchange", lambda first, second: False)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "sub").mkdir()
+    (tmp_path / "out" / "sub" / "__0_0.distcp").write_bytes(b"old")
+    staged = StagedOutput(tmp_path / "out", overwrite=True, source=SOURCE)
+    (staged.path / "__0_0.distcp").write_bytes(b"new")
+    staged.publish()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["__0_0.distcp"]
+
+
+def test_an_old_output_that_cannot_be_removed_is_named_and_the_new_one_stays(
+        tmp_path, monkeypatch):
+    import errno
+
+    from dcpctl.storage import staging
+
+    def refuse(path):
+        raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "__0_0.distcp").write_bytes(b"old")
+    staged = StagedOutput(tmp_path / "out", overwrite=True, source=SOURCE)
+    (staged.path / "__0_0.distcp").write_bytes(b"new")
+    with monkeypatch.context() as patch:
+        patch.setattr(staging, "remove_directory", refuse)
+        with pytest.raises(OutputError, match="holds the new output, but removing the one it "
+                           "replaced, moved to .*(Device or resource busy|busy).*the next run "
+                           "for this output removes it"):
+            staged.publish()
+    staged.abort()
+    assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == b"new"
+    rerun = StagedOutput(tmp_path / "out", overwrite=True, source=SOURCE)  # clears what stayed
+    rerun.abort()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]

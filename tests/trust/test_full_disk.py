@@ -4,6 +4,7 @@ the file it was writing; nothing is published and nothing of the run is left beh
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -51,6 +52,30 @@ def test_a_failed_write_names_its_file_and_leaves_nothing(tmp_path, command, lim
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"Error: {tmp_path}/"), result.stderr
     assert lines[0].endswith(": File too large")
+    assert directory_state(checkpoint) == state
+    assert entries(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", [
+    ["compress", "{ckpt}", "-o", "{out}"], ["compress", "{ckpt}"],
+    ["reshard", "{ckpt}", "--ranks", "2", "-o", "{out}"],
+    ["convert", "{ckpt}", "--to", "safetensors", "-o", "{out}", "--include", "*"],
+], ids=["compress", "in-place", "reshard", "convert"])
+def test_a_failed_write_in_a_worker_names_its_file_as_one_process_does(tmp_path, command):
+    """A worker's full disk read `worker 1 of 2: internal error: OSError: [Errno 28] No space
+    left on device: ...`, where one process says `<file>: No space left on device`."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(fixture_path(SOURCE), checkpoint)
+    before = entries(tmp_path)
+    state = directory_state(checkpoint)
+    args = [part.format(ckpt=checkpoint, out=tmp_path / "out") for part in command]
+    result = _run_with_file_size_limit(2_000, *args, "--workers", 2)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    worker = "(worker [12] of 2: )?"  # convert lays its files out before the workers start
+    assert re.fullmatch(f"Error: {worker}{re.escape(str(tmp_path))}/.*: File too large",
+                        lines[0]), lines[0]
     assert directory_state(checkpoint) == state
     assert entries(tmp_path) == before
 
