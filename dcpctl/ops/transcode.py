@@ -46,6 +46,8 @@ __all__ = ["COMPRESSING_CODEC_NAMES", "DEFAULT_ZSTD_LEVEL", "MAX_ZSTD_LEVEL", "M
 
 # Called with (bytes just done, total bytes) as work advances.
 ProgressCallback = Callable[[int, int], None]
+HELD_PIECES = 8
+"""Pieces (of DEFAULT_PIECE_BYTES) made and not yet written, at most, whatever the threads."""
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,10 @@ def _produce(codec: Codec, piece_bytes: int) -> Callable[[Run[ItemTask]], Iterat
         span = (StoredSpan(first.path, first.start, last.start + last.length, first.fqn)
                 if len(run.tasks) > 1 else None)
         # decoders hand out pieces of at most one zstd block, a run many small items: the
-        # writer wants fewer, larger pieces
-        return coalesce(produce_run(run, lambda task: item_pieces(task, span)), piece_bytes)
+        # writer wants fewer, larger pieces; an encoder's output of a whole piece passes as it
+        # is (joined to the next, both and their join would be held at once)
+        return coalesce(produce_run(run, lambda task: item_pieces(task, span)),
+                        piece_bytes // 4)
 
     return produce
 
@@ -248,10 +252,10 @@ def _write_items(tasks: list[ItemTask], codec: Codec, files: DataFileSet, thread
             files.finish_data_file(run.lane)
         advance(run.size_bytes)
 
-    # held pieces: four per thread, but no more than 64 pieces' worth (in an object store,
-    # many threads wait on the network; their number should not multiply memory)
+    # held pieces: four per thread, but no more than HELD_PIECES (in an object store, many
+    # threads wait on the network; their number should not multiply memory)
     pipeline = Pipeline(_produce(codec, piece_bytes), threads=threads,
-                        bytes_in_flight=min(4 * threads, 16) * piece_bytes)
+                        bytes_in_flight=min(4 * threads, HELD_PIECES) * piece_bytes)
     pipeline.run(runs, consume, lane_of=lambda run: run.lane)
     return new_storage
 

@@ -153,7 +153,7 @@ class LocalRangedFile:
 
 READ_AHEAD_PIECES = 4
 """Pieces of an object fetched ahead of the one being read, front to back..."""
-READ_AHEAD_BYTES = 64 << 20
+READ_AHEAD_BYTES = 32 << 20
 """...as long as all the reads at once hold no more than this fetched ahead."""
 _READ_AHEAD_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dcpctl-read-ahead")
 

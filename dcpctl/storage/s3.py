@@ -329,31 +329,37 @@ class MultipartWriter(ObjectWriter):
         self._pending += data
         self._size += len(data)
         while len(self._pending) >= self._next_part_bytes():
-            part_bytes = self._next_part_bytes()
-            with memoryview(self._pending) as pending, pending[:part_bytes] as head:
-                part = bytes(head)
-            del self._pending[:part_bytes]
-            self._upload_part(part)
+            self._upload_part(self._next_part_bytes())
 
     def _next_part_bytes(self) -> int:
         parts_started = len(self._parts) + len(self._in_flight)
         return PART_BYTES * (1 + parts_started // PARTS_PER_SIZE_STEP)
 
-    def _upload_part(self, part: bytes) -> None:
+    def _upload_part(self, part_bytes: int) -> None:
+        """Start uploading the first part_bytes pending as the next part. Its slot is taken
+        before the part is copied out: a writer waiting for one holds no copy, so no more than
+        PARTS_IN_FLIGHT parts are held whatever the number of threads writing."""
         with self.store.translated_errors(self.key):
             if self._upload_id is None:
                 response = self.store._call(self.key, "create_multipart_upload")
                 self._upload_id = response["UploadId"]
         self._reap(block=False)
         _PART_SLOTS.acquire()
-        number = len(self._parts) + len(self._in_flight) + 1
-        bucket, object_key, _ = self.store.fs.split_path(self.key)
-        coroutine = self.store.fs._call_s3("upload_part", Bucket=bucket, Key=object_key,
-                                           UploadId=self._upload_id, PartNumber=number,
-                                           Body=part)
-        import asyncio  # here: s3fs brings its event loop, and every command imports this module
+        try:
+            with memoryview(self._pending) as pending, pending[:part_bytes] as head:
+                part = bytes(head)
+            del self._pending[:part_bytes]
+            number = len(self._parts) + len(self._in_flight) + 1
+            bucket, object_key, _ = self.store.fs.split_path(self.key)
+            coroutine = self.store.fs._call_s3("upload_part", Bucket=bucket, Key=object_key,
+                                               UploadId=self._upload_id, PartNumber=number,
+                                               Body=part)
+            import asyncio  # here: s3fs brings its event loop; every command imports this
 
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.store.fs.loop)
+            future = asyncio.run_coroutine_threadsafe(coroutine, self.store.fs.loop)
+        except BaseException:
+            _PART_SLOTS.release()
+            raise
         future.add_done_callback(lambda _: _PART_SLOTS.release())
         self._in_flight.append((number, future))
 
@@ -371,8 +377,7 @@ class MultipartWriter(ObjectWriter):
     def finish(self) -> None:
         if self._upload_id is not None:
             if self._pending:
-                self._upload_part(bytes(self._pending))
-                self._pending = bytearray()
+                self._upload_part(len(self._pending))
             self._reap(block=True)
             self._parts.sort(key=lambda part: part["PartNumber"])
         try:

@@ -366,3 +366,37 @@ def test_a_url_naming_a_host_is_refused_with_no_password_shown(url):
     assert "Traceback" not in result.stderr
     assert ("in the URL, which dcpctl does not take from URLs" in result.stderr
             or "a URL here holds no user or password" in result.stderr), result.stderr
+
+
+def test_a_writer_waiting_for_an_upload_slot_holds_no_copy_of_its_part(moto_s3, monkeypatch):
+    """Each writer copied its next part out before it waited for one of the PARTS_IN_FLIGHT
+    slots, so with more threads writing than slots, every waiting thread held a part of 8 MiB
+    more: memory in a bucket grew with --threads (0.55 GB at 8 threads)."""
+    import threading
+
+    from dcpctl.storage import s3
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    slots = threading.BoundedSemaphore(1)
+    monkeypatch.setattr(s3, "_PART_SLOTS", slots)
+    path = storage_path(f"s3://{moto_s3.new_bucket()}/out/__0_0.distcp")
+    writer = path.store.open_writer(path.key, if_absent=True)
+    copies = []
+    real_bytes = bytes
+    monkeypatch.setattr(s3, "bytes", lambda data: copies.append(len(data)) or real_bytes(data),
+                        raising=False)
+    slots.acquire()  # every slot taken, by other writers
+    waiting = threading.Thread(target=writer.write, args=(os.urandom(PART_BYTES + 10),),
+                               daemon=True)
+    waiting.start()
+    try:
+        waiting.join(timeout=2)
+        was_waiting, copied_while_waiting = waiting.is_alive(), list(copies)
+    finally:
+        slots.release()
+        waiting.join(timeout=30)
+    assert was_waiting and copied_while_waiting == []  # waits holding no copy of its part
+    assert copies == [PART_BYTES]
+    writer.finish()
+    assert path.store.info_now(path.key).size == PART_BYTES + 10
