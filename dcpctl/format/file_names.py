@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
+from dcpctl.storage.local import final_name_of
+
 METADATA_FILE_NAME = ".metadata"
 """The pickled metadata; torch writes it last, so a directory without it is incomplete."""
 METADATA_TEMPORARY_FILE_NAME = f"{METADATA_FILE_NAME}.tmp"
@@ -25,8 +27,10 @@ _RANK_FILE_NAME = re.compile(rf"__([0-9]+)_[0-9]+{re.escape(DATA_FILE_SUFFIX)}")
 
 def rank_of_file_name(name: str) -> int | None:
     """The rank that wrote a data file named as torch's FileSystemWriter names them
-    (`__<rank>_<n>.distcp`, perhaps under a prefix), or None."""
-    match = _RANK_FILE_NAME.fullmatch(name.rpartition("/")[2])
+    (`__<rank>_<n>.distcp`, perhaps under a prefix, or under the temporary name dcpctl gives
+    such a file: an in-place rewrite in an object store, which cannot rename, keeps it), or
+    None."""
+    match = _RANK_FILE_NAME.fullmatch(final_name_of(name.rpartition("/")[2]))
     return int(match.group(1)) if match else None
 
 

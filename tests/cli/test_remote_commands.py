@@ -145,6 +145,24 @@ def test_compress_bucket_to_bucket_and_in_place_then_load_from_the_bucket(bucket
     assert json.loads(ok("inspect", url, "--json"))["compression"] == {"none": 82}
 
 
+def test_a_checkpoint_compressed_in_place_in_a_bucket_still_tells_its_ranks(s3_server, tmp_path):
+    """An in-place rewrite in a bucket keeps its data files' temporary names (no rename
+    there): `reshard --mesh` then refused the checkpoint as one whose files are not named by
+    rank, and inspect lost its `FSDP2/DTensor chunks` tell."""
+    bucket = s3_server.new_bucket()
+    url = upload_directory(s3_server, fixture_path("mesh2d_4ranks"), bucket, "mesh/step-1")
+    before = json.loads(ok("inspect", url, "--json"))["layout"]
+    ok("reshard", url, "--mesh", "4x2", "-o", tmp_path / "before")
+    ok("compress", url)
+    data_files = [key for key in keys_under(s3_server, bucket, "mesh/step-1/") if ".distcp" in key]
+    assert data_files and all(key.endswith(".tmp") for key in data_files)
+    assert json.loads(ok("inspect", url, "--json"))["layout"] == before
+    ok("reshard", url, "--mesh", "4x2", "-o", tmp_path / "after")
+    assert load_with_torch(tmp_path / "after").keys() == load_with_torch(tmp_path / "before").keys()
+    assert tensor_digests(load_with_torch(tmp_path / "after")) == tensor_digests(
+        load_with_torch(tmp_path / "before"))
+
+
 def test_decompress_and_reshard_between_bucket_and_local(bucket_checkpoint, tmp_path):
     bucket, url = bucket_checkpoint
     compressed = f"s3://{bucket}/z"

@@ -24,6 +24,7 @@ from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import check_archive
+from dcpctl.storage.local import is_temporary_name
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, file_names_in, open_ranged
 
@@ -55,7 +56,8 @@ def empty_writer_files(checkpoint: Checkpoint, names: set[str]) -> list[str]:
     empty: it opens a data file per writer thread, so a rank with fewer items than
     `thread_count` writes `__<rank>_<n>.distcp` files of 0 bytes. They hold nothing, so nothing
     checks or copies them, and they are not unknown files."""
-    candidates = [name for name in sorted(names) if rank_of_file_name(name) is not None]
+    candidates = [name for name in sorted(names)
+                  if rank_of_file_name(name) is not None and not is_temporary_name(name)]
     return [name for name, size in _regular_file_sizes(checkpoint, candidates).items()
             if size == 0]
 
