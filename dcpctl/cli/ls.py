@@ -51,7 +51,7 @@ def ls_command(run_dir: str, as_json: bool) -> None:
 
 def checkpoint_cells(entry: CheckpointEntry, damaged: bool = False) -> list[str]:
     """The cells of CHECKPOINT_HEADERS for one checkpoint, shared by ls and prune tables;
-    damaged: complete, but the quick check calls it damaged (prune)."""
+    damaged: complete, but the quick check calls it damaged."""
     name = f"{entry.name} ({len(entry.parts)} parts)" if entry.parts else entry.name
     state = "damaged" if damaged else "complete" if entry.complete else "incomplete"
     return [str(entry.step), name, state, format_bytes(entry.size_bytes),
@@ -69,7 +69,7 @@ def render_listing(report: ListReport) -> str:
     if not report.checkpoints:
         lines = [f"{report.scan.path}: no checkpoint directories"]
     else:
-        rows = [[*checkpoint_cells(listed.entry),
+        rows = [[*checkpoint_cells(listed.entry, damaged=listed.problem is not None),
                  "?" if listed.problem else ", ".join(listed.compression or ()) or "-",
                  "yes" if listed.entry.has_sha256sums else "no"]
                 for listed in report.checkpoints]

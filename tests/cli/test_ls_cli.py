@@ -49,3 +49,16 @@ def test_empty_run_directory_and_errors(run_cli, tmp_path):
     assert missing.exit_code == 1
     assert missing.output.startswith(f"Error: {tmp_path / 'absent'}: no such directory")
     assert run_cli("ls").exit_code == 2
+
+
+def test_a_damaged_checkpoint_is_damaged_in_ls_as_in_prune(run_cli, tmp_path):
+    """ls called a checkpoint missing a data file `complete` (its problem on a line below),
+    where prune's row for it says `damaged` and treats it as incomplete."""
+    add_checkpoint(tmp_path, "step-10")
+    add_checkpoint(tmp_path, "step-20")
+    next((tmp_path / "step-20").glob("__1_*.distcp")).unlink()
+    listing = run_cli("ls", tmp_path).output.splitlines()
+    pruning = run_cli("prune", tmp_path, "--keep-last", "1", "--dry-run").output.splitlines()
+    assert listing[2].split()[:3] == pruning[2].split()[:3] == ["20", "step-20", "damaged"]
+    assert listing[1].split()[2] == pruning[1].split()[2] == "complete"
+    assert listing[3].startswith("problem: ")

@@ -41,7 +41,7 @@ def test_json_shape(run_cli, run_dir):
     assert result.exit_code == 0
     payload = json.loads(result.stdout)
     assert set(payload) == {"run_dir", "dry_run", "rules", "checkpoints", "ignored",
-                            "delete_bytes", "freed_bytes", "failed"}
+                            "tracked_step", "delete_bytes", "freed_bytes", "failed"}
     assert payload["rules"] == {"keep_last": 3, "keep_every_steps": None,
                                 "keep_globs": ["step-1*"], "older_than_seconds": None,
                                 "incomplete_older_than_seconds": None}
@@ -136,3 +136,6 @@ def test_ls_shows_the_step_megatron_resumes_from(run_cli, tmp_path):
     assert listing.output.splitlines()[-1] == ("tracked step: 1 (named by "
                                                "latest_checkpointed_iteration.txt; prune keeps it)")
     assert json.loads(run_cli("ls", tmp_path, "--json").stdout)["tracked_step"] == 1
+    # prune's JSON gives it too, as the README says of both
+    pruned = run_cli("prune", tmp_path, "--keep-last", "1", "--dry-run", "--json").stdout
+    assert json.loads(pruned)["tracked_step"] == 1

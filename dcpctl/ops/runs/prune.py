@@ -86,6 +86,8 @@ class PruneReport:
     dry_run: bool
     decisions: list[PruneDecision] = field(default_factory=list)
     ignored: list[IgnoredEntry] = field(default_factory=list)
+    tracked_step: int | None = None
+    """The step Megatron's tracker file names (always kept), as ls gives it."""
 
     def with_status(self, status: str) -> list[PruneDecision]:
         """The decisions whose status is status (kept, would delete, deleted or failed)."""
@@ -112,7 +114,7 @@ class PruneReport:
                 "rules": {**asdict(self.rules), "keep_globs": list(self.rules.keep_globs)},
                 "checkpoints": [decision.to_json() for decision in self.decisions],
                 "ignored": [asdict(entry) for entry in self.ignored],
-                "delete_bytes": self.delete_bytes, "freed_bytes": self.freed_bytes,
+                "tracked_step": self.tracked_step, "delete_bytes": self.delete_bytes, "freed_bytes": self.freed_bytes,
                 "failed": len(self.with_status(FAILED))}
 
 
@@ -235,7 +237,8 @@ def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> Pr
     scan = scan_run_directory(directory)
     report = PruneReport(str(directory), rules, dry_run,
                          plan_prune(scan.checkpoints, rules, scan.tracked_step,
-                                    damaged_checkpoints(scan.checkpoints)), scan.ignored)
+                                    damaged_checkpoints(scan.checkpoints)), scan.ignored,
+                         scan.tracked_step)
     for decision in report.to_delete:
         decision.status = WOULD_DELETE
     return report
