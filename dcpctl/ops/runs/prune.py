@@ -114,8 +114,8 @@ class PruneReport:
                 "rules": {**asdict(self.rules), "keep_globs": list(self.rules.keep_globs)},
                 "checkpoints": [decision.to_json() for decision in self.decisions],
                 "ignored": [asdict(entry) for entry in self.ignored],
-                "tracked_step": self.tracked_step, "delete_bytes": self.delete_bytes, "freed_bytes": self.freed_bytes,
-                "failed": len(self.with_status(FAILED))}
+                "tracked_step": self.tracked_step, "delete_bytes": self.delete_bytes,
+                "freed_bytes": self.freed_bytes, "failed": len(self.with_status(FAILED))}
 
 
 def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
