@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import select
 import signal
 import sys
 
@@ -56,6 +57,8 @@ class DcpctlGroup(click.Group):
         except DcpctlError as error:
             self._fail(context, str(error), error.exit_code)
         except OSError as error:
+            if isinstance(error, BrokenPipeError) and _stdout_reader_gone():
+                raise  # `dcpctl inspect CKPT --json | head`: click ends quietly, as `cat` does
             self._fail(context, describe_os_error(error), 1)
         except KeyboardInterrupt:
             self._fail(context, "interrupted", 128 + signal.SIGINT)
@@ -71,6 +74,16 @@ class DcpctlGroup(click.Group):
             raise
         click.echo(f"Error: {escape_control_characters(without_secrets(message))}", err=True)
         sys.exit(exit_code)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reading end was closed."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll here
+        return False
 
 
 @click.group(cls=DcpctlGroup, context_settings={"help_option_names": ["-h", "--help"]})

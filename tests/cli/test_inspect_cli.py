@@ -171,3 +171,21 @@ def test_a_newline_in_a_name_cannot_forge_a_line_of_a_report(run_cli, copy_fixtu
     assert [line for line in result.output.splitlines() if line.startswith("status")] == [
         line for line in result.output.splitlines() if line.startswith("status      damaged")]
     assert "grid\\x0a\\x0astatus      ok" in result.output
+
+
+@pytest.mark.parametrize("args", [["inspect", "--json"], ["inspect"], ["verify", "--json"]],
+                         ids=["inspect --json", "inspect", "verify --json"])
+def test_output_into_a_pipe_whose_reader_left_ends_quietly(args):
+    """`dcpctl inspect CKPT --json | head -c 10` printed `Error: Broken pipe`, as if dcpctl had
+    failed: a reader that stops early is no error of the command's (`cat` says nothing)."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before dcpctl writes
+    try:
+        result = subprocess.run([sys.executable, "-m", "dcpctl", args[0],
+                                 fixture_path("fsdp2_adamw_3ranks"), *args[1:]],
+                                stdout=write_end, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+    assert result.stderr == "" and result.returncode != 0
