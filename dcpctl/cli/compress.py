@@ -47,7 +47,7 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
     With zstd (the default) the result loads with plain `torch.distributed.checkpoint.load`
     and the default FileSystemReader (torch needs the `zstandard` package, which dcpctl
     installs). With floatsplit, tensor items have their float bytes split into an exponent
-    plane and sign and mantissa planes, each entropy-coded (about 0.67 of the bytes on bfloat16
+    plane and sign and mantissa planes, each entropy-coded (about 0.66 of the bytes on bfloat16
     weights where zstd keeps about 0.78); such a checkpoint loads with
     `dcp.load(state_dict, storage_reader=dcpctl.storage_reader(CHECKPOINT))`, while plain torch
     fails with "Unknown extension". `compress --codec zstd` or `decompress` makes it loadable

@@ -68,9 +68,8 @@ class RenameRule(click.ParamType):
                                    "must not exist or be empty, unless --overwrite.")
 @click.option("--max-shard-size", "max_shard_bytes", type=ByteSize(),
               default=DEFAULT_MAX_SHARD_BYTES,
-              show_default="5GB",
               help="safetensors: most tensor bytes per file (5GB is 5*10^9 bytes, 5GiB 5*2^30); "
-                   "a tensor larger than this gets a file of its own.")
+                   "a tensor larger than this gets a file of its own.  [default: 5GB]")
 @click.option("--dtype", type=click.Choice(CAST_DTYPE_NAMES), default=None,
               help="safetensors, torch: cast floating-point tensors to this dtype (integer and "
                    "bool tensors keep theirs).")

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import click
 
+from dcpctl.storage.paths import REMOTE_THREADS
+
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print the report as one JSON document instead of text.")
 # Past these, a typo (`--workers 100000`) would start a process or thread per unit of it.
 MAX_WORKERS = MAX_THREADS = 1024
 threads_option = click.option(
     "--threads", type=click.IntRange(min=1, max=MAX_THREADS), default=None,
-    help="Threads doing the work, each reading, coding, writing and hashing whole items; 1 "
-         "runs everything in one thread (default: the cores this process may use).")
+    help="Threads doing the work, each on whole items at a time; 1 runs everything in one "
+         "thread (default: the cores this process may use, and at least "
+         f"{REMOTE_THREADS} for a checkpoint in an object store, where threads mostly wait on "
+         "the network).")
 workers_option = click.option(
     "--workers", type=click.IntRange(min=1, max=MAX_WORKERS), default=None,
     help="Processes sharing the work on this machine (this one and N - 1 it starts), each "

@@ -27,7 +27,7 @@ from dcpctl.ops.reshard.planning import describe_ranks
                                    "empty, unless --overwrite.")
 @click.option("--codec", "codec_name", type=click.Choice(CODEC_NAMES), default=None,
               help="Codec of the output items (default: the input's, so zstd stays zstd); "
-                   "none stores them as they are.")
+                   "none stores them uncompressed, a compressed input decompressed.")
 @click.option("--per-rank-objects", type=click.Choice(PER_RANK_OBJECT_CHOICES), default="keep",
               show_default=True,
               help="What to do with objects each rank saved for itself (torchtitan's "
