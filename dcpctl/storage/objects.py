@@ -249,6 +249,11 @@ class ObjectStore:
         """A context that turns what the store's client raises into dcpctl's errors."""
         return _TranslatedErrors(self, key)
 
+    def why_absent(self, key: str) -> str:
+        """Why there is nothing at key, as an error line says it (asked once it was not found:
+        this may ask the store)."""
+        return "No such file or directory"
+
     def describe(self, error: Exception) -> tuple[type[StorageError], str] | None:
         """The kind of StorageError and its one-line reason for an error the client raised;
         None for one left as it is."""
@@ -269,7 +274,7 @@ class _TranslatedErrors:
         url = self.store.url(self.key)
         if isinstance(error, FileNotFoundError):
             if error.filename != url:
-                raise FileNotFoundError(2, "No such file or directory", url) from None
+                raise FileNotFoundError(2, self.store.why_absent(self.key), url) from None
             return False
         if isinstance(error, FileExistsError):
             raise FileExistsError(17, "exists", url) from None

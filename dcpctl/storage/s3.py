@@ -135,6 +135,16 @@ class S3Store(ObjectStore):
         super().note_written(key, etag)
         self.fs.invalidate_cache(key)
 
+    def why_absent(self, key: str) -> str:
+        bucket, _, _ = self.fs.split_path(key)
+        try:
+            self._run(self.fs._call_s3("head_bucket", Bucket=bucket))
+        except Exception as error:  # noqa: BLE001 - only a bucket known absent says more
+            if isinstance(error, FileNotFoundError) or _code_of(error) in (
+                    "404", "NoSuchBucket", "NotFound"):
+                return "no such bucket"
+        return super().why_absent(key)
+
     def delete(self, keys: list[str], if_etags: Mapping[str, str | None] | None = None) -> None:
         """DeleteObjects, a batch of up to 1,000 literal keys of one bucket at a time, each
         with the ETag if_etags gives it (servers that know the condition refuse the deletion

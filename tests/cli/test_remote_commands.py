@@ -163,6 +163,15 @@ def test_a_checkpoint_compressed_in_place_in_a_bucket_still_tells_its_ranks(s3_s
         load_with_torch(tmp_path / "before"))
 
 
+def test_a_bucket_that_does_not_exist_is_named_as_such(bucket_checkpoint, s3_server):
+    """It read `No such file or directory`, as a missing prefix in a bucket that is there."""
+    bucket, url = bucket_checkpoint
+    missing = f"s3://no-such-bucket-{bucket}"
+    assert failure("inspect", f"{missing}/step-1") == f"Error: {missing}/step-1: no such bucket\n"
+    assert failure("compress", url, "-o", f"{missing}/out").endswith(": no such bucket\n")
+    assert "no such bucket" not in failure("inspect", f"s3://{bucket}/nothing-here")
+
+
 def test_decompress_and_reshard_between_bucket_and_local(bucket_checkpoint, tmp_path):
     bucket, url = bucket_checkpoint
     compressed = f"s3://{bucket}/z"
