@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dcpctl.storage.paths import REMOTE_THREADS
+from dcpctl.ops.distributed import REMOTE_THREADS, default_workers
 
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="Print the report as one JSON document instead of text.")
@@ -36,7 +36,6 @@ def workers_for(workers: int | None, checkpoint: str, output: str | None = None)
     """--workers as given, or the default for a command on checkpoint writing to output."""
     if workers is not None:
         return workers
-    from dcpctl.ops.distributed import default_workers
     return default_workers(checkpoint, output)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dcpctl.execution.torchrun import join_torchrun, launched_by_torchrun
 from dcpctl.execution.worker_count import automatic_workers
-from dcpctl.storage.paths import storage_path
+from dcpctl.storage.paths import REMOTE_THREADS, storage_path
 
-__all__ = ["default_workers", "join_torchrun", "launched_by_torchrun"]
+__all__ = ["REMOTE_THREADS", "default_workers", "join_torchrun", "launched_by_torchrun"]
 
 
 def default_workers(checkpoint: str, output: str | None = None) -> int:
