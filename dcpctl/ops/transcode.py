@@ -47,7 +47,7 @@ __all__ = ["COMPRESSING_CODEC_NAMES", "DEFAULT_ZSTD_LEVEL", "MAX_ZSTD_LEVEL", "M
 # Called with (bytes just done, total bytes) as work advances.
 ProgressCallback = Callable[[int, int], None]
 HELD_PIECES = 8
-"""Pieces (of DEFAULT_PIECE_BYTES) made and not yet written, at most, whatever the threads."""
+"""Pieces (of the job's piece size) made and not yet written, at most, whatever the threads."""
 
 
 @dataclass(frozen=True)

@@ -394,17 +394,17 @@ class MultipartWriter(ObjectWriter):
             if self._upload_id is None:
                 self.store.put(self.key, bytes(self._pending), if_absent=self.if_absent)
                 return  # put kept the ETag
-            etag = self._complete()
+            self._complete()
+            etag = self._listed_etag()
         except Exception:
             # A reply lost after the store made the object (a dropped connection): the
             # client's retry is refused (the upload is done, or, if_absent, the name taken).
-            etag = self._etag_if_made_as_written()
-            if etag is None:
+            if not self._made_as_written():
                 raise
+            etag = self.store.remembered_etag(self.key)  # as _made_as_written asked for it
         self.store.note_written(self.key, etag)
 
-    def _complete(self) -> str | None:
-        """Complete the upload; the object's ETag (None where it is not the one written)."""
+    def _complete(self) -> None:
         condition = {"IfNoneMatch": "*"} if self.if_absent else {}
         with (_exists_when_refused(self.store.url(self.key), self.if_absent),
               self.store.translated_errors(self.key)):
@@ -412,29 +412,30 @@ class MultipartWriter(ObjectWriter):
                 self.store.refuse_unmet_condition(self.key, True, None)
             self.store._call(self.key, "complete_multipart_upload", UploadId=self._upload_id,
                              MultipartUpload={"Parts": self._parts}, **condition)
-        # as a listing gives it: the completion's answer need not be (rclone's is the MD5 of
-        # the parts' MD5s, its listing's the MD5 of the object)
+
+    def _listed_etag(self) -> str | None:
+        """The completed object's ETag as a listing gives it (the completion's answer need not
+        be: rclone's is the MD5 of the parts' MD5s, its listing's the MD5 of the object); None
+        where the object there is not of the size written."""
         info = self.store.info_now(self.key)
         return info.etag if info is not None and info.size == self._size else None
 
-    def _etag_if_made_as_written(self) -> str | None:
-        """After finish() failed: the object's ETag where the object under the key, asked now,
-        is the one this writer wrote all the same: its bytes (one PUT), or the ETag S3 gives an
-        upload of these parts (the MD5 of their MD5s, and their count). None where it is not,
-        where the store will not say, or gives ETags of another kind (SSE-KMS)."""
+    def _made_as_written(self) -> bool:
+        """After finish() failed: whether the object under the key, asked now, is the one this
+        writer wrote all the same: its bytes (one PUT), or the ETag S3 gives an upload of
+        these parts (the MD5 of their MD5s, and their count). False where the store will not
+        say, or gives ETags of another kind (SSE-KMS)."""
         if self._upload_id is None:
-            if self.store.holds_exactly(self.key, bytes(self._pending)) is not True:
-                return None
-            return self.store.remembered_etag(self.key) or ""
+            return self.store.holds_exactly(self.key, bytes(self._pending)) is True
         try:
             info = self.store.info_now(self.key)
             if info is None or info.size != self._size:
-                return None
+                return False
             digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in self._parts)
-            etag = f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(self._parts)}"
-            return etag if info.etag == etag else None
+            md5 = hashlib.md5(digests, usedforsecurity=False).hexdigest()
+            return info.etag == f"{md5}-{len(self._parts)}"
         except Exception:  # noqa: BLE001 - the failed write is the error to report
-            return None
+            return False
 
     def discard(self) -> None:
         for _, future in self._in_flight:
