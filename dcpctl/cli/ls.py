@@ -8,7 +8,7 @@ from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.render import (escape_control_characters, format_age, format_bytes,
                                format_table, print_report)
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
-from dcpctl.ops.runs.listing import ListReport, list_run_directory
+from dcpctl.ops.runs.listing import ListedCheckpoint, ListReport, list_run_directory
 from dcpctl.ops.runs.scan import CheckpointEntry, IgnoredEntry
 
 CHECKPOINT_HEADERS = ("STEP", "CHECKPOINT", "STATE", "SIZE", "AGE")
@@ -35,9 +35,13 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     (seed_1/step-100: a run of its own) is no checkpoint: it is ignored. Megatron's
     latest_checkpointed_iteration.txt is shown as the tracked step.
 
-    One row per checkpoint: step, name, complete or incomplete, size, compression (read
-    from `.metadata`), age (time since anything inside it last changed; `?` where the store
-    does not say when its objects were written) and whether it holds SHA256SUMS. Entries
+    A complete checkpoint is also checked as `verify --quick` checks it, short of hashing (as
+    prune does): one that fails is `damaged`, its problem on a line below the table; one
+    another dcpctl is changing (an in-place compress) is `in use`, not checked.
+
+    One row per checkpoint: step, name, state, size, compression (read from `.metadata`),
+    age (time since anything inside it last changed; `?` where the store does not say when
+    its objects were written) and whether it holds SHA256SUMS. Entries
     named like a checkpoint that are symlinks, files or not DCP directories are listed after
     the table as ignored; symlinks are never followed.
 
@@ -49,11 +53,12 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     print_report(list_run_directory(run_dir), as_json, render_listing)
 
 
-def checkpoint_cells(entry: CheckpointEntry, damaged: bool = False) -> list[str]:
+def checkpoint_cells(entry: CheckpointEntry, checked_state: str | None = None) -> list[str]:
     """The cells of CHECKPOINT_HEADERS for one checkpoint, shared by ls and prune tables;
-    damaged: complete, but the quick check calls it damaged."""
+    checked_state: what the quick check found of a complete one, where not sound (damaged, in
+    use)."""
     name = f"{entry.name} ({len(entry.parts)} parts)" if entry.parts else entry.name
-    state = "damaged" if damaged else "complete" if entry.complete else "incomplete"
+    state = checked_state or ("complete" if entry.complete else "incomplete")
     return [str(entry.step), name, state, format_bytes(entry.size_bytes),
             format_age(entry.age_seconds)]
 
@@ -69,14 +74,20 @@ def render_listing(report: ListReport) -> str:
     if not report.checkpoints:
         lines = [f"{report.scan.path}: no checkpoint directories"]
     else:
-        rows = [[*checkpoint_cells(listed.entry, damaged=listed.problem is not None),
-                 "?" if listed.problem else ", ".join(listed.compression or ()) or "-",
+        rows = [[*checkpoint_cells(listed.entry, _checked_state(listed)),
+                 "?" if listed.compression is None and listed.entry.complete
+                 else ", ".join(listed.compression or ()) or "-",
                  "yes" if listed.entry.has_sha256sums else "no"]
                 for listed in report.checkpoints]
         lines = [format_table((*CHECKPOINT_HEADERS, "COMPRESSION", "SHA256SUMS"), rows,
                               right_aligned=(0, 3, 4))]
         lines += [f"problem: {listed.problem}" for listed in report.checkpoints if listed.problem]
+        lines += [f"in use: {listed.in_use}" for listed in report.checkpoints if listed.in_use]
     if report.scan.tracked_step is not None:
         lines.append(f"tracked step: {report.scan.tracked_step} (named by {MEGATRON_TRACKER}; "
                      "prune keeps it)")
     return "\n".join(lines + render_ignored(report.scan.ignored))
+
+
+def _checked_state(listed: ListedCheckpoint) -> str | None:
+    return "damaged" if listed.problem else "in use" if listed.in_use else None

@@ -113,7 +113,7 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
 
 def render_prune(report: PruneReport) -> str:
     """One row per checkpoint with what became of it and why, then a summary line."""
-    rows = [[*checkpoint_cells(decision.checkpoint, damaged=decision.damage is not None),
+    rows = [[*checkpoint_cells(decision.checkpoint, "damaged" if decision.damage else None),
              decision.status,
              "; ".join(decision.reasons + ([decision.error] if decision.error else []))]
             for decision in report.decisions]

@@ -6,6 +6,8 @@ import json
 
 from conftest import add_checkpoint, back_date
 
+from dcpctl.storage.locks import locked_checkpoint
+
 DAY = 86400
 
 
@@ -36,8 +38,9 @@ def test_json_shape(run_cli, tmp_path):
     assert set(payload) == {"run_dir", "checkpoints", "ignored", "tracked_step"}
     (entry,) = payload["checkpoints"]
     assert set(entry) == {"name", "path", "step", "complete", "size_bytes", "modified_at",
-                          "age_seconds", "sha256sums", "compression", "problem", "parts"}
-    assert (entry["step"], entry["complete"], entry["problem"]) == (10, True, None)
+                          "age_seconds", "sha256sums", "compression", "problem", "in_use", "parts"}
+    assert (entry["step"], entry["complete"], entry["problem"], entry["in_use"]) == (
+        10, True, None, None)
     assert (entry["parts"], payload["tracked_step"]) == ([], None)
     assert 3500 < entry["age_seconds"] < 3700 and entry["size_bytes"] > 0
 
@@ -62,3 +65,23 @@ def test_a_damaged_checkpoint_is_damaged_in_ls_as_in_prune(run_cli, tmp_path):
     assert listing[2].split()[:3] == pruning[2].split()[:3] == ["20", "step-20", "damaged"]
     assert listing[1].split()[2] == pruning[1].split()[2] == "complete"
     assert listing[3].startswith("problem: ")
+
+
+def test_a_checkpoint_another_dcpctl_is_changing_is_in_use_not_damaged(run_cli, tmp_path):
+    """ls called a checkpoint that another dcpctl held to change it (an in-place compress)
+    `damaged`, from the lock refusing its read, where prune called it complete."""
+    add_checkpoint(tmp_path, "step-10")
+    add_checkpoint(tmp_path, "step-20")
+    with locked_checkpoint(tmp_path / "step-20", exclusive=True):
+        listing = run_cli("ls", tmp_path).output.splitlines()
+        payload = json.loads(run_cli("ls", tmp_path, "--json").output)["checkpoints"][1]
+        pruning = run_cli("prune", tmp_path, "--keep-last", "1", "--dry-run").output
+    assert listing[2].split()[2:4] == ["in", "use"]
+    assert listing[3] == (f"in use: {tmp_path / 'step-20'}: another dcpctl is changing this "
+                          "checkpoint; nothing was changed, try again later")
+    assert not any(line.startswith("problem") for line in listing)
+    assert (payload["problem"], payload["compression"]) == (None, None)
+    assert payload["in_use"].startswith(f"{tmp_path / 'step-20'}: another dcpctl")
+    assert "damaged" not in pruning and "newest complete" in pruning
+    after = run_cli("ls", tmp_path).output.splitlines()
+    assert after[2].split()[2] == "complete" and len(after) == 3

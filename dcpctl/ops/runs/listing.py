@@ -6,21 +6,21 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 
-from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.errors import DcpctlError, describe_os_error
-from dcpctl.format.checkpoint.structure import open_quickly_verified
+from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.ops.inspection.report import build_inspect_report
+from dcpctl.ops.runs.quick_check import quick_check
 from dcpctl.ops.runs.scan import CheckpointEntry, RunDirectoryScan, scan_run_directory
-from dcpctl.storage.locks import locked_checkpoint
 
 
 @dataclass
 class ListedCheckpoint:
-    """A checkpoint of the run with its compression (codec name to item count), when readable."""
+    """A checkpoint of the run with its compression (codec name to item count), when readable;
+    else what makes it damaged (problem), or that another dcpctl is changing it (in_use)."""
 
     entry: CheckpointEntry
     compression: dict[str, int] | None = None
     problem: str | None = None
+    in_use: str | None = None
 
 
 @dataclass
@@ -34,34 +34,31 @@ class ListReport:
         """A JSON-ready dict with stable keys."""
         payload = self.scan.to_json()
         for entry, listed in zip(payload["checkpoints"], self.checkpoints):
-            entry.update(compression=listed.compression, problem=listed.problem)
+            entry.update(compression=listed.compression, problem=listed.problem,
+                         in_use=listed.in_use)
         return payload
 
 
 def list_run_directory(run_dir: str | os.PathLike) -> ListReport:
     """The checkpoints under run_dir; complete ones also with their compression, read from
-    `.metadata` (summed over its parts where it has several; a damaged one is listed with its
-    problem instead)."""
+    `.metadata` (summed over its parts where it has several) as the quick check prune makes
+    opens it: a damaged one is listed with its problem instead, one another dcpctl is changing
+    as in use."""
     scan = scan_run_directory(run_dir)
     listed = []
     for entry in scan.checkpoints:
         if not entry.complete:
             listed.append(ListedCheckpoint(entry))
             continue
-        try:
-            listed.append(ListedCheckpoint(entry, _compression(entry)))
-        except DcpctlError as error:
-            listed.append(ListedCheckpoint(entry, problem=str(error)))
-        except OSError as error:
-            listed.append(ListedCheckpoint(entry, problem=describe_os_error(error)))
+        check = quick_check(entry)
+        compression = _compression(check.parts) if check.sound else None
+        listed.append(ListedCheckpoint(entry, compression, check.damage, check.in_use))
     return ListReport(scan, listed)
 
 
-def _compression(entry: CheckpointEntry) -> dict[str, int]:
-    """Item counts by codec name, most used first, over the checkpoint's parts; raises what
-    makes one of them damaged, as prune finds it (damaged_checkpoints)."""
+def _compression(parts: list[Checkpoint]) -> dict[str, int]:
+    """Item counts by codec name, most used first, over the checkpoint's parts."""
     counts: Counter[str] = Counter()
-    for directory in entry.dcp_directories:
-        with paused_cycle_collector(), locked_checkpoint(directory, exclusive=False):
-            counts.update(build_inspect_report(open_quickly_verified(directory)).compression)
+    for part in parts:
+        counts.update(build_inspect_report(part).compression)
     return dict(counts.most_common())

@@ -27,9 +27,9 @@ from typing import Callable, Iterator
 
 from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
-from dcpctl.format.checkpoint.structure import open_quickly_verified
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
+from dcpctl.ops.runs.quick_check import quick_check
 from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, changed_since_scanned,
                                   check_run_directory, scan_run_directory)
 from dcpctl.storage.local import empty_directory, open_directory_at
@@ -150,22 +150,10 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
 
 
 def damaged_checkpoints(checkpoints: list[CheckpointEntry]) -> dict[str, str]:
-    """The problem, by name, of each complete checkpoint (each of its parts) that the quick
-    check (`verify --quick` short of hashing: open_quickly_verified) calls damaged."""
-    damaged = {}
-    for entry in checkpoints:
-        if not entry.complete:
-            continue
-        for directory in entry.dcp_directories:
-            try:
-                open_quickly_verified(directory)
-            except DcpctlError as error:
-                damaged[entry.name] = error.message.splitlines()[0]
-                break
-            except OSError as error:
-                damaged[entry.name] = describe_os_error(error)
-                break
-    return damaged
+    """The problem, by name, of each complete checkpoint that the quick check (the one ls
+    makes) calls damaged; one another dcpctl is changing is not called damaged."""
+    checks = {entry.name: quick_check(entry) for entry in checkpoints if entry.complete}
+    return {name: check.damage for name, check in checks.items() if check.damage is not None}
 
 
 def _complete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules, newest: bool,

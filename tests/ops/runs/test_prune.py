@@ -241,8 +241,9 @@ def test_a_damaged_newest_checkpoint_never_costs_the_last_sound_one_its_place(tm
     assert _remaining(run_dir) == ["step-200", "step-300"]
     reasons = {decision.checkpoint.name: decision.reasons for decision in report.decisions}
     assert reasons["step-200"] == ["newest complete", "one of the last 1 complete"]
-    assert reasons["step-300"][0].startswith("damaged (missing-file")
-    assert report.decisions[-1].to_json()["damage"].startswith("missing-file: missing data file")
+    assert reasons["step-300"][0].startswith(f"damaged ({copying / '__3_0.distcp'}: missing-file")
+    assert report.decisions[-1].to_json()["damage"].startswith(
+        f"{copying / '__3_0.distcp'}: missing-file: missing data file")
     # Like an incomplete one, it goes with --incomplete-older-than once it stops changing.
     report = _prune(run_dir, keep_last=1, incomplete_older_than_seconds=30)
     assert _deleted(report) == ["step-300"]
