@@ -264,7 +264,7 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
             if changed_since_scanned(entry):
                 raise DcpctlError("was written since prune looked at it (a save at work "
                                   "there?); not deleted", path=entry.path)
-            for holder in filter(None.__ne__, holders):
+            for holder in (holder for holder in holders if holder is not None):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(METADATA_FILE_NAME, dir_fd=holder)
         failpoint(Failpoint.AFTER_METADATA_REMOVED)
