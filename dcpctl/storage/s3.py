@@ -200,7 +200,9 @@ class S3Store(ObjectStore):
         part, before written_before: a killed run's, whose parts S3 keeps (and bills, out of
         every listing) until they are aborted. Best effort: a store that will not list or
         abort them (rclone's) leaves them, and says nothing."""
-        bucket, key_prefix, _ = self.fs.split_path(prefix.rstrip("/") + "/")
+        bucket, key, _ = self.fs.split_path(prefix)
+        # its own `/`: s3fs before 2026.2 drops one given, which would take in step-100/ too
+        key_prefix = key.rstrip("/") + "/" if key else ""
         aborted = []
         try:
             for upload in self._uploads_under(bucket, key_prefix):

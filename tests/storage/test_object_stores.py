@@ -237,6 +237,35 @@ def test_uploads_a_killed_run_left_are_aborted_once_stale(moto_s3, monkeypatch, 
                                         "run/step-100/__0_0.distcp"]  # under no pruned prefix
 
 
+@pytest.mark.parametrize("split_path", ["as given", "trailing slash dropped"])
+def test_the_clean_up_of_a_checkpoint_leaves_a_sibling_prefix_alone(moto_s3, monkeypatch,
+                                                                    split_path):
+    """With s3fs before 2026.2, whose split_path drops a trailing `/`, the clean-up of
+    run/step-10 listed uploads under `run/step-10` and aborted run/step-100's, a sibling
+    whose name starts the same: a live run's upload lost."""
+    import s3fs
+
+    from dcpctl.storage import paths
+
+    if split_path == "trailing slash dropped":
+        current = s3fs.S3FileSystem.split_path
+
+        def dropping(self, path):
+            bucket, key, version = current(self, path)
+            return bucket, key.rstrip("/"), version
+        monkeypatch.setattr(s3fs.S3FileSystem, "split_path", dropping)
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    client, bucket = moto_s3.client(), moto_s3.new_bucket()
+    for key in ("run/step-10/__0_0.distcp.dcpctl-0123456789ab.tmp",
+                "run/step-100/__0_0.distcp.dcpctl-0123456789ab.tmp"):
+        _start_upload(client, bucket, key)
+    monkeypatch.setattr(paths, "STALE_OBJECT_SECONDS", -60)
+    assert paths.remove_stale_temporaries(storage_path(f"s3://{bucket}/run/step-10"), set()) \
+        == ["__0_0.distcp.dcpctl-0123456789ab.tmp (an unfinished upload)"]
+    assert _uploads(client, bucket) == ["run/step-100/__0_0.distcp.dcpctl-0123456789ab.tmp"]
+
+
 def test_a_generic_store_output_object_never_replaces_one():
     import fsspec
 
