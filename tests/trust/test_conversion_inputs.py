@@ -134,7 +134,8 @@ def test_an_object_that_decodes_to_gigabytes_is_refused_in_bounded_memory(run_cl
     assert f"item {key.fqn!r}" in result.output and words in result.output
 
 
-@pytest.mark.parametrize("deflated, padding", [("/data/", b""), ("data.pkl", bytes(256 << 20))])
+@pytest.mark.parametrize("deflated, padding", [("/data/", b""), ("data.pkl", bytes(256 << 20))],
+                         ids=["storage-record", "data.pkl-bomb"])  # not 256 MiB in an ID
 def test_a_torch_save_file_with_compressed_records_is_refused(run_cli, tmp_path, deflated,
                                                               padding):
     """A deflated storage record would be copied as the tensor's bytes; a deflated data.pkl can
