@@ -114,8 +114,11 @@ class Faults:
     AccessDenied, nothing deleted; the first `lost` PUTs (and POSTs completing a multipart
     upload) whose path ends with `lost_to` reach the server, and their connection is cut
     before the reply (the client tries again), and after such a loss GETs and HEADs of
-    `lost_to` are answered 500 InternalError while `unreadable_after_loss` says so. Counts
-    are of what was done so far."""
+    `lost_to` are answered 500 InternalError while `unreadable_after_loss` says so; GETs and
+    HEADs of a path ending with `unreadable_once_written` are answered 403 AccessDenied (as
+    to credentials that may write but not read) once a write to it (a PUT, or a POST
+    completing a multipart upload) went through. Counts are of what was done
+    so far."""
 
     throttled: int = 0
     dropped: int = 0
@@ -124,12 +127,14 @@ class Faults:
     lost: int = 0
     lost_to: str = ""
     unreadable_after_loss: bool = False
+    unreadable_once_written: str = ""
     no_delete_conditions: bool = False
     """A DeleteObjects naming ETags is answered 400 MalformedXML, as by a store that does not
     know the condition."""
     throttled_so_far: int = 0
     dropped_so_far: int = 0
     lost_so_far: int = 0
+    written_to_unreadable: bool = False
 
 
 @contextlib.contextmanager
@@ -170,6 +175,10 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
             head = b"<?xml version='1.0' encoding='UTF-8'?>"
+            if (faults.written_to_unreadable and self.command in ("GET", "HEAD")
+                    and self.path.split("?")[0].endswith(faults.unreadable_once_written)):
+                return self.answer(403, head + b"<Error><Code>AccessDenied</Code><Message>"
+                                   b"Access Denied</Message></Error>")
             if (faults.unreadable_after_loss and faults.lost_so_far
                     and self.command in ("GET", "HEAD")
                     and self.path.split("?")[0].endswith(faults.lost_to)):
@@ -198,6 +207,10 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
             connection.close()
             writes = self.command == "PUT" or (self.command == "POST"
                                                and "uploadId=" in self.path)  # a completion
+            made = writes and not (self.command == "PUT" and "uploadId=" in self.path)  # no part
+            if (made and faults.unreadable_once_written and response.status == 200
+                    and self.path.split("?")[0].endswith(faults.unreadable_once_written)):
+                faults.written_to_unreadable = True
             if (writes and faults.lost_to
                     and self.path.split("?")[0].endswith(faults.lost_to) and take("lost")):
                 self.connection.shutdown(socket.SHUT_RDWR)

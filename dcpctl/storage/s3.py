@@ -397,13 +397,14 @@ class MultipartWriter(ObjectWriter):
                 self.store.put(self.key, bytes(self._pending), if_absent=self.if_absent)
                 return  # put kept the ETag
             self._complete()
-            etag = self._listed_etag()
         except Exception:
             # A reply lost after the store made the object (a dropped connection): the
             # client's retry is refused (the upload is done, or, if_absent, the name taken).
             if not self._made_as_written():
                 raise
             etag = self.store.remembered_etag(self.key)  # as _made_as_written asked for it
+        else:
+            etag = self._listed_etag()
         self.store.note_written(self.key, etag)
 
     def _complete(self) -> None:
@@ -418,8 +419,12 @@ class MultipartWriter(ObjectWriter):
     def _listed_etag(self) -> str | None:
         """The completed object's ETag as a listing gives it (the completion's answer need not
         be: rclone's is the MD5 of the parts' MD5s, its listing's the MD5 of the object); None
-        where the object there is not of the size written."""
-        info = self.store.info_now(self.key)
+        where the object there is not of the size written, or the store will not say (the
+        write landed all the same: the output's checks then go by its size)."""
+        try:
+            info = self.store.info_now(self.key)
+        except Exception:  # noqa: BLE001 - credentials that may write but not read
+            return None
         return info.etag if info is not None and info.size == self._size else None
 
     def _made_as_written(self) -> bool:

@@ -349,6 +349,28 @@ def test_the_etag_of_this_runs_own_write_is_the_one_its_listing_gives(s3_server,
     first.abort()
 
 
+@pytest.mark.parametrize("size", [100, (8 << 20) + 100], ids=["one PUT", "multipart"])
+def test_a_write_whose_etag_cannot_be_asked_after_it_landed_is_checked_by_size(
+        moto_s3, monkeypatch, size):
+    """Once an upload of parts completed, the writer asks the store for the object's ETag (a
+    HEAD); a HEAD that failed then failed the write, which had landed: the run failed."""
+    from s3_servers import Faults, faulty_proxy
+
+    faults = Faults(unreadable_once_written="/out/__0_0.distcp")
+    with faulty_proxy(moto_s3, faults) as proxy:
+        for name, value in proxy.environment().items():
+            monkeypatch.setenv(name, value)
+        first, destination = _object_output(proxy)
+        store, key = destination.store, (destination / "__0_0.distcp").key
+        writer = store.open_writer(key, if_absent=True)
+        writer.write(bytes(size))
+        writer.finish()
+        assert faults.written_to_unreadable
+        assert (store.etag_written(key) is None) == (size > 100)  # one PUT's reply gives it
+        first.confirm(["__0_0.distcp"], {"__0_0.distcp": size})
+        first.abort()
+
+
 @pytest.mark.parametrize("exchanges", [True, False], ids=["exchange", "two renames"])
 def test_an_overwrite_where_inodes_look_changed_once_opened_replaces_and_removes_the_old(
         tmp_path, monkeypatch, exchanges):
