@@ -7,8 +7,8 @@ coordinator has, without the plan crossing a process boundary. A planning can be
 its job, as soon as the command knows it, so that the workers plan while the coordinator checks
 and plans, rather than after (PlansMadeAhead). The plan's lanes (output files, or files to
 read) are split into shares balanced by size (shares.py); each worker runs its share and returns
-what the coordinator needs to publish (storage records, digests, problems found), and the
-coordinator publishes once every share is done. Output bytes never depend on how many workers
+what the coordinator needs to publish (storage records, digests, problems found; with the ETags
+its objects were given: ShareOutcome), and the coordinator publishes once every share is done. Output bytes never depend on how many workers
 wrote them: each lane is written whole by one worker, from the same plan.
 """
 
@@ -17,10 +17,12 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
 from dcpctl.errors import DcpctlError, describe_os_error
 from dcpctl.execution.shares import split_by_size
+from dcpctl.storage.stores import adopt_etags_written, etags_written
 
 Plan = TypeVar("Plan")
 Result = TypeVar("Result")
@@ -92,13 +94,27 @@ class PlansMadeAhead:
             return
 
     def run_share(self, job_data: bytes, planning_data: bytes, index: int, count: int,
-                  advance: Callable[[int], None]) -> Any:
+                  advance: Callable[[int], None]) -> ShareOutcome:
         """Run share `index` of `count` of the job packed in job_data, whose planning packs
         into planning_data."""
         job = unpacked(job_data)
-        if planning_data in self._plans:
-            return run_share_of(job, index, count, advance, self._plans.pop(planning_data))
-        return run_share_of(job, index, count, advance)
+        plan = self._plans.pop(planning_data, None)
+        return ShareOutcome(run_share_of(job, index, count, advance, plan), etags_written())
+
+
+@dataclass
+class ShareOutcome:
+    """What a worker process hands its coordinator for a share: the share's result, and the
+    ETags the objects it wrote were given, which the coordinator's checks of the output it
+    publishes compare (storage/staging.py)."""
+
+    result: Any
+    etags_written: dict[str, dict[str, str]]
+
+    def adopted(self) -> Any:
+        """The result, once the ETags are taken as this process's own writes'."""
+        adopt_etags_written(self.etags_written)
+        return self.result
 
 
 def describe_failure(error: BaseException) -> str:

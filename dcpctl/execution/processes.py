@@ -169,7 +169,7 @@ def _gather(workers: list[_Worker], count: int, advance: Callable[[int], None]) 
             if kind == "progress":
                 advance(value)
             elif kind == "done":
-                results[index] = value
+                results[index] = value.adopted()
                 del pending[connection]
             else:
                 raise WorkerError(f"worker {index + 1} of {count}: {value}")

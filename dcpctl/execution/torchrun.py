@@ -153,7 +153,7 @@ class Team:
         for rank, (kind, value) in enumerate(outcomes):
             if kind == "failed":
                 raise WorkerError(f"rank {rank} of {self.size}: {value}")
-        return [value for _, value in outcomes]
+        return [outcomes[0][1], *(outcome.adopted() for _, outcome in outcomes[1:])]
 
     def end(self, exit_code: int) -> None:
         """On rank 0: tell every rank that the command is over, with its exit status (where

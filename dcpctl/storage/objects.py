@@ -239,6 +239,12 @@ class ObjectStore:
             else:
                 self._written_etags.pop(key, None)
 
+    def etags_written(self) -> dict[str, str]:
+        """The ETag the store gave this run's last write of each key it gave one (what a worker
+        process hands its coordinator: staging checks them)."""
+        with self._seen_lock:
+            return dict(self._written_etags)
+
     def etag_written(self, key: str) -> str | None:
         """The ETag the store gave this run's last write of key; None where it gave none, or
         this run did not write it."""

@@ -109,6 +109,26 @@ def store_for(protocol: str) -> ObjectStore:
         return store
 
 
+def etags_written() -> dict[str, dict[str, str]]:
+    """By protocol, the ETags the writes of this process were given (ObjectStore.etags_written):
+    what a worker process hands its coordinator with its result (adopt_etags_written)."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+    written: dict[str, dict[str, str]] = {}
+    for store in stores:
+        written.setdefault(store.protocol, {}).update(store.etags_written())
+    return {protocol: etags for protocol, etags in written.items() if etags}
+
+
+def adopt_etags_written(written: dict[str, dict[str, str]]) -> None:
+    """Take the ETags a worker's writes were given (etags_written there) as this process's own,
+    so that its checks of the output it publishes (staging) know every object's."""
+    for protocol, etags in written.items():
+        store = store_for(protocol)
+        for key, etag in etags.items():
+            store.note_written(key, etag)
+
+
 def _canonical_protocol(protocol: str) -> str:
     """The first of the names fsspec's file system for protocol answers to."""
     try:

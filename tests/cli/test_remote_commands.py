@@ -686,6 +686,43 @@ def test_workers_share_a_bucket_checkpoint(moto_s3, moto_checkpoint):
                       )["status"] == "ok"
 
 
+def test_an_object_a_worker_wrote_replaced_with_one_of_its_size_is_not_published(
+        moto_s3, moto_checkpoint, monkeypatch, run_cli):
+    """The coordinator checks that each object of its output is still the one written, by
+    size and ETag, before and after `.metadata`; it knew the ETags of its own writes only, so
+    an object a worker wrote, replaced by another run with one of the same size, passed."""
+    from dcpctl.storage.s3 import S3Store
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    bucket, url = moto_checkpoint
+    client, written_here, replaced = moto_s3.client(), set(), []
+    open_writer, confirm = S3Store.open_writer, ObjectStoreOutput.confirm
+
+    def recording(store, key, **options):
+        written_here.add(key)
+        return open_writer(store, key, **options)
+
+    def replacing_then_confirming(output, names=(), sizes=None):
+        listed = client.list_objects_v2(Bucket=bucket, Prefix="run/out/")["Contents"]
+        key = next(item["Key"] for item in listed
+                   if item["Key"].endswith(".distcp")
+                   and f"{bucket}/{item['Key']}" not in written_here)
+        old = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(255 - byte for byte in old))
+        replaced.append(key)
+        return confirm(output, names, sizes)
+
+    monkeypatch.setattr(S3Store, "open_writer", recording)
+    monkeypatch.setattr(ObjectStoreOutput, "confirm", replacing_then_confirming)
+    result = run_cli("compress", url, "-o", f"s3://{bucket}/run/out", "--workers", 2)
+    assert result.exit_code == 1 and len(replaced) == 1, result.output
+    assert f"{replaced[0].split('/')[-1]} was replaced while this run wrote the output (its " \
+           "ETag" in result.output
+    keys = [item["Key"] for item in client.list_objects_v2(
+        Bucket=bucket, Prefix="run/out/").get("Contents", ())]
+    assert "run/out/.metadata" not in keys
+
+
 def test_reshard_to_a_mesh_from_a_bucket_into_a_bucket(s3_server, tmp_path):
     """--mesh reads the rank files of a bucket's checkpoint to tell the source mesh, and writes
     the new mesh's layout into a bucket; equal to the same reshard done locally."""
