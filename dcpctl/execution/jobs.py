@@ -8,8 +8,9 @@ its job, as soon as the command knows it, so that the workers plan while the coo
 and plans, rather than after (PlansMadeAhead). The plan's lanes (output files, or files to
 read) are split into shares balanced by size (shares.py); each worker runs its share and returns
 what the coordinator needs to publish (storage records, digests, problems found; with the ETags
-its objects were given: ShareOutcome), and the coordinator publishes once every share is done. Output bytes never depend on how many workers
-wrote them: each lane is written whole by one worker, from the same plan.
+its objects were given: ShareOutcome), and the coordinator publishes once every share is done.
+Output bytes never depend on how many workers wrote them: each lane is written whole by one
+worker, from the same plan.
 """
 
 from __future__ import annotations
