@@ -108,6 +108,8 @@ class RunDirectoryScan:
 def check_run_directory(directory: StoragePath) -> None:
     """Refuse a run directory that is missing, not a directory, or itself a checkpoint."""
     if not directory.is_dir():
+        if isinstance(directory, ObjectPath):
+            directory.store.list_tree(directory.key)  # says where the bucket itself is missing
         raise CheckpointNotFoundError("no such directory; give the run directory "
                                       "that holds the checkpoint directories", path=directory)
     if (directory / METADATA_FILE_NAME).exists():
