@@ -466,6 +466,11 @@ def _lies_within(inner: str, outer: str) -> bool:
 
 def check_destination(destination: Path, overwrite: bool, is_directory: bool = True) -> None:
     """Refuse a destination of the wrong kind, or one holding data, unless overwrite."""
+    if os.path.ismount(destination):  # found after the whole output was written beside it
+        raise OutputError("is a mount point, which no output can be renamed onto (dcpctl "
+                          "writes an output beside its destination, on that file system, "
+                          "then renames it into place); give a path inside it",
+                          path=destination)
     if is_directory:
         if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
             raise OutputError("exists and is not a directory", path=destination)

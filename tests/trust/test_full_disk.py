@@ -107,3 +107,22 @@ def test_a_full_disk_names_the_file_being_written(small_file_system, tmp_path):
     assert result.stderr.startswith(f"Error: {small_file_system}/")
     assert "No space left on device" in result.stderr and len(result.stderr.splitlines()) == 1
     assert entries(small_file_system) == before
+
+
+@pytest.mark.parametrize("command", [["compress"], ["reshard", "--ranks", "2"],
+                                     ["convert", "--to", "safetensors"]])
+def test_a_mount_point_as_the_output_is_refused_before_anything_is_written(
+        small_file_system, tmp_path, command):
+    """An empty mount point is an empty directory, which an output may take; but the output is
+    written beside it, on the file system above (which may be the one that cannot hold it),
+    and renaming it onto the mount point failed at the end: `Device or resource busy`."""
+    before = entries(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "dcpctl", command[0], fixture_path(SOURCE),
+                             *command[1:], "-o", small_file_system], capture_output=True,
+                            text=True)
+    assert result.returncode == 1
+    assert result.stderr == (f"Error: {small_file_system}: is a mount point, which no output "
+                             "can be renamed onto (dcpctl writes an output beside its "
+                             "destination, on that file system, then renames it into place); "
+                             "give a path inside it\n")
+    assert entries(tmp_path) == before
