@@ -100,14 +100,17 @@ class PlansMadeAhead:
         into planning_data."""
         job = unpacked(job_data)
         plan = self._plans.pop(planning_data, None)
-        return ShareOutcome(run_share_of(job, index, count, advance, plan), etags_written())
+        earlier = etags_written()
+        result = run_share_of(job, index, count, advance, plan)
+        return ShareOutcome(result, etags_written(since=earlier))
 
 
 @dataclass
 class ShareOutcome:
     """What a worker process hands its coordinator for a share: the share's result, and the
-    ETags the objects it wrote were given, which the coordinator's checks of the output it
-    publishes compare (storage/staging.py)."""
+    ETags the objects it wrote for the share were given (not those of earlier shares, which
+    the coordinator may have written over since), which the coordinator's checks of the
+    output it publishes compare (storage/staging.py)."""
 
     result: Any
     etags_written: dict[str, dict[str, str]]

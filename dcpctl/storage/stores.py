@@ -109,14 +109,18 @@ def store_for(protocol: str) -> ObjectStore:
         return store
 
 
-def etags_written() -> dict[str, dict[str, str]]:
-    """By protocol, the ETags the writes of this process were given (ObjectStore.etags_written):
-    what a worker process hands its coordinator with its result (adopt_etags_written)."""
+def etags_written(since: dict[str, dict[str, str]] | None = None) -> dict[str, dict[str, str]]:
+    """By protocol, the ETags the writes of this process were given (ObjectStore.etags_written),
+    only those not already in `since` (what it gave earlier): what a worker process hands its
+    coordinator with a share's result (adopt_etags_written)."""
     with _STORES_LOCK:
         stores = list(_STORES.values())
     written: dict[str, dict[str, str]] = {}
     for store in stores:
-        written.setdefault(store.protocol, {}).update(store.etags_written())
+        earlier = (since or {}).get(store.protocol, {})
+        written.setdefault(store.protocol, {}).update(
+            (key, etag) for key, etag in store.etags_written().items()
+            if earlier.get(key) != etag)
     return {protocol: etags for protocol, etags in written.items() if etags}
 
 

@@ -429,3 +429,24 @@ def test_a_writer_waiting_for_an_upload_slot_holds_no_copy_of_its_part(moto_s3, 
     assert copies == [PART_BYTES]
     writer.finish()
     assert path.store.info_now(path.key).size == PART_BYTES + 10
+
+
+def test_a_worker_hands_back_only_the_etags_its_share_was_given():
+    """Handing back every ETag the worker ever got would put back, in its coordinator, the
+    ETag of an object the coordinator has written over since, as if its own write were
+    another run's."""
+    from dcpctl.storage.stores import adopt_etags_written, etags_written, store_for
+
+    store = store_for("memory")
+    store.note_written("/share-test/a", "etag-1")
+    earlier = etags_written()
+    store.note_written("/share-test/a", "etag-1")  # written again, the same
+    store.note_written("/share-test/b", "etag-2")
+    assert etags_written(since=earlier)["memory"] == {"/share-test/b": "etag-2"}
+    store.note_written("/share-test/a", "etag-3")
+    handed_back = etags_written(since=earlier)
+    assert handed_back["memory"] == {"/share-test/a": "etag-3", "/share-test/b": "etag-2"}
+    store.note_written("/share-test/a", "etag-4")  # as the coordinator, over the worker's
+    adopt_etags_written({"memory": {"/share-test/b": "etag-5"}})
+    assert (store.etag_written("/share-test/a"), store.etag_written("/share-test/b")) == (
+        "etag-4", "etag-5")
