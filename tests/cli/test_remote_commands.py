@@ -170,12 +170,13 @@ def test_a_bucket_that_does_not_exist_is_named_as_such(bucket_checkpoint, s3_ser
     assert failure("inspect", f"{missing}/step-1") == f"Error: {missing}/step-1: no such bucket\n"
     assert failure("compress", url, "-o", f"{missing}/out").endswith(": no such bucket\n")
     assert "no such bucket" not in failure("inspect", f"s3://{bucket}/nothing-here")
-    for command in (["ls"], ["prune", "--keep-last", "1"]):  # a run directory: it said no such
-        assert failure(command[0], f"{missing}/run", *command[1:]) == (  # directory
+    # a run directory (ls, prune) in a missing bucket said: no such directory
+    for command in (["ls"], ["prune", "--keep-last", "1"]):
+        assert failure(command[0], f"{missing}/run", *command[1:]) == (
             f"Error: {missing}/run: no such bucket\n")
-    assert failure("ls", f"s3://{bucket}/no-run").endswith(": no such directory; give the run "
-                                                          "directory that holds the checkpoint "
-                                                          "directories\n")
+    no_run = failure("ls", f"s3://{bucket}/no-run")
+    assert no_run.endswith(": no such directory; give the run directory that holds the "
+                           "checkpoint directories\n")
 
 
 def test_decompress_and_reshard_between_bucket_and_local(bucket_checkpoint, tmp_path):
