@@ -693,6 +693,36 @@ def test_workers_share_a_bucket_checkpoint(moto_s3, moto_checkpoint):
                       )["status"] == "ok"
 
 
+@pytest.mark.slow  # torchrun's start-up: about 15 s
+def test_torchrun_ranks_share_a_bucket_checkpoint(moto_s3, moto_checkpoint):
+    """Each rank writes its share of the output objects and hands rank 0 their ETags, which
+    rank 0's checks before and after `.metadata` compare."""
+    import subprocess
+    import sys
+
+    bucket, url = moto_checkpoint
+    for name, command in {"compress": ["compress"], "reshard": ["reshard", "--ranks", "2"]
+                          }.items():
+        ranked, alone = f"s3://{bucket}/run/{name}-ranked", f"s3://{bucket}/run/{name}-alone"
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=2", "-m", "dcpctl", command[0], url, *command[1:], "-o", ranked],
+            capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        ok(command[0], url, *command[1:], "-o", alone)
+        client = moto_s3.client()
+
+        def objects(prefix: str) -> dict[str, bytes]:
+            listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+            return {item["Key"][len(prefix):]: client.get_object(
+                Bucket=bucket, Key=item["Key"])["Body"].read() for item in listed}
+
+        assert objects(f"run/{name}-ranked/") == objects(f"run/{name}-alone/")
+        assert json.loads(ok("verify", ranked, "--json"))["status"] == "ok"
+    assert tensor_digests(load_with_dcpctl_reader(f"s3://{bucket}/run/compress-ranked")
+                          ) == expected_tensors()
+
+
 def test_an_object_a_worker_wrote_replaced_with_one_of_its_size_is_not_published(
         moto_s3, moto_checkpoint, monkeypatch, run_cli):
     """The coordinator checks that each object of its output is still the one written, by
