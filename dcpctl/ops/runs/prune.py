@@ -152,8 +152,12 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
 def damaged_checkpoints(checkpoints: list[CheckpointEntry]) -> dict[str, str]:
     """The problem, by name, of each complete checkpoint that the quick check (the one ls
     makes) calls damaged; one another dcpctl is changing is not called damaged."""
-    checks = {entry.name: quick_check(entry) for entry in checkpoints if entry.complete}
-    return {name: check.damage for name, check in checks.items() if check.damage is not None}
+    damaged = {}
+    for entry in checkpoints:  # one checkpoint's opened parts held at a time
+        damage = quick_check(entry).damage if entry.complete else None
+        if damage is not None:
+            damaged[entry.name] = damage
+    return damaged
 
 
 def _complete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules, newest: bool,
