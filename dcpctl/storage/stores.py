@@ -47,13 +47,17 @@ def storage_options() -> dict[str, object]:
 
 _SECRET_OPTION = re.compile(r"secret|pass|token|auth|key|cred|sig|sas|cert", re.IGNORECASE)
 _SECRET_ENVIRONMENT = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+_SHORTEST_SECRET = 3
+"""Shorter values are no secret worth hiding (a test's `x`), and hiding them would mangle the
+line: every `y` of `list-type` shown as `***`."""
 
 
 def without_secrets(text: str) -> str:
     """text with the secrets of the storage options in force (the values of options named
     like a key, password, token or credentials, at any depth) and of the AWS environment shown
     as `***`: what a file system's error may quote back."""
-    secrets = {os.environ.get(name) for name in _SECRET_ENVIRONMENT}
+    secrets = {value for value in map(os.environ.get, _SECRET_ENVIRONMENT)
+               if value and len(value) >= _SHORTEST_SECRET}
     try:
         _collect_secrets(storage_options(), False, secrets)
     except DcpctlError:  # options that are no JSON object hold nothing to find
@@ -88,7 +92,7 @@ def _collect_secrets(value: object, secret: bool, into: set) -> None:
     elif isinstance(value, (list, tuple)):
         for inner in value:
             _collect_secrets(inner, secret, into)
-    elif secret and value is not None and len(str(value)) >= 3:
+    elif secret and value is not None and len(str(value)) >= _SHORTEST_SECRET:
         into.add(str(value))
 
 

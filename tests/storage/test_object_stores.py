@@ -376,6 +376,10 @@ def test_errors_show_no_secret_of_the_storage_options(monkeypatch):
     assert without_secrets("at s3://AKIA:hunter2@bucket/run") == "at s3://***@bucket/run"
     monkeypatch.setenv(STORAGE_OPTIONS_ENVIRONMENT, "not json")
     assert without_secrets("text") == "text"
+    # a one-letter dummy secret hid every letter like it: `list-t***pe=2`
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    assert without_secrets("http://127.0.0.1:1/b?list-type=2") == (
+        "http://127.0.0.1:1/b?list-type=2")
 
 
 @pytest.mark.parametrize("url", ["ftp://u:TopSecret@127.0.0.1:21211/run/ck",
