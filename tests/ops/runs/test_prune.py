@@ -12,6 +12,8 @@ from dcpctl.ops.runs.prune import RetentionRules, delete_checkpoint_directory, p
 from dcpctl.ops.runs.scan import scan_run_directory
 
 HOUR, DAY = 3600, 86400
+# prune ran on the truth value of NotImplemented (deprecated; a TypeError in newer Pythons)
+pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning:dcpctl")
 
 
 def _run_dir(tmp_path, steps, age_seconds=30 * DAY):
