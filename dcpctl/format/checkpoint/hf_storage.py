@@ -121,7 +121,8 @@ def hf_storage_metadata(directory: StoragePath, file_names: list[str],
 
 def check_index(directory: StoragePath, metadata: CheckpointMetadata) -> None:
     """Refuse a `model.safetensors.index.json` whose weight_map puts a tensor in a file that
-    does not hold it, or misses one (Hugging Face loaders go by it)."""
+    does not hold it, or misses one, or names one no file holds (its file missing): Hugging
+    Face loaders go by it."""
     path = directory / HF_INDEX_FILE_NAME
     if not path.exists():
         return
@@ -133,6 +134,12 @@ def check_index(directory: StoragePath, metadata: CheckpointMetadata) -> None:
         if weight_map.get(fqn) not in files:
             raise DataError(f"weight_map puts {fqn!r} in {weight_map.get(fqn)!r}, but "
                             f"{', '.join(sorted(files))} holds it", path=path, fqn=fqn)
+    read = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    for fqn, name in sorted(weight_map.items()):  # a file gone takes its tensors with it
+        if fqn not in files_of:
+            held = "does not hold it" if name in read else "is not there"
+            raise DataError(f"weight_map puts {fqn!r} in {name!r}, which {held}", path=path,
+                            fqn=fqn)
 
 
 def _refuse_gaps_in_shard_numbers(directory: StoragePath, file_names: list[str]) -> None:

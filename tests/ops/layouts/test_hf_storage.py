@@ -15,7 +15,7 @@ from conftest import load_with_torch
 from make_fixtures import TinyModel, fully_sharded_tiny_model, run_gloo_job
 from safetensors.torch import load_file
 
-from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
+from dcpctl.errors import DataError, InvalidOptionError, UnsupportedLayoutError
 from dcpctl.ops.checksum import checksum_checkpoint
 from dcpctl.ops.convert.targets import convert_checkpoint
 from dcpctl.ops.inspection.report import inspect_checkpoint
@@ -176,6 +176,26 @@ def test_an_index_that_misplaces_a_tensor_is_found(saves, tmp_path):
     assert problem.message == ("weight_map puts 'proj.bias' in "
                                "'model-00002-of-00002.safetensors', but "
                                "model-00001-of-00001.safetensors holds it")
+
+
+def test_a_consolidated_file_gone_is_found_by_its_index(expected, tmp_path):
+    """Saved over three files, one deleted: its tensors were simply not there, so verify said
+    ok and convert and reshard wrote the checkpoint without them, exit 0."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    names = sorted(expected)
+    dcp.save(expected, storage_writer=HuggingFaceStorageWriter(
+        str(tmp_path / "hf"), fqn_to_index_mapping={name: 1 + index % 3 for index, name
+                                                    in enumerate(names)}), no_dist=True)
+    (tmp_path / "hf" / "model-00002-of-00003.safetensors").unlink()
+    problem = verify_checkpoint(tmp_path / "hf").problems[0]
+    assert problem.file == "model.safetensors.index.json"
+    assert problem.message == (f"weight_map puts {names[1]!r} in "
+                               "'model-00002-of-00003.safetensors', which is not there")
+    with pytest.raises(DataError, match="which is not there"):
+        convert_checkpoint(tmp_path / "hf", "safetensors", tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
 
 
 def test_a_dcp_save_that_died_stays_incomplete_whatever_else_lies_there(tmp_path):
