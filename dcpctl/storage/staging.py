@@ -62,8 +62,22 @@ class StagedOutput:
 
     def confirm(self, names: Iterable[str] = (), sizes: Mapping[str, int] | None = None
                 ) -> None:
-        """Nothing to check here: no other run writes in this run's staging directory (see
-        ObjectStoreOutput.confirm)."""
+        """Before the output's last file is written: check that every one of names (the files
+        written for it, by every process) is in the staging directory, of the size sizes gives
+        it where it does; raises OutputError, nothing published, where one is not. No other
+        run writes there, but a torchrun rank on another machine writes into its own where
+        the path lies on no file system they share."""
+        sizes = sizes or {}
+        for name in sorted({*names, *sizes}):
+            try:
+                size = os.lstat(self.path / name).st_size
+            except FileNotFoundError:
+                size = None
+            if size is None or (name in sizes and size != sizes[name]):
+                found = "is not there" if size is None else f"holds {size} bytes, not {sizes[name]}"
+                raise OutputError(f"{name}, written for this output, {found} (ranks on machines "
+                                  "that do not share this file system?): nothing was published",
+                                  path=self.destination)
 
     def confirm_published(self, names: Iterable[str], sizes: Mapping[str, int], last_file: str,
                           last_bytes: bytes) -> None:

@@ -419,3 +419,21 @@ def test_an_old_output_that_cannot_be_removed_is_named_and_the_new_one_stays(
     rerun = StagedOutput(tmp_path / "out", overwrite=True, source=SOURCE)  # clears what stayed
     rerun.abort()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_local_output_missing_a_file_written_for_it_is_not_published(tmp_path):
+    """torchrun ranks on two machines, the output on a path they do not share: rank 1 wrote
+    its data file into a staging directory of its own making on its machine, and rank 0
+    published the checkpoint without it, exit 0."""
+    from dcpctl.storage.staging import staged_output
+
+    staged = staged_output(tmp_path / "out", False, SOURCE)
+    (staged.path / "__0_0.distcp").write_bytes(b"abc")
+    staged.confirm(["__0_0.distcp"], {"__0_0.distcp": 3})
+    with pytest.raises(OutputError, match="__1_0.distcp, written for this output, is not there"):
+        staged.confirm(["__0_0.distcp", "__1_0.distcp"], {"__0_0.distcp": 3})
+    with pytest.raises(OutputError, match="__0_0.distcp, written for this output, holds 3 "
+                                          "bytes, not 4"):
+        staged.confirm([], {"__0_0.distcp": 4})
+    staged.abort()
+    assert sorted(tmp_path.iterdir()) == []

@@ -96,7 +96,10 @@ class DataFileSet:
         writer = self._open_writers.get(final_name)
         if writer is None:
             path = self.directory / self.data_file_name(final_name)
-            if self.in_place_token is None and not is_remote(path):  # a name with directories
+            # a name with directories: those are made inside the output's directory, never it
+            # (a rank on a machine that does not share it fails to open the file, naming it)
+            if (self.in_place_token is None and not is_remote(path)
+                    and path.parent != self.directory and self.directory.is_dir()):
                 path.parent.mkdir(parents=True, exist_ok=True)
             writer = self._open_writers[final_name] = DataFileWriter(path)
         return writer
