@@ -134,7 +134,7 @@ def check_index(directory: StoragePath, metadata: CheckpointMetadata) -> None:
         if weight_map.get(fqn) not in files:
             raise DataError(f"weight_map puts {fqn!r} in {weight_map.get(fqn)!r}, but "
                             f"{', '.join(sorted(files))} holds it", path=path, fqn=fqn)
-    read = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    read = set().union(*files_of.values())
     for fqn, name in sorted(weight_map.items()):  # a file gone takes its tensors with it
         if fqn not in files_of:
             held = "does not hold it" if name in read else "is not there"
