@@ -10,6 +10,7 @@ import errno
 import fcntl
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -34,6 +35,9 @@ class StagedOutput:
     the directory the output file is written in), locked (flock) until the run ends: a run
     killed outright leaves it behind unlocked, and the next run for the same destination
     removes it (remove_dead_stagings), while a live run's stays."""
+
+    claim = None
+    """No other run writes into the staging directory: nothing to claim (see OutputClaim)."""
 
     def __init__(self, destination: Path, overwrite: bool, source: Path,
                  is_directory: bool = True) -> None:
@@ -230,6 +234,31 @@ def _remove_unlocked(parent: int, name: str, lock: bool) -> bool:
         os.close(descriptor)
 
 
+@dataclass(frozen=True)
+class OutputClaim:
+    """An object store output's claim (`.metadata.tmp` holding a run's token), as the processes
+    writing for that run check it: picklable, to go to workers and torchrun ranks."""
+
+    path: ObjectPath
+    data: bytes
+
+    def is_held(self) -> bool:
+        """Whether the claim is still this run's: a run with --overwrite deletes it as it takes
+        the output over."""
+        try:
+            return self.path.read_bytes() == self.data
+        except FileNotFoundError:
+            return False
+
+    def check(self) -> None:
+        """Before a new file of the output is started: raise OutputError, naming the output,
+        where another run took it over, so that this one writes nothing more over that run's
+        files."""
+        if not self.is_held():
+            raise OutputError("another run took this output over while this one wrote it "
+                              "(--overwrite?): nothing was published", path=self.path.parent)
+
+
 class ObjectStoreOutput:
     """An output in an object store, written in place: `path` is the destination. What stands
     there is refused unless overwrite; with overwrite it is deleted first, `.metadata` before
@@ -243,10 +272,14 @@ class ObjectStoreOutput:
     then hold nothing else. So a second run that starts while this one writes, or once it has
     published, is refused instead of writing over its objects (where the store can promise a
     write only if absent: stores that ignore the condition, rclone's, cannot tell two runs
-    apart). The claim is given up in confirm(), just before the output's last file (a
-    checkpoint's `.metadata`), once the objects written are found all there and the claim
-    still this run's; abort() deletes what lies under the prefix only while it is this run's
-    output: its claim, or, after confirm(), no `.metadata` that another run published."""
+    apart). A run with overwrite takes over an output another run is writing: it deletes that
+    run's claim with the rest and makes its own, and the other run, which checks its claim
+    before each new file (OutputClaim.check) and before it publishes, stops there; objects it
+    still wrote after the takeover are deleted by confirm(). The claim is given up in
+    confirm(), just before the output's last file (a checkpoint's `.metadata`), once the
+    objects written are found all there and the claim still this run's; abort() deletes what
+    lies under the prefix only while it is this run's output: its claim, or, after confirm(),
+    no `.metadata` that another run published."""
 
     def __init__(self, destination: ObjectPath, overwrite: bool, source: StoragePath,
                  is_directory: bool = True) -> None:
@@ -254,6 +287,8 @@ class ObjectStoreOutput:
         self.destination = self.path = destination
         self.is_directory = is_directory
         self.token = new_token()
+        self.overwrite = overwrite
+        self.claim: OutputClaim | None = None
         self._claimed = self._confirmed = False
         store = destination.store
         if not is_directory:
@@ -277,18 +312,23 @@ class ObjectStoreOutput:
                 else "exists and is not empty (pass --overwrite to replace it)", path=destination)
         if standing:
             delete_checkpoint_objects(destination)
-        self._claim = destination / METADATA_TEMPORARY_FILE_NAME
-        self._claim_data = f"dcpctl {self.token}\n".encode()
+        self.claim = OutputClaim(destination / METADATA_TEMPORARY_FILE_NAME,
+                                 f"dcpctl {self.token}\n".encode())
         try:
-            store.put(self._claim.key, self._claim_data, if_absent=True)
+            store.put(self.claim.path.key, self.claim.data, if_absent=True)
         except FileExistsError:
-            if store.holds_exactly(self._claim.key, self._claim_data) is not True:  # lost?
+            if store.holds_exactly(self.claim.path.key, self.claim.data) is not True:  # lost?
                 raise OutputError(
                     f"another run is writing this output (it holds "
-                    f"{METADATA_TEMPORARY_FILE_NAME}, as a save in progress does); if none is, "
-                    "pass --overwrite to replace it", path=destination) from None
+                    f"{METADATA_TEMPORARY_FILE_NAME}, as a save in progress does); "
+                    + ("it claimed the output as this run cleared it: run again to replace "
+                       "its output" if overwrite else "if none is, pass --overwrite to replace "
+                       "it"), path=destination) from None
         self._claimed = True
-        if set(store.list_tree(destination.key)) - {METADATA_TEMPORARY_FILE_NAME}:
+        # with overwrite, what appeared since the output was cleared is a run's this one took
+        # over (its claim went with the rest): confirm() deletes what it still leaves
+        if not overwrite and set(store.list_tree(destination.key)) - {
+                METADATA_TEMPORARY_FILE_NAME}:
             self._give_up_claim()
             raise OutputError("another run wrote here meanwhile: the output is not empty (pass "
                               "--overwrite to replace it)", path=destination)
@@ -298,13 +338,15 @@ class ObjectStoreOutput:
         """Before the output's last file is written: check that the claim is still this run's
         and that every one of names (the files it wrote) is there, with the size sizes gives
         it where it does, and give the claim up; raises OutputError, nothing published, where
-        another run took the output over."""
+        another run took the output over. With overwrite, the other objects under the prefix
+        (a run this one took over wrote them after it was cleared) are deleted first."""
         if not self._claimed:
             return
-        if not self._claim_is_ours():
-            raise OutputError("another run took this output over while this one wrote it "
-                              "(--overwrite?): nothing was published", path=self.destination)
-        self._refuse_replaced(names, sizes or {})
+        self.claim.check()
+        sizes = sizes or {}
+        standing = self._refuse_replaced(names, sizes)
+        if self.overwrite:
+            self._delete_strays(standing, {*names, *sizes, METADATA_TEMPORARY_FILE_NAME})
         self._give_up_claim()
         self._confirmed = True
 
@@ -326,10 +368,12 @@ class ObjectStoreOutput:
                     store.delete([last], if_etags={last: store.remembered_etag(last)})
             raise
 
-    def _refuse_replaced(self, names: Iterable[str], sizes: Mapping[str, int]) -> None:
+    def _refuse_replaced(self, names: Iterable[str], sizes: Mapping[str, int]
+                         ) -> dict[str, ObjectInfo]:
         """Raise OutputError where one of names is gone, or is not the object this run wrote:
         of another size than sizes gives it, or of another ETag than the store gave this run's
-        write (where the store gives ETags: a replacement of the same size)."""
+        write (where the store gives ETags: a replacement of the same size). Returns what
+        stands under the prefix, by name."""
         store = self.destination.store
         standing = store.list_tree(self.destination.key)
         for name in sorted({*names, *sizes}):
@@ -349,6 +393,16 @@ class ObjectStoreOutput:
                                   "ETag is not the one this run's write was given; another "
                                   "run with --overwrite?): nothing was published",
                                   path=self.destination)
+        return standing
+
+    def _delete_strays(self, standing: Mapping[str, ObjectInfo], own: set[str]) -> None:
+        """Delete the objects of standing not named in own, each only as listed (by ETag,
+        where the store promises it)."""
+        strays = sorted(set(standing) - own)
+        if strays:
+            keys = {name: (self.destination / name).key for name in strays}
+            self.destination.store.delete(
+                list(keys.values()), if_etags={keys[name]: standing[name].etag for name in strays})
 
     def publish(self) -> None:
         """Nothing to move: every object is in place once its write finished; the claim is
@@ -357,29 +411,26 @@ class ObjectStoreOutput:
         self.confirm()
 
     def abort(self) -> None:
-        """Delete what was written under the destination, where it is this run's output. A
-        store that fails meanwhile (the one that failed the run, say) leaves it: the error
-        that stopped the run is the one to report, and a run with --overwrite clears it."""
+        """Delete what was written under the destination, where it is this run's output. Where
+        another run took it over, nothing: an object this run wrote cannot be told from one of
+        the same bytes that run wrote (their ETags are the same), and that run deletes what it
+        finds of this one's (confirm()). A store that fails meanwhile (the one that failed
+        the run, say) leaves it: the error that stopped the run is the one to report, and a
+        run with --overwrite clears it."""
         try:
             if not self.is_directory:
                 # the object is written whole or not at all: one that stood there stays
                 now = _current_etag(self.destination)
                 if now is not None and now != self._standing_etag:
                     self.destination.unlink(missing_ok=True)
-            elif (self._claimed and self._claim_is_ours()) or (
+            elif (self._claimed and self.claim.is_held()) or (
                     self._confirmed and not (self.destination / METADATA_FILE_NAME).exists()):
                 delete_checkpoint_objects(self.destination)
         except (StorageError, OSError):
             pass
 
-    def _claim_is_ours(self) -> bool:
-        try:
-            return self._claim.read_bytes() == self._claim_data
-        except FileNotFoundError:
-            return False
-
     def _give_up_claim(self) -> None:
-        self._claim.unlink(missing_ok=True)
+        self.claim.path.unlink(missing_ok=True)
         self._claimed = False
 
 

@@ -240,6 +240,97 @@ def test_an_object_store_output_taken_over_is_not_published_nor_deleted(s3_serve
     assert _keys(destination) == []
 
 
+def _writes_after_the_claim(monkeypatch, destination, name: str, data: bytes) -> None:
+    """Have another run's object land under destination just after the next claim is made,
+    as the upload a run taken over still had in flight does."""
+    store = destination.store
+    real_put = store.put
+
+    def put(key, *args, **kwargs):
+        real_put(key, *args, **kwargs)
+        if key.endswith("/.metadata.tmp"):
+            monkeypatch.setattr(store, "put", real_put)
+            real_put((destination / name).key, data)
+
+    monkeypatch.setattr(store, "put", put)
+
+
+def test_a_run_with_overwrite_takes_over_an_output_whose_writer_still_writes(
+        s3_server, monkeypatch):
+    """Two runs with --overwrite into one prefix: the second cleared the first's objects and
+    claimed the output; an object the first still wrote then made the second give up ("the
+    output is not empty: pass --overwrite"), and the first failed on its lost claim: both
+    exited 1 and the output held the first's strays. Now the second takes the output over,
+    the first stops at its next file, and the second's confirm deletes the strays."""
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    first, destination = _object_output(s3_server, overwrite=True)
+    _put(destination, "__0_0.distcp", b"first")
+    _writes_after_the_claim(monkeypatch, destination, "__1_0.distcp", b"first, late")
+    second = ObjectStoreOutput(destination, True, SOURCE)
+    with pytest.raises(OutputError, match="another run took this output over"):
+        first.claim.check()
+    _put(destination, "__0_0.distcp", b"second")
+    second.confirm(["__0_0.distcp"], {"__0_0.distcp": 6})
+    _put(destination, ".metadata", b"metadata")
+    second.publish()
+    first.abort()
+    assert _keys(destination) == [".metadata", "__0_0.distcp"]
+    assert (destination / "__0_0.distcp").read_bytes() == b"second"
+
+
+def test_without_overwrite_an_object_that_lands_as_the_output_is_claimed_is_refused(
+        s3_server, monkeypatch):
+    from dcpctl.storage.paths import storage_path
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    destination = storage_path(f"s3://{s3_server.new_bucket()}/out")
+    _writes_after_the_claim(monkeypatch, destination, "__0_0.distcp", b"another's")
+    with pytest.raises(OutputError, match="another run wrote here meanwhile"):
+        ObjectStoreOutput(destination, False, SOURCE)
+    assert _keys(destination) == ["__0_0.distcp"]
+
+
+def test_a_run_with_overwrite_beaten_to_the_claim_is_not_told_to_pass_overwrite(
+        s3_server, monkeypatch):
+    """The other run claimed the output between this one clearing it and claiming it."""
+    from dcpctl.storage.paths import storage_path
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    destination = storage_path(f"s3://{s3_server.new_bucket()}/out")
+    _put(destination, "__0_0.distcp", b"old")
+    store, real_put = destination.store, destination.store.put
+
+    def put(key, *args, **kwargs):
+        monkeypatch.setattr(store, "put", real_put)
+        real_put(key, b"dcpctl another run\n")
+        real_put(key, *args, **kwargs)
+
+    monkeypatch.setattr(store, "put", put)
+    with pytest.raises(OutputError, match="another run is writing this output") as refused:
+        ObjectStoreOutput(destination, True, SOURCE)
+    assert "--overwrite" not in str(refused.value) and "run again" in str(refused.value)
+    assert _keys(destination) == [".metadata.tmp"]
+
+
+def test_a_data_file_set_starts_no_file_once_its_output_was_taken_over(s3_server):
+    """Workers and torchrun ranks write an output's data files through DataFileSets (pickled
+    to them): a run taken over went on writing files after its claim was gone."""
+    import pickle
+
+    from dcpctl.format.checkpoint.publishing import DataFileSet
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    first, destination = _object_output(s3_server)
+    files = pickle.loads(pickle.dumps(DataFileSet(destination, None, first.claim)))
+    files.data_file("__0_0.distcp").write(b"first")
+    files.finish_data_file("__0_0.distcp")
+    ObjectStoreOutput(destination, True, SOURCE)
+    with pytest.raises(OutputError, match="another run took this output over"):
+        files.data_file("__1_0.distcp")
+    assert _keys(destination) == [".metadata.tmp"]
+
+
 def test_an_object_store_output_whose_objects_went_missing_is_not_published(s3_server):
     output, destination = _object_output(s3_server)
     _put(destination, "__0_0.distcp", b"data")

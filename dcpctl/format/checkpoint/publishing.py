@@ -42,7 +42,7 @@ from dcpctl.storage.local import fsync_directory, new_token, temporary_name
 from dcpctl.storage.objects import WriteOutcomeUnknownError
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   open_ranged, write_whole)
-from dcpctl.storage.staging import staged_output
+from dcpctl.storage.staging import OutputClaim, staged_output
 
 
 class DataFileWriter:
@@ -73,17 +73,20 @@ class DataFileWriter:
 class DataFileSet:
     """Data files of an output being written by one process: the whole output's in one
     process, a worker's share of it otherwise (it pickles into a fresh set, to send to a
-    worker). Each file is named as the published metadata first names it, and hashed."""
+    worker). Each file is named as the published metadata first names it, and hashed. Given
+    the claim of an object store output, a new file is started only while it is this run's."""
 
-    def __init__(self, directory: StoragePath, in_place_token: str | None) -> None:
+    def __init__(self, directory: StoragePath, in_place_token: str | None,
+                 claim: OutputClaim | None = None) -> None:
         self.directory = directory
         self.in_place_token = in_place_token
+        self.claim = claim
         self.digests: dict[str, str] = {}
         """The SHA-256 of each file finished, by final name."""
         self._open_writers: dict[str, DataFileWriter] = {}  # by final name
 
     def __reduce__(self):
-        return DataFileSet, (self.directory, self.in_place_token)
+        return DataFileSet, (self.directory, self.in_place_token, self.claim)
 
     def data_file_name(self, final_name: str) -> str:
         """The name a data file has in the published metadata's first version."""
@@ -95,6 +98,8 @@ class DataFileSet:
         """The data file that will be called final_name, started on first use."""
         writer = self._open_writers.get(final_name)
         if writer is None:
+            if self.claim is not None:  # taken over by another run: write nothing over its
+                self.claim.check()
             path = self.directory / self.data_file_name(final_name)
             # a name with directories: those are made inside the output's directory, never it
             # (a rank on a machine that does not share it fails to open the file, naming it)
@@ -174,7 +179,8 @@ class CheckpointOutput:
         """A set for writing some of the data files, called final_names once published (abort
         removes them whoever wrote them)."""
         self._planned_names.update(final_names)
-        files = DataFileSet(self.directory, self._token if self.in_place else None)
+        files = DataFileSet(self.directory, self._token if self.in_place else None,
+                            None if self.in_place else self._staged.claim)
         self._sets.append(files)
         return files
 
@@ -205,6 +211,8 @@ class CheckpointOutput:
 
     def _publish_new_directory(self, metadata: CheckpointMetadata, digests: dict[str, str]
                                ) -> None:
+        if self._staged.claim is not None:
+            self._staged.claim.check()
         for name in self._side_files:
             digests[name] = _copy_file(self._source / name, self.directory / name)
         metadata_bytes = serialize_metadata(metadata)

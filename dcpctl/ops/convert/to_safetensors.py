@@ -121,6 +121,8 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
         try:
             files = write_safetensors(plan, checkpoint, staged.path, threads, workers,
                                       on_progress)
+            staged.confirm([file.name for file in files],
+                           {file.name: file.size_bytes for file in files})
             staged.publish()
         except BaseException:
             staged.abort()
