@@ -4,9 +4,9 @@ Every point is a member of Failpoint, the one list of them. Set DCPCTL_FAILPOINT
 environment of a dcpctl process and it sends itself SIGKILL the first time it reaches that
 point, or `<name>@<n>` for the n-th time; `<name>[@<n>]:SIGTERM` (or another signal's name)
 sends that signal instead, which the process may handle. With DCPCTL_FAILPOINT_SCOPE=workers it
-is armed only in the processes `--workers` starts (execution/processes.py), with
-DCPCTL_FAILPOINT_SCOPE=coordinator only in the command's own process, which runs a share of its
-own. DCPCTL_FAILPOINT_TRACE=<file>
+is armed only in the processes `--workers` starts (execution/processes.py) and in the ranks of
+a torchrun job but rank 0, with DCPCTL_FAILPOINT_SCOPE=coordinator only in the command's own
+process (rank 0's), which runs a share of its own. DCPCTL_FAILPOINT_TRACE=<file>
 appends the name of every point reached to that file, so a test can learn where and how often a
 command passes, then kill it at each of those moments. Unset, a failpoint costs one comparison.
 """
@@ -70,8 +70,8 @@ _lock = threading.Lock()
 
 
 def arm_in_worker() -> None:
-    """Called as a process `--workers` started begins: arm a failpoint scoped to workers,
-    disarm one scoped to the coordinator."""
+    """Called as a process `--workers` started, or a torchrun rank but 0, begins to serve:
+    arm a failpoint scoped to workers, disarm one scoped to the coordinator."""
     global _ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL
     if _SCOPE != "all":
         _ARMED_NAME, _ARMED_HIT, _ARMED_SIGNAL = (_SETTING if _SCOPE == "workers"

@@ -8,6 +8,11 @@ The other ranks only serve: they wait for a job or for the end, and exit with ra
 status. Everything travels through torch.distributed's key-value store (gloo process group,
 CPU only), polled, so a rank waiting still answers SIGTERM, the way torchrun stops a job whose
 other rank failed. Progress is shown by rank 0 alone, counting every rank's work.
+
+Every rank beats a heart in the store (a counter it adds to each second). Rank 0, waiting for
+a rank, fails the job naming it once its heart has not beaten for rank_silence_seconds(): a
+rank killed on a node whose agent does not hold the store ends nothing rank 0 can see, and a
+stopped one ends nothing at all.
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ from typing import Any, Callable, Iterator
 from dcpctl.errors import DcpctlError, InvalidOptionError
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
+from dcpctl.failpoints import arm_in_worker
 
 _POLL_SECONDS = 0.05
 _PROGRESS_SECONDS = 0.5
+_HEARTBEAT_SECONDS = 1.0
+RANK_SILENCE_VARIABLE = "DCPCTL_TORCHRUN_RANK_TIMEOUT"
+DEFAULT_RANK_SILENCE_SECONDS = 120.0
 _team: Team | None = None
 
 
@@ -37,6 +46,21 @@ def launched_by_torchrun() -> bool:
 def local_world_size() -> int:
     """The ranks torchrun started on this node."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def rank_silence_seconds() -> float:
+    """How long a rank may go without a heartbeat before rank 0 fails the job naming it:
+    DCPCTL_TORCHRUN_RANK_TIMEOUT seconds, DEFAULT_RANK_SILENCE_SECONDS unset. A heartbeat
+    waits only for the GIL, which nothing dcpctl does holds for long."""
+    setting = os.environ.get(RANK_SILENCE_VARIABLE, "")
+    try:
+        seconds = float(setting) if setting else DEFAULT_RANK_SILENCE_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise InvalidOptionError(f"{RANK_SILENCE_VARIABLE}={setting!r}: not a number of seconds "
+                                 "above 0")
+    return seconds
 
 
 def current_team() -> Team | None:
@@ -54,6 +78,7 @@ def join_torchrun() -> Team:
     distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
     _team = Team(distributed.get_rank(), distributed.get_world_size(),
                  _JobStore(distributed.distributed_c10d._get_default_store()))
+    _team.start_heartbeat()
     return _team
 
 
@@ -94,6 +119,10 @@ def _lost_contact_worded() -> Iterator[None]:
                                f"ended?): {str(error).strip().splitlines()[0]}") from None
 
 
+class RankSilentError(WorkerError):
+    """A rank's heart stopped beating while rank 0 waited for it."""
+
+
 class Team:
     """The ranks of a torchrun job, talking through its store (see the module docstring)."""
 
@@ -102,6 +131,21 @@ class Team:
         self.size = size
         self.store = store
         self._jobs = 0
+        self._silence_allowed = rank_silence_seconds()
+
+    def start_heartbeat(self) -> None:
+        """Beat this rank's heart in the store each second, for as long as the process lives
+        (see the module docstring)."""
+        threading.Thread(target=self._beat, name="dcpctl-rank-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        key = f"dcpctl/heartbeat/{self.rank}"
+        try:
+            while True:
+                self.store.add(key, 1)
+                time.sleep(_HEARTBEAT_SECONDS)
+        except LostContactError:
+            return  # the job is over: whoever waits says it
 
     def check_same_command(self, arguments: list[str]) -> None:
         """Every rank says its command line; on rank 0, an InvalidOptionError names a rank
@@ -111,7 +155,7 @@ class Team:
         if self.rank != 0:
             return
         for rank in range(1, self.size):
-            theirs = pickle.loads(self._wait(f"dcpctl/arguments/{rank}"))
+            theirs = pickle.loads(self._wait(f"dcpctl/arguments/{rank}", rank))
             if theirs != arguments:
                 raise InvalidOptionError(
                     f"rank {rank} of {self.size} was started as `dcpctl {shlex.join(theirs)}`, "
@@ -142,8 +186,7 @@ class Team:
                 outcomes = [("done", run_share_of(job, 0, self.size, advance, plan))]
             except Exception as error:  # noqa: BLE001 - raised once the other ranks are done
                 failure, outcomes = error, [("failed", None)]
-            outcomes += [pickle.loads(self._wait(f"dcpctl/result/{number}/{rank}"))
-                         for rank in range(1, self.size)]
+            outcomes += [self._outcome_of(number, rank) for rank in range(1, self.size)]
         finally:
             stop.set()
             watcher.join()
@@ -151,9 +194,19 @@ class Team:
             raise WorkerError(f"rank 0 of {self.size}: {describe_failure(failure)}"
                               ) from failure
         for rank, (kind, value) in enumerate(outcomes):
+            if kind == "silent":
+                raise RankSilentError(value)
             if kind == "failed":
                 raise WorkerError(f"rank {rank} of {self.size}: {value}")
         return [outcomes[0][1], *(outcome.adopted() for _, outcome in outcomes[1:])]
+
+    def _outcome_of(self, number: int, rank: int) -> tuple[str, Any]:
+        """Rank's outcome of job number: ("done", its ShareOutcome), ("failed", what it
+        said), or ("silent", why rank 0 stopped waiting for it)."""
+        try:
+            return pickle.loads(self._wait(f"dcpctl/result/{number}/{rank}", rank))
+        except RankSilentError as error:
+            return "silent", error.message
 
     def end(self, exit_code: int) -> None:
         """On rank 0: tell every rank that the command is over, with its exit status (where
@@ -166,6 +219,7 @@ class Team:
     def serve(self) -> int:
         """On ranks but 0: plan what rank 0 sends ahead, run the share of every job it hands
         out; rank 0's exit status."""
+        arm_in_worker()
         plans = PlansMadeAhead()
         while True:
             number = self._jobs = self._jobs + 1
@@ -186,9 +240,23 @@ class Team:
             progress.flush()
             self.store.set(f"dcpctl/result/{number}/{self.rank}", pickle.dumps(outcome))
 
-    def _wait(self, key: str) -> bytes:
+    def _wait(self, key: str, rank: int | None = None) -> bytes:
+        """The value of key once it is set; given the rank that sets it, RankSilentError
+        where that rank's heart stops beating first."""
+        heartbeat, beats = f"dcpctl/heartbeat/{rank}", -1
+        heard = asked = time.monotonic()
         while not self.store.check([key]):
             time.sleep(_POLL_SECONDS)  # a Python-level wait, so that signals are handled
+            if rank is None or time.monotonic() - asked < _HEARTBEAT_SECONDS:
+                continue
+            asked, now = time.monotonic(), self.store.add(heartbeat, 0)
+            if now != beats:
+                beats, heard = now, asked
+            elif asked - heard > self._silence_allowed:
+                raise RankSilentError(
+                    f"rank {rank} of {self.size}: has not answered for "
+                    f"{self._silence_allowed:g} s (killed, stopped, or its machine lost; "
+                    f"{RANK_SILENCE_VARIABLE} sets how long a rank may be silent)")
         return self.store.get(key)
 
     def _forward_progress(self, key: str, advance: Callable[[int], None],

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from conftest import (MANIFEST, REPO_ROOT, directory_state, fixture_path, flip_b
                       item_locations, load_with_torch, run_dcpctl)
 from make_fixtures import tensor_sha256
 
+from dcpctl.errors import InvalidOptionError
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.torch_save.layout import find_payload_start
 from dcpctl.stopping import Terminated
@@ -385,3 +387,32 @@ def test_a_rank_that_loses_the_job_says_so_in_a_line(monkeypatch, capsys, rank):
     assert cli_main._run_as_torchrun_rank() == 1
     assert capsys.readouterr().err == ("Error: lost contact with the torchrun job (its agent or "
                                        "rank 0 ended?): Broken pipe\n")
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_fails_the_torchrun_job_naming_it(tmp_path):
+    """A rank killed on a node whose torchrun agent does not hold the job's store, or one
+    stopped: rank 0 waited for its result forever."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT),
+                   "DCPCTL_FAILPOINT": "after-data-write:SIGSTOP",
+                   "DCPCTL_FAILPOINT_SCOPE": "workers", "DCPCTL_TORCHRUN_RANK_TIMEOUT": "3"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node=2", "-m", "dcpctl", "compress",
+                             fixture_path(SOURCE), "-o", tmp_path / "out"],
+                            capture_output=True, text=True, env=environment, timeout=180)
+    assert result.returncode != 0
+    assert "Error: rank 1 of 2: has not answered for 3 s" in result.stderr, result.stderr
+    assert time.monotonic() - started < 120
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_silence_setting_that_is_no_duration_is_refused(monkeypatch):
+    from dcpctl.execution import torchrun
+
+    for setting in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("DCPCTL_TORCHRUN_RANK_TIMEOUT", setting)
+        with pytest.raises(InvalidOptionError, match="DCPCTL_TORCHRUN_RANK_TIMEOUT"):
+            torchrun.rank_silence_seconds()
+    monkeypatch.setenv("DCPCTL_TORCHRUN_RANK_TIMEOUT", "2.5")
+    assert torchrun.rank_silence_seconds() == 2.5
