@@ -99,7 +99,11 @@ class OutputError(DcpctlError):
 
 
 class LockHeldError(DcpctlError):
-    """Another dcpctl process holds the lock on this directory; nothing was changed."""
+    """Another dcpctl process holds the lock on this directory; nothing was changed. Exit
+    status 75 (EX_TEMPFAIL, "try again later"), so that a script tells a checkpoint in use
+    from a damaged one or a wrong path, and retries."""
+
+    exit_code = 75
 
 
 class PartialFailureError(DcpctlError):

@@ -90,9 +90,10 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     for a symlink mid-run deletes nothing outside RUN_DIR. --dry-run takes no lock and
     prints the same plan.
 
-    Exit status: 0 done (or nothing to delete); 1 when another prune holds the lock, RUN_DIR
-    cannot be read, or some deletions failed (the others are still done, and the report
-    says which were deleted and which were not); 2 for usage errors.
+    Exit status: 0 done (or nothing to delete); 1 when RUN_DIR cannot be read, or some
+    deletions failed (the others are still done, and the report says which were deleted and
+    which were not); 2 for usage errors; 75 when another prune holds the lock (try again
+    later).
 
     \b
     Examples:

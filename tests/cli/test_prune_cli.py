@@ -78,11 +78,11 @@ def test_partial_failure_reports_both_and_exits_1(run_cli, run_dir, monkeypatch)
                              f"step-200: {run_dir}/step-200/__1_0.distcp: Permission denied\n")
 
 
-def test_second_prune_exits_1_with_a_clear_message(run_dir, another_prune):
+def test_second_prune_exits_75_try_again_later_with_a_clear_message(run_dir, another_prune):
     with another_prune(run_dir):
         result = subprocess.run([sys.executable, "-m", "dcpctl", "prune", str(run_dir),
                                  "--keep-last", "1"], capture_output=True, text=True)
-    assert result.returncode == 1 and not result.stdout
+    assert result.returncode == 75 and not result.stdout
     assert result.stderr == (f"Error: {run_dir}: another dcpctl prune is pruning this run "
                              "directory; nothing was changed, try again later\n")
     assert (run_dir / "step-100").exists()

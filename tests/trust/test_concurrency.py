@@ -36,7 +36,7 @@ def test_a_conflicting_second_command_fails_at_once(run_cli, tmp_path, checkpoin
     args = [part.format(out=tmp_path / "out") for part in command]
     with locked_checkpoint(checkpoint, exclusive=held == "exclusive"):
         result = run_cli(args[0], checkpoint, *args[1:])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 75, result.output
     assert result.output.startswith(f"Error: {checkpoint}: another dcpctl is ")
     assert directory_state(checkpoint) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
@@ -68,7 +68,7 @@ def test_two_in_place_rewrites_started_together_never_lose_the_checkpoint(tmp_pa
         for returncode, stderr in ((first.returncode, first_stderr),
                                    (second.returncode, second.stderr)):
             assert returncode == 0 or (
-                returncode == 1 and "another dcpctl is reading or changing" in stderr), stderr
+                returncode == 75 and "another dcpctl is reading or changing" in stderr), stderr
         loaded = {fqn: tensor_sha256(value) for fqn, value in load_with_torch(checkpoint).items()
                   if isinstance(value, torch.Tensor)}
         assert loaded == expected, trial
@@ -87,7 +87,7 @@ def test_an_output_another_dcpctl_holds_is_not_replaced_with_overwrite(
     with locked_checkpoint(held_output, exclusive=held == "exclusive"):
         result = run_cli("reshard", fixture_path("zstd_fsdp2_2ranks"), "--ranks", "2", "-o",
                          held_output, "--overwrite")
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 75, result.output
     assert result.output.startswith(f"Error: {held_output}: another dcpctl is ")
     assert directory_state(held_output) == before
 
@@ -109,7 +109,7 @@ def test_an_output_held_once_written_is_not_replaced_either(tmp_path, copy_fixtu
     finally:
         if run.poll() is None:
             run.kill()
-    assert run.returncode == 1 and "another dcpctl is reading or changing" in error, error
+    assert run.returncode == 75 and "another dcpctl is reading or changing" in error, error
     assert directory_state(held_output) == before
     assert sorted(path.name for path in held_output.parent.iterdir()) == [held_output.name]
 
@@ -136,10 +136,10 @@ def test_a_file_or_safetensors_source_is_held_while_converted_to_dcp(run_cli, tm
         with locked_checkpoint(source, exclusive=False):  # as a convert reading it holds it
             result = run_cli("convert", fixture_path("zstd_fsdp2_2ranks"), "--to", to, "-o",
                              source, "--overwrite")
-            assert result.exit_code == 1, result.output
+            assert result.exit_code == 75, result.output
             assert "another dcpctl is reading or changing" in result.output
         assert (directory_state(hf), directory_state(tmp_path)) == before
         with locked_checkpoint(source, exclusive=True):  # as one replacing it holds it
             result = run_cli("convert", source, "--to", "dcp", "-o", tmp_path / "dcp")
-            assert result.exit_code == 1 and "another dcpctl is changing" in result.output
+            assert result.exit_code == 75 and "another dcpctl is changing" in result.output
         assert not (tmp_path / "dcp").exists()
