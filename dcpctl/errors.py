@@ -98,12 +98,15 @@ class OutputError(DcpctlError):
     """The output location cannot be used: it exists and is not empty, or is not writable."""
 
 
-class LockHeldError(DcpctlError):
-    """Another dcpctl process holds the lock on this directory; nothing was changed. Exit
-    status 75 (EX_TEMPFAIL, "try again later"), so that a script tells a checkpoint in use
-    from a damaged one or a wrong path, and retries."""
+TRY_AGAIN_EXIT_CODE = 75
+"""EX_TEMPFAIL: another run held or changed what this one works on; nothing was done, and a
+script tells that from damage or a wrong path, and tries again later."""
 
-    exit_code = 75
+
+class LockHeldError(DcpctlError):
+    """Another dcpctl process holds the lock on this directory; nothing was changed."""
+
+    exit_code = TRY_AGAIN_EXIT_CODE
 
 
 class PartialFailureError(DcpctlError):

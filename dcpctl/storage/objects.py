@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
-from dcpctl.errors import DcpctlError
+from dcpctl.errors import TRY_AGAIN_EXIT_CODE, DcpctlError
 
 
 class StorageError(DcpctlError):
@@ -30,7 +30,10 @@ class StorageError(DcpctlError):
 
 
 class ObjectChangedError(StorageError):
-    """An object was replaced while dcpctl read it (its ETag changed)."""
+    """An object was replaced while dcpctl read it (its ETag changed), or before a write
+    that was to replace it only as first read."""
+
+    exit_code = TRY_AGAIN_EXIT_CODE
 
 
 class WriteOutcomeUnknownError(StorageError):

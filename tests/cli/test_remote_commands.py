@@ -895,3 +895,35 @@ def test_single_file_sources_in_a_bucket_convert_to_dcp_or_are_refused_in_a_line
     assert torch.equal(load_with_torch(tmp_path / "dcp")["w"], torch.ones(3))
     assert "read from a local path only" in failure(
         "convert", f"s3://{bucket}/m.pt", "--to", "dcp", "-o", tmp_path / "other")
+
+
+@pytest.mark.parametrize("command", [
+    ["verify", "--json"], ["checksum"], ["reshard", "--ranks", "2", "-o", "{output}"],
+    ["convert", "--to", "safetensors", "-o", "{output}"]])
+def test_a_checkpoint_rewritten_in_place_while_read_is_said_so_not_called_damaged(
+        moto_s3, moto_checkpoint, monkeypatch, run_cli, command):
+    """A bucket has no locks: an in-place compress switched the checkpoint's `.metadata` and
+    deleted the old data objects while another dcpctl read them. verify reported the sound
+    checkpoint damaged (read-error), the others failed on a "missing" data file."""
+    from dcpctl.storage import paths
+
+    bucket, url = moto_checkpoint
+    real_init, rewrites = paths.ObjectRangedFile.__init__, []
+
+    def open_after_a_rewrite(self, path):
+        if not rewrites and path.key.endswith(".distcp"):
+            rewrites.append(run_dcpctl("compress", url))
+        real_init(self, path)
+
+    monkeypatch.setattr(paths.ObjectRangedFile, "__init__", open_after_a_rewrite)
+    output = f"s3://{bucket}/out"
+    result = run_cli(command[0], url, *[part.format(output=output) for part in command[1:]])
+    assert rewrites and rewrites[0].returncode == 0, rewrites
+    assert result.exit_code == 75, result.output
+    assert result.output == (f"Error: {url}: was rewritten while dcpctl read it (its .metadata "
+                             "is not the one read: another dcpctl's in-place run, or a save of "
+                             "this step?); the checkpoint may well be sound: run the command "
+                             "again\n")
+    monkeypatch.setattr(paths.ObjectRangedFile, "__init__", real_init)
+    assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
+    assert not keys_under(moto_s3, bucket, "out")

@@ -21,11 +21,13 @@ from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256
                                                 refuse_sha256sums_mismatch)
 from dcpctl.format.checkpoint.locations import ExpectedTensor
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
+from dcpctl.format.checkpoint.rewrites import rewrite_named
 from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry, find_file_problems,
                                            open_checkpoint)
 from dcpctl.format.codecs.base import max_decoded_bytes
 from dcpctl.format.metadata.records import ChunkMetadata, StorageInfo
 from dcpctl.storage.locks import locked_checkpoint
+from dcpctl.storage.paths import storage_path
 
 
 @dataclass(slots=True)
@@ -90,8 +92,10 @@ def checked_checkpoint(path: str | os.PathLike, exclusive: bool = False, check_s
     SHA256SUMS, every file it lists is hashed first, on `threads` threads, and must match (a
     file of a few bytes whose CRC-32 happens to hold is caught, and so are the bytes no CRC
     covers); on_progress(bytes_done, total_bytes) follows that hashing. once_held() is called
-    once the checkpoint is held, before it is read (to have workers plan ahead from there)."""
-    with locked_checkpoint(path, exclusive):
+    once the checkpoint is held, before it is read (to have workers plan ahead from there).
+    A failure that came of another run rewriting it meanwhile, in an object store, is said as
+    such (rewrites.rewrite_named)."""
+    with locked_checkpoint(path, exclusive), rewrite_named(storage_path(path)):
         if once_held is not None:
             once_held()
         checkpoint = open_checked_checkpoint(path)

@@ -13,6 +13,7 @@ from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, U
 from dcpctl.format.checkpoint.checksums import absent_listed_files, read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
+from dcpctl.format.checkpoint.rewrites import rewrite_error, rewrite_named, rewritten_since_read
 from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_beside_data,
                                                  side_file_problems, side_files_of)
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
@@ -66,11 +67,16 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int |
                       workers: int = 1) -> VerifyReport:
     """Check a checkpoint directory and report every problem found (see VerifyReport), its
     files read by `workers` processes of `threads` threads each; on_progress(done_bytes,
-    total_bytes) follows the reading."""
-    with workers_started(workers), locked_checkpoint(path, exclusive=False):
-        directory = storage_path(path)
-        return _verify(directory, deep, threads_per_worker(threads, directory, workers),
-                       workers, on_progress)
+    total_bytes) follows the reading. Damage that came of another run rewriting the checkpoint
+    while it was read (in an object store) is no report: ObjectChangedError says so."""
+    directory = storage_path(path)
+    with (workers_started(workers), locked_checkpoint(path, exclusive=False),
+          rewrite_named(directory)):
+        report = _verify(directory, deep, threads_per_worker(threads, directory, workers),
+                         workers, on_progress)
+        if report.problems and rewritten_since_read(directory):
+            raise rewrite_error(directory)
+        return report
 
 
 def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
