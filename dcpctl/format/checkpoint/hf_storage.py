@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from dcpctl.errors import DcpctlError, DataError, MetadataError
+from dcpctl.errors import DcpctlError, DataError, IncompleteCheckpointError, MetadataError
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
 from dcpctl.format.metadata.records import (ChunkMetadata, CheckpointMetadata, MetadataIndex,
                                             StorageInfo, TensorMetadata, TensorProperties)
@@ -53,6 +53,20 @@ def is_hf_storage_shards(directory: StoragePath) -> bool:
     names = file_names_in(directory)
     return any(_SHARD_FILE.fullmatch(name) for name in names) or any(
         _places_chunks(directory / name) for name in hf_storage_files(names))
+
+
+def refuse_unconsolidated_save(directory: StoragePath, what_is_missing: str) -> None:
+    """Where directory holds no safetensors file of its own but its `sharded/` holds the
+    ranks' files of a save (consolidation never ran, or was cut short), raise
+    IncompleteCheckpointError saying so and giving that directory, which reads whole."""
+    rank_files = directory / CONSOLIDATED_FROM_DIRECTORY
+    if (directory.is_dir() and not hf_storage_files(file_names_in(directory))
+            and is_hf_storage_shards(rank_files)):
+        raise IncompleteCheckpointError(
+            f"{what_is_missing}, and no consolidated safetensors files beside "
+            f"{CONSOLIDATED_FROM_DIRECTORY}/, which holds the ranks' files of a torch "
+            "HuggingFaceStorageWriter save (its consolidation did not run, or did not finish): "
+            f"give {rank_files} to read them", path=directory)
 
 
 def _places_chunks(path: StoragePath) -> bool:

@@ -19,7 +19,7 @@ from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, META
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
                                       is_plain_file_name)
 from dcpctl.format.checkpoint.hf_storage import (check_index, hf_storage_files,
-                                                 hf_storage_metadata)
+                                                 hf_storage_metadata, refuse_unconsolidated_save)
 from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
@@ -190,6 +190,7 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
     if holds(HF_INDEX_FILE_NAME):
         raise DataError(f"holds {HF_INDEX_FILE_NAME} of a Hugging Face safetensors checkpoint "
                         "but no .safetensors file beside it", path=directory)
+    refuse_unconsolidated_save(directory, f"not a DCP checkpoint: no {METADATA_FILE_NAME}")
     raise IncompleteCheckpointError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}",
                                     path=directory)
 

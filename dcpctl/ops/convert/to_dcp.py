@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dcpctl.errors import DataError, InvalidOptionError, UnsupportedLayoutError, truncated_error
 from dcpctl.execution.running import plan_ahead, run_job, threads_per_worker
-from dcpctl.format.checkpoint.hf_storage import is_hf_storage_shards
+from dcpctl.format.checkpoint.hf_storage import is_hf_storage_shards, refuse_unconsolidated_save
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
 from dcpctl.format.checkpoint.sharding import (RankChunk, check_world_size, place_like_a_save,
@@ -336,6 +336,7 @@ def convert_to_dcp(source: str | os.PathLike, output: str | os.PathLike, ranks: 
     started = time.perf_counter()
     threads = threads_per_worker(threads, storage_path(source), workers)
     check_world_size(ranks)
+    refuse_unconsolidated_save(storage_path(source), "no safetensors model to convert")
     if is_hf_storage_shards(storage_path(source)):
         return _convert_shards(source, output, ranks, prefix, threads, overwrite, on_progress,
                                workers, started)

@@ -118,6 +118,21 @@ def test_one_ranks_file_alone_or_a_prefix_is_refused(saves, tmp_path):
     assert not (tmp_path / "one").exists() and not (tmp_path / "prefixed").exists()
 
 
+def test_a_save_whose_consolidation_did_not_run_points_to_its_rank_files(
+        saves, tmp_path, run_cli):
+    """A job stopped before it consolidated leaves only `sharded/`: dcpctl said "not a DCP
+    checkpoint: no .metadata", which sent users looking for a `.metadata` torch never writes."""
+    half = tmp_path / "half"
+    shutil.copytree(saves / "consolidated" / "sharded", half / "sharded")
+    for command in (["inspect"], ["verify"], ["convert", "--to", "dcp", "-o", tmp_path / "out"]):
+        result = run_cli(command[0], half, *command[1:])
+        assert result.exit_code == 1, result.output
+        assert f"holds the ranks' files of a torch HuggingFaceStorageWriter save" in \
+            result.output and f"give {half / 'sharded'} to read them" in result.output
+    assert run_cli("verify", half / "sharded").exit_code == 0
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_missing_ranks_file_and_damage_are_found(saves, tmp_path):
     gap = shutil.copytree(saves / "sharded", tmp_path / "gap")
     (gap / SHARD.format(2)).unlink()
