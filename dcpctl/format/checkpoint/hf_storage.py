@@ -156,9 +156,14 @@ def check_index(directory: StoragePath, metadata: CheckpointMetadata) -> None:
                             fqn=fqn)
 
 
+def saving_ranks(file_names: Iterable[str]) -> set[int]:
+    """The ranks (numbered from 1) whose files, named for them, lie among file_names; none
+    for a consolidated save, whose files split whole tensors by size, not by rank."""
+    return {int(match.group(1)) for name in file_names if (match := _SHARD_FILE.fullmatch(name))}
+
+
 def _refuse_gaps_in_shard_numbers(directory: StoragePath, file_names: list[str]) -> None:
-    numbers = sorted({int(match.group(1)) for name in file_names
-                      if (match := _SHARD_FILE.fullmatch(name))})
+    numbers = sorted(saving_ranks(file_names))
     missing = sorted(set(range(1, numbers[-1] + 1)) - set(numbers)) if numbers else []
     if missing:
         raise DataError(f"holds the files of ranks' shards {', '.join(map(str, numbers))} but "

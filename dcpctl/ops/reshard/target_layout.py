@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from dcpctl.errors import DcpctlError, InvalidOptionError
+from dcpctl.format.checkpoint.hf_storage import saving_ranks
 from dcpctl.format.checkpoint.mesh_sharding import (Mesh, MeshPlacement, mesh_chunks,
                                                     placement_of, source_mesh)
 from dcpctl.format.checkpoint.sharding import RankChunk, shard_dim0_chunks
@@ -63,7 +64,10 @@ def object_holders(fqn: str, mesh: Mesh) -> Sequence[int]:
 
 
 def _several_ranks_saved(checkpoint: Checkpoint) -> bool:
-    """Whether several ranks saved the checkpoint, told by its data files."""
+    """Whether several ranks saved the checkpoint, told by its data files (a consolidated
+    Hugging Face save's, split by size, are not ranks')."""
+    if checkpoint.hf_storage:
+        return len(saving_ranks(checkpoint.files)) > 1
     ranks = {rank_of_file_name(name) for name in checkpoint.files}
     return len(ranks - {None}) > 1 or (None in ranks and len(checkpoint.files) > 1)
 

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 import torch
-from conftest import load_with_torch
+from conftest import load_with_torch, torch_metadata
 from make_fixtures import TinyModel, fully_sharded_tiny_model, run_gloo_job
 from safetensors.torch import load_file
 
@@ -211,6 +211,30 @@ def test_a_consolidated_file_gone_is_found_by_its_index(expected, tmp_path):
     with pytest.raises(DataError, match="which is not there"):
         convert_checkpoint(tmp_path / "hf", "safetensors", tmp_path / "converted")
     assert not (tmp_path / "converted").exists()
+
+
+def test_a_consolidated_save_in_several_files_is_resharded_as_fsdp2_shards_it(expected,
+                                                                          tmp_path):
+    """A consolidated save split over several model-i-of-N files was taken for one of
+    several ranks, its whole tensors for tensors every rank held whole: reshard --ranks 2
+    wrote each whole into both rank files, where FSDP2 splits them along dim 0, as it does the
+    same tensors from a single file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    names = sorted(expected)
+    for files in (1, 3):
+        dcp.save(expected, storage_writer=HuggingFaceStorageWriter(
+            str(tmp_path / f"hf{files}"), fqn_to_index_mapping={
+                name: 1 + index % files for index, name in enumerate(names)}), no_dist=True)
+        reshard_checkpoint(tmp_path / f"hf{files}", 2, tmp_path / f"out{files}")
+    layouts = [{fqn: [(list(chunk.offsets), list(chunk.sizes)) for chunk in entry.chunks]
+                for fqn, entry in torch_metadata(tmp_path / f"out{files}").state_dict_metadata
+                .items()} for files in (1, 3)]
+    assert layouts[0] == layouts[1]
+    split = [fqn for fqn, tensor in expected.items() if tensor.dim() and tensor.shape[0] > 1]
+    assert split and all(len(layouts[1][fqn]) == 2 for fqn in split)
+    assert _equal(load_with_torch(tmp_path / "out3"), expected)
 
 
 def test_a_dcp_save_that_died_stays_incomplete_whatever_else_lies_there(tmp_path):
