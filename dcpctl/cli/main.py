@@ -124,8 +124,9 @@ def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -
     does nothing.)
 
     Exit status: 0 on success, 1 when an operation fails, 2 for usage errors, 75 when
-    another dcpctl holds the checkpoint or output (nothing done: try again later), 128 + the
-    signal's number when stopped by Ctrl-C, SIGTERM or SIGHUP (temporary files removed).
+    another dcpctl holds the checkpoint or output, or another run changed it meanwhile
+    (nothing done: try again later), 128 + the signal's number when stopped by Ctrl-C,
+    SIGTERM or SIGHUP (temporary files removed).
     """
     context.ensure_object(dict)
     context.obj["debug"] = debug

@@ -98,9 +98,9 @@ def render_manpage() -> str:
             lines += [".PP", paragraph]
         lines += [".PP", "Options:", *_options_section(command)]
     lines += [".SH EXIT STATUS", "0 on success; 1 when an operation fails (or, for verify, "
-              "finds damage); 2 for usage errors; 75 when another dcpctl holds the checkpoint or output "
-              "(nothing done: try again later).", ".SH SEE ALSO", "README.md in the dcpctl "
-              "source tree."]
+              "finds damage); 2 for usage errors; 75 when another dcpctl holds the checkpoint "
+              "or output, or another run changed it meanwhile (nothing done: try again later).",
+              ".SH SEE ALSO", "README.md in the dcpctl source tree."]
     return "\n".join(lines) + "\n"
 
 

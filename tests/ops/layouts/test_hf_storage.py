@@ -127,7 +127,7 @@ def test_a_save_whose_consolidation_did_not_run_points_to_its_rank_files(
     for command in (["inspect"], ["verify"], ["convert", "--to", "dcp", "-o", tmp_path / "out"]):
         result = run_cli(command[0], half, *command[1:])
         assert result.exit_code == 1, result.output
-        assert f"holds the ranks' files of a torch HuggingFaceStorageWriter save" in \
+        assert "holds the ranks' files of a torch HuggingFaceStorageWriter save" in \
             result.output and f"give {half / 'sharded'} to read them" in result.output
     assert run_cli("verify", half / "sharded").exit_code == 0
     assert not (tmp_path / "out").exists()
@@ -213,8 +213,8 @@ def test_a_consolidated_file_gone_is_found_by_its_index(expected, tmp_path):
     assert not (tmp_path / "converted").exists()
 
 
-def test_a_consolidated_save_in_several_files_is_resharded_as_fsdp2_shards_it(expected,
-                                                                          tmp_path):
+def test_a_consolidated_save_in_several_files_is_resharded_as_fsdp2_shards_it(
+        expected, tmp_path):
     """A consolidated save split over several model-i-of-N files was taken for one of
     several ranks, its whole tensors for tensors every rank held whole: reshard --ranks 2
     wrote each whole into both rank files, where FSDP2 splits them along dim 0, as it does the
