@@ -109,6 +109,13 @@ class LockHeldError(DcpctlError):
     exit_code = TRY_AGAIN_EXIT_CODE
 
 
+class OutputTakenError(OutputError):
+    """Another run is writing the output, or took it over or changed it while this one wrote
+    it; nothing was published."""
+
+    exit_code = TRY_AGAIN_EXIT_CODE
+
+
 class PartialFailureError(DcpctlError):
     """An operation did part of its work; its report says what was done and what was not."""
 

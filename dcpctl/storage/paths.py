@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, Union
 
-from dcpctl.errors import InvalidOptionError, OutputError
+from dcpctl.errors import InvalidOptionError, OutputTakenError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, open_regular_file,
@@ -431,9 +431,9 @@ def _another_runs_object_refused(path: ObjectPath) -> Iterator[None]:
     try:
         yield
     except FileExistsError:
-        raise OutputError("another run wrote an object of this name while this run wrote its "
-                          "output (one with --overwrite?): nothing was published",
-                          path=path) from None
+        raise OutputTakenError("another run wrote an object of this name while this run wrote "
+                               "its output (one with --overwrite?): nothing was published",
+                               path=path) from None
 
 
 def new_output_file(path: StoragePath) -> OutputFile | ObjectOutputFile:

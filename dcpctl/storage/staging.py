@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from dcpctl.errors import OutputError, describe_os_error
+from dcpctl.errors import OutputError, OutputTakenError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, METADATA_TEMPORARY_FILE_NAME
 from dcpctl.stopping import finishing_first
@@ -22,7 +22,7 @@ from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, exchange, fina
                                   fsync_directory, is_temporary_name, new_token,
                                   open_directory_at, remove_directory, temporary_name)
 from dcpctl.storage.locks import lock_descriptor, locked_checkpoint
-from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
+from dcpctl.storage.objects import ObjectChangedError, ObjectInfo, ObjectPath, StorageError
 from dcpctl.storage.paths import StoragePath, abort_stale_uploads
 
 
@@ -244,19 +244,24 @@ class OutputClaim:
 
     def is_held(self) -> bool:
         """Whether the claim is still this run's: a run with --overwrite deletes it as it takes
-        the output over."""
+        the output over, and puts its own in its place."""
         try:
             return self.path.read_bytes() == self.data
-        except FileNotFoundError:
+        except (FileNotFoundError, ObjectChangedError):
             return False
 
     def check(self) -> None:
-        """Before a new file of the output is started: raise OutputError, naming the output,
-        where another run took it over, so that this one writes nothing more over that run's
-        files."""
+        """Before a file of the output is started, and before it is completed: raise
+        OutputTakenError, naming the output, where another run took it over, so that this one
+        puts nothing more among that run's files. An object it completed all the same (the
+        takeover came between the check and the completion) stays for that run to delete
+        (ObjectStoreOutput.confirm): this run cannot delete it, since an object of its own
+        cannot be told from one of the same bytes that run wrote in its place, their ETags
+        alike."""
         if not self.is_held():
-            raise OutputError("another run took this output over while this one wrote it "
-                              "(--overwrite?): nothing was published", path=self.path.parent)
+            raise OutputTakenError("another run took this output over while this one wrote it "
+                                   "(--overwrite?): nothing was published",
+                                   path=self.path.parent)
 
 
 class ObjectStoreOutput:
@@ -318,7 +323,7 @@ class ObjectStoreOutput:
             store.put(self.claim.path.key, self.claim.data, if_absent=True)
         except FileExistsError:
             if store.holds_exactly(self.claim.path.key, self.claim.data) is not True:  # lost?
-                raise OutputError(
+                raise OutputTakenError(
                     f"another run is writing this output (it holds "
                     f"{METADATA_TEMPORARY_FILE_NAME}, as a save in progress does); "
                     + ("it claimed the output as this run cleared it: run again to replace "
@@ -330,8 +335,8 @@ class ObjectStoreOutput:
         if not overwrite and set(store.list_tree(destination.key)) - {
                 METADATA_TEMPORARY_FILE_NAME}:
             self._give_up_claim()
-            raise OutputError("another run wrote here meanwhile: the output is not empty (pass "
-                              "--overwrite to replace it)", path=destination)
+            raise OutputTakenError("another run wrote here meanwhile: the output is not empty "
+                                   "(pass --overwrite to replace it)", path=destination)
 
     def confirm(self, names: Iterable[str] = (), sizes: Mapping[str, int] | None = None
                 ) -> None:
@@ -355,11 +360,13 @@ class ObjectStoreOutput:
         """Once the last file (last_bytes) is written: check the files again, as confirm()
         did. A run with --overwrite may have deleted them and written its own since the claim
         was given up; then the last file is taken back where it is still this run's, the rest
-        left to that run, and OutputError raised."""
+        left to that run, and OutputError raised. With overwrite, other objects under the
+        prefix go again, as in confirm()."""
         if not self._confirmed:
             return
         try:
-            self._refuse_replaced([*names, last_file], {**sizes, last_file: len(last_bytes)})
+            standing = self._refuse_replaced([*names, last_file],
+                                             {**sizes, last_file: len(last_bytes)})
         except OutputError:
             self._confirmed = False  # the output is the other run's now: abort leaves it
             store, last = self.destination.store, (self.destination / last_file).key
@@ -367,6 +374,9 @@ class ObjectStoreOutput:
                 if store.holds_exactly(last, last_bytes):
                     store.delete([last], if_etags={last: store.remembered_etag(last)})
             raise
+        if self.overwrite:  # what a run this one took over wrote since confirm()
+            self._delete_strays(standing, {*names, *sizes, last_file,
+                                           METADATA_TEMPORARY_FILE_NAME})
 
     def _refuse_replaced(self, names: Iterable[str], sizes: Mapping[str, int]
                          ) -> dict[str, ObjectInfo]:
@@ -379,20 +389,20 @@ class ObjectStoreOutput:
         for name in sorted({*names, *sizes}):
             info = standing.get(name)
             if info is None:
-                raise OutputError(f"{name} was deleted while this run wrote the output "
-                                  "(another run?): nothing was published",
-                                  path=self.destination)
+                raise OutputTakenError(f"{name} was deleted while this run wrote the output "
+                                       "(another run?): nothing was published",
+                                       path=self.destination)
             if name in sizes and info.size != sizes[name]:
-                raise OutputError(f"{name} was replaced while this run wrote the output (it "
-                                  f"holds {info.size} bytes, not the {sizes[name]} this run "
-                                  "wrote; another run with --overwrite?): nothing was "
-                                  "published", path=self.destination)
+                raise OutputTakenError(f"{name} was replaced while this run wrote the output "
+                                       f"(it holds {info.size} bytes, not the {sizes[name]} "
+                                       "this run wrote; another run with --overwrite?): "
+                                       "nothing was published", path=self.destination)
             written = store.etag_written((self.destination / name).key)
             if written is not None and info.etag is not None and info.etag != written:
-                raise OutputError(f"{name} was replaced while this run wrote the output (its "
-                                  "ETag is not the one this run's write was given; another "
-                                  "run with --overwrite?): nothing was published",
-                                  path=self.destination)
+                raise OutputTakenError(f"{name} was replaced while this run wrote the output "
+                                       "(its ETag is not the one this run's write was given; "
+                                       "another run with --overwrite?): nothing was published",
+                                       path=self.destination)
         return standing
 
     def _delete_strays(self, standing: Mapping[str, ObjectInfo], own: set[str]) -> None:

@@ -451,7 +451,7 @@ def test_an_output_taken_over_as_it_was_published_is_taken_back(
         for process in (first, second):
             if process is not None and process.poll() is None:
                 process.kill()
-    assert first.returncode == 1 and "while this run wrote the output" in first_error, \
+    assert first.returncode == 75 and "while this run wrote the output" in first_error, \
         first_error
     assert second.returncode == 0, second_error
     report = json.loads(ok("verify", output, "--json"))
@@ -477,7 +477,7 @@ def test_a_run_taken_over_while_it_wrote_leaves_the_other_runs_output_whole(
     finally:
         if first.poll() is None:
             first.kill()
-    assert first.returncode == 1, first_error
+    assert first.returncode == 75, first_error
     assert "another run" in first_error and "nothing was published" in first_error, first_error
     report = json.loads(ok("verify", output, "--json"))
     assert report["status"] == "ok", report
@@ -752,7 +752,7 @@ def test_an_object_a_worker_wrote_replaced_with_one_of_its_size_is_not_published
     monkeypatch.setattr(S3Store, "open_writer", recording)
     monkeypatch.setattr(ObjectStoreOutput, "confirm", replacing_then_confirming)
     result = run_cli("compress", url, "-o", f"s3://{bucket}/run/out", "--workers", 2)
-    assert result.exit_code == 1 and len(replaced) == 1, result.output
+    assert result.exit_code == 75 and len(replaced) == 1, result.output
     assert f"{replaced[0].split('/')[-1]} was replaced while this run wrote the output (its " \
            "ETag" in result.output
     keys = [item["Key"] for item in client.list_objects_v2(

@@ -331,6 +331,57 @@ def test_a_data_file_set_starts_no_file_once_its_output_was_taken_over(s3_server
     assert _keys(destination) == [".metadata.tmp"]
 
 
+@pytest.mark.parametrize("lands", ["before the confirm", "before the last file"])
+def test_a_file_a_run_taken_over_had_on_its_way_is_not_left_in_the_others_output(
+        s3_server, lands):
+    """Run A had a data file on its way when run B, with --overwrite, took the output over:
+    A completed it among B's files (a stray B's `.metadata` does not name), and went on. Now
+    A never completes it, and an object that lands all the same (the takeover came between
+    A's check and its completion) is deleted by B, before or just after its `.metadata`."""
+    from dcpctl.format.checkpoint.publishing import DataFileSet
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    first, destination = _object_output(s3_server)
+    files = DataFileSet(destination, None, first.claim)
+    files.data_file("__3_0.distcp").write(b"first")  # on its way
+    second = ObjectStoreOutput(destination, True, SOURCE)
+    _put(destination, "__0_0.distcp", b"second")
+    with pytest.raises(OutputError, match="another run took this output over") as taken:
+        files.finish_data_file("__3_0.distcp")
+    assert taken.value.exit_code == 75
+    files.discard()
+    if lands == "before the confirm":
+        _put(destination, "__5_0.distcp", b"first, late")
+    second.confirm(["__0_0.distcp"], {"__0_0.distcp": 6})
+    if lands == "before the last file":
+        _put(destination, "__5_0.distcp", b"first, late")
+    _put(destination, ".metadata", b"metadata")
+    second.confirm_published(["__0_0.distcp"], {"__0_0.distcp": 6}, ".metadata", b"metadata")
+    second.publish()
+    first.abort()
+    assert _keys(destination) == [".metadata", "__0_0.distcp"]
+
+
+def test_a_claim_another_process_replaced_is_not_held(s3_server):
+    """The claim is read pinned to the ETag first seen: a claim another process put in its
+    place raised ObjectChangedError from the check, not the takeover's own error."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    first, destination = _object_output(s3_server)
+    assert first.claim.is_held()
+    subprocess.run([sys.executable, "-c", (
+        "from dcpctl.storage.paths import storage_path\n"
+        "from dcpctl.storage.staging import ObjectStoreOutput\n"
+        f"ObjectStoreOutput(storage_path({str(destination)!r}), True, "
+        f"storage_path('/nonexistent/source'))\n")], check=True, cwd=REPO_ROOT)
+    assert not first.claim.is_held()
+    with pytest.raises(OutputError, match="another run took this output over"):
+        first.claim.check()
+
+
 def test_an_object_store_output_whose_objects_went_missing_is_not_published(s3_server):
     output, destination = _object_output(s3_server)
     _put(destination, "__0_0.distcp", b"data")

@@ -110,7 +110,11 @@ class DataFileSet:
         return writer
 
     def finish_data_file(self, final_name: str) -> None:
-        """Sync and close a data file, remembering its checksum."""
+        """Sync and close a data file, remembering its checksum. Where the output was taken
+        over meanwhile (OutputClaim.check), OutputTakenError instead: the object is never
+        completed, and discard() abandons it."""
+        if self.claim is not None:
+            self.claim.check()
         self.digests[final_name] = self._open_writers.pop(final_name).close()
 
     def finish_data_files(self) -> dict[str, str]:

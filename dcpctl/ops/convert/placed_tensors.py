@@ -33,6 +33,7 @@ from dcpctl.storage.local import scratch_directory_beside
 from dcpctl.storage.paths import StoragePath, storage_path
 from dcpctl.storage.placed_files import (LocalPlacedFile, can_share_placed_files,
                                          new_placed_file)
+from dcpctl.storage.staging import OutputClaim
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,11 @@ class FileLayout:
 
 class _CoordinatorFiles:
     """The coordinator's open output files, each finished (tail written, synced or completed)
-    once every slot of it is written."""
+    once every slot of it is written; given the claim of an object store output, one taken
+    over meanwhile is never completed (OutputClaim.check, then discard())."""
 
-    def __init__(self, layouts: list[FileLayout]) -> None:
+    def __init__(self, layouts: list[FileLayout], claim: OutputClaim | None = None) -> None:
+        self.claim = claim
         self.layouts = {str(layout.path): layout for layout in layouts}
         self.first_slot: dict[str, int] = {}
         self.files = {}
@@ -108,6 +111,8 @@ class _CoordinatorFiles:
                      if slot.described]
         tail = layout.tail(file_crcs)
         self.files[name].write_at(layout.tensors_end, tail)
+        if self.claim is not None:
+            self.claim.check()
         self.files[name].finish()
         self.sizes[name] = layout.tensors_end + len(tail)
 
@@ -245,17 +250,18 @@ def _write_tensor_bytes(file, slot: TensorSlot, pieces: Iterable[BytesWithCrc], 
 
 def write_placed_tensors(layouts: list[FileLayout], checkpoint: Checkpoint, output: StoragePath,
                          threads: int, workers: int = 1,
-                         on_progress: ProgressCallback | None = None) -> dict[str, int]:
+                         on_progress: ProgressCallback | None = None,
+                         claim: OutputClaim | None = None) -> dict[str, int]:
     """Write every file laid out, its tensors on `workers` processes (or a torchrun job's
     ranks); each file's size by path. Files are left for the caller's staging to remove on
-    failure."""
+    failure; claim: an object store output's (_CoordinatorFiles)."""
     if sharing_processes(workers) > 1 and not can_share_placed_files(output):
         raise InvalidOptionError(
             f"{output}: several processes write parts of each converted file, which an object "
             "store cannot take (an object is uploaded front to back by one writer); convert "
             "with --workers 1 and not under torchrun, or into a local directory")
     slots = tuple(slot for layout in layouts for slot in layout.slots)
-    files = _CoordinatorFiles(layouts)
+    files = _CoordinatorFiles(layouts, claim)
     try:
         with scratch_directory_beside(output) as scratch:
             job = PlacedTensorsJob(placed_tensors_planning(checkpoint.path), str(scratch),

@@ -31,7 +31,7 @@ from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype)
 from dcpctl.storage.paths import StoragePath, new_output_file, open_ranged, storage_path
-from dcpctl.storage.staging import staged_output
+from dcpctl.storage.staging import OutputClaim, staged_output
 
 
 @dataclass
@@ -84,11 +84,13 @@ def safetensors_layouts(plan: SafetensorsPlan, directory: StoragePath) -> list[F
 
 def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: StoragePath,
                       threads: int, workers: int = 1,
-                      on_progress: ProgressCallback | None = None) -> list[WrittenFile]:
+                      on_progress: ProgressCallback | None = None,
+                      claim: OutputClaim | None = None) -> list[WrittenFile]:
     """Write every planned file (and the index when there are several) into directory, the
-    tensors on `workers` processes."""
+    tensors on `workers` processes; claim: an object store output's, checked as each file is
+    written."""
     sizes = write_placed_tensors(safetensors_layouts(plan, directory), checkpoint, directory,
-                                 threads, workers, on_progress)
+                                 threads, workers, on_progress, claim)
     written_files = [WrittenFile(file_name, sizes[str(directory / file_name)], len(tensors))
                      for file_name, tensors in plan.files]
     if len(plan.files) > 1:
@@ -97,6 +99,8 @@ def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: 
         index = encode_index(sum(tensor.nbytes for tensor in plan.tensors), weight_map)
         with new_output_file(directory / HF_INDEX_FILE_NAME) as stream:
             stream.write(index)
+            if claim is not None:  # taken over: the index is never completed
+                claim.check()
             stream.finish()
         written_files.append(WrittenFile(HF_INDEX_FILE_NAME, len(index), 0))
     return written_files
@@ -120,7 +124,7 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
         staged = staged_output(storage_path(output), overwrite, checkpoint.path)
         try:
             files = write_safetensors(plan, checkpoint, staged.path, threads, workers,
-                                      on_progress)
+                                      on_progress, staged.claim)
             staged.confirm([file.name for file in files],
                            {file.name: file.size_bytes for file in files})
             staged.publish()
