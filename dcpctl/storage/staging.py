@@ -279,8 +279,9 @@ class ObjectStoreOutput:
     write only if absent: stores that ignore the condition, rclone's, cannot tell two runs
     apart). A run with overwrite takes over an output another run is writing: it deletes that
     run's claim with the rest and makes its own, and the other run, which checks its claim
-    before each new file (OutputClaim.check) and before it publishes, stops there; objects it
-    still wrote after the takeover are deleted by confirm(). The claim is given up in
+    before it starts or completes each file (OutputClaim.check) and before it publishes,
+    stops there; objects it completed after the takeover all the same are deleted by
+    confirm() and confirm_published(). The claim is given up in
     confirm(), just before the output's last file (a checkpoint's `.metadata`), once the
     objects written are found all there and the claim still this run's; abort() deletes what
     lies under the prefix only while it is this run's output: its claim, or, after confirm(),
@@ -351,7 +352,7 @@ class ObjectStoreOutput:
         sizes = sizes or {}
         standing = self._refuse_replaced(names, sizes)
         if self.overwrite:
-            self._delete_strays(standing, {*names, *sizes, METADATA_TEMPORARY_FILE_NAME})
+            self._delete_strays(standing, {*names, *sizes})
         self._give_up_claim()
         self._confirmed = True
 
@@ -375,8 +376,7 @@ class ObjectStoreOutput:
                     store.delete([last], if_etags={last: store.remembered_etag(last)})
             raise
         if self.overwrite:  # what a run this one took over wrote since confirm()
-            self._delete_strays(standing, {*names, *sizes, last_file,
-                                           METADATA_TEMPORARY_FILE_NAME})
+            self._delete_strays(standing, {*names, *sizes, last_file})
 
     def _refuse_replaced(self, names: Iterable[str], sizes: Mapping[str, int]
                          ) -> dict[str, ObjectInfo]:
@@ -406,9 +406,10 @@ class ObjectStoreOutput:
         return standing
 
     def _delete_strays(self, standing: Mapping[str, ObjectInfo], own: set[str]) -> None:
-        """Delete the objects of standing not named in own, each only as listed (by ETag,
-        where the store promises it)."""
-        strays = sorted(set(standing) - own)
+        """Delete the objects of standing not named in own, nor the claim (this run's, or
+        one another run made since), each only as listed (by ETag, where the store promises
+        it)."""
+        strays = sorted(set(standing) - own - {METADATA_TEMPORARY_FILE_NAME})
         if strays:
             keys = {name: (self.destination / name).key for name in strays}
             self.destination.store.delete(
