@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator, Protocol, Union
 from dcpctl.errors import InvalidOptionError, OutputTakenError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.claims import OutputClaim
 from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, open_regular_file,
                                   read_file, write_file_atomically)
 from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError
@@ -391,10 +392,18 @@ class ObjectOutputFile:
     grows, there only once finish() completes it, and, as OutputFile creates its file
     exclusively, only where no object has its name by then: a run whose output another run
     took over (--overwrite) never writes over that run's objects. replacing: a file output
-    that --overwrite replaces whole, which may stand there."""
+    that --overwrite replaces whole, which may stand there. claim: the claim of the directory
+    output the object is part of, checked before the object is started and before it is
+    completed, so that a run taken over puts nothing more among the other run's files; the run
+    that took the output over deletes an object of the run taken over that took its name
+    meanwhile (OutputClaim.clear_name), and completes its own."""
 
-    def __init__(self, path: ObjectPath, replacing: bool = False) -> None:
+    def __init__(self, path: ObjectPath, replacing: bool = False,
+                 claim: OutputClaim | None = None) -> None:
         self.path = path
+        self.claim = claim
+        if claim is not None:
+            claim.check()
         with _another_runs_object_refused(path):
             self._writer = path.store.open_writer(path.key, if_absent=not replacing)
         self._size = 0
@@ -410,8 +419,16 @@ class ObjectOutputFile:
 
     def finish(self) -> None:
         """Complete the object."""
-        with _another_runs_object_refused(self.path):
-            self._writer.finish()
+        for attempt in range(_NAME_CLEARINGS + 1):
+            if self.claim is not None:
+                self.claim.check()
+            try:
+                self._writer.finish()
+                break
+            except FileExistsError:
+                if (attempt == _NAME_CLEARINGS or self.claim is None
+                        or not self.claim.clear_name(self.path)):
+                    raise _another_runs_object_error(self.path) from None
         failpoint(Failpoint.AFTER_DATA_FILE)
 
     def discard(self) -> None:
@@ -426,21 +443,32 @@ class ObjectOutputFile:
             self.discard()
 
 
+_NAME_CLEARINGS = 3
+"""How many times a run that took an output over deletes an object of the run taken over that
+took the name of the one it completes, and completes it again (each time still holding the
+claim), before it gives up."""
+
+
 @contextlib.contextmanager
 def _another_runs_object_refused(path: ObjectPath) -> Iterator[None]:
     try:
         yield
     except FileExistsError:
-        raise OutputTakenError("another run wrote an object of this name while this run wrote "
-                               "its output (one with --overwrite?): nothing was published",
-                               path=path) from None
+        raise _another_runs_object_error(path) from None
 
 
-def new_output_file(path: StoragePath) -> OutputFile | ObjectOutputFile:
+def _another_runs_object_error(path: ObjectPath) -> OutputTakenError:
+    return OutputTakenError("another run wrote an object of this name while this run wrote "
+                            "its output (one with --overwrite?): nothing was published",
+                            path=path)
+
+
+def new_output_file(path: StoragePath, claim: OutputClaim | None = None
+                    ) -> OutputFile | ObjectOutputFile:
     """A new file to write: locally created exclusively (OutputFile), in an object store an
-    object upload."""
+    object upload (claim: its output's, see ObjectOutputFile)."""
     if isinstance(path, ObjectPath):
-        return ObjectOutputFile(path)
+        return ObjectOutputFile(path, claim=claim)
     return OutputFile(path)
 
 

@@ -14,6 +14,7 @@ import os
 
 from dcpctl.errors import InvalidOptionError
 from dcpctl.failpoints import Failpoint, failpoint
+from dcpctl.storage.claims import OutputClaim
 from dcpctl.storage.local import naming_failures
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import ObjectOutputFile, StoragePath
@@ -64,9 +65,9 @@ class ObjectPlacedFile:
     """A new object written as a placed file whose parts come in order (see the module
     docstring): an offset other than the end written so far is refused."""
 
-    def __init__(self, path: ObjectPath, replacing: bool) -> None:
+    def __init__(self, path: ObjectPath, replacing: bool, claim: OutputClaim | None) -> None:
         self.path = path
-        self._output = ObjectOutputFile(path, replacing)
+        self._output = ObjectOutputFile(path, replacing, claim)
 
     def write_at(self, offset: int, data) -> None:
         """Append data, which must start where the object ends so far."""
@@ -84,12 +85,12 @@ class ObjectPlacedFile:
         self._output.discard()
 
 
-def new_placed_file(path: StoragePath, replacing: bool = False
-                    ) -> LocalPlacedFile | ObjectPlacedFile:
+def new_placed_file(path: StoragePath, replacing: bool = False,
+                    claim: OutputClaim | None = None) -> LocalPlacedFile | ObjectPlacedFile:
     """A new placed file at path, for its coordinator; an object only where none has its name,
-    unless replacing (see ObjectOutputFile)."""
+    unless replacing, and only while claim (its output's) holds (see ObjectOutputFile)."""
     if isinstance(path, ObjectPath):
-        return ObjectPlacedFile(path, replacing)
+        return ObjectPlacedFile(path, replacing, claim)
     return LocalPlacedFile(path, create=True)
 
 

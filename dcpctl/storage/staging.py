@@ -10,7 +10,6 @@ import errno
 import fcntl
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -22,7 +21,8 @@ from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, exchange, fina
                                   fsync_directory, is_temporary_name, new_token,
                                   open_directory_at, remove_directory, temporary_name)
 from dcpctl.storage.locks import lock_descriptor, locked_checkpoint
-from dcpctl.storage.objects import ObjectChangedError, ObjectInfo, ObjectPath, StorageError
+from dcpctl.storage.claims import OutputClaim
+from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
 from dcpctl.storage.paths import StoragePath, abort_stale_uploads
 
 
@@ -234,36 +234,6 @@ def _remove_unlocked(parent: int, name: str, lock: bool) -> bool:
         os.close(descriptor)
 
 
-@dataclass(frozen=True)
-class OutputClaim:
-    """An object store output's claim (`.metadata.tmp` holding a run's token), as the processes
-    writing for that run check it: picklable, to go to workers and torchrun ranks."""
-
-    path: ObjectPath
-    data: bytes
-
-    def is_held(self) -> bool:
-        """Whether the claim is still this run's: a run with --overwrite deletes it as it takes
-        the output over, and puts its own in its place."""
-        try:
-            return self.path.read_bytes() == self.data
-        except (FileNotFoundError, ObjectChangedError):
-            return False
-
-    def check(self) -> None:
-        """Before a file of the output is started, and before it is completed: raise
-        OutputTakenError, naming the output, where another run took it over, so that this one
-        puts nothing more among that run's files. An object it completed all the same (the
-        takeover came between the check and the completion) stays for that run to delete
-        (ObjectStoreOutput.confirm): this run cannot delete it, since an object of its own
-        cannot be told from one of the same bytes that run wrote in its place, their ETags
-        alike."""
-        if not self.is_held():
-            raise OutputTakenError("another run took this output over while this one wrote it "
-                                   "(--overwrite?): nothing was published",
-                                   path=self.path.parent)
-
-
 class ObjectStoreOutput:
     """An output in an object store, written in place: `path` is the destination. What stands
     there is refused unless overwrite; with overwrite it is deleted first, `.metadata` before
@@ -319,7 +289,7 @@ class ObjectStoreOutput:
         if standing:
             delete_checkpoint_objects(destination)
         self.claim = OutputClaim(destination / METADATA_TEMPORARY_FILE_NAME,
-                                 f"dcpctl {self.token}\n".encode())
+                                 f"dcpctl {self.token}\n".encode(), takes_over=overwrite)
         try:
             store.put(self.claim.path.key, self.claim.data, if_absent=True)
         except FileExistsError:

@@ -362,6 +362,46 @@ def test_a_file_a_run_taken_over_had_on_its_way_is_not_left_in_the_others_output
     assert _keys(destination) == [".metadata", "__0_0.distcp"]
 
 
+@pytest.mark.parametrize("size", [6, 8 << 20 | 1], ids=["one PUT", "multipart"])
+def test_a_run_that_took_an_output_over_completes_a_file_the_run_taken_over_named_first(
+        s3_server, size):
+    """Run A's upload of a data file was on its way when run B, with --overwrite, cleared the
+    output and claimed it; A's upload completed just after the clear, under a name B then
+    wrote. B's write was refused ("another run wrote an object of this name"), A stopped on
+    its lost claim, and both failed, leaving nothing. Now B, still holding its claim, deletes
+    A's object and completes its own."""
+    from dcpctl.format.checkpoint.publishing import DataFileSet
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    first, destination = _object_output(s3_server)
+    second = ObjectStoreOutput(destination, True, SOURCE)
+    files = DataFileSet(destination, None, second.claim)
+    files.data_file("__0_0.distcp").write(b"s" * size)
+    _put(destination, "__0_0.distcp", b"first, late")  # A's upload, completed after the clear
+    files.finish_data_file("__0_0.distcp")
+    second.confirm(["__0_0.distcp"], {"__0_0.distcp": size})
+    _put(destination, ".metadata", b"metadata")
+    second.publish()
+    first.abort()
+    assert _keys(destination) == [".metadata", "__0_0.distcp"]
+    assert (destination / "__0_0.distcp").read_bytes() == b"s" * size
+
+
+def test_without_overwrite_an_object_that_takes_a_name_this_run_writes_is_refused(s3_server):
+    """Only a run that took the output over deletes an object in the way of one of its own."""
+    from dcpctl.format.checkpoint.publishing import DataFileSet
+
+    staged, destination = _object_output(s3_server)
+    files = DataFileSet(destination, None, staged.claim)
+    files.data_file("__0_0.distcp").write(b"mine")
+    _put(destination, "__0_0.distcp", b"another's")
+    with pytest.raises(OutputError, match="another run wrote an object of this name") as refused:
+        files.finish_data_file("__0_0.distcp")
+    assert refused.value.exit_code == 75
+    files.discard()
+    assert (destination / "__0_0.distcp").read_bytes() == b"another's"
+
+
 def test_a_claim_another_process_replaced_is_not_held(s3_server):
     """The claim is read pinned to the ETag first seen: a claim another process put in its
     place raised ObjectChangedError from the check, not the takeover's own error."""

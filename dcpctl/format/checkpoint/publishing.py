@@ -42,17 +42,18 @@ from dcpctl.storage.local import fsync_directory, new_token, temporary_name
 from dcpctl.storage.objects import WriteOutcomeUnknownError
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   open_ranged, write_whole)
-from dcpctl.storage.staging import OutputClaim, staged_output
+from dcpctl.storage.claims import OutputClaim
+from dcpctl.storage.staging import staged_output
 
 
 class DataFileWriter:
     """One data file being written: its size so far and the SHA-256 of what was written."""
 
-    def __init__(self, path: StoragePath) -> None:
+    def __init__(self, path: StoragePath, claim: OutputClaim | None = None) -> None:
         self.path = path
         self.size_bytes = 0
         self._digest = hashlib.sha256()
-        self._file = new_output_file(path)
+        self._file = new_output_file(path, claim)
 
     def write(self, piece: bytes) -> None:
         """Append a piece of bytes."""
@@ -98,23 +99,19 @@ class DataFileSet:
         """The data file that will be called final_name, started on first use."""
         writer = self._open_writers.get(final_name)
         if writer is None:
-            if self.claim is not None:  # taken over by another run: write nothing over its
-                self.claim.check()
             path = self.directory / self.data_file_name(final_name)
             # a name with directories: those are made inside the output's directory, never it
             # (a rank on a machine that does not share it fails to open the file, naming it)
             if (self.in_place_token is None and not is_remote(path)
                     and path.parent != self.directory and self.directory.is_dir()):
                 path.parent.mkdir(parents=True, exist_ok=True)
-            writer = self._open_writers[final_name] = DataFileWriter(path)
+            writer = self._open_writers[final_name] = DataFileWriter(path, self.claim)
         return writer
 
     def finish_data_file(self, final_name: str) -> None:
         """Sync and close a data file, remembering its checksum. Where the output was taken
         over meanwhile (OutputClaim.check), OutputTakenError instead: the object is never
         completed, and discard() abandons it."""
-        if self.claim is not None:
-            self.claim.check()
         self.digests[final_name] = self._open_writers.pop(final_name).close()
 
     def finish_data_files(self) -> dict[str, str]:
@@ -215,10 +212,11 @@ class CheckpointOutput:
 
     def _publish_new_directory(self, metadata: CheckpointMetadata, digests: dict[str, str]
                                ) -> None:
-        if self._staged.claim is not None:
-            self._staged.claim.check()
+        claim = self._staged.claim
+        if claim is not None:
+            claim.check()
         for name in self._side_files:
-            digests[name] = _copy_file(self._source / name, self.directory / name)
+            digests[name] = _copy_file(self._source / name, self.directory / name, claim)
         metadata_bytes = serialize_metadata(metadata)
         written = [*digests, SHA256SUMS_FILE_NAME]
         digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
@@ -308,9 +306,11 @@ def _data_file_sizes(metadata: CheckpointMetadata) -> dict[str, int]:
     return sizes
 
 
-def _copy_file(source: StoragePath, destination: StoragePath) -> str:
-    """Copy a file in pieces; the hex SHA-256 of what was copied."""
-    writer = DataFileWriter(destination)
+def _copy_file(source: StoragePath, destination: StoragePath,
+               claim: OutputClaim | None = None) -> str:
+    """Copy a file in pieces (claim: its object store output's); the hex SHA-256 of what was
+    copied."""
+    writer = DataFileWriter(destination, claim)
     try:
         with open_ranged(source) as reader:
             for piece in reader.iter_pieces(0, reader.size(), HASH_PIECE_BYTES):

@@ -33,7 +33,7 @@ from dcpctl.storage.local import scratch_directory_beside
 from dcpctl.storage.paths import StoragePath, storage_path
 from dcpctl.storage.placed_files import (LocalPlacedFile, can_share_placed_files,
                                          new_placed_file)
-from dcpctl.storage.staging import OutputClaim
+from dcpctl.storage.claims import OutputClaim
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,9 @@ class FileLayout:
 class _CoordinatorFiles:
     """The coordinator's open output files, each finished (tail written, synced or completed)
     once every slot of it is written; given the claim of an object store output, one taken
-    over meanwhile is never completed (OutputClaim.check, then discard())."""
+    over meanwhile is never completed (ObjectOutputFile, then discard())."""
 
     def __init__(self, layouts: list[FileLayout], claim: OutputClaim | None = None) -> None:
-        self.claim = claim
         self.layouts = {str(layout.path): layout for layout in layouts}
         self.first_slot: dict[str, int] = {}
         self.files = {}
@@ -95,7 +94,7 @@ class _CoordinatorFiles:
         slots = 0
         for name, layout in self.layouts.items():
             self.first_slot[name], slots = slots, slots + len(layout.slots)
-            self.files[name] = new_placed_file(layout.path, layout.replacing)
+            self.files[name] = new_placed_file(layout.path, layout.replacing, claim)
             self.files[name].write_at(0, layout.front)
 
     def holds_all_slots(self, name: str, crcs: dict[int, int]) -> bool:
@@ -111,8 +110,6 @@ class _CoordinatorFiles:
                      if slot.described]
         tail = layout.tail(file_crcs)
         self.files[name].write_at(layout.tensors_end, tail)
-        if self.claim is not None:
-            self.claim.check()
         self.files[name].finish()
         self.sizes[name] = layout.tensors_end + len(tail)
 

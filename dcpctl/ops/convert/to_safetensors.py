@@ -31,7 +31,8 @@ from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
 from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCallback, WrittenFile,
                                        cast_dtype)
 from dcpctl.storage.paths import StoragePath, new_output_file, open_ranged, storage_path
-from dcpctl.storage.staging import OutputClaim, staged_output
+from dcpctl.storage.claims import OutputClaim
+from dcpctl.storage.staging import staged_output
 
 
 @dataclass
@@ -97,10 +98,8 @@ def write_safetensors(plan: SafetensorsPlan, checkpoint: Checkpoint, directory: 
         weight_map = {tensor.name: file_name for file_name, tensors in plan.files
                       for tensor in tensors}
         index = encode_index(sum(tensor.nbytes for tensor in plan.tensors), weight_map)
-        with new_output_file(directory / HF_INDEX_FILE_NAME) as stream:
+        with new_output_file(directory / HF_INDEX_FILE_NAME, claim) as stream:
             stream.write(index)
-            if claim is not None:  # taken over: the index is never completed
-                claim.check()
             stream.finish()
         written_files.append(WrittenFile(HF_INDEX_FILE_NAME, len(index), 0))
     return written_files
