@@ -47,13 +47,34 @@ def final_name_of(name: str) -> str:
 @contextlib.contextmanager
 def naming_failures(path: str | os.PathLike) -> Iterator[None]:
     """Let an OSError raised without a file name (a write on a full disk says only "No space
-    left on device") name path."""
+    left on device"), or naming path, name path as the user knows it (as_published)."""
     try:
         yield
     except OSError as error:
-        if error.filename is None:
-            raise OSError(error.errno, error.strerror, os.fspath(path)) from None
+        if error.filename is None or error.filename == os.fspath(path):
+            raise OSError(error.errno, error.strerror, as_published(path)) from None
         raise
+
+
+def staging_directory_name(destination_name: str, token: str) -> str:
+    """The hidden directory beside an output that it is written in before it is renamed into
+    place (StagedOutput)."""
+    return temporary_name(f".{destination_name}", token)
+
+
+def as_published(path: str | os.PathLike) -> str:
+    """path as the user knows it: a file in an output's staging directory (a name they never
+    gave, gone once the run ends) named by where it goes once published. An output file (not
+    a directory) lies in its staging directory under its own name."""
+    parts = os.fspath(path).split(os.sep)
+    for index, part in enumerate(parts[:-1]):
+        staging = _TEMPORARY_NAME.match(part)
+        if staging and part.startswith(".") and part.endswith(".tmp"):
+            destination = staging.group("final")[1:]
+            rest = parts[index + 1:]
+            parts = [*parts[:index], destination, *([] if rest == [destination] else rest)]
+            break
+    return os.sep.join(parts)
 
 
 class OutputFile:
@@ -62,7 +83,8 @@ class OutputFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
-        self._stream = open(self.path, "xb")
+        with naming_failures(self.path):
+            self._stream = open(self.path, "xb")
         self._writeback = Writeback(self._stream.fileno())
 
     def write(self, data) -> None:

@@ -19,7 +19,8 @@ from dcpctl.format.file_names import METADATA_FILE_NAME, METADATA_TEMPORARY_FILE
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import (SCRATCH_INFIX, empty_directory, exchange, final_name_of,
                                   fsync_directory, is_temporary_name, new_token,
-                                  open_directory_at, remove_directory, temporary_name)
+                                  open_directory_at, remove_directory, staging_directory_name,
+                                  temporary_name)
 from dcpctl.storage.locks import lock_descriptor, locked_checkpoint
 from dcpctl.storage.claims import OutputClaim
 from dcpctl.storage.objects import ObjectInfo, ObjectPath, StorageError
@@ -55,7 +56,7 @@ class StagedOutput:
         self._made_parents = _missing_directories(destination.parent)
         destination.parent.mkdir(parents=True, exist_ok=True)
         self.removed_stagings = remove_dead_stagings(destination)
-        self._staging = destination.parent / temporary_name(f".{destination.name}", self.token)
+        self._staging = destination.parent / staging_directory_name(destination.name, self.token)
         self._staging.mkdir()
         self._lock: int | None = os.open(self._staging,
                                          os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 
 from dcpctl.storage.local import empty_directory
 
@@ -36,3 +37,21 @@ def test_a_tree_deeper_than_pythons_recursion_limit_is_emptied(tmp_path, deep_tr
     deep_tree(target)
     _emptied(target)
     assert list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("written, shown", [
+    ("/r/.out.dcpctl-0123456789ab.tmp/__0_0.distcp", "/r/out/__0_0.distcp"),
+    ("/r/.out.dcpctl-0123456789ab.tmp/sub/model.safetensors", "/r/out/sub/model.safetensors"),
+    (".model.pt.dcpctl-0123456789ab.tmp/model.pt", "model.pt"),  # a file output
+    ("/r/ck/__0_0.distcp.dcpctl-0123456789ab.tmp", "/r/ck/__0_0.distcp.dcpctl-0123456789ab.tmp"),
+    ("/r/ck/.metadata.dcpctl-0123456789ab.tmp", "/r/ck/.metadata.dcpctl-0123456789ab.tmp"),
+    ("/r/.out.dcpctl-0123456789ab.tmp", "/r/.out.dcpctl-0123456789ab.tmp"),
+    ("/r/.out.dcpctl-notatoken.tmp/x", "/r/.out.dcpctl-notatoken.tmp/x"),
+])
+def test_a_file_in_a_staging_directory_is_named_where_it_is_published(written, shown):
+    """A full disk named `.out.dcpctl-<token>.tmp/__0_0.distcp`, a directory gone by the time
+    the user reads it; an in-place run's new file keeps its own name (the file it replaces
+    is another)."""
+    from dcpctl.storage.local import as_published
+
+    assert as_published(written) == shown

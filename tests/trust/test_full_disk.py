@@ -52,6 +52,8 @@ def test_a_failed_write_names_its_file_and_leaves_nothing(tmp_path, command, lim
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"Error: {tmp_path}/"), result.stderr
     assert lines[0].endswith(": File too large")
+    if "-o" in command:  # the output as the user named it, not the staging directory it had
+        assert lines[0].startswith(f"Error: {tmp_path / 'out'}") and ".dcpctl-" not in lines[0]
     assert directory_state(checkpoint) == state
     assert entries(tmp_path) == before
 
@@ -76,6 +78,8 @@ def test_a_failed_write_in_a_worker_names_its_file_as_one_process_does(tmp_path,
     worker = "(worker [12] of 2: )?"  # convert lays its files out before the workers start
     assert re.fullmatch(f"Error: {worker}{re.escape(str(tmp_path))}/.*: File too large",
                         lines[0]), lines[0]
+    if "-o" in command:  # the output as the user named it, not the staging directory it had
+        assert f"{tmp_path / 'out'}/" in lines[0] and ".dcpctl-" not in lines[0], lines[0]
     assert directory_state(checkpoint) == state
     assert entries(tmp_path) == before
 
