@@ -45,6 +45,8 @@ def checkpoint_argument(name: str = "checkpoint"):
 
 
 def output_option(required: bool, help: str):
-    """-o/--output PATH."""
-    return click.option("-o", "--output", type=click.Path(), required=required, default=None,
-                        help=help)
+    """-o/--output PATH. A required one has no default: click (8.3 on) takes a default of None
+    as given, and would let the command run without it."""
+    default = {} if required else {"default": None}
+    return click.option("-o", "--output", type=click.Path(), required=required, help=help,
+                        **default)
