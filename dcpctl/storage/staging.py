@@ -57,7 +57,10 @@ class StagedOutput:
         destination.parent.mkdir(parents=True, exist_ok=True)
         self.removed_stagings = remove_dead_stagings(destination)
         self._staging = destination.parent / staging_directory_name(destination.name, self.token)
-        self._staging.mkdir()
+        try:
+            self._staging.mkdir()
+        except OSError as error:  # named as the output the user gave, not its staging name
+            raise OSError(error.errno, error.strerror, str(destination)) from None
         self._lock: int | None = os.open(self._staging,
                                          os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         # where flock is not supported nothing tells a dead run's apart: none is removed

@@ -61,3 +61,18 @@ def test_a_file_output_that_is_not_a_regular_file_is_never_replaced(run_cli, tmp
         assert result.exit_code == 1 and "is not a regular file" in result.output
         assert stat.S_IFMT(target.lstat().st_mode) == kind
     assert sorted(path.name for path in tmp_path.iterdir()) == ["special"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("command", [
+    ["reshard", "{ckpt}", "--ranks", "2", "-o", "/proc/dcpctl-output"],
+    ["convert", "{ckpt}", "--to", "torch", "-o", "/proc/dcpctl-output.pt"],
+])
+def test_an_output_where_nothing_can_be_made_is_named_as_given(run_cli, command):
+    """Where its directory cannot be made (/proc refuses even root), the error named the hidden
+    staging directory (`/proc/.dcpctl-output.dcpctl-<token>.tmp`), a name the user never gave."""
+    args = [part.format(ckpt=fixture_path(SOURCE)) for part in command]
+    result = run_cli(*args)
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {args[-1]}: "), result.output
+    assert ".dcpctl-" not in result.output
