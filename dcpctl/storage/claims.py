@@ -48,10 +48,15 @@ class OutputClaim:
         over completed after the takeover cleared the output (its upload was on its way):
         delete it, as listed now, and return True, for the write to be completed again.
         False where the object is not this run's to delete."""
-        if not self.takes_over or not self.is_held():
+        if not self.takes_over:
             return False
         store = path.store
         standing = store.info_now(path.key)
+        # The claim is checked after the object is seen and just before it is deleted, only as
+        # seen: a run that took the output over from this one meanwhile has deleted that object
+        # with the rest, and one of its own of that name comes long after its claim.
+        if not self.is_held():
+            return False
         if standing is not None:
             store.delete([path.key], if_etags={path.key: standing.etag})
         return True

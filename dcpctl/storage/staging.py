@@ -322,9 +322,9 @@ class ObjectStoreOutput:
         (a run this one took over wrote them after it was cleared) are deleted first."""
         if not self._claimed:
             return
-        self.claim.check()
         sizes = sizes or {}
         standing = self._refuse_replaced(names, sizes)
+        self.claim.check()  # after the listing: what it lists is this run's output's
         if self.overwrite:
             self._delete_strays(standing, {*names, *sizes})
         self._give_up_claim()

@@ -387,6 +387,70 @@ def test_a_run_that_took_an_output_over_completes_a_file_the_run_taken_over_name
     assert (destination / "__0_0.distcp").read_bytes() == b"s" * size
 
 
+def test_a_run_taken_over_as_it_clears_a_name_deletes_nothing(s3_server, monkeypatch):
+    """Run B, holding its claim, found an object of run A's under a name it writes, and a third
+    run C took the output over as B went to delete it: B checked its claim before it looked at
+    the object, and deleted the object C then wrote under that name. Now the claim is checked
+    after the object is seen (one request before the delete), and B deletes nothing."""
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    second, destination = _object_output(s3_server, overwrite=True)
+    _put(destination, "__0_0.distcp", b"the first run's, late")
+    store, real_info_now = destination.store, destination.store.info_now
+
+    def info_now(key):
+        info = real_info_now(key)
+        monkeypatch.setattr(store, "info_now", real_info_now)
+        ObjectStoreOutput(destination, True, SOURCE)  # the third run takes the output over
+        _put(destination, "__0_0.distcp", b"the third run's")
+        return info
+
+    monkeypatch.setattr(store, "info_now", info_now)
+    assert not second.claim.clear_name(destination / "__0_0.distcp")
+    assert (destination / "__0_0.distcp").read_bytes() == b"the third run's"
+
+
+def test_a_run_taken_over_as_it_sweeps_its_output_deletes_nothing(s3_server, monkeypatch):
+    """The same for the sweep of what a run taken over left (confirm): the claim was checked
+    before the listing, so a third run that took the output over just after lost the objects
+    it wrote under the listed names. Now the claim is checked after the listing."""
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    second, destination = _object_output(s3_server, overwrite=True)
+    _put(destination, "__0_0.distcp", b"second")
+    _put(destination, "__5_0.distcp", b"the first run's, late")
+    store, real_list_tree = destination.store, destination.store.list_tree
+
+    def list_tree(*args, **kwargs):
+        listing = real_list_tree(*args, **kwargs)
+        monkeypatch.setattr(store, "list_tree", real_list_tree)
+        ObjectStoreOutput(destination, True, SOURCE)  # the third run takes the output over
+        _put(destination, "__5_0.distcp", b"the third run's")
+        return listing
+
+    monkeypatch.setattr(store, "list_tree", list_tree)
+    with pytest.raises(OutputError, match="another run took this output over"):
+        second.confirm(["__0_0.distcp"], {"__0_0.distcp": 6})
+    assert (destination / "__5_0.distcp").read_bytes() == b"the third run's"
+
+
+def test_a_run_taken_over_never_writes_over_the_others_sha256sums(s3_server):
+    """A run taken over just after it checked its claim wrote its SHA256SUMS (one unconditional
+    PUT) over that of the run that took the output over and published it, which then no longer
+    verified. Now SHA256SUMS is written as the data files are: only while the claim holds, only
+    where no object has the name, and a late one of the run taken over is cleared away."""
+    from dcpctl.format.checkpoint.checksums import read_sha256sums, write_sha256sums
+    from dcpctl.storage.staging import ObjectStoreOutput
+
+    first, destination = _object_output(s3_server)
+    second = ObjectStoreOutput(destination, True, SOURCE)
+    _put(destination, "SHA256SUMS", b"the first run's, late")
+    write_sha256sums(destination, {"__0_0.distcp": "a" * 64}, second.claim)
+    with pytest.raises(OutputError, match="another run took this output over"):
+        write_sha256sums(destination, {"__0_0.distcp": "b" * 64}, first.claim)
+    assert read_sha256sums(destination) == {"__0_0.distcp": "a" * 64}
+
+
 def test_without_overwrite_an_object_that_takes_a_name_this_run_writes_is_refused(s3_server):
     """Only a run that took the output over deletes an object in the way of one of its own."""
     from dcpctl.format.checkpoint.publishing import DataFileSet

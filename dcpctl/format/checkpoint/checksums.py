@@ -15,9 +15,10 @@ from dcpctl.format.checkpoint.side_files import files_beside_data
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
+from dcpctl.storage.claims import OutputClaim
 from dcpctl.storage.objects import ObjectPath
-from dcpctl.storage.paths import (StoragePath, missing_files, open_ranged, read_whole,
-                                  storage_path, write_whole)
+from dcpctl.storage.paths import (StoragePath, missing_files, new_output_file, open_ranged,
+                                  read_whole, storage_path, write_whole)
 
 _LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")  # sha256sum -c takes either case
 HASH_PIECE_BYTES = 4 << 20
@@ -146,8 +147,18 @@ def read_sha256sums(directory: StoragePath) -> dict[str, str] | None:
     return parse_sha256sums(text, str(path))
 
 
-def write_sha256sums(directory: StoragePath, digests: dict[str, str]) -> StoragePath:
-    """Write directory/SHA256SUMS atomically (a reader sees the old file or the new one)."""
+def write_sha256sums(directory: StoragePath, digests: dict[str, str],
+                     claim: OutputClaim | None = None) -> StoragePath:
+    """Write directory/SHA256SUMS atomically (a reader sees the old file or the new one). In a
+    new object store output, given its claim: only where no object has the name, and only while
+    the claim holds (ObjectOutputFile), so that a run taken over never writes over the SHA256SUMS
+    of the run that took its output over."""
     path = storage_path(directory) / SHA256SUMS_FILE_NAME
-    write_whole(path, format_sha256sums(digests).encode())
+    data = format_sha256sums(digests).encode()
+    if claim is None:
+        write_whole(path, data)
+        return path
+    with new_output_file(path, claim) as stream:
+        stream.write(data)
+        stream.finish()
     return path

@@ -212,15 +212,13 @@ class CheckpointOutput:
 
     def _publish_new_directory(self, metadata: CheckpointMetadata, digests: dict[str, str]
                                ) -> None:
-        claim = self._staged.claim
-        if claim is not None:
-            claim.check()
+        claim = self._staged.claim  # each file checks it as it is started and completed
         for name in self._side_files:
             digests[name] = _copy_file(self._source / name, self.directory / name, claim)
         metadata_bytes = serialize_metadata(metadata)
         written = [*digests, SHA256SUMS_FILE_NAME]
         digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
-        write_sha256sums(self.directory, digests)
+        write_sha256sums(self.directory, digests, claim)
         sizes = _data_file_sizes(metadata)
         self._staged.confirm(written, sizes)  # in an object store: still this run's, whole
         write_whole(self.directory / METADATA_FILE_NAME, metadata_bytes, only_if_absent=True)
