@@ -13,7 +13,7 @@ from conftest import directory_state
     (["prune", "{run}"], "'--keep-last'"),
 ])
 def test_a_required_option_left_out_is_a_usage_error(run_cli, copy_fixture, tmp_path, args,
-                                                    missing):
+                                                     missing):
     """click 8.3 and later take an option's default of None as given: `reshard CKPT --ranks 2`
     without -o ran, and failed with `internal error: TypeError`."""
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
