@@ -215,9 +215,11 @@ def placement_of(tensor: TensorEntry, mesh: Mesh) -> MeshPlacement:
             return placement
     raise UnsupportedLayoutError(
         f"its chunks (shape {list(tensor.shape)}) are not what a save from a {mesh} mesh "
-        "(data parallel by tensor parallel) writes for any placement, so its tensor-parallel "
-        "layout cannot be kept; check the tensor-parallel size, or pass --ranks for a 1-D "
-        "layout", fqn=tensor.fqn)
+        "(data parallel by tensor parallel) writes for any placement --mesh keeps (FSDP2's "
+        "rows over data parallel, each tensor-parallel part whole or split on one dim; or "
+        "tensor parallel alone), so its layout cannot be kept: it was saved with another "
+        "tensor-parallel size, or with another placement (a dim other than 0 sharded over data "
+        "parallel, say); pass --ranks for a 1-D layout", fqn=tensor.fqn)
 
 
 def _fits(chunks: Iterable[RankChunk], saved: dict) -> bool:
