@@ -52,9 +52,10 @@ class OutputClaim:
             return False
         store = path.store
         standing = store.info_now(path.key)
-        # The claim is checked after the object is seen and just before it is deleted, only as
-        # seen: a run that took the output over from this one meanwhile has deleted that object
-        # with the rest, and one of its own of that name comes long after its claim.
+        # Seen first, then the claim checked: a run that takes the output over from this one in
+        # between deletes the object seen with the rest, and writes one of its own under that
+        # name only once it has claimed the output and read its source, long after the delete
+        # below (one request later, and conditional on the ETag seen where the store honours it).
         if not self.is_held():
             return False
         if standing is not None:
