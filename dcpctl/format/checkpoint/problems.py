@@ -36,6 +36,7 @@ class Rule:
     TENSOR_MISMATCH = "tensor-mismatch"
     SAFETENSORS_HEADER = "safetensors-header"
     READ_ERROR = "read-error"
+    CONSOLIDATION = "consolidation"
 
 
 ALL_RULES = tuple(value for name, value in vars(Rule).items() if name.isupper())

@@ -20,6 +20,7 @@ from dcpctl.format.checkpoint.structure import check_structure, list_stored_item
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_started
+from dcpctl.ops.verify.consolidation import consolidation_problems
 from dcpctl.ops.verify.scan import items_to_check
 from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
 from dcpctl.storage.local import is_temporary_name
@@ -120,6 +121,10 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
     report.problems += run_scan(job, units, workers, on_progress)
     report.items_checked = len(archive_items) + len(safetensors_items) + len(undecodable)
     report.bytes_read = sum(unit.read_bytes for unit in units)
+    if checkpoint is not None:
+        found, read = consolidation_problems(checkpoint, deep)
+        report.problems += found
+        report.bytes_read += read
     report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))
     if report.problems:
         report.status = DAMAGED

@@ -154,6 +154,48 @@ def test_a_missing_ranks_file_and_damage_are_found(saves, tmp_path):
         ("checksum-mismatch", SHARD.format(1))]
 
 
+def test_a_consolidated_tensor_that_is_not_what_the_ranks_saved_is_found(saves, tmp_path):
+    """Safetensors has no checksum: a consolidated file that differs from the ranks' files
+    it was made from (kept in sharded/) read as sound."""
+    directory = shutil.copytree(saves / "consolidated", tmp_path / "changed")
+    assert verify_checkpoint(directory).status == "ok"
+    model = directory / "model-00001-of-00001.safetensors"
+    (length,) = struct.unpack("<Q", model.read_bytes()[:8])
+    entry = json.loads(model.read_bytes()[8:8 + length])["proj.weight"]
+    data = bytearray(model.read_bytes())
+    data[8 + length + entry["data_offsets"][0] + 4 * 7] ^= 0x01  # element [1, 1] of 6 columns
+    model.write_bytes(bytes(data))
+    report = verify_checkpoint(directory)
+    assert [(problem.rule, problem.file, problem.fqns) for problem in report.problems] == [
+        ("consolidation", "model-00001-of-00001.safetensors", ("proj.weight",))]
+    assert report.problems[0].message.startswith("element [1, 1] differs from what sharded/")
+    assert verify_checkpoint(directory, deep=False).status == "ok"  # values are not read
+    shutil.rmtree(directory / "sharded")
+    assert verify_checkpoint(directory).status == "ok"  # nothing to compare with
+
+
+def _save_a_scalar(rank: int, world_size: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    dcp.save({"scale": torch.tensor(1.5), "weight": torch.arange(4.0)},
+             storage_writer=HuggingFaceStorageWriter(path, save_distributed=True,
+                                                     enable_consolidation=True))
+
+
+def test_a_scalar_that_torchs_consolidation_lost_is_found(tmp_path):
+    """torch 2.13's consolidation writes a 0-dim tensor as zero (a learnable temperature, say),
+    where the ranks' files hold its value; verify said ok."""
+    run_gloo_job(2, _save_a_scalar, str(tmp_path / "hf"))
+    consolidated = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    report = verify_checkpoint(tmp_path / "hf")
+    if consolidated["scale"].item() == 1.5:  # a torch that consolidates scalars soundly
+        assert report.status == "ok", report.problems
+    else:
+        assert [(problem.rule, problem.fqns) for problem in report.problems] == [
+            ("consolidation", ("scale",))]
+
+
 def _rewrite_sharding_info(path, edit) -> None:
     data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
