@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
+from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.side_files import files_beside_data
 from dcpctl.format.checkpoint.view import Checkpoint
@@ -160,5 +161,6 @@ def write_sha256sums(directory: StoragePath, digests: dict[str, str],
         return path
     with new_output_file(path, claim) as stream:
         stream.write(data)
+        failpoint(Failpoint.BEFORE_ATOMIC_RENAME)  # as write_whole: about to be put in place
         stream.finish()
     return path
