@@ -370,7 +370,13 @@ class ObjectPath:
         return hash((id(self.store), self.key))
 
     def __truediv__(self, name: str) -> ObjectPath:
-        return ObjectPath(self.store, posixpath.join(self.key, str(name)))
+        """The key of name below this one. A key is a string, not a path: a name that starts
+        with `/` (listed under a key holding `//`) lies below it too, never at the root of the
+        store or in another bucket, as posixpath.join would have it."""
+        name = str(name)
+        if self.key in ("", "/"):  # a store's root (memory://)
+            return ObjectPath(self.store, posixpath.join(self.key, name))
+        return ObjectPath(self.store, f"{self.key}/{name}" if name else self.key)
 
     @property
     def name(self) -> str:

@@ -253,6 +253,28 @@ def test_prune_in_a_bucket_deletes_its_own_keys_never_what_they_match_as_pattern
     assert {key.split("/")[1] for key in keys_under(s3_server, bucket, "run[1]/")} == {"step-3"}
 
 
+def test_prune_deletes_a_key_holding_a_double_slash_itself_never_what_it_reads_as(
+        moto_s3, monkeypatch):
+    """A key under a checkpoint holding `//` (`run/step-1//B/run/step-2/__0_0.distcp`) is listed
+    as `/B/run/step-2/__0_0.distcp` below step-1, and joining that to the prefix as a path gave
+    the key at the root: prune deleted a file of step-2 (the checkpoint it kept) and objects of
+    other buckets, exit 0. (rclone refuses such keys.)"""
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket, other_bucket = moto_s3.new_bucket(), moto_s3.new_bucket()
+    for step in (1, 2):
+        upload_directory(moto_s3, fixture_path(SOURCE), bucket, f"run/step-{step}")
+    client = moto_s3.client()
+    client.put_object(Bucket=other_bucket, Key="precious.txt", Body=b"precious")
+    for stray in (f"{bucket}/run/step-2/__0_0.distcp", f"{other_bucket}/precious.txt"):
+        client.put_object(Bucket=bucket, Key=f"run/step-1//{stray}", Body=b"stray")
+    kept = keys_under(moto_s3, bucket, "run/step-2/")
+    ok("prune", f"s3://{bucket}/run", "--keep-last", "1")
+    assert keys_under(moto_s3, bucket) == kept
+    assert keys_under(moto_s3, other_bucket) == {"precious.txt"}
+    assert json.loads(ok("verify", f"s3://{bucket}/run/step-2", "--json"))["status"] == "ok"
+
+
 def test_an_object_written_since_prunes_scan_stays_and_the_run_says_so(moto_s3, monkeypatch,
                                                                        tmp_path):
     """A trainer back at an old step writes into the incomplete checkpoint prune is deleting:

@@ -454,3 +454,14 @@ def test_a_worker_hands_back_only_the_etags_its_share_was_given():
     adopt_etags_written({"memory": {"/share-test/b": "etag-5"}})
     assert (store.etag_written("/share-test/a"), store.etag_written("/share-test/b")) == (
         "etag-4", "etag-5")
+
+
+@pytest.mark.parametrize("name, key", [("x", "b/run/x"), ("a/b", "b/run/a/b"),
+                                       ("/b/precious", "b/run//b/precious"), ("", "b/run")])
+def test_a_name_below_a_prefix_is_a_key_below_it_even_one_listed_with_a_slash(name, key):
+    """A key holding `//` is listed by the name after the prefix, which starts with `/`:
+    joined as a path, it named a key at the root of the store, or in another bucket."""
+    from dcpctl.storage.objects import ObjectPath
+
+    directory = ObjectPath(storage_path("memory://unused").store, "b/run")
+    assert (directory / name).key == key
