@@ -85,7 +85,7 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
 
     A real run locks RUN_DIR itself (flock; no file is created, and the lock dies with its
     process). A second prune of the same RUN_DIR does not wait: it fails at once with exit
-    status 1 and changes nothing. A checkpoint another dcpctl command is using is not
+    status 75 and changes nothing. A checkpoint another dcpctl command is using is not
     deleted. Deletions go through directory handles opened once, so a checkpoint swapped
     for a symlink mid-run deletes nothing outside RUN_DIR. --dry-run takes no lock and
     prints the same plan.

@@ -36,6 +36,9 @@ MEGATRON_TRACKER_MAX_BYTES = 64
 """Megatron writes the iteration as decimal digits (or `release`); anything longer is not it."""
 
 
+METADATA_IS_A_DIRECTORY = f"its {METADATA_FILE_NAME} is a directory: not a DCP checkpoint"
+
+
 @dataclass(frozen=True)
 class CheckpointShape:
     """What a checkpoint directory holds: its DCP parts (none for a single DCP directory,
@@ -63,8 +66,19 @@ class CheckpointShape:
 
 def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
     """The shape of a checkpoint directory from the names of the files in it and in its
-    subdirectories (`part/file`), or why it is not a checkpoint."""
+    subdirectories at any depth (`part/file`), or why it is not a checkpoint."""
+    if any(f"/{METADATA_FILE_NAME}/" in f"/{name}" for name in names):
+        return METADATA_IS_A_DIRECTORY
     if METADATA_FILE_NAME in names:
+        # Others below its own (seed_1/step-100/.metadata) are a run of the user's kept in it,
+        # which deleting the checkpoint would delete too.
+        nested = sorted({name.rpartition("/")[0] for name in names if "/" in name
+                         and name.rpartition("/")[2] in (METADATA_FILE_NAME,
+                                                         METADATA_TEMPORARY_FILE_NAME)})
+        if nested:
+            shown = ", ".join(part or "''" for part in nested[:3])
+            return (f"holds DCP checkpoints ({shown}) below its own {METADATA_FILE_NAME}: a run "
+                    "of its own, or the user's")
         return CheckpointShape((), complete=True)
     parts = sorted(_dcp_subdirectories(names))
     if parts:

@@ -16,10 +16,10 @@ from typing import Mapping
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import (MEGATRON_TRACKER, MEGATRON_TRACKER_MAX_BYTES,
-                                     CheckpointShape, checkpoint_shape, parse_tracked_iteration,
-                                     refuse_a_checkpoint_as_run_directory)
+                                     METADATA_IS_A_DIRECTORY, CheckpointShape, checkpoint_shape,
+                                     parse_tracked_iteration, refuse_a_checkpoint_as_run_directory)
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
-from dcpctl.storage.paths import StoragePath, storage_path
+from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
 
 # A checkpoint name is an optional word (letters, words joined by `_`), an optional `-` or `_`,
 # then the step, and nothing after it: step-1000, step_2000, checkpoint-3000, global_step4000,
@@ -201,24 +201,9 @@ def _checkpoint_shape(path: Path) -> CheckpointShape | str:
         return "a symlink: never followed, never deleted"
     if not stat.S_ISDIR(mode):
         return "not a directory"
-    return checkpoint_shape(_names_two_levels_down(path))
-
-
-def _names_two_levels_down(path: Path) -> set[str]:
-    """The names of what is in directory path, and `sub/name` for what is in its real
-    subdirectories (symlinks are named, never followed)."""
-    names = set()
-    with os.scandir(path) as entries:
-        for entry in entries:
-            if not entry.is_dir(follow_symlinks=False):
-                names.add(entry.name)
-                continue
-            try:
-                with os.scandir(entry.path) as inner:
-                    names.update(f"{entry.name}/{item.name}" for item in inner)
-            except OSError:
-                continue  # gone since it was listed, or not ours to read
-    return names
+    if (path / METADATA_FILE_NAME).is_dir() and not (path / METADATA_FILE_NAME).is_symlink():
+        return METADATA_IS_A_DIRECTORY  # empty, it lists no name below it
+    return checkpoint_shape(file_names_in(path))
 
 
 def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: float

@@ -116,14 +116,14 @@ def test_a_checkpoint_directory_that_cannot_be_read_is_ignored_not_fatal(tmp_pat
     for step in (1, 2):
         add_checkpoint(run_dir, f"step-{step}")
     (run_dir / "step-3").mkdir()
-    listing = scan_module._names_two_levels_down
+    listing = scan_module.file_names_in
 
     def denied_for_step_3(path):
         if path.name == "step-3":
             raise PermissionError(13, "Permission denied", str(path))
         return listing(path)
 
-    monkeypatch.setattr(scan_module, "_names_two_levels_down", denied_for_step_3)
+    monkeypatch.setattr(scan_module, "file_names_in", denied_for_step_3)
     scan = scan_run_directory(run_dir)
     assert [entry.name for entry in scan.checkpoints] == ["step-1", "step-2"]
     assert [(entry.name, entry.reason) for entry in scan.ignored] == [

@@ -278,6 +278,40 @@ def test_a_nested_run_named_like_a_step_is_never_deleted(tmp_path):
     assert "not the parts of an accelerate checkpoint" in report.ignored[0].reason
 
 
+def test_a_checkpoint_that_holds_checkpoints_below_its_own_metadata_is_never_deleted(tmp_path):
+    """step-1 is a checkpoint and holds a run of the user's (seed_1/step-100/) and another
+    checkpoint beside its data: prune deleted them with it, as only a step directory without
+    `.metadata` of its own was looked into."""
+    run_dir = _run_dir(tmp_path, [1, 2])
+    for nested in ("seed_1/step-100", "nested_checkpoint"):
+        add_checkpoint(run_dir / "step-1", nested)
+    before = tree_listing(run_dir / "step-1")
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == [] and tree_listing(run_dir / "step-1") == before
+    assert [entry.name for entry in report.ignored] == ["step-1"]
+    assert report.ignored[0].reason == ("holds DCP checkpoints (nested_checkpoint, "
+                                        "seed_1/step-100) below its own .metadata: a run of "
+                                        "its own, or the user's")
+
+
+@pytest.mark.parametrize("metadata_holds", [[], ["x"]], ids=["empty", "a file"])
+def test_a_step_whose_metadata_is_a_directory_is_no_checkpoint(tmp_path, metadata_holds):
+    """Its data files made it an incomplete checkpoint, which --dry-run said it would delete,
+    and every real prune failed on it (`.metadata: Is a directory`), exit 1."""
+    run_dir = _run_dir(tmp_path, [1, 2])
+    (run_dir / "step-1" / ".metadata").unlink()
+    (run_dir / "step-1" / ".metadata").mkdir()
+    for name in metadata_holds:
+        (run_dir / "step-1" / ".metadata" / name).write_text("x")
+    for dry_run in (True, False):
+        report = _prune(run_dir, dry_run=dry_run, keep_last=1,
+                        incomplete_older_than_seconds=1)
+        assert _deleted(report) == [], dry_run
+        assert [(entry.name, entry.reason) for entry in report.ignored] == [
+            ("step-1", "its .metadata is a directory: not a DCP checkpoint")]
+    assert (run_dir / "step-1" / ".metadata").is_dir()
+
+
 @pytest.mark.parametrize("times_known", [True, False])
 def test_a_store_that_gives_no_write_times_keeps_what_an_age_would_decide(
         monkeypatch, times_known):
