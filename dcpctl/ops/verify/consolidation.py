@@ -8,6 +8,7 @@ rank's chunk with its part of the consolidated tensor, a few MiB at a time."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy
 
@@ -26,12 +27,14 @@ def consolidation_problems(checkpoint: Checkpoint, deep: bool) -> tuple[list[Pro
     """The problems of a consolidated save against the ranks' files beside it, and the bytes
     read to find them; none for any other checkpoint."""
     rank_files = checkpoint.path / CONSOLIDATED_FROM_DIRECTORY
-    if (not checkpoint.hf_storage or saving_ranks(checkpoint.files)
-            or not is_hf_storage_shards(rank_files)):
+    if not checkpoint.hf_storage or saving_ranks(checkpoint.files) or (
+            isinstance(rank_files, Path) and rank_files.is_symlink()):  # not torch's: not read
         return [], 0
     try:
+        if not is_hf_storage_shards(rank_files):
+            return [], 0
         ranks_save = open_checkpoint(rank_files)
-    except DcpctlError as error:
+    except (DcpctlError, OSError) as error:
         return [Problem(Rule.CONSOLIDATION, f"the ranks' files it was consolidated from do not "
                         f"read: {error}", CONSOLIDATED_FROM_DIRECTORY)], 0
     consolidated = {tensor.fqn: tensor for tensor in checkpoint.tensors}
