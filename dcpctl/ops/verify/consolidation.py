@@ -17,8 +17,8 @@ from dcpctl.format.checkpoint.hf_storage import (CONSOLIDATED_FROM_DIRECTORY, is
                                                  saving_ranks)
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.view import Checkpoint, TensorEntry, open_checkpoint
-from dcpctl.format.safetensors import read_safetensors_header
-from dcpctl.storage.paths import RangedFile, StoragePath, open_ranged
+from dcpctl.format.safetensors import safetensors_tensor_range
+from dcpctl.storage.paths import RangedFile, open_ranged
 
 _PIECE_BYTES = 4 << 20
 
@@ -38,7 +38,7 @@ def consolidation_problems(checkpoint: Checkpoint, deep: bool) -> tuple[list[Pro
         return [Problem(Rule.CONSOLIDATION, f"the ranks' files it was consolidated from do not "
                         f"read: {error}", CONSOLIDATED_FROM_DIRECTORY)], 0
     consolidated = {tensor.fqn: tensor for tensor in checkpoint.tensors}
-    problems, bytes_read, starts = [], 0, _TensorStarts()
+    problems, bytes_read = [], 0
     for saved in ranks_save.tensors:
         tensor = consolidated.pop(saved.fqn, None)
         if tensor is None:
@@ -52,7 +52,7 @@ def consolidation_problems(checkpoint: Checkpoint, deep: bool) -> tuple[list[Pro
                                      f"{CONSOLIDATED_FROM_DIRECTORY}/)", saved.fqn,
                                      _file_of(tensor)))
         elif deep:
-            found, read = _compare_values(checkpoint, tensor, ranks_save, saved, starts)
+            found, read = _compare_values(checkpoint, tensor, ranks_save, saved)
             problems += found
             bytes_read += read
     problems += [_problem(f"no rank saved it (in {CONSOLIDATED_FROM_DIRECTORY}/)", fqn,
@@ -71,23 +71,24 @@ def _file_of(tensor: TensorEntry) -> str | None:
 
 
 def _compare_values(checkpoint: Checkpoint, tensor: TensorEntry, ranks_save: Checkpoint,
-                    saved: TensorEntry, starts: _TensorStarts) -> tuple[list[Problem], int]:
+                    saved: TensorEntry) -> tuple[list[Problem], int]:
     """Each rank's chunk of the tensor against its part of the consolidated tensor."""
     whole_file, bytes_read = _file_of(tensor), 0
     part_file = CONSOLIDATED_FROM_DIRECTORY
     try:
         whole_path = checkpoint.data_path(whole_file)
+        whole_start, _ = safetensors_tensor_range(whole_path, 0, tensor.fqn)
         with open_ranged(whole_path) as whole:
             for chunk in saved.chunks:
                 if not math.prod(chunk.sizes) or chunk.storage is None:
                     continue
                 part_file = f"{CONSOLIDATED_FROM_DIRECTORY}/{chunk.storage.relative_path}"
                 part_path = ranks_save.data_path(chunk.storage.relative_path)
+                part_start, _ = safetensors_tensor_range(part_path, 0, saved.fqn)
                 with open_ranged(part_path) as part:
-                    differs, read = _chunk_differs(
-                        whole, starts.of(whole_path, tensor.fqn), part,
-                        starts.of(part_path, saved.fqn), tensor.shape, chunk.offsets,
-                        chunk.sizes, tensor.dtype.itemsize)
+                    differs, read = _chunk_differs(whole, whole_start, part, part_start,
+                                                   tensor.shape, chunk.offsets, chunk.sizes,
+                                                   tensor.dtype.itemsize)
                 bytes_read += read
                 if differs is not None:
                     what = f"element {differs}" if differs else "its value"
@@ -99,20 +100,6 @@ def _compare_values(checkpoint: Checkpoint, tensor: TensorEntry, ranks_save: Che
         return [Problem(Rule.READ_ERROR, f"cannot compare with {part_file}: {error}",
                         whole_file, fqns=(tensor.fqn,))], bytes_read
     return [], bytes_read
-
-
-class _TensorStarts:
-    """Where each tensor's bytes start in the safetensors files, each header read once."""
-
-    def __init__(self) -> None:
-        self._by_file: dict[str, tuple[dict, int]] = {}
-
-    def of(self, path: StoragePath, fqn: str) -> int:
-        known = self._by_file.get(str(path))
-        if known is None:
-            known = self._by_file[str(path)] = read_safetensors_header(path, 0)
-        header, data_start = known
-        return data_start + header[fqn]["data_offsets"][0]  # checked when the files were read
 
 
 def _chunk_differs(whole: RangedFile, whole_start: int, part: RangedFile, part_start: int,
