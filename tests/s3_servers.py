@@ -111,8 +111,9 @@ class Faults:
     than a KiB whose path holds `dropped_in` have their connection cut half-way through the
     body; a DeleteObjects request whose body holds `refused_deletes_in` is answered as S3
     answers one it refused key by key (an Object Lock, a policy): 200, each key listed with
-    AccessDenied, nothing deleted; the first `lost` PUTs (and POSTs completing a multipart
-    upload) whose path ends with `lost_to` reach the server, and their connection is cut
+    AccessDenied, nothing deleted; the first `lost` writes that make an object (a PUT of a
+    whole object, a POST completing a multipart upload; not a part's PUT) whose path ends with
+    `lost_to` reach the server, and their connection is cut
     before the reply (the client tries again), and after such a loss GETs and HEADs of
     `lost_to` are answered 500 InternalError while `unreadable_after_loss` says so; GETs and
     HEADs of a path ending with `unreadable_once_written` are answered 403 AccessDenied (as
@@ -211,7 +212,7 @@ def faulty_proxy(upstream: S3Server, faults: Faults) -> Iterator[S3Server]:
             if (made and faults.unreadable_once_written and response.status == 200
                     and self.path.split("?")[0].endswith(faults.unreadable_once_written)):
                 faults.written_to_unreadable = True
-            if (writes and faults.lost_to
+            if (made and faults.lost_to
                     and self.path.split("?")[0].endswith(faults.lost_to) and take("lost")):
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True

@@ -335,6 +335,7 @@ class MultipartWriter(ObjectWriter):
         self._pending = bytearray()
         self._upload_id: str | None = None
         self._parts: list[dict] = []
+        self._part_sizes: dict[int, int] = {}  # by part number
         self._in_flight: list = []
 
     def write(self, data) -> None:
@@ -362,6 +363,7 @@ class MultipartWriter(ObjectWriter):
                 part = bytes(head)
             del self._pending[:part_bytes]
             number = len(self._parts) + len(self._in_flight) + 1
+            self._part_sizes[number] = len(part)
             bucket, object_key, _ = self.store.fs.split_path(self.key)
             coroutine = self.store.fs._call_s3("upload_part", Bucket=bucket, Key=object_key,
                                                UploadId=self._upload_id, PartNumber=number,
@@ -379,7 +381,7 @@ class MultipartWriter(ObjectWriter):
         still = []
         for number, future in self._in_flight:
             if block or future.done():
-                with self.store.translated_errors(self.key):
+                with self._upload_still_open(), self.store.translated_errors(self.key):
                     response = future.result()
                 self._parts.append({"PartNumber": number, "ETag": response["ETag"]})
             else:
@@ -413,8 +415,21 @@ class MultipartWriter(ObjectWriter):
               self.store.translated_errors(self.key)):
             if self.if_absent:  # asked first too, for the servers that ignore the condition
                 self.store.refuse_unmet_condition(self.key, True, None)
-            self.store._call(self.key, "complete_multipart_upload", UploadId=self._upload_id,
-                             MultipartUpload={"Parts": self._parts}, **condition)
+            with self._upload_still_open():
+                self.store._call(self.key, "complete_multipart_upload",
+                                 UploadId=self._upload_id, MultipartUpload={"Parts": self._parts},
+                                 **condition)
+
+    @contextlib.contextmanager
+    def _upload_still_open(self) -> Iterator[None]:
+        """A request on the upload answered NoSuchUpload (FileNotFoundError, as s3fs words it)
+        is said as what it means."""
+        try:
+            yield
+        except FileNotFoundError:
+            raise StorageError("the store no longer holds the upload of its parts (aborted "
+                               "meanwhile: by a lifecycle rule, or by a run that found it a "
+                               "day old)", path=self.store.url(self.key)) from None
 
     def _listed_etag(self) -> str | None:
         """The completed object's ETag as a listing gives it (the completion's answer need not
@@ -430,17 +445,28 @@ class MultipartWriter(ObjectWriter):
     def _made_as_written(self) -> bool:
         """After finish() failed: whether the object under the key, asked now, is the one this
         writer wrote all the same: its bytes (one PUT), or the ETag S3 gives an upload of
-        these parts (the MD5 of their MD5s, and their count). False where the store will not
-        say, or gives ETags of another kind (SSE-KMS)."""
+        these parts (the MD5 of their MD5s, and their count), or, where the store lists another
+        kind of ETag (rclone's MD5 of the whole object), each part's bytes read back, a part at
+        a time, against the MD5 its upload was answered with. False where the store will not
+        say, or its parts' ETags are not their MD5s (SSE-KMS)."""
         if self._upload_id is None:
             return self.store.holds_exactly(self.key, bytes(self._pending)) is True
         try:
             info = self.store.info_now(self.key)
             if info is None or info.size != self._size:
                 return False
-            digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in self._parts)
-            md5 = hashlib.md5(digests, usedforsecurity=False).hexdigest()
-            return info.etag == f"{md5}-{len(self._parts)}"
+            digests = [bytes.fromhex(part["ETag"].strip('"')) for part in self._parts]
+            md5 = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()
+            if info.etag == f"{md5}-{len(self._parts)}":
+                return True
+            start = 0
+            for part, digest in zip(self._parts, digests):
+                end = start + self._part_sizes[part["PartNumber"]]
+                data = self.store.read_range(self.key, start, end)
+                if hashlib.md5(data, usedforsecurity=False).digest() != digest:
+                    return False
+                start = end
+            return start == self._size
         except Exception:  # noqa: BLE001 - the failed write is the error to report
             return False
 
