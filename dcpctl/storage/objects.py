@@ -290,12 +290,20 @@ class _TranslatedErrors:
         described = self.store.describe(error)
         if described is None and isinstance(error, PermissionError):
             described = StorageError, "access denied"
-        if described is None and isinstance(error, (OSError, ConnectionError, TimeoutError)):
+        if described is None and (isinstance(error, (OSError, ConnectionError, TimeoutError))
+                                  or _raised_by_a_client_library(error)):
             described = StorageError, f"{type(error).__name__}: {error}"
         if described is None:
             return False
         kind, reason = described
         raise kind(reason, path=url) from None
+
+
+def _raised_by_a_client_library(error: Exception) -> bool:
+    """Whether error is a class of the store's client library (httpx's ConnectError under
+    hf://, say), not Python's own (a TypeError, a KeyError: a bug, reported as one)."""
+    module = type(error).__module__
+    return module != "builtins" and module.partition(".")[0] != "dcpctl"
 
 
 class ObjectWriter:

@@ -43,14 +43,15 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
     text = os.fspath(text)
     match = _URL.match(text)
     if match is None:
-        return Path(text)
+        return Path(_not_empty(text, text))
     protocol = match.group("protocol").lower()
+    text = f"{protocol}://{text[match.end():]}"  # S3://b is s3://b, for fsspec's parsing too
     if holds_user_info(text):
         raise InvalidOptionError("a URL here holds no user or password: give credentials as "
                                  "the store takes them (its environment, or storage options)",
                                  path=without_user_info(text))
     if protocol in _LOCAL_PROTOCOLS:  # fsspec's names of the local file system
-        return Path(text[match.end():])
+        return Path(_not_empty(text[len(protocol) + 3:], text))
     if protocol in ("http", "https"):  # fsspec's http file system lists no objects to write
         raise InvalidOptionError("an http(s) URL names a web page, not objects dcpctl can list "
                                  "and write; give the store's own URL (s3://, gs://, az://...)",
@@ -74,6 +75,15 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
             path=text)
     store = store_for(protocol)
     return ObjectPath(store, store.fs._strip_protocol(text))
+
+
+def _not_empty(path: str, given: str) -> str:
+    """path, refused where empty: an unset variable in a cron line (`dcpctl prune "$RUN"`)
+    would otherwise name the working directory."""
+    if not path:
+        raise InvalidOptionError("names nothing: an empty path is not taken for the working "
+                                 "directory (give `.` for that)", path=given or "''")
+    return path
 
 
 def _settings_in_url(protocol: str, text: str) -> dict:

@@ -23,3 +23,32 @@ def test_a_required_option_left_out_is_a_usage_error(run_cli, copy_fixture, tmp_
     assert result.exit_code == 2, result.output
     assert f"Missing option {missing}" in result.output
     assert directory_state(checkpoint.parent) == before
+
+
+@pytest.mark.parametrize("args", [
+    ["prune", "{path}", "--keep-last", "1"],
+    ["compress", "{path}"],
+    ["decompress", "{path}", "-o", "{out}"],
+    ["ls", "{path}"],
+    ["reshard", "{ckpt}", "--ranks", "2", "-o", "{path}"],
+    ["convert", "{ckpt}", "--to", "torch", "-o", "{path}"],
+])
+@pytest.mark.parametrize("path", ["", "file://", "local://"])
+def test_an_empty_path_is_refused_never_taken_for_the_working_directory(
+        copy_fixture, tmp_path, args, path):
+    """`dcpctl prune "$RUN_DIR" --keep-last 1` with RUN_DIR unset pruned the directory cron
+    started it in (and `file://` named it too): an empty path named the working directory."""
+    import shutil
+
+    from conftest import fixture_path, run_dcpctl
+
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    for step in (1, 2, 3):
+        shutil.copytree(fixture_path("fsdp2_adamw_3ranks"), tmp_path / f"step-{step}")
+    before = directory_state(tmp_path)
+    result = run_dcpctl(*(arg.format(path=path, ckpt=checkpoint, out=tmp_path / "out")
+                          for arg in args), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"Error: {path or repr('')}: names nothing: an empty path is not "
+                             "taken for the working directory (give `.` for that)\n")
+    assert directory_state(tmp_path) == before

@@ -180,20 +180,47 @@ def test_a_new_output_object_never_replaces_one_that_came_meanwhile(s3_server, s
     assert path.read_bytes() == b"a file output, replaced whole"
 
 
-def test_a_multipart_object_is_known_for_ones_own_by_its_etag(moto_s3, monkeypatch):
+def test_a_multipart_object_is_known_for_ones_own_by_its_etag_or_its_parts(s3_server):
     """After a completion whose reply was lost, the object there is this writer's where S3's
-    ETag of an upload (the MD5 of the parts' MD5s, and their count) is that of its parts."""
-    for name, value in moto_s3.environment().items():
-        monkeypatch.setenv(name, value)
-    bucket = moto_s3.new_bucket()
+    ETag of an upload (the MD5 of the parts' MD5s, and their count) is that of its parts, or,
+    where the store lists another ETag (rclone), where each part read back has its MD5."""
+    bucket = s3_server.new_bucket()
     path = storage_path(f"s3://{bucket}/out/__0_0.distcp")
     data = os.urandom(PART_BYTES + 100)
     writer = path.store.open_writer(path.key, if_absent=True)
     writer.write(data)
     writer.finish()
     assert writer._made_as_written()
-    moto_s3.client().put_object(Bucket=bucket, Key="out/__0_0.distcp", Body=os.urandom(len(data)))
+    other = bytearray(data)
+    other[PART_BYTES + 50] ^= 1  # the same size, one bit of the last part another
+    s3_server.client().put_object(Bucket=bucket, Key="out/__0_0.distcp", Body=bytes(other))
     assert not writer._made_as_written()
+
+
+def test_an_upload_aborted_before_its_completion_is_said_so(rclone_s3, monkeypatch):
+    """A multipart upload aborted meanwhile (a lifecycle rule, a run sweeping day-old
+    uploads): finishing the object says that, naming it, and nothing has the name. (On
+    rclone, which answers NoSuchUpload as S3 does; moto answers 500 InternalError.)"""
+    for name, value in rclone_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    s3_server = rclone_s3
+    bucket = s3_server.new_bucket()
+    path = storage_path(f"s3://{bucket}/out/__0_0.distcp")
+    writer = path.store.open_writer(path.key, if_absent=True)
+    writer.write(os.urandom(PART_BYTES + 100))
+    client = s3_server.client()
+    complete = writer._complete
+
+    def aborted_first() -> None:  # once every part is uploaded
+        client.abort_multipart_upload(Bucket=bucket, Key="out/__0_0.distcp",
+                                      UploadId=writer._upload_id)
+        complete()
+
+    writer._complete = aborted_first
+    with pytest.raises(StorageError, match="no longer holds the upload of its parts") as raised:
+        writer.finish()
+    assert raised.value.path == f"s3://{bucket}/out/__0_0.distcp"
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket)
 
 
 def _start_upload(client, bucket: str, key: str) -> str:
@@ -465,3 +492,38 @@ def test_a_name_below_a_prefix_is_a_key_below_it_even_one_listed_with_a_slash(na
 
     directory = ObjectPath(storage_path("memory://unused").store, "b/run")
     assert (directory / name).key == key
+
+
+def test_a_urls_scheme_is_read_in_any_case():
+    """`S3://b/x` went to the S3 store with the key `S3://b/x`, and failed on a bucket named
+    `S3:`."""
+    assert storage_path("S3://b/x") == storage_path("s3://b/x")
+    assert storage_path("S3://b/x").key == "b/x"
+    assert storage_path("FILE:///tmp/ck") == Path("/tmp/ck")
+
+
+def test_a_store_client_failing_in_its_own_way_is_named_with_the_url(monkeypatch):
+    """An fsspec store whose client raises errors of its own library (httpx's ConnectError
+    under hf://) failed as `internal error: ConnectError`, naming no URL."""
+    import fsspec
+    from fsspec.spec import AbstractFileSystem
+
+    from dcpctl.format.checkpoint.view import open_checkpoint
+
+    class ConnectError(Exception):  # as a client library defines its own
+        pass
+
+    ConnectError.__module__ = "httpx"
+
+    class Unreachable(AbstractFileSystem):
+        protocol = "unreachable"
+
+        def find(self, *args, **kwargs):
+            raise ConnectError("[Errno 111] Connection refused")
+
+    fsspec.register_implementation("unreachable", Unreachable, clobber=True)
+    with pytest.raises(StorageError) as raised:
+        open_checkpoint("unreachable://bucket/run/step-1")
+    assert str(raised.value) == ("unreachable://bucket/run/step-1: ConnectError: [Errno 111] "
+                                 "Connection refused")
+
