@@ -51,6 +51,10 @@ def test_empty_run_directory_and_errors(run_cli, tmp_path):
     missing = run_cli("ls", tmp_path / "absent")
     assert missing.exit_code == 1
     assert missing.output.startswith(f"Error: {tmp_path / 'absent'}: no such directory")
+    (tmp_path / "file").write_text("x")  # said `no such directory` too
+    assert run_cli("ls", tmp_path / "file").output == (
+        f"Error: {tmp_path / 'file'}: not a directory; give the run directory that holds the "
+        "checkpoint directories\n")
     assert run_cli("ls").exit_code == 2
 
 

@@ -95,6 +95,23 @@ def test_incomplete_checkpoint_exits_1(run_cli, copy_fixture):
     assert "status      incomplete" in run_cli("verify", checkpoint).output
 
 
+def test_the_run_directory_above_checkpoints_is_no_incomplete_checkpoint(run_cli, copy_fixture,
+                                                                         tmp_path):
+    """`verify RUN_DIR` said `status incomplete` (a save that died) of the directory above the
+    checkpoints, and of an empty one; it is not a checkpoint, and says which it holds."""
+    copy_fixture("mesh2d_4ranks").rename(tmp_path / "step-100")
+    (tmp_path / "empty").mkdir()
+    for flags in ([], ["--json"]):
+        result = run_cli("verify", tmp_path, *flags)
+        assert result.exit_code == 1
+        assert result.output == (f"Error: {tmp_path}: not a DCP checkpoint: no .metadata; it "
+                                 "holds checkpoints (step-100): give one of them, or list them "
+                                 "with `dcpctl ls`\n")
+    result = run_cli("verify", tmp_path / "empty")
+    assert (result.exit_code, result.output) == (
+        1, f"Error: {tmp_path / 'empty'}: not a DCP checkpoint: no .metadata\n")
+
+
 def test_bad_paths_are_one_line_errors(run_cli, tmp_path):
     (tmp_path / "file").write_text("x")
     for command in ("verify", "checksum"):

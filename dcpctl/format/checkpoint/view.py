@@ -191,8 +191,12 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
         raise DataError(f"holds {HF_INDEX_FILE_NAME} of a Hugging Face safetensors checkpoint "
                         "but no .safetensors file beside it", path=directory)
     refuse_unconsolidated_save(directory, f"not a DCP checkpoint: no {METADATA_FILE_NAME}")
-    raise IncompleteCheckpointError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}",
-                                    path=directory)
+    below = sorted(name for name in {name.partition("/")[0] for name in names()}
+                   if holds(f"{name}/{METADATA_FILE_NAME}"))
+    hint = (f"; it holds checkpoints ({', '.join(below[:3])}{', ...' if len(below) > 3 else ''})"
+            ": give one of them, or list them with `dcpctl ls`" if below else "")
+    raise CheckpointNotFoundError(f"not a DCP checkpoint: no {METADATA_FILE_NAME}{hint}",
+                                  path=directory)
 
 
 def _file_sizes(directory: StoragePath, listing: dict[str, ObjectInfo] | None,

@@ -110,8 +110,9 @@ def check_run_directory(directory: StoragePath) -> None:
     if not directory.is_dir():
         if isinstance(directory, ObjectPath):
             directory.store.list_tree(directory.key)  # says where the bucket itself is missing
-        raise CheckpointNotFoundError("no such directory; give the run directory "
-                                      "that holds the checkpoint directories", path=directory)
+        what = "not a directory" if directory.exists() else "no such directory"
+        raise CheckpointNotFoundError(f"{what}; give the run directory that holds the "
+                                      "checkpoint directories", path=directory)
     if (directory / METADATA_FILE_NAME).exists():
         raise CheckpointNotFoundError(f"is a checkpoint itself (holds {METADATA_FILE_NAME}); "
                                       "give the run directory above it", path=directory)

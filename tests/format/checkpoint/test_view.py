@@ -76,9 +76,22 @@ def test_directory_without_metadata_is_incomplete(copy_fixture, tmp_path):
     (checkpoint / ".metadata").unlink()
     with pytest.raises(IncompleteCheckpointError, match="incomplete"):
         open_checkpoint(checkpoint)
+
+
+def test_a_directory_that_is_no_checkpoint_is_said_so_not_incomplete(copy_fixture, tmp_path):
+    """`verify` of an empty directory, or of the run directory above the checkpoints, said
+    `status incomplete`, as of a save that died."""
     (tmp_path / "empty").mkdir()
-    with pytest.raises(IncompleteCheckpointError, match="not a DCP checkpoint"):
+    with pytest.raises(CheckpointNotFoundError) as raised:
         open_checkpoint(tmp_path / "empty")
+    assert raised.value.message == "not a DCP checkpoint: no .metadata"
+    for step in (1, 2, 3, 4):
+        copy_fixture("fsdp2_adamw_3ranks").rename(tmp_path / f"step-{step}")
+    with pytest.raises(CheckpointNotFoundError) as raised:
+        open_checkpoint(tmp_path)
+    assert raised.value.message == (
+        "not a DCP checkpoint: no .metadata; it holds checkpoints (step-1, step-2, step-3, ...): "
+        "give one of them, or list them with `dcpctl ls`")
 
 
 def test_a_hugging_face_index_without_its_files_is_named(tmp_path):
