@@ -89,7 +89,7 @@ class RenameRule(click.ParamType):
 @click.option("--rename", "renames", multiple=True, type=RenameRule(),
               help="safetensors: rewrite names with a regex, after --strip-prefix, e.g. "
                    "'^layers\\.(\\d+)\\.=model.layers.\\1.' (repeatable, applied in order; "
-                   "split at the last `=`).")
+                   "split at the last `=`); one that matches no name is refused.")
 @click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
               help="dcp: lay the checkpoint out for this many ranks, as an FSDP2 save of that "
                    "world size would (dim 0 split like torch.chunk), one file per rank.")

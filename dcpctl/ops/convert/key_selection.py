@@ -67,10 +67,14 @@ def is_selected(fqn: str, include: tuple[str, ...] | None, exclude: tuple[str, .
     return included and not any(fnmatch.fnmatchcase(fqn, glob) for glob in exclude)
 
 
-def _output_name(fqn: str, strip_prefix: str, renames: tuple[Rename, ...]) -> str:
+def _output_name(fqn: str, strip_prefix: str, renames: tuple[Rename, ...],
+                 applied: set[Rename]) -> str:
+    """fqn as the output names it; each rename that matched is added to applied."""
     name = fqn.removeprefix(strip_prefix) if strip_prefix else fqn
     for rename in renames:
-        name = rename.pattern.sub(rename.replacement, name)
+        name, count = rename.pattern.subn(rename.replacement, name)
+        if count:
+            applied.add(rename)
     return name
 
 
@@ -85,8 +89,9 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str,
         strip_prefix = model_prefix_of(selected)
     names: dict[str, str] = {}
     taken: dict[str, str] = {}
+    applied: set[Rename] = set()
     for fqn in selected:
-        name = _output_name(fqn, strip_prefix, selection.renames)
+        name = _output_name(fqn, strip_prefix, selection.renames, applied)
         if not name and fqn:  # an entry named "" keeps its name, as torch's state dicts can
             raise SelectionError(f"{fqn!r} is renamed to an empty name")
         if name in taken:
@@ -96,15 +101,27 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str,
         names[fqn] = name
     if not names:
         raise SelectionError(_nothing_selected(fqns, selection))
+    for rename in selection.renames:
+        if rename not in applied:  # a name mistyped, or the prefix stripped first
+            raise SelectionError(
+                f"--rename {rename.pattern.pattern}={rename.replacement} matches none of the "
+                f"{len(names)} names taken (such as {selected[0].removeprefix(strip_prefix)!r}"
+                f", once --strip-prefix {strip_prefix!r} is off); leave it out, or match those "
+                "names")
     return names
 
 
 def _nothing_selected(fqns: list[str], selection: KeySelection) -> str:
-    excluding = f" and no --exclude {list(selection.exclude)}" if selection.exclude else ""
+    included = [fqn for fqn in fqns if is_selected(fqn, selection.include, ())]
+    if included:  # --exclude took them all
+        what = ("entries matching --include" if selection.include is not None
+                else "model weights")
+        return (f"nothing to convert: --exclude {list(selection.exclude)} leaves none of the "
+                f"{len(included)} {what} (of {len(fqns)} entries)")
     if selection.include is not None:
         return (f"nothing to convert: none of the {len(fqns)} entries matches --include "
-                f"{list(selection.include)}{excluding}")
+                f"{list(selection.include)}")
     roots = sorted({root_of(fqn) for fqn in fqns if is_trainer_state(fqn)})
     held = f"; it holds trainer state ({', '.join(roots)})" if roots else ""
     return (f"nothing to convert: none of the {len(fqns)} entries is a model weight"
-            f"{excluding}{held}; give --include '*' to take them anyway")
+            f"{held}; give --include '*' to take them anyway")

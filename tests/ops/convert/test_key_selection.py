@@ -57,6 +57,34 @@ def test_a_checkpoint_of_trainer_state_alone_is_refused_by_default_with_the_way_
     assert list(select_and_rename(fqns, KeySelection(include=("*",)))) == fqns
 
 
+def test_an_exclude_that_takes_every_weight_says_so():
+    """`--exclude '*'` was told that none of the entries is a model weight, and to give
+    --include '*'."""
+    with pytest.raises(SelectionError) as raised:
+        select_and_rename(TRAINING, KeySelection(exclude=("*",)))
+    assert str(raised.value) == (f"nothing to convert: --exclude ['*'] leaves none of the 2 "
+                                 f"model weights (of {len(TRAINING)} entries)")
+    with pytest.raises(SelectionError) as raised:
+        select_and_rename(TRAINING, KeySelection(include=("model.*",), exclude=("*",)))
+    assert str(raised.value) == ("nothing to convert: --exclude ['*'] leaves none of the 2 "
+                                 f"entries matching --include (of {len(TRAINING)} entries)")
+
+
+def test_a_rename_that_matches_no_name_is_refused():
+    """The README's `--rename '^layers\\.=model.layers.'` on a checkpoint whose names start
+    `model.layers.` (stripped to `layers.`) renamed them; on one without, it changed nothing,
+    silently, and the output lacked the names the user asked for."""
+    selection = KeySelection(renames=(Rename.parse(r"^layers\.=model.layers."),))
+    with pytest.raises(SelectionError) as raised:
+        select_and_rename(TRAINING, KeySelection(strip_prefix=None, renames=selection.renames))
+    assert str(raised.value) == (
+        r"--rename ^layers\.=model.layers. matches none of the 2 names taken (such as "
+        r"'embed.weight', once --strip-prefix 'model.' is off); leave it out, or match those "
+        "names")
+    assert select_and_rename(["model.layers.0.w"], KeySelection(
+        strip_prefix=None, renames=selection.renames)) == {"model.layers.0.w": "model.layers.0.w"}
+
+
 def test_globs_match_source_fqns_and_renames_apply_in_order():
     selection = KeySelection(include=("*",), exclude=("optim.*", "step"), strip_prefix="model.",
                              renames=(Rename.parse(r"^(\w+)\.weight$=\1.w"),
