@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dcpctl.errors import DataError, UnsupportedLayoutError, missing_file_error
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType, fits_in_torch
-from dcpctl.format.file_names import HF_INDEX_FILE_NAME
+from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
 from dcpctl.storage.paths import open_ranged, read_whole
 
 SINGLE_FILE_NAME = "model.safetensors"
@@ -288,7 +288,10 @@ def _model_files(source: Path) -> tuple[list[Path], dict | None]:
         return [_file_named_by_index(source, index_path, name) for name in names], weight_map
     if (source / SINGLE_FILE_NAME).is_file():
         return [source / SINGLE_FILE_NAME], None
-    raise DataError(f"holds neither {HF_INDEX_FILE_NAME} nor {SINGLE_FILE_NAME}", path=source)
+    already = (f"; it holds {METADATA_FILE_NAME}: a DCP checkpoint already (to lay it out for "
+               "other ranks, `dcpctl reshard`)" if (source / METADATA_FILE_NAME).exists() else "")
+    raise DataError(f"holds neither {HF_INDEX_FILE_NAME} nor {SINGLE_FILE_NAME}{already}",
+                    path=source)
 
 
 def _file_named_by_index(directory: Path, index_path: Path, name) -> Path:

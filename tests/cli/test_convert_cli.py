@@ -78,6 +78,17 @@ def test_failures_are_one_line_errors(run_cli, tmp_path, args, fragment):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_dcp_checkpoint_given_to_convert_to_dcp_is_said_to_be_one(run_cli, tmp_path):
+    """It was told only that the directory held no model.safetensors.index.json."""
+    source = fixture_path("mesh2d_4ranks")
+    result = run_cli("convert", source, "--to", "dcp", "-o", tmp_path / "out")
+    assert (result.exit_code, result.output) == (1, (
+        f"Error: {source}: holds neither model.safetensors.index.json nor model.safetensors; it "
+        "holds .metadata: a DCP checkpoint already (to lay it out for other ranks, `dcpctl "
+        "reshard`)\n"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_existing_output_needs_overwrite(run_cli, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "file").write_text("x")
