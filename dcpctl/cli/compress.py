@@ -9,6 +9,7 @@ from dcpctl.cli.options import (checkpoint_argument, dry_run_option, json_option
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.format.codecs.names import IDENTITY_NAME
 from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL,
                                   MIN_ZSTD_LEVEL, ZSTD, TranscodeReport, compress_checkpoint,
                                   decompress_checkpoint)
@@ -55,7 +56,9 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
     files are written beside the old ones, `.metadata` switches to them with a rename, the old
     files go last; a run killed at any moment leaves a checkpoint that loads. Every item is
     checked as it is read (see `dcpctl verify`): damage stops the run, naming the file and
-    item, and nothing is published. SHA256SUMS is written for the result.
+    item, and nothing is published. SHA256SUMS is written for the result. In place, a
+    checkpoint whose items are all in the codec already (and no --level given) is left as it
+    is.
 
     \b
     Examples:
@@ -88,7 +91,8 @@ def decompress_command(checkpoint: str, output: str | None, threads: int | None,
 
     The reverse of `compress`: each item is decoded and written plain, so the result loads
     with any torch, even without zstandard. In place unless -o is given, atomically, with
-    SHA256SUMS written for the result.
+    SHA256SUMS written for the result; in place, a checkpoint stored uncompressed already is
+    left as it is.
 
     \b
     Examples:
@@ -105,6 +109,15 @@ def decompress_command(checkpoint: str, output: str | None, threads: int | None,
 
 def render_transcode_report(report: TranscodeReport) -> str:
     """What a compress or decompress did, for people."""
+    if report.unchanged:
+        left = "would be left" if report.dry_run else "left"
+        stored = "stored uncompressed" if report.codec == IDENTITY_NAME else f"in {report.codec}"
+        lines = [f"{report.source}: every one of its {report.items} items is {stored} "
+                 f"already: {left} as it is",
+                 f"stored: {format_bytes(report.stored_bytes_before)}"]
+        lines += [f"removed {name}, left by an earlier interrupted run"
+                  for name in report.removed_stale_files]
+        return "\n".join(lines)
     where = "in place" if report.in_place else f"into {report.output}"
     verb = "would rewrite" if report.dry_run else "rewrote"
     lines = [f"{report.source}: {verb} {report.items} items {where} as {report.codec}"

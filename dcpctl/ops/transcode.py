@@ -112,6 +112,9 @@ class TranscodeReport:
     stored_bytes_after: int | None
     seconds: float
     removed_stale_files: list[str]
+    unchanged: bool = False
+    """In place, with every item in the codec already (and no level asked): the checkpoint is
+    left as it is, not rewritten for nothing (a full rewrite, and a new age for prune)."""
 
     @property
     def ratio(self) -> float | None:
@@ -308,12 +311,15 @@ def _transcode(checkpoint: Checkpoint, planning: TranscodePlanning, output_path:
         items=len(plan.tasks), items_transcoded=sum(t.transcode for t in plan.tasks),
         items_copied=sum(not t.transcode for t in plan.tasks),
         stored_bytes_before=plan.stored_bytes, stored_bytes_after=None, seconds=0.0,
-        removed_stale_files=[])
+        removed_stale_files=[], unchanged=in_place and not any(t.transcode for t in plan.tasks))
     if dry_run:
         return report
     if in_place:
         referenced = {info.relative_path for info in checkpoint.metadata.storage_data.values()}
         report.removed_stale_files = remove_stale_temporaries(checkpoint.path, referenced)
+    if report.unchanged:
+        report.stored_bytes_after = plan.stored_bytes
+        return report
     output = CheckpointOutput(storage_path(report.output), in_place, checkpoint.path,
                               overwrite=overwrite, side_files=side_files_of(checkpoint))
     try:

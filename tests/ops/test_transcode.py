@@ -17,7 +17,8 @@ from dcpctl.errors import DataError, OutputError
 from dcpctl.format.checkpoint.publishing import DataFileWriter
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.codecs.registry import IDENTITY, zstd_codec
-from dcpctl.ops.transcode import group_items_into_runs, plan_transcode, transcode_checkpoint
+from dcpctl.ops.transcode import (compress_checkpoint, decompress_checkpoint, group_items_into_runs,
+                                  plan_transcode, transcode_checkpoint)
 
 RANKS_TO_LOAD_ON = {
     "fsdp2_adamw_3ranks": [3, 2],
@@ -77,6 +78,24 @@ def test_items_already_in_zstd_are_copied_unless_a_level_is_asked(tmp_path):
     assert recoded.items_transcoded == recoded.items
     assert recoded.stored_bytes_after <= copied.stored_bytes_after
     assert load_with_torch(tmp_path / "recode").keys() == load_with_torch(source).keys()
+
+
+@pytest.mark.parametrize("fixture, codec", [("zstd_fsdp2_2ranks", "zstd"),
+                                             ("fsdp2_adamw_3ranks", "none")])
+def test_an_in_place_run_with_nothing_to_re_encode_leaves_the_checkpoint_as_it_is(
+        copy_fixture, fixture, codec):
+    """`compress` of a checkpoint in zstd already, or `decompress` of a plain one, rewrote
+    every file (new inodes, a new age for prune) and added SHA256SUMS, to copy every item."""
+    checkpoint = copy_fixture(fixture)
+    before = {path.name: (path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes())
+              for path in checkpoint.iterdir()}
+    run = compress_checkpoint if codec == "zstd" else decompress_checkpoint
+    report = run(checkpoint)
+    assert report.unchanged and report.items_transcoded == 0 and report.items
+    assert report.stored_bytes_after == report.stored_bytes_before
+    assert {path.name: (path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes())
+            for path in checkpoint.iterdir()} == before
+    assert not compress_checkpoint(checkpoint, level=3 if codec == "zstd" else None).unchanged
 
 
 def test_in_place_rewrite_keeps_file_names_and_loads(copy_fixture):
