@@ -9,10 +9,9 @@ from dcpctl.cli.options import (checkpoint_argument, dry_run_option, json_option
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report
-from dcpctl.format.codecs.names import IDENTITY_NAME
-from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, MAX_ZSTD_LEVEL,
-                                  MIN_ZSTD_LEVEL, ZSTD, TranscodeReport, compress_checkpoint,
-                                  decompress_checkpoint)
+from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
+                                  MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, ZSTD, TranscodeReport,
+                                  compress_checkpoint, decompress_checkpoint)
 
 _output_option = output_option(
     required=False,
@@ -111,7 +110,7 @@ def render_transcode_report(report: TranscodeReport) -> str:
     """What a compress or decompress did, for people."""
     if report.unchanged:
         left = "would be left" if report.dry_run else "left"
-        stored = "stored uncompressed" if report.codec == IDENTITY_NAME else f"in {report.codec}"
+        stored = "stored uncompressed" if report.codec == IDENTITY.name else f"in {report.codec}"
         lines = [f"{report.source}: every one of its {report.items} items is {stored} "
                  f"already: {left} as it is",
                  f"stored: {format_bytes(report.stored_bytes_before)}"]
