@@ -222,9 +222,12 @@ def test_a_safetensors_file_the_library_refuses_is_refused(run_cli, tmp_path, en
     assert not (tmp_path / "o").exists()
 
 
-def _rewritten_torch_save(source, target, edit) -> None:
+def _rewritten_torch_save(source, target, edit, reverse: bool = False) -> None:
+    """source zipped again by Python's zipfile, each record's bytes through edit, in the
+    reverse order with reverse."""
     with zipfile.ZipFile(source) as archive, zipfile.ZipFile(target, "w") as rewritten:
-        for info in archive.infolist():
+        infos = archive.infolist()
+        for info in reversed(infos) if reverse else infos:
             rewritten.writestr(info.filename, edit(info.filename, archive.read(info.filename)))
 
 
@@ -248,8 +251,73 @@ def test_a_torch_save_file_whose_storage_record_is_longer_than_its_storage_is_re
     with pytest.raises(Exception):
         torch.load(tmp_path / "long.pt", weights_only=True)
     result = run_cli("convert", tmp_path / "long.pt", "--to", "dcp", "-o", tmp_path / "o")
-    assert result.exit_code == 1 and "cannot tell where a tensor's bytes lie" in result.output
+    assert result.exit_code == 1 and "cannot tell where the bytes of 'w' lie" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def _converted_back(run_cli, source, output) -> dict:
+    """convert source --to dcp -o output, loaded back by torch."""
+    from conftest import load_with_torch
+
+    result = run_cli("convert", source, "--to", "dcp", "-o", output)
+    assert result.exit_code == 0, result.output
+    return load_with_torch(output)
+
+
+def _assert_tensors_equal(loaded: dict, expected: dict) -> None:
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_a_torch_save_file_whose_storage_records_were_renamed_converts_as_torch_loads_it(
+        run_cli, tmp_path):
+    """torch's loader works each storage's offset out from where its own writer would put it
+    (the storages back to back, in the order data.pkl names them), not from the record's name;
+    a file whose records data/1 and data/2 traded names loads `b` from data/2, and convert
+    carried `b` from where torch had pointed, data/1's bytes, without a word."""
+    torch.save({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0),
+                "c": torch.full((4,), 3.0)}, tmp_path / "model.pt")
+    data = (tmp_path / "model.pt").read_bytes()
+    swapped = data.replace(b"/data/1", b"/data/\0").replace(b"/data/2", b"/data/1").replace(
+        b"/data/\0", b"/data/2")
+    (tmp_path / "swapped.pt").write_bytes(swapped)
+    expected = torch.load(tmp_path / "swapped.pt", weights_only=True)
+    assert torch.equal(expected["b"], torch.full((4,), 3.0))  # torch reads by name
+    _assert_tensors_equal(_converted_back(run_cli, tmp_path / "swapped.pt", tmp_path / "o"),
+                          expected)
+
+
+def test_a_torch_save_file_zipped_again_by_another_tool_converts(run_cli, tmp_path):
+    """Its records lie elsewhere than torch's writer puts them (here in the reverse order):
+    it was refused, `cannot tell where a tensor's bytes lie`, though torch loads it."""
+    expected = {"a": torch.arange(5.0), "b": torch.arange(7.0) * 2, "empty": torch.zeros(0),
+                "view": torch.arange(12.0).reshape(3, 4)[:, 1]}
+    torch.save(expected, tmp_path / "model.pt")
+    _rewritten_torch_save(tmp_path / "model.pt", tmp_path / "rezipped.pt",
+                          lambda name, data: data, reverse=True)
+    _assert_tensors_equal(torch.load(tmp_path / "rezipped.pt", weights_only=True), expected)
+    _assert_tensors_equal(_converted_back(run_cli, tmp_path / "rezipped.pt", tmp_path / "o"),
+                          expected)
+
+
+def test_a_torch_save_file_with_two_records_of_one_name_is_refused(run_cli, tmp_path):
+    """Which of the two torch's zip reader takes is its own business."""
+    torch.save({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}, tmp_path / "model.pt")
+    data = (tmp_path / "model.pt").read_bytes()
+    (tmp_path / "twice.pt").write_bytes(data.replace(b"/data/1", b"/data/0"))
+    result = run_cli("convert", tmp_path / "twice.pt", "--to", "dcp", "-o", tmp_path / "o")
+    assert result.exit_code == 1 and "holds two zip records named 'model/data/0'" in (
+        result.output), result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_tensor_saved_from_the_meta_device_is_named(run_cli, tmp_path):
+    torch.save({"m": torch.empty(3, device="meta"), "w": torch.ones(2)}, tmp_path / "meta.pt")
+    result = run_cli("convert", tmp_path / "meta.pt", "--to", "dcp", "-o", tmp_path / "o")
+    assert (result.exit_code, result.output) == (1, (
+        f"Error: {tmp_path / 'meta.pt'}: 'm' has no storage record in the file (a tensor saved "
+        "from the meta device has none)\n"))
 
 
 def test_an_object_torchs_safe_loader_refuses_is_named_with_its_reason(run_cli, tmp_path):

@@ -3,6 +3,8 @@ bytes lie in the file, so that they can be read or written a piece at a time."""
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -11,13 +13,15 @@ import torch
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
 from dcpctl.format.torch_save.archive_check import check_archive
+from dcpctl.format.torch_save.zip_records import ZipRecord
 from dcpctl.storage.local import open_for_reading
 
 
-def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
+def open_torch_save(path: Path) -> tuple[Any, dict[int, ZipRecord]]:
     """The file's contents with every tensor on the meta device (no tensor bytes are read),
-    unpickled with torch's weights_only loader so that no code from the file runs, and the data
-    offset -> size of each of its storage records (`<prefix>/data/<key>`)."""
+    unpickled with torch's weights_only loader so that no code from the file runs, and the
+    storage record (`<prefix>/data/<key>`) of each storage, by the offset torch's loader gave
+    the storage (storage_file_offset)."""
     with open_for_reading(path) as stream:
         def read_range(start: int, length: int) -> bytes:
             stream.seek(start)
@@ -36,15 +40,106 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, int]]:
         if checked.crc_mismatches:  # torch's reader does not check them: damage would pass
             raise DataError(f"record {checked.crc_mismatches[0][0].name!r} does not match its "
                             "CRC-32", path=path)
+        pickle_record = next(r for r in records  # check_archive found it
+                             if r.name.endswith("/data.pkl") and r.name.count("/") == 1)
+        pickle_bytes = read_range(pickle_record.data_offset, pickle_record.size_bytes)
+        prefix = pickle_record.name.partition("/")[0]
+        version = next((r for r in records if r.name == f"{prefix}/.format_version"), None)
+        offsets_worked_out = version is not None and read_range(
+            version.data_offset, version.size_bytes) >= b"1"  # as torch's loader decides
     try:
         skeleton = torch.load(path, map_location="meta", weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
         raise UnsupportedLayoutError(
             f"cannot be loaded with weights_only=True ({weights_only_refusal(error)})",
             path=path) from None
-    storages = {record.data_offset: record.size_bytes for record in records
-                if record.name.partition("/")[2].startswith("data/")}
-    return skeleton, storages
+    storage_records = _storage_records(path, prefix, records)
+    if not offsets_worked_out:  # torch looked each record up by its name
+        return skeleton, {record.data_offset: record for record in storage_records.values()}
+    return skeleton, _by_worked_out_offset(path, skeleton, pickle_bytes, prefix,
+                                           storage_records)
+
+
+def _storage_records(path: Path, prefix: str, records: tuple[ZipRecord, ...]
+                     ) -> dict[str, ZipRecord]:
+    """The storage records by name, refused where two share one (which of them torch reads is
+    up to its zip reader)."""
+    by_name: dict[str, ZipRecord] = {}
+    for record in records:
+        if record.name.startswith(f"{prefix}/data/"):
+            if record.name in by_name:
+                raise DataError(f"holds two zip records named {record.name!r}", path=path)
+            by_name[record.name] = record
+    return by_name
+
+
+def _by_worked_out_offset(path: Path, skeleton: Any, pickle_bytes: bytes, prefix: str,
+                          storage_records: dict[str, ZipRecord]) -> dict[int, ZipRecord]:
+    """The record of each storage by the offset torch's loader gave it. torch (2.6 and later,
+    for a file with `.format_version` 1) does not look a storage's record up by its name: it
+    works the offset out from where its own writer would have put it, each storage right after
+    the one before in the order the pickle first names them. The offsets it gives therefore
+    rise in that order, which is the order of the storage keys in data.pkl: the n-th lowest is
+    that of the n-th key, whose record is `<prefix>/data/<key>` wherever it lies (a file zipped
+    again by another tool, or whose records were renamed). Empty where the tensors reached do
+    not account for every storage (storage_file_offset then refuses each)."""
+    try:
+        keys = storage_keys_in_order(pickle_bytes)
+    except Exception as error:  # noqa: BLE001 - torch's own (Python) unpickler took it
+        raise UnsupportedLayoutError(f"its data.pkl does not read as torch's loader read it "
+                                     f"({type(error).__name__}: {error})", path=path) from None
+    offsets = sorted({getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+                      for tensor in find_tensors(skeleton)} - {None})
+    if len(offsets) != len(keys):
+        return {}
+    placed = {offset: storage_records.get(f"{prefix}/data/{key}")
+              for offset, key in zip(offsets, keys)}
+    return {offset: record for offset, record in placed.items() if record is not None}
+
+
+class _StandIn:
+    """What every global of data.pkl is, and what each is called to build: it takes anything
+    and does nothing, so that reading the pickle for its storage keys runs nothing of it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_StandIn":
+        return _StandIn()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _StorageKeyReader(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.keys: dict[str, None] = {}  # in the order the pickle first names them
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _StandIn
+
+    def persistent_load(self, pid: Any) -> Any:
+        # torch.save names a storage ('storage', storage type, key, location, element count)
+        if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and type(pid[2]) is str:
+            self.keys.setdefault(pid[2])
+        return _StandIn()
+
+
+def storage_keys_in_order(pickle_bytes: bytes) -> list[str]:
+    """The storage keys data.pkl names, in the order it first names each."""
+    reader = _StorageKeyReader(pickle_bytes)
+    reader.load()
+    return list(reader.keys)
 
 
 _ANSI_SEQUENCE = re.compile(r"\x1b\[[0-9;]*m")
@@ -61,16 +156,21 @@ def weights_only_refusal(error: Exception) -> str:
     return reason.removeprefix("WeightsUnpickler error:").strip().split(". Please use")[0]
 
 
-def storage_file_offset(path: Path, placeholder: torch.Tensor, records: dict[int, int]) -> int:
-    """Where in the file the storage of a tensor from load_skeleton starts. torch works it out
-    from the conventions of its own writer; it is checked against the archive's records."""
+def storage_file_offset(path: Path, name: str, placeholder: torch.Tensor,
+                        records: dict[int, ZipRecord]) -> int:
+    """Where in the file the storage of the tensor called name, a placeholder of
+    open_torch_save, starts: its record, of the storage's size, as open_torch_save found it."""
     offset = getattr(placeholder.untyped_storage(), "_checkpoint_offset", None)
+    if offset is None:
+        raise UnsupportedLayoutError(f"{name!r} has no storage record in the file (a tensor "
+                                     "saved from the meta device has none)", path=path)
     needed = placeholder.untyped_storage().nbytes()
-    if offset is None or records.get(offset, -1) != needed:
-        raise UnsupportedLayoutError(f"cannot tell where a tensor's bytes lie (torch "
-                                     f"points at byte {offset}, where no storage record of "
-                                     f"{needed} bytes starts)", path=path)
-    return offset
+    record = records.get(offset)
+    if record is None or record.size_bytes != needed:
+        raise UnsupportedLayoutError(f"cannot tell where the bytes of {name!r} lie (no storage "
+                                     f"record of {needed} bytes is where torch's loader puts "
+                                     "it)", path=path)
+    return record.data_offset
 
 
 def find_tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -36,6 +36,7 @@ from dcpctl.format.metadata.records import (BytesMetadata, CheckpointMetadata, C
 from dcpctl.format.safetensors import SafetensorsTensor, read_safetensors_model
 from dcpctl.format.torch_save.layout import last_element_index
 from dcpctl.format.torch_save.writer import iter_torch_save_archive
+from dcpctl.format.torch_save.zip_records import ZipRecord
 from dcpctl.ops.convert.report import ConvertReport, ProgressCallback, WrittenFile, run_in_order
 from dcpctl.ops.convert.tensor_bytes import torch_dtype
 from dcpctl.storage.locks import locked_checkpoint
@@ -142,7 +143,7 @@ def _torch_save_entries(path: Path, prefix_path: tuple) -> list[SourceEntry]:
 
 
 def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
-                        records: dict[int, int]) -> SourceEntry:
+                        records: dict[int, ZipRecord]) -> SourceEntry:
     """A tensor of a torch.save file, from its meta-device placeholder."""
     import torch
 
@@ -162,7 +163,7 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
     dtype = dtype_by_name(str(placeholder.dtype))
     shape = tuple(placeholder.shape)
     _refuse_view_past_its_storage(path, name, placeholder, dtype)
-    start = (storage_file_offset(path, placeholder, records)
+    start = (storage_file_offset(path, name, placeholder, records)
              + placeholder.storage_offset() * dtype.itemsize)
     if placeholder.is_contiguous():
         def read_chunk(chunk: RankChunk) -> bytearray:
