@@ -20,7 +20,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 METADATA_KEY = "__metadata__"
 _FILE_METADATA = {"format": "pt"}
 _HEADER_ALIGNMENT = 8
-_MAX_HEADER_BYTES = 100 << 20
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses a longer header
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,13 @@ def _read_safetensors_header(path: Path, blob_offset: int, version: tuple) -> tu
                 raise DataError(f"truncated {where}", path=path)
             (header_bytes,) = struct.unpack("<Q", prefix)
             if header_bytes > _MAX_HEADER_BYTES:
-                raise DataError(f"{where} claims {header_bytes} bytes, more than any real "
-                                "header", path=path)
-            header = parse_json(reader.read(blob_offset + 8, header_bytes))
+                raise DataError(f"{where} claims {header_bytes} bytes, more than the "
+                                f"safetensors library reads ({_MAX_HEADER_BYTES})", path=path)
+            text = reader.read(blob_offset + 8, header_bytes)
+            if len(text) < header_bytes:
+                raise DataError(f"{where} claims {header_bytes} bytes; the file ends "
+                                f"{len(text)} bytes after its length", path=path)
+            header = parse_json(text)
     except (ValueError, UnicodeDecodeError) as error:
         raise DataError(f"{where} is not JSON ({error})", path=path) from None
     except FileNotFoundError:

@@ -134,6 +134,21 @@ def test_hostile_headers_are_refused_in_a_line(tmp_path, header, message):
         read_safetensors_model(path)
 
 
+@pytest.mark.parametrize("claimed, message", [
+    (100_000_001, "claims 100000001 bytes, more than the safetensors library reads"),
+    (64, "claims 64 bytes; the file ends 16 bytes after its length"),
+])
+def test_a_header_length_the_library_refuses_is_refused_and_said(tmp_path, claimed, message):
+    """A header of 100,000,001 to 100 MiB was read where the library refuses the file; one
+    claiming more bytes than the file has was `not JSON (Extra data ...)`."""
+    import struct
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", claimed) + b"{}" + bytes(14))
+    with pytest.raises(DataError, match=message):
+        read_safetensors_model(path)
+
+
 def test_a_null_metadata_is_none_as_the_library_reads_it(tmp_path):
     path = tmp_path / "model.safetensors"
     _with_header(path, json.dumps({"a": ENTRY, "__metadata__": None}).encode())

@@ -35,7 +35,7 @@ def _run_with_file_size_limit(limit_bytes: int, *args) -> subprocess.CompletedPr
 @pytest.mark.parametrize("command, limit_bytes", [
     (["compress", "{ckpt}", "-o", "{out}"], 4_000),
     (["compress", "{ckpt}"], 4_000),
-    (["decompress", "{ckpt}"], 4_000),
+    (["decompress", "{ckpt}", "-o", "{out}"], 4_000),  # in place, a plain one is left as it is
     (["reshard", "{ckpt}", "--ranks", "2", "-o", "{out}"], 4_000),
     (["convert", "{ckpt}", "--to", "safetensors", "-o", "{out}", "--include", "*"], 2_000),
     (["convert", "{ckpt}", "--to", "torch", "-o", "{out}.pt"], 4_000),
