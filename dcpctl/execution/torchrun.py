@@ -29,6 +29,7 @@ from dcpctl.errors import DcpctlError, InvalidOptionError
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
 from dcpctl.failpoints import arm_in_worker
+from dcpctl.format.metadata.reading import metadata_fingerprints, metadata_read
 
 _POLL_SECONDS = 0.05
 _PROGRESS_SECONDS = 0.5
@@ -198,11 +199,28 @@ class Team:
                 raise RankSilentError(value)
             if kind == "failed":
                 raise WorkerError(f"rank {rank} of {self.size}: {value}")
-        return [outcomes[0][1], *(outcome.adopted() for _, outcome in outcomes[1:])]
+        results = [outcomes[0][1]]
+        for rank, (_, (outcome, fingerprints)) in enumerate(outcomes[1:], start=1):
+            self._refuse_another_checkpoint(rank, fingerprints)
+            results.append(outcome.adopted())
+        return results
+
+    def _refuse_another_checkpoint(self, rank: int, fingerprints: dict[str, str | None]) -> None:
+        """Refuse a rank's share where a `.metadata` it read is not the file rank 0 reads at
+        that path: it planned from another checkpoint (a node's own copy, another working
+        directory), and its share would be that checkpoint's bytes."""
+        mine = metadata_fingerprints(fingerprints)
+        for path, theirs in sorted(fingerprints.items()):
+            if theirs is None or mine[path] != theirs:
+                raise WorkerError(
+                    f"rank {rank} of {self.size}: read {path} as another file than rank 0 "
+                    "reads there: every rank must see the same checkpoint (one shared file "
+                    "system, or a bucket, at the same paths); nothing was published")
 
     def _outcome_of(self, number: int, rank: int) -> tuple[str, Any]:
-        """Rank's outcome of job number: ("done", its ShareOutcome), ("failed", what it
-        said), or ("silent", why rank 0 stopped waiting for it)."""
+        """Rank's outcome of job number: ("done", (its ShareOutcome, the fingerprints of the
+        `.metadata` files it read)), ("failed", what it said), or ("silent", why rank 0 stopped
+        waiting for it)."""
         try:
             return pickle.loads(self._wait(f"dcpctl/result/{number}/{rank}", rank))
         except RankSilentError as error:
@@ -233,8 +251,8 @@ class Team:
             progress = BatchedProgress(lambda units: self.store.add(key, units),
                                        _PROGRESS_SECONDS)
             try:
-                outcome = ("done", plans.run_share(*value, self.rank, self.size,
-                                                   progress.advance))
+                share = plans.run_share(*value, self.rank, self.size, progress.advance)
+                outcome = ("done", (share, metadata_fingerprints(metadata_read())))
             except Exception as error:  # noqa: BLE001 - rank 0 reports it
                 outcome = ("failed", describe_failure(error))
             progress.flush()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -345,6 +346,49 @@ def test_ranks_started_with_different_commands_do_nothing_and_say_so(tmp_path):
     assert "rank 1 of 2 was started as `dcpctl compress" in results[0][1]
     assert str(tmp_path / "other") in results[0][1]
     assert list(tmp_path.iterdir()) == []
+
+
+def _start_ranks(commands: list[tuple[list[str], Path]], run_id: str) -> list:
+    """Ranks of a 2-rank torchrun job started by hand, each its command in its directory."""
+    import socket
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    ranks = []
+    for rank, (command, directory) in enumerate(commands):
+        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "TORCHELASTIC_RUN_ID": run_id}
+        ranks.append(subprocess.Popen([sys.executable, "-m", "dcpctl", *command], cwd=directory,
+                                      env=environment, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return [(process.wait(timeout=300), process.stderr.read()) for process in ranks]
+
+
+@pytest.mark.slow
+def test_ranks_that_see_another_checkpoint_at_the_same_path_publish_nothing(tmp_path):
+    """A rank whose path names another checkpoint (its node's own copy, another working
+    directory) did its share of that one, and the job published a checkpoint mixed of both,
+    exit 0 (rank 0 checks only that the command lines match)."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from conftest import torch_metadata
+
+    first, second = tmp_path / "node0", tmp_path / "node1"
+    for node in (first, second):
+        shutil.copytree(fixture_path(SOURCE), node / "ck")
+    other = torch_metadata(second / "ck")  # another save of the same layout
+    other.storage_meta = StorageMeta(save_id="another save")
+    (second / "ck" / ".metadata").write_bytes(pickle.dumps(other))
+    before = directory_state(tmp_path)
+    results = _start_ranks([(["compress", "ck", "-o", str(tmp_path / "out")], first),
+                            (["compress", "ck", "-o", str(tmp_path / "out")], second)],
+                           "another-checkpoint")
+    assert results[0][0] == 1, results
+    assert ("Error: rank 1 of 2: read ck/.metadata as another file than rank 0 reads there: "
+            "every rank must see the same checkpoint") in results[0][1], results
+    assert directory_state(tmp_path) == before
 
 
 @pytest.mark.parametrize("stop, words, code", [
