@@ -80,8 +80,8 @@ def test_items_already_in_zstd_are_copied_unless_a_level_is_asked(tmp_path):
     assert load_with_torch(tmp_path / "recode").keys() == load_with_torch(source).keys()
 
 
-@pytest.mark.parametrize("fixture, codec", [("zstd_fsdp2_2ranks", "zstd"),
-                                             ("fsdp2_adamw_3ranks", "none")])
+@pytest.mark.parametrize("fixture, codec", [
+    ("zstd_fsdp2_2ranks", "zstd"), ("fsdp2_adamw_3ranks", "none")])
 def test_an_in_place_run_with_nothing_to_re_encode_leaves_the_checkpoint_as_it_is(
         copy_fixture, fixture, codec):
     """`compress` of a checkpoint in zstd already, or `decompress` of a plain one, rewrote

@@ -526,4 +526,3 @@ def test_a_store_client_failing_in_its_own_way_is_named_with_the_url(monkeypatch
         open_checkpoint("unreachable://bucket/run/step-1")
     assert str(raised.value) == ("unreachable://bucket/run/step-1: ConnectError: [Errno 111] "
                                  "Connection refused")
-

@@ -316,4 +316,3 @@ def metadata_fingerprints(paths: Iterable[str]) -> dict[str, str | None]:
         except (OSError, DcpctlError):
             fingerprints[path] = None
     return fingerprints
-
