@@ -19,7 +19,6 @@ coordinator.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import threading
 from multiprocessing.connection import Connection, wait
@@ -27,6 +26,7 @@ from typing import Any, Callable
 
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
+from dcpctl.execution.parent_death import die_with_parent
 
 _PROGRESS_INTERVAL_SECONDS = 0.2
 
@@ -192,7 +192,7 @@ def _serve(index: int, count: int, connection: Connection) -> None:
     """A worker process: plan what is sent ahead, run share `index` of each job sent, send
     each result or error; end when the coordinator closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
-    _die_with_parent()
+    die_with_parent()  # a coordinator killed with SIGKILL leaves no worker writing on
     from dcpctl.allocator import reuse_large_buffers
     from dcpctl.cycle_collector import freeze_built_objects_on_resume
     from dcpctl.failpoints import arm_in_worker
@@ -222,17 +222,3 @@ def _serve(index: int, count: int, connection: Connection) -> None:
             except BaseException as error:  # noqa: BLE001 - every failure goes to the coordinator
                 connection.send(("failed", describe_failure(error)))
                 return
-
-
-def _die_with_parent() -> None:
-    """Have the kernel kill this process when its parent dies (Linux), so a coordinator
-    killed with SIGKILL leaves no worker writing on."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before that took effect
-        os._exit(1)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 from dcpctl.errors import DcpctlError, InvalidOptionError
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
+from dcpctl.execution.parent_death import die_with_parent
 from dcpctl.failpoints import arm_in_worker
 from dcpctl.format.metadata.reading import metadata_fingerprints, metadata_read
 
@@ -76,7 +77,12 @@ def join_torchrun() -> Team:
 
     import torch.distributed as distributed
 
+    # Joining waits in C++ for the store the agent holds, up to the timeout, with no signal
+    # handler run meanwhile: an agent killed now would leave the rank waiting that long.
+    # Once joined, losing the store is an error the rank reports (LostContactError).
+    die_with_parent()
     distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
+    die_with_parent(0)
     _team = Team(distributed.get_rank(), distributed.get_world_size(),
                  _JobStore(distributed.distributed_c10d._get_default_store()))
     _team.start_heartbeat()

@@ -391,6 +391,34 @@ def test_ranks_that_see_another_checkpoint_at_the_same_path_publish_nothing(tmp_
     assert directory_state(tmp_path) == before
 
 
+def test_a_rank_whose_agent_is_killed_while_it_joins_does_not_wait_on(tmp_path):
+    """A torchrun agent killed (SIGKILL) while its ranks still joined the job left them
+    waiting on the agent's store for the process group's 24 hours."""
+    import socket
+    store = socket.socket()  # the agent's store, as far as the rank can tell: it never answers
+    store.bind(("127.0.0.1", 0))
+    store.listen(8)
+    store.settimeout(120)
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(store.getsockname()[1]), "RANK": "1", "LOCAL_RANK": "1",
+                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "killed"}
+    agent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys; rank = subprocess.Popen(sys.argv[1:]); "
+        "print(rank.pid, flush=True); rank.wait()"),
+        sys.executable, "-m", "dcpctl", "verify", str(fixture_path(SOURCE))],
+        env=environment, stdout=subprocess.PIPE, text=True)
+    rank_status = Path(f"/proc/{int(agent.stdout.readline())}/status")
+    with store, store.accept()[0]:  # the rank is joining
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 30
+        while rank_status.exists() and "State:\tZ" not in rank_status.read_text():
+            if time.monotonic() > deadline:
+                os.kill(int(rank_status.parent.name), signal.SIGKILL)
+                pytest.fail("the rank still waited 30 s after its agent was killed")
+            time.sleep(0.2)
+
+
 @pytest.mark.parametrize("stop, words, code", [
     (lambda: Terminated(signal.SIGTERM), "Error: stopped by SIGTERM", 143),
     (KeyboardInterrupt, "Error: interrupted", 130)])
