@@ -105,7 +105,7 @@ def _run_own_share(job: ShareJob, plan: Any, count: int, gathering: _Gathering,
     of progress after a worker failed."""
     def advance_unless_failed(units: int) -> None:
         if gathering.failure is not None:
-            raise gathering.failure
+            raise _AnotherShareFailed()
         advance(units)
 
     try:
@@ -114,6 +114,12 @@ def _run_own_share(job: ShareJob, plan: Any, count: int, gathering: _Gathering,
         if gathering.failure is not None:
             raise gathering.failure from None
         raise WorkerError(f"worker 1 of {count}: {describe_failure(error)}") from error
+
+
+class _AnotherShareFailed(Exception):
+    """What stops this process's own share once a worker failed: not a DcpctlError, so that
+    nothing on the way up takes it for a failure of its own (gives it the place of the item
+    it was in, reports it as that item's problem); the worker's failure is raised instead."""
 
 
 def _serialized(function: Callable[[int], None]) -> Callable[[int], None]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from dcpctl.errors import DataError
+from dcpctl.errors import DataError, DcpctlError
 from dcpctl.execution.jobs import WorkerError
 from dcpctl.execution.processes import LocalWorkers
 
@@ -101,6 +101,27 @@ def test_the_first_failure_stops_every_share_and_names_its_worker(failing, named
         workers.run(_Job(failing), "plan", lambda units: None)
     assert str(raised.value).startswith(f"{named}: lane {failing} is damaged")
     assert time.monotonic() - started < _LONG_SECONDS / 2
+
+
+class _LocatingJob(_Job):
+    """_Job whose shares step through their work inside an item, as decoding does: a
+    DcpctlError raised there is given the item's place (iter_decoded_item)."""
+
+    def run_share(self, plan: str, lanes: list[int], advance) -> tuple:
+        try:
+            return super().run_share(plan, lanes, advance)
+        except DcpctlError as error:
+            raise error.located(path="__0_0.distcp", fqn="w", start=0, end=8) from None
+
+
+def test_a_workers_failure_is_not_taken_for_one_of_the_item_the_coordinator_was_in():
+    """`Error: ckd/__0_1.distcp: item 'model.layers.2.weight' at bytes 0..10491433: worker 2
+    of 2 ended without finishing its share`: the worker's failure, raised into the
+    coordinator's own share to stop it, was given the place of the item it was decoding."""
+    with _workers(2) as workers, pytest.raises(WorkerError) as raised:
+        workers.run(_LocatingJob(1), "plan", lambda units: None)
+    assert str(raised.value) == ("worker 2 of 2: __0_0.distcp: item 'w' at bytes 0..8: lane 1 "
+                                 "is damaged")  # where the worker was, not the coordinator
 
 
 def test_a_worker_dead_before_its_job_fails_the_job_naming_it():
