@@ -312,6 +312,22 @@ def test_a_torch_save_file_with_two_records_of_one_name_is_refused(run_cli, tmp_
     assert not (tmp_path / "o").exists()
 
 
+def test_a_quantized_tensor_is_refused_as_one(run_cli, tmp_path):
+    """It was refused as `cannot be loaded with weights_only=True (Could not run
+    'aten::_empty_affine_quantized' ...)`, though torch.load(weights_only=True) loads it, with
+    two of torch's warnings on stderr."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated
+        quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    torch.save({"q": quantized, "w": torch.ones(2)}, tmp_path / "q.pt")
+    result = run_cli("convert", tmp_path / "q.pt", "--to", "dcp", "-o", tmp_path / "o")
+    assert (result.exit_code, result.output) == (1, (
+        f"Error: {tmp_path / 'q.pt'}: holds a quantized tensor, which dcpctl does not convert "
+        "(save its dequantize() or int_repr() instead)\n"))
+
+
 def test_a_tensor_saved_from_the_meta_device_is_named(run_cli, tmp_path):
     torch.save({"m": torch.empty(3, device="meta"), "w": torch.ones(2)}, tmp_path / "meta.pt")
     result = run_cli("convert", tmp_path / "meta.pt", "--to", "dcp", "-o", tmp_path / "o")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,8 +49,14 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, ZipRecord]]:
         offsets_worked_out = version is not None and read_range(
             version.data_offset, version.size_bytes) >= b"1"  # as torch's loader decides
     try:
-        skeleton = torch.load(path, map_location="meta", weights_only=True)
+        with warnings.catch_warnings():  # torch's own (TypedStorage is deprecated...)
+            warnings.simplefilter("ignore")
+            skeleton = torch.load(path, map_location="meta", weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
+        if "Quantized" in str(error):  # torch cannot place one on the meta device
+            raise UnsupportedLayoutError("holds a quantized tensor, which dcpctl does not "
+                                         "convert (save its dequantize() or int_repr() "
+                                         "instead)", path=path) from None
         raise UnsupportedLayoutError(
             f"cannot be loaded with weights_only=True ({weights_only_refusal(error)})",
             path=path) from None
