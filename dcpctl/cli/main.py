@@ -52,6 +52,12 @@ class DcpctlGroup(click.Group):
     def invoke(self, context: click.Context):
         try:
             return super().invoke(context)
+        except click.NoSuchOption as error:
+            if error.option_name in _GROUP_OPTIONS:  # given after the command, not before it
+                error.message = (f"{error.option_name} goes before the command, as in "
+                                 f"`dcpctl {error.option_name} ... "
+                                 f"{context.invoked_subcommand or 'COMMAND'} ...`")
+            raise
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except DcpctlError as error:
@@ -74,6 +80,9 @@ class DcpctlGroup(click.Group):
             raise
         click.echo(f"Error: {escape_control_characters(without_secrets(message))}", err=True)
         sys.exit(exit_code)
+
+
+_GROUP_OPTIONS = ("--storage-option", "--debug")
 
 
 def _stdout_reader_gone() -> bool:

@@ -52,3 +52,13 @@ def test_an_empty_path_is_refused_never_taken_for_the_working_directory(
     assert result.stderr == (f"Error: {path or repr('')}: names nothing: an empty path is not "
                              "taken for the working directory (give `.` for that)\n")
     assert directory_state(tmp_path) == before
+
+
+@pytest.mark.parametrize("option", [["--storage-option", "anon=true"], ["--debug"]])
+def test_an_option_of_dcpctl_itself_given_after_the_command_says_where_it_goes(
+        run_cli, tmp_path, option):
+    """`dcpctl ls s3://b/run --storage-option anon=true` said only `No such option`."""
+    result = run_cli("ls", tmp_path, *option)
+    assert result.exit_code == 2
+    assert result.output.endswith(f"Error: {option[0]} goes before the command, as in "
+                                  f"`dcpctl {option[0]} ... ls ...`\n")
