@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.cli.render import counted, format_bytes, print_report
 from dcpctl.ops.checksum import ChecksumReport, checksum_checkpoint
 
 
@@ -39,5 +39,5 @@ def checksum_command(checkpoint: str, as_json: bool, threads: int | None,
 
 def render_checksum_report(report: ChecksumReport) -> str:
     """Where SHA256SUMS went and what it covers, for people."""
-    return (f"wrote {report.sums_path}: {len(report.digests)} files, "
+    return (f"wrote {report.sums_path}: {counted(len(report.digests), 'file')}, "
             f"{format_bytes(report.hashed_bytes)}")

@@ -37,6 +37,11 @@ def format_bytes(size_bytes: int | None) -> str:
     raise AssertionError("unreachable")
 
 
+def counted(count: int, noun: str) -> str:
+    """`1 file`, `2 files`: count and the noun, plural but for one."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def format_age(seconds: float | None) -> str:
     """`45s`, `90m`, `36h`, `9d`: whole units of the largest unit that fits twice, rounded
     down; `?` where the age is unknown."""

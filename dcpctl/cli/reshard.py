@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
                                 threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import escape_control_characters, format_bytes, print_report
+from dcpctl.cli.render import counted, escape_control_characters, format_bytes, print_report
 from dcpctl.errors import InvalidOptionError
 from dcpctl.ops.reshard.execution import (CODEC_NAMES, PER_RANK_OBJECT_CHOICES, Mesh,
                                           ReshardReport, parse_mesh, reshard_checkpoint)
@@ -93,7 +93,8 @@ def render_reshard_report(report: ReshardReport) -> str:
     rate = report.logical_bytes / report.seconds if report.seconds else 0
     lines = [f"{report.source} -> {report.output}: {report.tensors} tensors in "
              f"{report.chunks_written} chunks and {report.objects} objects over "
-             f"{report.world_size} ranks ({report.files} files), codec {report.codec}"
+             f"{counted(report.world_size, 'rank')} ({counted(report.files, 'file')}), codec "
+             f"{report.codec}"
              + (f", mesh {report.mesh}" if report.mesh else ""),
              f"wrote {format_bytes(report.stored_bytes_after)} in {report.seconds:.1f} s "
              f"({format_bytes(int(rate))}/s of tensor data)"]

@@ -13,7 +13,7 @@ import pytest
 from conftest import FIXTURE_NAMES, fixture_path, torch_metadata
 
 from dcpctl.cli.inspection import render_tensors
-from dcpctl.cli.render import format_bytes, format_table
+from dcpctl.cli.render import counted, format_bytes, format_table
 from dcpctl.ops.inspection.report import inspect_checkpoint
 
 
@@ -189,3 +189,9 @@ def test_output_into_a_pipe_whose_reader_left_ends_quietly(args):
     finally:
         os.close(write_end)
     assert result.stderr == "" and result.returncode != 0
+
+
+def test_counts_read_as_english():
+    """`wrote SHA256SUMS: 1 files`, `over 1 ranks (1 files)`."""
+    assert [counted(count, "file") for count in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+
