@@ -56,8 +56,8 @@ def compress_command(checkpoint: str, output: str | None, codec_name: str, level
     files go last; a run killed at any moment leaves a checkpoint that loads. Every item is
     checked as it is read (see `dcpctl verify`): damage stops the run, naming the file and
     item, and nothing is published. SHA256SUMS is written for the result. In place, a
-    checkpoint whose items are all in the codec already (and no --level given) is left as it
-    is.
+    checkpoint whose items are all in the codec already (and no --level given) and whose
+    SHA256SUMS certifies every file (checked first) is left as it is.
 
     \b
     Examples:
@@ -90,8 +90,8 @@ def decompress_command(checkpoint: str, output: str | None, threads: int | None,
 
     The reverse of `compress`: each item is decoded and written plain, so the result loads
     with any torch, even without zstandard. In place unless -o is given, atomically, with
-    SHA256SUMS written for the result; in place, a checkpoint stored uncompressed already is
-    left as it is.
+    SHA256SUMS written for the result; in place, a checkpoint stored uncompressed already,
+    whose SHA256SUMS certifies every file (checked first), is left as it is.
 
     \b
     Examples:

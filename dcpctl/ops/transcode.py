@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from dcpctl.errors import InvalidOptionError, UnsupportedLayoutError
+from dcpctl.format.checkpoint.checksums import checksummed_files, read_sha256sums
 from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, StoredSpan,
                                             iter_checked_stored_pieces, iter_item_pieces,
                                             iter_stored_pieces)
@@ -113,8 +114,9 @@ class TranscodeReport:
     seconds: float
     removed_stale_files: list[str]
     unchanged: bool = False
-    """In place, with every item in the codec already (and no level asked): the checkpoint is
-    left as it is, not rewritten for nothing (a full rewrite, and a new age for prune)."""
+    """In place, with every item in the codec already (and no level asked) and every file
+    certified by its SHA256SUMS (_nothing_to_rewrite): the checkpoint is left as it is, not
+    rewritten for nothing (a full rewrite, and a new age for prune)."""
 
     @property
     def ratio(self) -> float | None:
@@ -311,7 +313,7 @@ def _transcode(checkpoint: Checkpoint, planning: TranscodePlanning, output_path:
         items=len(plan.tasks), items_transcoded=sum(t.transcode for t in plan.tasks),
         items_copied=sum(not t.transcode for t in plan.tasks),
         stored_bytes_before=plan.stored_bytes, stored_bytes_after=None, seconds=0.0,
-        removed_stale_files=[], unchanged=in_place and not any(t.transcode for t in plan.tasks))
+        removed_stale_files=[], unchanged=in_place and _nothing_to_rewrite(checkpoint, plan))
     if dry_run:
         return report
     if in_place:
@@ -330,6 +332,18 @@ def _transcode(checkpoint: Checkpoint, planning: TranscodePlanning, output_path:
         raise
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _nothing_to_rewrite(checkpoint: Checkpoint, plan: TranscodePlan) -> bool:
+    """Whether rewriting the checkpoint in place would write it back as it is: every item in
+    the codec already, in a file of its final name (a rewrite gives the temporary names an
+    interrupted run left theirs), and every file certified by the SHA256SUMS that opening it
+    just checked (without one, the rewrite is what reads and checks every item)."""
+    if any(task.transcode or task.output_file != task.source.relative_path
+           for task in plan.tasks):
+        return False
+    sums = read_sha256sums(checkpoint.path)
+    return sums is not None and all(name in sums for name in checksummed_files(checkpoint))
 
 
 def _same_directory(first: StoragePath, second: StoragePath) -> bool:

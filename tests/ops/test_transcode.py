@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 
 import pytest
 from conftest import (MANIFEST, TORCH_LOADABLE_FIXTURES, assert_plain_items_equal_decoded,
-                      directory_state, fixture_path, load_with_torch, run_dcpctl)
+                      directory_state, fixture_path, flip_bit, load_with_torch, run_dcpctl,
+                      torch_metadata)
 from make_fixtures import tensor_sha256
 from rank_loading import assert_matches_manifest, describe_after_loading_on_ranks
 
@@ -17,6 +19,7 @@ from dcpctl.errors import DataError, OutputError
 from dcpctl.format.checkpoint.publishing import DataFileWriter
 from dcpctl.format.checkpoint.view import open_checkpoint
 from dcpctl.format.codecs.registry import IDENTITY, zstd_codec
+from dcpctl.ops.checksum import checksum_checkpoint
 from dcpctl.ops.transcode import (compress_checkpoint, decompress_checkpoint, group_items_into_runs,
                                   plan_transcode, transcode_checkpoint)
 
@@ -80,22 +83,58 @@ def test_items_already_in_zstd_are_copied_unless_a_level_is_asked(tmp_path):
     assert load_with_torch(tmp_path / "recode").keys() == load_with_torch(source).keys()
 
 
+def _files(checkpoint) -> dict:
+    return {path.name: (path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes())
+            for path in checkpoint.iterdir()}
+
+
 @pytest.mark.parametrize("fixture, codec", [
     ("zstd_fsdp2_2ranks", "zstd"), ("fsdp2_adamw_3ranks", "none")])
 def test_an_in_place_run_with_nothing_to_re_encode_leaves_the_checkpoint_as_it_is(
         copy_fixture, fixture, codec):
-    """`compress` of a checkpoint in zstd already, or `decompress` of a plain one, rewrote
-    every file (new inodes, a new age for prune) and added SHA256SUMS, to copy every item."""
+    """`compress` of a checkpoint in zstd already, or `decompress` of a plain one, certified
+    by its SHA256SUMS (checked first), rewrote every file (new inodes, a new age for prune) to
+    copy every item."""
     checkpoint = copy_fixture(fixture)
-    before = {path.name: (path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes())
-              for path in checkpoint.iterdir()}
+    checksum_checkpoint(checkpoint)
+    before = _files(checkpoint)
     run = compress_checkpoint if codec == "zstd" else decompress_checkpoint
     report = run(checkpoint)
     assert report.unchanged and report.items_transcoded == 0 and report.items
     assert report.stored_bytes_after == report.stored_bytes_before
-    assert {path.name: (path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes())
-            for path in checkpoint.iterdir()} == before
+    assert _files(checkpoint) == before
     assert not compress_checkpoint(checkpoint, level=3 if codec == "zstd" else None).unchanged
+
+
+def test_an_in_place_run_without_sha256sums_still_reads_and_checks_every_item(copy_fixture):
+    """Left as it was, a checkpoint without SHA256SUMS had none of its items read: damage
+    that compress stops at passed, exit 0."""
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    flip_bit(checkpoint / "__0_0.distcp", 100)
+    with pytest.raises(DataError, match="__0_0.distcp"):
+        compress_checkpoint(checkpoint)
+
+
+def test_an_in_place_run_that_an_earlier_one_left_half_done_is_finished(copy_fixture):
+    """A run killed after `.metadata` named its new files left them under their temporary
+    names; the next run, with nothing to re-encode, left them so."""
+    checkpoint = copy_fixture("zstd_fsdp2_2ranks")
+    checksum_checkpoint(checkpoint)
+    metadata = torch_metadata(checkpoint)
+    renamed = {}
+    for info in metadata.storage_data.values():
+        renamed.setdefault(info.relative_path, f"{info.relative_path}.dcpctl-0123456789ab.tmp")
+        info.relative_path = renamed[info.relative_path]
+    for name, temporary in renamed.items():
+        (checkpoint / name).rename(checkpoint / temporary)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    (checkpoint / "SHA256SUMS").unlink()
+    checksum_checkpoint(checkpoint)
+    report = compress_checkpoint(checkpoint)
+    assert not report.unchanged
+    assert sorted(path.name for path in checkpoint.iterdir() if ".tmp" in path.name) == []
+    assert load_with_torch(checkpoint).keys() == load_with_torch(
+        fixture_path("zstd_fsdp2_2ranks")).keys()
 
 
 def test_in_place_rewrite_keeps_file_names_and_loads(copy_fixture):
