@@ -10,7 +10,7 @@ from click.core import ParameterSource
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
                                 threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import format_bytes, format_table, print_report
+from dcpctl.cli.render import counted, format_bytes, format_table, print_report
 from dcpctl.ops.convert.report import ConvertReport
 from dcpctl.ops.convert.targets import (CAST_DTYPE_NAMES, DEFAULT_MAX_SHARD_BYTES,
                                         TARGET_OPTIONS, Rename, convert_checkpoint)
@@ -152,7 +152,7 @@ def _refuse_foreign_options(context: click.Context, target: str) -> None:
 def render_convert_report(report: ConvertReport) -> str:
     """What a convert did, for people."""
     objects = f" and {report.objects} objects" if report.objects else ""
-    layout = f" for {report.ranks} ranks" if report.ranks else ""
+    layout = f" for {counted(report.ranks, 'rank')}" if report.ranks else ""
     workers = f" ({report.workers} workers)" if report.workers > 1 else ""
     lines = [f"{report.source}: wrote {report.tensors} tensors "
              f"({format_bytes(report.tensor_bytes)}){objects} as {report.target_format}"

@@ -205,19 +205,20 @@ class Team:
                 raise RankSilentError(value)
             if kind == "failed":
                 raise WorkerError(f"rank {rank} of {self.size}: {value}")
-        results = [outcomes[0][1]]
-        for rank, (_, (outcome, fingerprints)) in enumerate(outcomes[1:], start=1):
-            self._refuse_another_checkpoint(rank, fingerprints)
-            results.append(outcome.adopted())
-        return results
+        shares = [value for _, value in outcomes[1:]]
+        mine = metadata_fingerprints({path for _, read in shares for path in read})
+        for rank, (_, read) in enumerate(shares, start=1):
+            self._refuse_another_checkpoint(rank, read, mine)
+        return [outcomes[0][1], *(outcome.adopted() for outcome, _ in shares)]
 
-    def _refuse_another_checkpoint(self, rank: int, fingerprints: dict[str, str | None]) -> None:
-        """Refuse a rank's share where a `.metadata` it read is not the file rank 0 reads at
-        that path: it planned from another checkpoint (a node's own copy, another working
-        directory), and its share would be that checkpoint's bytes."""
-        mine = metadata_fingerprints(fingerprints)
-        for path, theirs in sorted(fingerprints.items()):
-            if theirs is None or mine[path] != theirs:
+    def _refuse_another_checkpoint(self, rank: int, theirs: dict[str, str | None],
+                                   mine: dict[str, str | None]) -> None:
+        """Refuse a rank's share where a `.metadata` it read (theirs: metadata_fingerprints)
+        is not the file rank 0 reads at that path (mine): it planned from another checkpoint
+        (a node's own copy, another working directory), and its share would be that
+        checkpoint's bytes."""
+        for path, fingerprint in sorted(theirs.items()):
+            if fingerprint is None or mine[path] != fingerprint:
                 raise WorkerError(
                     f"rank {rank} of {self.size}: read {path} as another file than rank 0 "
                     "reads there: every rank must see the same checkpoint (one shared file "

@@ -194,4 +194,3 @@ def test_output_into_a_pipe_whose_reader_left_ends_quietly(args):
 def test_counts_read_as_english():
     """`wrote SHA256SUMS: 1 files`, `over 1 ranks (1 files)`."""
     assert [counted(count, "file") for count in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
-

@@ -312,6 +312,22 @@ def test_a_torch_save_file_with_two_records_of_one_name_is_refused(run_cli, tmp_
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("value, what", [
+    (torch.ones(4).to_sparse(), "a torch.sparse_coo tensor"),
+    (torch.eye(2).to_sparse_csr(), "a torch.sparse_csr tensor"),
+    (torch.ones(4).untyped_storage(), "a storage, not a tensor"),
+])
+def test_a_sparse_tensor_or_a_bare_storage_is_refused_by_name(run_cli, tmp_path, value, what):
+    """A sparse tensor failed as `internal error: NotImplementedError: Cannot access storage
+    of SparseTensorImpl`; a storage, as `cannot tell where the bytes of 'w' lie`."""
+    torch.save({"w": torch.ones(5), "nested": {"s": value}}, tmp_path / "model.pt")
+    result = run_cli("convert", tmp_path / "model.pt", "--to", "dcp", "-o", tmp_path / "o")
+    assert (result.exit_code, result.output) == (1, (
+        f"Error: {tmp_path / 'model.pt'}: 'nested.s' is {what}: dcpctl converts state dicts "
+        "of plain (strided) tensors\n"))
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_quantized_tensor_is_refused_as_one(run_cli, tmp_path):
     """It was refused as `cannot be loaded with weights_only=True (Could not run
     'aten::_empty_affine_quantized' ...)`, though torch.load(weights_only=True) loads it, with

@@ -88,20 +88,39 @@ def _by_worked_out_offset(path: Path, skeleton: Any, pickle_bytes: bytes, prefix
     the one before in the order the pickle first names them. The offsets it gives therefore
     rise in that order, which is the order of the storage keys in data.pkl: the n-th lowest is
     that of the n-th key, whose record is `<prefix>/data/<key>` wherever it lies (a file zipped
-    again by another tool, or whose records were renamed). Empty where the tensors reached do
-    not account for every storage (storage_file_offset then refuses each)."""
+    again by another tool, or whose records were renamed). Refused where the plain tensors
+    reached do not account for every storage (a sparse tensor's, a bare storage)."""
     try:
         keys = storage_keys_in_order(pickle_bytes)
     except Exception as error:  # noqa: BLE001 - torch's own (Python) unpickler took it
         raise UnsupportedLayoutError(f"its data.pkl does not read as torch's loader read it "
                                      f"({type(error).__name__}: {error})", path=path) from None
     offsets = sorted({getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
-                      for tensor in find_tensors(skeleton)} - {None})
+                      for tensor in find_tensors(skeleton) if tensor.layout == torch.strided}
+                     - {None})
     if len(offsets) != len(keys):
-        return {}
+        name, what = _first_not_plain(skeleton) or ("", "a storage no plain tensor holds")
+        raise UnsupportedLayoutError(f"{name!r} is {what}: dcpctl converts state dicts of "
+                                     "plain (strided) tensors", path=path)
     placed = {offset: storage_records.get(f"{prefix}/data/{key}")
               for offset, key in zip(offsets, keys)}
     return {offset: record for offset, record in placed.items() if record is not None}
+
+
+def _first_not_plain(value: Any, name: str = "") -> tuple[str, str] | None:
+    """The dotted name of the first value inside value's dicts, lists and tuples that holds a
+    storage but is not a plain tensor, and what it is."""
+    if isinstance(value, torch.Tensor):
+        return None if value.layout == torch.strided else (name, f"a {value.layout} tensor")
+    if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):
+        return name, "a storage, not a tensor"
+    members = (value.items() if isinstance(value, dict) else
+               enumerate(value) if isinstance(value, (list, tuple)) else ())
+    for key, member in members:
+        found = _first_not_plain(member, f"{name}.{key}" if name else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class _StandIn:

@@ -103,11 +103,11 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str,
         raise SelectionError(_nothing_selected(fqns, selection))
     for rename in selection.renames:
         if rename not in applied:  # a name mistyped, or the prefix stripped first
+            stripped = f", once --strip-prefix {strip_prefix!r} is off" if strip_prefix else ""
             raise SelectionError(
                 f"--rename {rename.pattern.pattern}={rename.replacement} matches none of the "
                 f"{len(names)} names taken (such as {selected[0].removeprefix(strip_prefix)!r}"
-                f", once --strip-prefix {strip_prefix!r} is off); leave it out, or match those "
-                "names")
+                f"{stripped}); leave it out, or match those names")
     return names
 
 

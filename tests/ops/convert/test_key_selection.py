@@ -81,6 +81,8 @@ def test_a_rename_that_matches_no_name_is_refused():
         r"--rename ^layers\.=model.layers. matches none of the 2 names taken (such as "
         r"'embed.weight', once --strip-prefix 'model.' is off); leave it out, or match those "
         "names")
+    with pytest.raises(SelectionError, match=r"\(such as 'model.embed.weight'\); leave it out"):
+        select_and_rename(TRAINING, KeySelection(renames=selection.renames))
     assert select_and_rename(["model.layers.0.w"], KeySelection(
         strip_prefix=None, renames=selection.renames)) == {"model.layers.0.w": "model.layers.0.w"}
 
