@@ -53,10 +53,12 @@ class DcpctlGroup(click.Group):
         try:
             return super().invoke(context)
         except click.NoSuchOption as error:
-            if error.option_name in _GROUP_OPTIONS:  # given after the command, not before it
+            group_options = {name for option in context.command.params for name in option.opts}
+            if error.option_name in group_options:  # given after the command, not before it
                 error.message = (f"{error.option_name} goes before the command, as in "
                                  f"`dcpctl {error.option_name} ... "
                                  f"{context.invoked_subcommand or 'COMMAND'} ...`")
+                error.possibilities = None  # click's guess at a command's own option
             raise
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
@@ -80,9 +82,6 @@ class DcpctlGroup(click.Group):
             raise
         click.echo(f"Error: {escape_control_characters(without_secrets(message))}", err=True)
         sys.exit(exit_code)
-
-
-_GROUP_OPTIONS = ("--storage-option", "--debug")
 
 
 def _stdout_reader_gone() -> bool:
