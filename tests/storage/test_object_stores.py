@@ -203,12 +203,11 @@ def test_an_upload_aborted_before_its_completion_is_said_so(rclone_s3, monkeypat
     rclone, which answers NoSuchUpload as S3 does; moto answers 500 InternalError.)"""
     for name, value in rclone_s3.environment().items():
         monkeypatch.setenv(name, value)
-    s3_server = rclone_s3
-    bucket = s3_server.new_bucket()
+    bucket = rclone_s3.new_bucket()
     path = storage_path(f"s3://{bucket}/out/__0_0.distcp")
     writer = path.store.open_writer(path.key, if_absent=True)
     writer.write(os.urandom(PART_BYTES + 100))
-    client = s3_server.client()
+    client = rclone_s3.client()
     complete = writer._complete
 
     def aborted_first() -> None:  # once every part is uploaded
@@ -502,7 +501,7 @@ def test_a_urls_scheme_is_read_in_any_case():
     assert storage_path("FILE:///tmp/ck") == Path("/tmp/ck")
 
 
-def test_a_store_client_failing_in_its_own_way_is_named_with_the_url(monkeypatch):
+def test_a_store_client_failing_in_its_own_way_is_named_with_the_url():
     """An fsspec store whose client raises errors of its own library (httpx's ConnectError
     under hf://) failed as `internal error: ConnectError`, naming no URL."""
     import fsspec
