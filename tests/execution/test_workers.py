@@ -323,31 +323,6 @@ def test_a_failing_rank_fails_the_torchrun_job_naming_it(copy_fixture, tmp_path,
     assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
 
 
-@pytest.mark.slow
-def test_ranks_started_with_different_commands_do_nothing_and_say_so(tmp_path):
-    """torchrun starts the same command on every rank, but a launcher script per node may
-    not: a rank whose command line is not rank 0's would do its share of rank 0's command."""
-    import socket
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        port = listener.getsockname()[1]
-    ranks = []
-    for rank, output in enumerate([tmp_path / "out", tmp_path / "other"]):
-        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                       "TORCHELASTIC_RUN_ID": "different-commands"}
-        ranks.append(subprocess.Popen(
-            [sys.executable, "-m", "dcpctl", "compress", str(fixture_path(SOURCE)), "-o",
-             str(output)], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
-    results = [(process.wait(timeout=300), process.stderr.read()) for process in ranks]
-    assert [code for code, _ in results] == [2, 2], results
-    assert "rank 1 of 2 was started as `dcpctl compress" in results[0][1]
-    assert str(tmp_path / "other") in results[0][1]
-    assert list(tmp_path.iterdir()) == []
-
-
 def _start_ranks(commands: list[tuple[list[str], Path]], run_id: str) -> list:
     """Ranks of a 2-rank torchrun job started by hand, each its command in its directory."""
     import socket
@@ -364,6 +339,19 @@ def _start_ranks(commands: list[tuple[list[str], Path]], run_id: str) -> list:
                                       env=environment, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     return [(process.wait(timeout=300), process.stderr.read()) for process in ranks]
+
+
+@pytest.mark.slow
+def test_ranks_started_with_different_commands_do_nothing_and_say_so(tmp_path):
+    """torchrun starts the same command on every rank, but a launcher script per node may
+    not: a rank whose command line is not rank 0's would do its share of rank 0's command."""
+    results = _start_ranks([(["compress", str(fixture_path(SOURCE)), "-o", str(output)], tmp_path)
+                            for output in (tmp_path / "out", tmp_path / "other")],
+                           "different-commands")
+    assert [code for code, _ in results] == [2, 2], results
+    assert "rank 1 of 2 was started as `dcpctl compress" in results[0][1]
+    assert str(tmp_path / "other") in results[0][1]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
