@@ -30,7 +30,8 @@ from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, Sh
                                    WorkerError, describe_failure, packed, run_share_of)
 from dcpctl.execution.parent_death import die_with_parent
 from dcpctl.failpoints import arm_in_worker
-from dcpctl.format.metadata.reading import metadata_fingerprints, metadata_read
+from dcpctl.format.checkpoint.checksums import metadata_fingerprints
+from dcpctl.format.metadata.reading import metadata_read
 
 _POLL_SECONDS = 0.05
 _PROGRESS_SECONDS = 0.5

@@ -9,7 +9,7 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from dcpctl.errors import DataError
+from dcpctl.errors import DataError, DcpctlError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.side_files import files_beside_data
@@ -36,6 +36,20 @@ def sha256_of_file(path: StoragePath, on_progress: Callable[[int], None] | None 
             if on_progress is not None:
                 on_progress(len(piece))
     return digest.hexdigest()
+
+
+def metadata_fingerprints(paths: Iterable[str]) -> dict[str, str | None]:
+    """The SHA-256 of each `.metadata` at paths (as metadata_read gives them), as this process
+    reads it now; None where it cannot be read. Processes on other machines that share a job
+    compare them: a path read as another file there (a node's own copy, another working
+    directory) would have them plan from another checkpoint."""
+    fingerprints: dict[str, str | None] = {}
+    for path in paths:
+        try:
+            fingerprints[path] = sha256_of_file(storage_path(path))
+        except (OSError, DcpctlError):
+            fingerprints[path] = None
+    return fingerprints
 
 
 def sha256_of_files(directory: StoragePath, names: Iterable[str], threads: int,

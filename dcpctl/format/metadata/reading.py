@@ -8,17 +8,16 @@ Writing them back is writing.py's job.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import pickle
 import sys
 import threading
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.errors import DcpctlError, MetadataError, UnsafeMetadataError
+from dcpctl.errors import MetadataError, UnsafeMetadataError
 from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.format.metadata.records import (MEMORY_FORMAT_CODES, TORCH_LAYOUTS, BytesMetadata,
@@ -302,17 +301,3 @@ _metadata_read: set[str] = set()
 def metadata_read() -> list[str]:
     """Every `.metadata` this process has read with read_metadata, by path or URL as given."""
     return sorted(_metadata_read)
-
-
-def metadata_fingerprints(paths: Iterable[str]) -> dict[str, str | None]:
-    """The SHA-256 of each `.metadata` at paths (as metadata_read gives them), as this process
-    reads it now; None where it cannot be read. Processes on other machines that share a job
-    compare them: a path read as another file there (a node's own copy, another working
-    directory) would have them plan from another checkpoint."""
-    fingerprints: dict[str, str | None] = {}
-    for path in paths:
-        try:
-            fingerprints[path] = hashlib.sha256(read_whole(storage_path(path))).hexdigest()
-        except (OSError, DcpctlError):
-            fingerprints[path] = None
-    return fingerprints
