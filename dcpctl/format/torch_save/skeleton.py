@@ -99,7 +99,7 @@ def _by_worked_out_offset(path: Path, skeleton: Any, pickle_bytes: bytes, prefix
                       for tensor in find_tensors(skeleton) if tensor.layout == torch.strided}
                      - {None})
     if len(offsets) != len(keys):
-        name, what = _first_not_plain(skeleton) or ("", "a storage no plain tensor holds")
+        name, what = _first_not_plain(skeleton)
         raise UnsupportedLayoutError(f"{name!r} is {what}: dcpctl converts state dicts of "
                                      "plain (strided) tensors", path=path)
     placed = {offset: storage_records.get(f"{prefix}/data/{key}")
@@ -107,20 +107,15 @@ def _by_worked_out_offset(path: Path, skeleton: Any, pickle_bytes: bytes, prefix
     return {offset: record for offset, record in placed.items() if record is not None}
 
 
-def _first_not_plain(value: Any, name: str = "") -> tuple[str, str] | None:
-    """The dotted name of the first value inside value's dicts, lists and tuples that holds a
-    storage but is not a plain tensor, and what it is."""
-    if isinstance(value, torch.Tensor):
-        return None if value.layout == torch.strided else (name, f"a {value.layout} tensor")
-    if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):
-        return name, "a storage, not a tensor"
-    members = (value.items() if isinstance(value, dict) else
-               enumerate(value) if isinstance(value, (list, tuple)) else ())
-    for key, member in members:
-        found = _first_not_plain(member, f"{name}.{key}" if name else str(key))
-        if found is not None:
-            return found
-    return None
+def _first_not_plain(value: Any) -> tuple[str, str]:
+    """The dotted name of the first tensor or storage inside value that is not a plain
+    tensor, and what it is."""
+    for name, holder in _named_storage_holders(value):
+        if not isinstance(holder, torch.Tensor):
+            return name, "a storage, not a tensor"
+        if holder.layout != torch.strided:
+            return name, f"a {holder.layout} tensor"
+    return "", "a storage no plain tensor holds"
 
 
 class _StandIn:
@@ -201,14 +196,19 @@ def storage_file_offset(path: Path, name: str, placeholder: torch.Tensor,
 
 def find_tensors(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside value's dicts, lists and tuples."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from find_tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from find_tensors(item)
+    return (found for _, found in _named_storage_holders(value)
+            if isinstance(found, torch.Tensor))
+
+
+def _named_storage_holders(value: Any, name: str = "") -> Iterator[tuple[str, Any]]:
+    """Every tensor and bare storage inside value's dicts, lists and tuples, with its dotted
+    name there."""
+    if isinstance(value, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+        yield name, value
+    elif isinstance(value, (dict, list, tuple)):
+        members = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, member in members:
+            yield from _named_storage_holders(member, f"{name}.{key}" if name else str(key))
 
 
 def refuse_tensors_in_object(path: Path, fqn: str, value: Any) -> None:
