@@ -184,14 +184,15 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
         raise IncompleteCheckpointError(
             f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
             "running, or one that died before finishing)", path=directory)
-    hf_files = hf_storage_files(names())
+    listed = list(names())
+    hf_files = hf_storage_files(listed)
     if hf_files:
         return hf_files
     if holds(HF_INDEX_FILE_NAME):
         raise DataError(f"holds {HF_INDEX_FILE_NAME} of a Hugging Face safetensors checkpoint "
                         "but no .safetensors file beside it", path=directory)
     refuse_unconsolidated_save(directory, f"not a DCP checkpoint: no {METADATA_FILE_NAME}")
-    below = sorted(name for name in {name.partition("/")[0] for name in names()}
+    below = sorted(name for name in {name.partition("/")[0] for name in listed}
                    if holds(f"{name}/{METADATA_FILE_NAME}"))
     hint = (f"; it holds checkpoints ({', '.join(below[:3])}{', ...' if len(below) > 3 else ''})"
             ": give one of them, or list them with `dcpctl ls`" if below else "")
