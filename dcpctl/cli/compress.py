@@ -119,7 +119,8 @@ def render_transcode_report(report: TranscodeReport) -> str:
         return "\n".join(lines)
     where = "in place" if report.in_place else f"into {report.output}"
     verb = "would rewrite" if report.dry_run else "rewrote"
-    lines = [f"{report.source}: {verb} {report.items} items {where} as {report.codec}"
+    encoding = "uncompressed" if report.codec == IDENTITY.name else f"as {report.codec}"
+    lines = [f"{report.source}: {verb} {report.items} items {where} {encoding}"
              + (f" level {report.level}" if report.level else "")
              + f" ({report.items_transcoded} re-encoded, {report.items_copied} copied)"]
     if report.dry_run:
