@@ -43,6 +43,7 @@ def storage_path(text: str | os.PathLike | ObjectPath) -> StoragePath:
     text = os.fspath(text)
     match = _URL.match(text)
     if match is None:
+        _refuse_a_url_short_of_slashes(text)
         return Path(_not_empty(text, text))
     protocol = match.group("protocol").lower()
     text = f"{protocol}://{text[match.end():]}"  # S3://b is s3://b, for fsspec's parsing too
@@ -84,6 +85,26 @@ def _not_empty(path: str, given: str) -> str:
         raise InvalidOptionError("names nothing: an empty path is not taken for the working "
                                  "directory (give `.` for that)", path=given or "''")
     return path
+
+
+_SHORT_OF_SLASHES = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]+):/?(?P<rest>(?!/).*)$")
+
+
+def _refuse_a_url_short_of_slashes(text: str) -> None:
+    """`s3:/bucket/x` or `s3:bucket/x` is a URL with a slash lost, not a local directory
+    `s3:` to read or create, unless there is one."""
+    match = _SHORT_OF_SLASHES.match(text)
+    if match is None or os.path.lexists(text.split("/", 1)[0]):
+        return
+    protocol = match.group("protocol").lower()
+    try:
+        known_protocols = importlib.import_module("fsspec.registry").known_implementations
+    except ImportError:  # torch brings fsspec; without it no URL is read either
+        return
+    if protocol not in known_protocols:
+        return
+    raise InvalidOptionError(f"is no URL (its scheme wants two slashes) and no local path: "
+                             f"give {protocol}://{match.group('rest')}", path=text)
 
 
 def _settings_in_url(protocol: str, text: str) -> dict:

@@ -54,6 +54,35 @@ def test_an_empty_path_is_refused_never_taken_for_the_working_directory(
     assert directory_state(tmp_path) == before
 
 
+@pytest.mark.parametrize("given, meant", [
+    ("s3:/bucket/run", "s3://bucket/run"), ("S3:bucket/run", "s3://bucket/run"),
+    ("gs:/bucket", "gs://bucket"), ("memory:/x/y", "memory://x/y")])
+def test_a_url_short_of_a_slash_is_refused_with_the_url_meant(copy_fixture, tmp_path, given,
+                                                              meant):
+    """`-o s3:/bucket/run` wrote a local directory `s3:` in the working directory, and
+    `ls s3:/bucket/run` said only `no such directory`."""
+    from conftest import run_dcpctl
+
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    before = directory_state(tmp_path)
+    for args in (["compress", str(checkpoint), "-o", given], ["ls", given]):
+        result = run_dcpctl(*args, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == (f"Error: {given}: is no URL (its scheme wants two slashes) and "
+                                 f"no local path: give {meant}\n")
+    assert directory_state(tmp_path) == before
+
+
+def test_a_local_directory_named_like_a_scheme_is_still_read(copy_fixture, tmp_path):
+    from conftest import run_dcpctl
+
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+    (tmp_path / "s3:").mkdir()
+    checkpoint.rename(tmp_path / "s3:" / "step-1")
+    result = run_dcpctl("inspect", "s3:/step-1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize("option", [["--storage-option", "anon=true"], ["--debug"]])
 def test_an_option_of_dcpctl_itself_given_after_the_command_says_where_it_goes(
         run_cli, tmp_path, option):
