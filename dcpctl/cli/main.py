@@ -12,7 +12,7 @@ import click
 
 from dcpctl.allocator import reuse_large_buffers
 from dcpctl.cli.process import RUNS_AS_PROCESS
-from dcpctl.cli.render import escape_control_characters
+from dcpctl.cli.render import escape_control_characters, print_failure
 from dcpctl.cycle_collector import freeze_built_objects_on_resume
 from dcpctl.errors import DcpctlError, describe_os_error
 from dcpctl.ops.distributed import join_torchrun, launched_by_torchrun
@@ -80,7 +80,7 @@ class DcpctlGroup(click.Group):
     def _fail(context: click.Context, message: str, exit_code: int):
         if context.obj and context.obj.get("debug"):
             raise
-        click.echo(f"Error: {escape_control_characters(without_secrets(message))}", err=True)
+        print_failure(context, without_secrets(message), exit_code)
         sys.exit(exit_code)
 
 

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import click
 
+from dcpctl.cli.render import JSON_ASKED
 from dcpctl.ops.distributed import REMOTE_THREADS, default_workers
 
-json_option = click.option("--json", "as_json", is_flag=True,
-                           help="Print the report as one JSON document instead of text.")
+
+def _remember_json(context: click.Context, parameter: click.Parameter, as_json: bool) -> bool:
+    """--json, noted in the context object, where a failure's message finds it."""
+    context.ensure_object(dict)[JSON_ASKED] = as_json
+    return as_json
+
+
+json_option = click.option("--json", "as_json", is_flag=True, callback=_remember_json,
+                           help="Print the report as one JSON document instead of text; "
+                                "a failure that leaves no report prints {\"error\": MESSAGE, "
+                                "\"exit_code\": N} instead (its Error: line still on stderr).")
 # Past these, a typo (`--workers 100000`) would start a process or thread per unit of it.
 MAX_WORKERS = MAX_THREADS = 1024
 threads_option = click.option(

@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
+import click
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 # C0 and C1 control characters, DEL, and the lone surrogates that stand for undecodable bytes
 # in file names: each shown as \\xNN.
@@ -76,10 +78,19 @@ def _escaped_cells(cells: list[str]) -> list[str]:
     return list(map(escape_control_characters, cells))
 
 
+# Keys in click's context object: whether the command was given --json, and whether it
+# printed its report (a failure after the report, as prune's, is told on stderr alone).
+JSON_ASKED = "json_asked"
+REPORT_PRINTED = "report_printed"
+
+
 def print_report(report: Any, as_json: bool, render_text: Callable[[Any], str]) -> None:
     """Print a command's report on stdout: one compact JSON document (the report's own
     `to_json_text()` where it writes one, else `to_json()`), or render_text(report) for
     people."""
+    context = click.get_current_context(silent=True)
+    if context is not None:
+        context.ensure_object(dict)[REPORT_PRINTED] = True
     if as_json:
         to_json_text = getattr(report, "to_json_text", None)
         # json.dumps encodes in C; json.dump to a stream takes the pure-Python path, 5x slower.
@@ -90,3 +101,14 @@ def print_report(report: Any, as_json: bool, render_text: Callable[[Any], str]) 
     sys.stdout.write(text)
     sys.stdout.write("\n")
     sys.stdout.flush()
+
+
+def print_failure(context: click.Context, message: str, exit_code: int) -> None:
+    """A command's failure: `Error: message` on stderr and, where --json was asked and no
+    report came out, `{"error": message, "exit_code": N}` on stdout, so that a script reading
+    stdout gets one JSON document either way."""
+    click.echo(f"Error: {escape_control_characters(message)}", err=True)
+    asked = context.obj or {}
+    if asked.get(JSON_ASKED) and not asked.get(REPORT_PRINTED):
+        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code}) + "\n")
+        sys.stdout.flush()

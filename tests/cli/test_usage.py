@@ -91,3 +91,25 @@ def test_an_option_of_dcpctl_itself_given_after_the_command_says_where_it_goes(
     assert result.exit_code == 2
     assert result.output.endswith(f"Error: {option[0]} goes before the command, as in "
                                   f"`dcpctl {option[0]} ... ls ...`\n")
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect", "{missing}", "--json"],
+    ["verify", "{missing}", "--json"],
+    ["ls", "{missing}", "--json"],
+    ["compress", "{missing}", "-o", "{out}", "--json"],
+    ["convert", "{missing}", "--to", "safetensors", "-o", "{out}", "--json"],
+])
+def test_a_failure_under_json_prints_one_json_document_naming_it(tmp_path, args):
+    """`dcpctl inspect CKPT --json | jq ...` got nothing on stdout when the command failed:
+    the script saw empty input, not the failure."""
+    import json
+
+    from conftest import run_dcpctl
+
+    result = run_dcpctl(*(arg.format(missing=tmp_path / "gone", out=tmp_path / "out")
+                          for arg in args))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"Error: {tmp_path / 'gone'}: no such ")
+    message = result.stderr.removeprefix("Error: ").removesuffix("\n")
+    assert json.loads(result.stdout) == {"error": message, "exit_code": 1}
