@@ -8,7 +8,7 @@ from dcpctl.cli.options import (checkpoint_argument, dry_run_option, json_option
                                 overwrite_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.cli.render import counted, format_bytes, print_report
 from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
                                   MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, ZSTD, TranscodeReport,
                                   compress_checkpoint, decompress_checkpoint)
@@ -120,7 +120,7 @@ def render_transcode_report(report: TranscodeReport) -> str:
     where = "in place" if report.in_place else f"into {report.output}"
     verb = "would rewrite" if report.dry_run else "rewrote"
     encoding = "uncompressed" if report.codec == IDENTITY.name else f"as {report.codec}"
-    lines = [f"{report.source}: {verb} {report.items} items {where} {encoding}"
+    lines = [f"{report.source}: {verb} {counted(report.items, 'item')} {where} {encoding}"
              + (f" level {report.level}" if report.level else "")
              + f" ({report.items_transcoded} re-encoded, {report.items_copied} copied)"]
     if report.dry_run:

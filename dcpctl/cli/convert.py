@@ -154,18 +154,19 @@ def render_convert_report(report: ConvertReport) -> str:
     objects = f" and {report.objects} objects" if report.objects else ""
     layout = f" for {counted(report.ranks, 'rank')}" if report.ranks else ""
     workers = f" ({report.workers} workers)" if report.workers > 1 else ""
-    lines = [f"{report.source}: wrote {report.tensors} tensors "
+    lines = [f"{report.source}: wrote {counted(report.tensors, 'tensor')} "
              f"({format_bytes(report.tensor_bytes)}){objects} as {report.target_format}"
              f"{layout} to {report.output} in {report.seconds:.1f} s{workers}"]
     if report.cast_to:
         lines.append(f"floating-point tensors cast to {report.cast_to}")
     left_out = []
     if report.tensors_left_out:
-        left_out.append(f"{report.tensors_left_out} tensors not selected")
+        left_out.append(f"{counted(report.tensors_left_out, 'tensor')} not selected")
     if report.objects_left_out:
         why = " (safetensors holds tensors only)" if report.target_format == "safetensors" \
             else " not selected"
-        left_out.append(f"{report.objects_left_out} non-tensor entries{why}")
+        entries = counted(report.objects_left_out, "non-tensor entry", "non-tensor entries")
+        left_out.append(entries + why)
     if left_out:
         lines.append("left out: " + "; ".join(left_out))
     rows = [(written.name, written.tensors, format_bytes(written.size_bytes))

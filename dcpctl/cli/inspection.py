@@ -8,7 +8,7 @@ import click
 
 from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.process import end_process_without_teardown
-from dcpctl.cli.render import format_bytes, format_table, print_report
+from dcpctl.cli.render import counted, format_bytes, format_table, print_report
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.ops.inspection.report import InspectReport, inspect_checkpoint
 
@@ -78,7 +78,7 @@ def render_summary(report: InspectReport) -> str:
                    f"(stored/logical {_ratio(report.stored_bytes, report.nbytes)})"),
         ("by dtype", sizes(report.nbytes_by_dtype)),
         ("by key", sizes(report.nbytes_by_top_level_key, report.stored_bytes_by_top_level_key)),
-        ("compression", ", ".join(f"{codec} ({count} items)"
+        ("compression", ", ".join(f"{codec} ({counted(count, 'item')})"
                                   for codec, count in report.compression.items()) or "-"),
         ("files", f"{len(report.files)}, {format_bytes(file_bytes)}"),
     ]

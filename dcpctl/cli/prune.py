@@ -8,7 +8,7 @@ import click
 
 from dcpctl.cli.ls import CHECKPOINT_HEADERS, checkpoint_cells, render_ignored
 from dcpctl.cli.options import checkpoint_argument, dry_run_option, json_option
-from dcpctl.cli.render import format_bytes, format_table, print_report
+from dcpctl.cli.render import counted, format_bytes, format_table, print_report
 from dcpctl.errors import PartialFailureError
 from dcpctl.ops.runs.prune import DELETED, FAILED, PruneReport, RetentionRules, prune_run_directory
 
@@ -123,9 +123,9 @@ def render_prune(report: PruneReport) -> str:
     lines += render_ignored(report.ignored)
     planned = len(report.to_delete)
     if report.dry_run:
-        lines.append(f"dry run: would delete {planned} checkpoints, freeing "
+        lines.append(f"dry run: would delete {counted(planned, 'checkpoint')}, freeing "
                      f"{format_bytes(report.delete_bytes)}; nothing was changed")
     else:
-        lines.append(f"deleted {len(report.with_status(DELETED))} of {planned} checkpoints, "
-                     f"freed {format_bytes(report.freed_bytes)}")
+        lines.append(f"deleted {len(report.with_status(DELETED))} of "
+                     f"{counted(planned, 'checkpoint')}, freed {format_bytes(report.freed_bytes)}")
     return "\n".join(lines)

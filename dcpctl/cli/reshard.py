@@ -91,9 +91,9 @@ def reshard_command(checkpoint: str, world_size: int | None, mesh_text: str | No
 def render_reshard_report(report: ReshardReport) -> str:
     """What a reshard did, for people."""
     rate = report.logical_bytes / report.seconds if report.seconds else 0
-    lines = [f"{report.source} -> {report.output}: {report.tensors} tensors in "
-             f"{report.chunks_written} chunks and {report.objects} objects over "
-             f"{counted(report.world_size, 'rank')} ({counted(report.files, 'file')}), codec "
+    lines = [f"{report.source} -> {report.output}: {counted(report.tensors, 'tensor')} in "
+             f"{counted(report.chunks_written, 'chunk')} and {counted(report.objects, 'object')}"
+             f" over {counted(report.world_size, 'rank')} ({counted(report.files, 'file')}), codec "
              f"{report.codec}"
              + (f", mesh {report.mesh}" if report.mesh else ""),
              f"wrote {format_bytes(report.stored_bytes_after)} in {report.seconds:.1f} s "

@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import escape_control_characters, format_bytes, print_report
+from dcpctl.cli.render import counted, escape_control_characters, format_bytes, print_report
 from dcpctl.ops.verify.verifier import Problem, VerifyReport, verify_checkpoint
 
 _FQNS_SHOWN = 3
@@ -54,9 +54,9 @@ def render_report(report: VerifyReport) -> str:
     """A summary of the checks made, then each problem on two lines."""
     checks = ["structure"]
     if report.checksummed_files is not None:
-        checks.append(f"checksums ({report.checksummed_files} files in SHA256SUMS)")
+        checks.append(f"checksums ({counted(report.checksummed_files, 'file')} in SHA256SUMS)")
     if report.deep:
-        checks.append(f"deep ({report.items_checked} items)")
+        checks.append(f"deep ({counted(report.items_checked, 'item')})")
     status = report.status
     if report.problems:
         status += f": {len(report.problems)} problem{'s' * (len(report.problems) != 1)}"

@@ -194,3 +194,22 @@ def test_output_into_a_pipe_whose_reader_left_ends_quietly(args):
 def test_counts_read_as_english():
     """`wrote SHA256SUMS: 1 files`, `over 1 ranks (1 files)`."""
     assert [counted(count, "file") for count in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+    assert counted(1, "entry", "entries") == "1 entry"
+    assert counted(3, "entry", "entries") == "3 entries"
+
+
+def test_a_report_of_one_file_or_item_reads_as_english(run_cli, tmp_path):
+    """`checks structure, checksums (1 files in SHA256SUMS)`, `wrote 1 tensors`."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    result = run_cli("convert", tmp_path / "model.safetensors", "--to", "dcp",
+                     "-o", tmp_path / "dcp")
+    assert result.exit_code == 0, result.output
+    assert "wrote 1 tensor " in result.output
+    assert run_cli("checksum", tmp_path / "dcp").exit_code == 0
+    result = run_cli("verify", tmp_path / "dcp")
+    assert "checksums (2 files in SHA256SUMS), deep (1 item)" in result.output, result.output
+    result = run_cli("compress", tmp_path / "dcp", "--dry-run")
+    assert "would rewrite 1 item in place" in result.output, result.output

@@ -101,12 +101,14 @@ def test_the_run_directory_above_checkpoints_is_no_incomplete_checkpoint(run_cli
     checkpoints, and of an empty one; it is not a checkpoint, and says which it holds."""
     copy_fixture("mesh2d_4ranks").rename(tmp_path / "step-100")
     (tmp_path / "empty").mkdir()
+    message = (f"{tmp_path}: not a DCP checkpoint: no .metadata; it holds checkpoints "
+               "(step-100): give one of them, or list them with `dcpctl ls`")
     for flags in ([], ["--json"]):
         result = run_cli("verify", tmp_path, *flags)
         assert result.exit_code == 1
-        assert result.output == (f"Error: {tmp_path}: not a DCP checkpoint: no .metadata; it "
-                                 "holds checkpoints (step-100): give one of them, or list them "
-                                 "with `dcpctl ls`\n")
+        assert result.stderr == f"Error: {message}\n"
+        assert result.stdout == ('{"error": ' + json.dumps(message) + ', "exit_code": 1}\n'
+                                 if flags else "")
     result = run_cli("verify", tmp_path / "empty")
     assert (result.exit_code, result.output) == (
         1, f"Error: {tmp_path / 'empty'}: not a DCP checkpoint: no .metadata\n")
