@@ -20,9 +20,11 @@ CHECKPOINT_HEADERS = ("STEP", "CHECKPOINT", "STATE", "SIZE", "AGE")
 def ls_command(run_dir: str, as_json: bool) -> None:
     """List the checkpoint directories directly under RUN_DIR, sorted by step.
 
-    A checkpoint directory is named by an optional word, an optional `-` or `_`, then the step
-    and nothing after it: step-1000, step_2000, checkpoint-3000, global_step4000, 5000.
-    Names that only look like steps (old-step-3-bak, step-3.tmp) are not checkpoints. It is
+    A checkpoint directory is named by a word trainers name checkpoints by (step, steps,
+    global_step, checkpoint, checkpoints, ckpt, iter, iteration, epoch, dist_epoch; any case),
+    an optional `-` or `_`, then the step and nothing after it, or by the step alone:
+    step-1000, step_2000, checkpoint-3000, global_step4000, iter_0000100, 5000. Other names
+    (llama3, ckpt_v2, old-step-3-bak, step-3.tmp) are not checkpoints. It is
     complete when it holds `.metadata` (torch writes it last) and incomplete when it holds
     only data files, `.metadata.tmp`, or nothing yet: a save in progress or one that died.
 

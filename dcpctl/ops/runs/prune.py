@@ -25,13 +25,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
-from dcpctl.errors import DcpctlError, InvalidOptionError, UnsafePathError, describe_os_error
+from dcpctl.errors import (DcpctlError, InvalidOptionError, UnsafePathError,
+                           UnsupportedLayoutError, describe_os_error)
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.quick_check import quick_check
-from dcpctl.ops.runs.scan import (CheckpointEntry, IgnoredEntry, changed_since_scanned,
-                                  check_run_directory, scan_run_directory)
+from dcpctl.ops.runs.scan import (EPOCHS, STEPS, CheckpointEntry, IgnoredEntry,
+                                  changed_since_scanned, check_run_directory, numbered_by,
+                                  scan_run_directory)
 from dcpctl.storage.local import empty_directory, open_directory_at
 from dcpctl.storage.locks import lock_descriptor, locked_directory
 from dcpctl.storage.objects import ObjectPath
@@ -227,6 +229,7 @@ def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
 
 def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> PruneReport:
     scan = scan_run_directory(directory)
+    _refuse_mixed_numbering(directory, scan.checkpoints)
     report = PruneReport(str(directory), rules, dry_run,
                          plan_prune(scan.checkpoints, rules, scan.tracked_step,
                                     damaged_checkpoints(scan.checkpoints)), scan.ignored,
@@ -234,6 +237,20 @@ def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> Pr
     for decision in report.to_delete:
         decision.status = WOULD_DELETE
     return report
+
+
+def _refuse_mixed_numbering(directory: StoragePath, checkpoints: list[CheckpointEntry]) -> None:
+    """Checkpoints numbered by epoch (dist_epoch_2) beside ones numbered by step (step-100)
+    have no order: epoch 2 is not older than step 100."""
+    by_numbering: dict[str, list[str]] = {}
+    for entry in checkpoints:
+        by_numbering.setdefault(numbered_by(entry.name), []).append(entry.name)
+    if len(by_numbering) > 1:
+        raise UnsupportedLayoutError(
+            f"numbers some checkpoints by epoch ({', '.join(by_numbering[EPOCHS][:3])}) and "
+            f"others by step ({', '.join(by_numbering[STEPS][:3])}): prune cannot tell which "
+            "are the newest, so it deletes nothing; keep each numbering in a run directory of "
+            "its own", path=directory)
 
 
 def _carry_out(decision: PruneDecision, delete: Callable[[], None]) -> None:

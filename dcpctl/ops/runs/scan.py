@@ -21,17 +21,33 @@ from dcpctl.ops.runs.layouts import (MEGATRON_TRACKER, MEGATRON_TRACKER_MAX_BYTE
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
 from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
 
-# A checkpoint name is an optional word (letters, words joined by `_`), an optional `-` or `_`,
-# then the step, and nothing after it: step-1000, step_2000, checkpoint-3000, global_step4000,
-# 5000. A `-` inside the word or anything after the number (old-step-3-bak, step-3.tmp) means
-# the name only looks like a step, so the entry is none of our business.
-_CHECKPOINT_NAME = re.compile(r"(?:[A-Za-z]+(?:_[A-Za-z]+)*[-_]?)?([0-9]+)")
+# A checkpoint directory is named by a word trainers name one by (torchtitan's step-1000,
+# step_2000, the HF Trainer's checkpoint-3000, accelerate's checkpoint_3, DeepSpeed's
+# global_step4000, Megatron's iter_0000100, torchtune's dist_epoch_3), an optional `-` or `_`,
+# then the number and nothing after it; or by the number alone (5000). Any other name is none
+# of our business, whatever it holds: llama3 or ckpt_v2 (a model's or a version's number, the
+# user's own weights), old-step-3-bak, step-3.tmp.
+_STEP_WORDS = ("step", "steps", "global_step", "checkpoint", "checkpoints", "ckpt", "iter",
+               "iteration")
+_EPOCH_WORDS = ("epoch", "dist_epoch")
+_CHECKPOINT_NAME = re.compile(
+    rf"(?:(?P<word>{'|'.join(_STEP_WORDS + _EPOCH_WORDS)})[-_]?)?(?P<number>[0-9]+)",
+    re.IGNORECASE)
+STEPS, EPOCHS = "steps", "epochs"
 
 
 def parse_step(name: str) -> int | None:
     """The step a checkpoint directory name stands for (its whole trailing number), or None."""
     match = _CHECKPOINT_NAME.fullmatch(name)
-    return int(match.group(1)) if match else None
+    return int(match.group("number")) if match else None
+
+
+def numbered_by(name: str) -> str:
+    """What a checkpoint directory name's number counts: EPOCHS (torchtune's epoch_3,
+    dist_epoch_3) or STEPS (every other name)."""
+    match = _CHECKPOINT_NAME.fullmatch(name)
+    word = (match.group("word") or "").lower() if match else ""
+    return EPOCHS if word in _EPOCH_WORDS else STEPS
 
 
 @dataclass

@@ -17,7 +17,8 @@ HOUR = 3600
 @pytest.mark.parametrize("name, step", [
     ("step-1000", 1000), ("step_2000", 2000), ("checkpoint-3000", 3000),
     ("global_step4000", 4000), ("5000", 5000), ("step-0100", 100), ("Step-7", 7),
-    ("iter_0000123456", 123456),
+    ("iter_0000123456", 123456), ("dist_epoch_3", 3), ("epoch_2", 2), ("ckpt-5", 5),
+    ("iteration_7", 7), ("steps_9", 9), ("checkpoint_0", 0), ("CHECKPOINT-11", 11),
 ])
 def test_every_name_style_gives_the_whole_trailing_number(name, step):
     assert parse_step(name) == step
@@ -26,6 +27,7 @@ def test_every_name_style_gives_the_whole_trailing_number(name, step):
 @pytest.mark.parametrize("name", [
     "old-step-3-bak", "old-step-3", "step-3-bak", "step-3.tmp", "step-3.bak", ".step-3",
     "step--3", "step-", "step", "3a", "step 3", "", "ckpt-v2-100", "step-\u0663", "_3",
+    "llama3", "gpt2", "ckpt_v2", "seed_1", "model_100", "run-5", "trial_3", "stepx3",
 ])
 def test_names_that_only_look_like_steps_are_not_checkpoints(name):
     assert parse_step(name) is None

@@ -7,7 +7,8 @@ import os
 import pytest
 from conftest import add_checkpoint, back_date, fail_deletion_part_way, tree_listing
 
-from dcpctl.errors import InvalidOptionError, LockHeldError, UnsafePathError
+from dcpctl.errors import (InvalidOptionError, LockHeldError, UnsafePathError,
+                           UnsupportedLayoutError)
 from dcpctl.ops.runs.prune import RetentionRules, delete_checkpoint_directory, prune_run_directory
 from dcpctl.ops.runs.scan import scan_run_directory
 
@@ -263,19 +264,49 @@ def test_a_metadata_that_does_not_read_is_damaged_too(tmp_path):
 
 
 def test_a_nested_run_named_like_a_step_is_never_deleted(tmp_path):
-    """seed_1/ holds checkpoints of its own (step-100/, step-200/) and the user's files: it
-    is named like step 1, but it is not an accelerate checkpoint, whose parts are
+    """checkpoint_1/ holds checkpoints of its own (step-100/, step-200/) and the user's files:
+    it is named like step 1, but it is not an accelerate checkpoint, whose parts are
     pytorch_model_fsdp_<i>/ and optimizer_<i>/, so it is no checkpoint of this run."""
     run_dir = _run_dir(tmp_path, [300])
-    nested = run_dir / "seed_1"
+    nested = run_dir / "checkpoint_1"
     for step in (100, 200):
         add_checkpoint(nested, f"step-{step}")
     (nested / "config.yaml").write_text("lr: 3e-4")
     before = tree_listing(nested)
     report = _prune(run_dir, keep_last=1)
     assert _deleted(report) == [] and tree_listing(nested) == before
-    assert [entry.name for entry in report.ignored] == ["seed_1"]
+    assert [entry.name for entry in report.ignored] == ["checkpoint_1"]
     assert "not the parts of an accelerate checkpoint" in report.ignored[0].reason
+
+
+@pytest.mark.parametrize("name", ["llama3", "gpt2", "ckpt_v2", "seed_1"])
+def test_a_users_checkpoint_whose_name_ends_in_a_number_is_never_deleted(tmp_path, name):
+    """llama3/, a DCP checkpoint of the base weights beside the run's step-100/ and step-200/,
+    was taken for step 3 and deleted by --keep-last 1, as were gpt2/, ckpt_v2/ and seed_1/."""
+    run_dir = _run_dir(tmp_path, [100, 200])
+    add_checkpoint(run_dir, name, age_seconds=30 * DAY)
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == ["step-100"]
+    assert _remaining(run_dir) == sorted([name, "step-200"])
+
+
+def test_checkpoints_numbered_by_epoch_and_by_step_are_refused_together(tmp_path):
+    """dist_epoch_2/ (torchtune's newest) was deleted as older than step-100/: epochs and
+    steps have no common order."""
+    run_dir = _run_dir(tmp_path, [100])
+    for epoch in (1, 2):
+        add_checkpoint(run_dir, f"dist_epoch_{epoch}")
+    before = tree_listing(run_dir)
+    for dry_run in (True, False):
+        with pytest.raises(UnsupportedLayoutError) as raised:
+            _prune(run_dir, dry_run=dry_run, keep_last=1)
+        assert str(raised.value) == (
+            f"{run_dir}: numbers some checkpoints by epoch (dist_epoch_1, dist_epoch_2) and "
+            "others by step (step-100): prune cannot tell which are the newest, so it deletes "
+            "nothing; keep each numbering in a run directory of its own")
+    assert tree_listing(run_dir) == before
+    assert [entry.name for entry in scan_run_directory(run_dir).checkpoints] == [
+        "dist_epoch_1", "dist_epoch_2", "step-100"]  # ls lists them all
 
 
 def test_a_checkpoint_that_holds_checkpoints_below_its_own_metadata_is_never_deleted(tmp_path):
