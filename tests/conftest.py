@@ -224,9 +224,10 @@ ACCELERATE_PARTS = ("optimizer_0", "pytorch_model_fsdp_0")
 
 
 def add_accelerate_checkpoint(run_dir, name, parts_complete=(True, True), rng_states=True,
-                              age_seconds=30 * 86400):
+                              custom_objects=0, age_seconds=30 * 86400):
     """A checkpoint as accelerate's save_state writes it with FSDP's SHARDED_STATE_DICT: the
-    model and optimizer as DCP directories, then the scheduler and each rank's RNG states."""
+    model and optimizer as DCP directories, then the scheduler and each rank's RNG states,
+    then the objects registered for checkpointing (custom_objects of them)."""
     checkpoint = run_dir / name
     for part, complete in zip(ACCELERATE_PARTS, parts_complete):
         add_checkpoint(checkpoint, part, complete=complete)
@@ -234,6 +235,8 @@ def add_accelerate_checkpoint(run_dir, name, parts_complete=(True, True), rng_st
     if rng_states:
         for rank in range(2):
             (checkpoint / f"random_states_{rank}.pkl").write_bytes(b"rng state")
+    for index in range(custom_objects):
+        (checkpoint / f"custom_checkpoint_{index}.pkl").write_bytes(b"registered object")
     back_date(checkpoint, age_seconds)
     return checkpoint
 

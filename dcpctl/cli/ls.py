@@ -31,8 +31,9 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     Trainers' layouts: torchtitan's step-N, torchtune's dist_epoch_N and Megatron's
     iter_0000100 are one DCP directory each. accelerate's checkpoint_N holds several
     (pytorch_model_fsdp_0/, optimizer_0/: its parts) beside its RNG and scheduler files: it
-    is listed as one checkpoint, complete when every part holds `.metadata` and
-    random_states_0.pkl (written last) is there. Give accelerate's `checkpoints/` directory,
+    is listed as one checkpoint, complete when every part holds `.metadata`,
+    random_states_0.pkl is there, and it holds as many custom_checkpoint_<i>.pkl (written
+    last) as any other checkpoint of the run. Give accelerate's `checkpoints/` directory,
     not one checkpoint_N. A directory named like a step that holds other DCP directories
     (seed_1/step-100: a run of its own) is no checkpoint: it is ignored. Megatron's
     latest_checkpointed_iteration.txt is shown as the tracked step.

@@ -7,10 +7,13 @@
   `pytorch_model_fsdp_<i>/` and `optimizer_<i>/` beside `random_states_<rank>.pkl`,
   `scheduler.bin` and the like. The DCP directories are its parts; it is complete when every
   part holds `.metadata` and `random_states_0.pkl` is there (accelerate's `save_state` writes
-  the models, then the optimizers, then the RNG states). The transformers Trainer, under FSDP
-  with SHARDED_STATE_DICT, writes the same parts through accelerate into `checkpoint-N/`, then
-  `scheduler.pt`, each rank's `rng_state_<rank>.pth` and, last, `trainer_state.json`, which
-  makes one of its checkpoints complete.
+  the models, then the optimizers, then the RNG states), and as many `custom_checkpoint_<i>.pkl`
+  (the objects registered for checkpointing, written after the RNG states; accelerate's
+  `load_state` refuses a checkpoint with another number of them than are registered) as the
+  run's other accelerate checkpoints hold (scan.py compares them). The transformers Trainer,
+  under FSDP with SHARDED_STATE_DICT, writes the same parts through accelerate into
+  `checkpoint-N/`, then `scheduler.pt`, each rank's `rng_state_<rank>.pth` and, last,
+  `trainer_state.json`, which makes one of its checkpoints complete.
 - Megatron-Core names the iteration it resumes from in `latest_checkpointed_iteration.txt` in
   the run directory (written once a save is finished), which prune always keeps.
 """
@@ -30,6 +33,7 @@ from dcpctl.storage.paths import StoragePath
 _PARTIAL_SAVE_FILES = (DATA_FILE_SUFFIX, METADATA_TEMPORARY_FILE_NAME)
 _ACCELERATE_RNG_STATE = re.compile(r"random_states_[0-9]+\.pkl")
 ACCELERATE_LAST_WRITTEN = "random_states_0.pkl"
+ACCELERATE_CUSTOM_OBJECT = re.compile(r"custom_checkpoint_[0-9]+\.pkl")
 TRAINER_LAST_WRITTEN = "trainer_state.json"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 MEGATRON_TRACKER_MAX_BYTES = 64
@@ -46,6 +50,8 @@ class CheckpointShape:
 
     parts: tuple[str, ...]
     complete: bool
+    custom_objects: int = 0
+    """Of an accelerate checkpoint: the objects registered for checkpointing it holds."""
 
     @property
     def metadata_files(self) -> list[str]:
@@ -92,7 +98,8 @@ def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
                     "of an accelerate checkpoint: a run of its own, or the user's")
         complete = (all(f"{part}/{METADATA_FILE_NAME}" in names for part in parts)
                     and (ACCELERATE_LAST_WRITTEN in names or TRAINER_LAST_WRITTEN in names))
-        return CheckpointShape(tuple(parts), complete)
+        custom_objects = sum(1 for name in names if ACCELERATE_CUSTOM_OBJECT.fullmatch(name))
+        return CheckpointShape(tuple(parts), complete, custom_objects)
     # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
     if not names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names if "/" not in name):
         return CheckpointShape((), complete=False)

@@ -69,6 +69,8 @@ class CheckpointEntry:
     """The directory's device and inode when scanned: what a deletion checks it still is
     ((0, 0) in an object store, which has no directories)."""
     parts: tuple[str, ...] = ()
+    custom_objects: int = 0
+    """Of an accelerate checkpoint: the objects registered for checkpointing it holds."""
     objects: Mapping[str, ObjectInfo] = field(default_factory=dict, repr=False, compare=False)
     """In an object store, the objects the scan listed under it, by name relative to it: all
     that a deletion may remove, and only as they were then."""
@@ -162,6 +164,7 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
             continue  # removed while we looked (a trainer purging its own old checkpoints)
         except OSError as error:  # not ours to read: not ours to judge or delete either
             scan.ignored.append(IgnoredEntry(name, f"cannot be read ({error.strerror})"))
+    _complete_only_with_every_custom_object(scan.checkpoints)
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     return scan
 
@@ -206,9 +209,20 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
             size_bytes=sum(info.size for info in objects.values()), modified_at=modified_at,
             age_seconds=None if modified_at is None else max(0.0, now - modified_at),
             has_sha256sums=all(file in objects for file in shape.sha256sums_files),
-            identity=(0, 0), parts=shape.parts,
+            identity=(0, 0), parts=shape.parts, custom_objects=shape.custom_objects,
             objects=objects))
+    _complete_only_with_every_custom_object(scan.checkpoints)
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
+
+
+def _complete_only_with_every_custom_object(checkpoints: list[CheckpointEntry]) -> None:
+    """An accelerate checkpoint that holds fewer of the objects registered for checkpointing
+    than another of the run is a save cut short, or still going: accelerate writes them last,
+    and its load_state refuses a checkpoint that holds another number of them."""
+    most = max((entry.custom_objects for entry in checkpoints if entry.parts), default=0)
+    for entry in checkpoints:
+        if entry.parts and entry.custom_objects < most:
+            entry.complete = False
 
 
 def _checkpoint_shape(path: Path) -> CheckpointShape | str:
@@ -231,7 +245,8 @@ def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: flo
         name=path.name, path=path, step=step, complete=shape.complete, size_bytes=size_bytes,
         modified_at=modified_at, age_seconds=max(0.0, now - modified_at),
         has_sha256sums=all((path / name).is_file() for name in shape.sha256sums_files),
-        identity=(status.st_dev, status.st_ino), parts=shape.parts)
+        identity=(status.st_dev, status.st_ino), parts=shape.parts,
+        custom_objects=shape.custom_objects)
 
 
 def changed_since_scanned(entry: CheckpointEntry) -> bool:

@@ -41,6 +41,26 @@ def test_each_accelerate_checkpoint_is_one_entry_with_its_parts(accelerate_run):
     assert scan.ignored == []
 
 
+def test_an_accelerate_checkpoint_short_of_its_registered_objects_is_incomplete(tmp_path):
+    """accelerate writes the objects registered for checkpointing (custom_checkpoint_<i>.pkl)
+    after the RNG states, and load_state refuses a checkpoint holding another number of them:
+    checkpoint_1, cut short before them, was called complete, and prune deleted checkpoint_0,
+    the one the run could resume from."""
+    run_dir = tmp_path / "checkpoints"
+    add_accelerate_checkpoint(run_dir, "checkpoint_0", custom_objects=2)
+    add_accelerate_checkpoint(run_dir, "checkpoint_1", custom_objects=1)
+    scan = scan_run_directory(run_dir)
+    assert [(entry.name, entry.complete) for entry in scan.checkpoints] == [
+        ("checkpoint_0", True), ("checkpoint_1", False)]
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert [decision.delete for decision in report.decisions] == [False, False]
+    assert sorted(path.name for path in run_dir.iterdir()) == ["checkpoint_0", "checkpoint_1"]
+    add_accelerate_checkpoint(run_dir, "checkpoint_2", custom_objects=2)
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1,
+                                                         incomplete_older_than_seconds=DAY))
+    assert [decision.delete for decision in report.decisions] == [True, True, False]
+
+
 def add_trainer_checkpoint(run_dir, name, finished=True, optimizer=True):
     """A checkpoint as the transformers Trainer writes it under FSDP with SHARDED_STATE_DICT:
     accelerate's DCP parts, then scheduler.pt, each rank's RNG state and trainer_state.json."""
