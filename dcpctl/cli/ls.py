@@ -29,7 +29,8 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     only data files, `.metadata.tmp`, or nothing yet: a save in progress or one that died.
 
     Trainers' layouts: torchtitan's step-N, torchtune's dist_epoch_N and Megatron's
-    iter_0000100 are one DCP directory each. accelerate's checkpoint_N holds several
+    iter_0000100 are one DCP directory each (Megatron's, with common.pt, is complete once
+    metadata.json, written after `.metadata`, is there). accelerate's checkpoint_N holds several
     (pytorch_model_fsdp_0/, optimizer_0/: its parts) beside its RNG and scheduler files: it
     is listed as one checkpoint, complete when every part holds `.metadata`,
     random_states_0.pkl is there, and it holds as many custom_checkpoint_<i>.pkl (written

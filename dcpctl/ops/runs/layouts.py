@@ -1,8 +1,7 @@
 """How trainers lay out the checkpoints of a run directory, as `ls` and `prune` read them.
 
-- One DCP directory per checkpoint: torchtitan `step-N/`, torchtune `dist_epoch_N/`,
-  Megatron-Core `iter_0000004/`, a plain `dcp.save`. Complete when it holds `.metadata`
-  (torch writes it last).
+- One DCP directory per checkpoint: torchtitan `step-N/`, torchtune `dist_epoch_N/`, a plain
+  `dcp.save`. Complete when it holds `.metadata` (torch writes it last).
 - Several DCP directories per checkpoint: accelerate's `checkpoint_N/` holds
   `pytorch_model_fsdp_<i>/` and `optimizer_<i>/` beside `random_states_<rank>.pkl`,
   `scheduler.bin` and the like. The DCP directories are its parts; it is complete when every
@@ -14,6 +13,9 @@
   under FSDP with SHARDED_STATE_DICT, writes the same parts through accelerate into
   `checkpoint-N/`, then `scheduler.pt`, each rank's `rng_state_<rank>.pth` and, last,
   `trainer_state.json`, which makes one of its checkpoints complete.
+- Megatron-Core's `iter_0000004/` is one DCP directory too, with `common.pt`, written first,
+  and `metadata.json`, written after `.metadata`: complete once that is there (its loader
+  refuses a directory without).
 - Megatron-Core names the iteration it resumes from in `latest_checkpointed_iteration.txt` in
   the run directory (written once a save is finished), which prune always keeps.
 """
@@ -27,6 +29,7 @@ from typing import Collection, Iterable
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
+from dcpctl.format.checkpoint.side_files import MEGATRON_COMMON_STATE, MEGATRON_CONFIG
 from dcpctl.format.state_dict_layouts import ACCELERATE_MODEL_PART, ACCELERATE_PART
 from dcpctl.storage.paths import StoragePath
 
@@ -85,7 +88,10 @@ def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
             shown = ", ".join(part or "''" for part in nested[:3])
             return (f"holds DCP checkpoints ({shown}) below its own {METADATA_FILE_NAME}: a run "
                     "of its own, or the user's")
-        return CheckpointShape((), complete=True)
+        # Megatron writes common.pt first and metadata.json after .metadata; its loader
+        # refuses a directory without metadata.json.
+        megatron_unfinished = MEGATRON_COMMON_STATE in names and MEGATRON_CONFIG not in names
+        return CheckpointShape((), complete=not megatron_unfinished)
     parts = sorted(_dcp_subdirectories(names))
     if parts:
         # Only accelerate keeps a checkpoint in several DCP directories. Others in a directory

@@ -19,6 +19,8 @@ from dcpctl.ops.runs.scan import scan_run_directory
 from dcpctl.ops.transcode import compress_checkpoint
 
 DAY = 86400
+MEGATRON_CONFIG = ('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
+                   '"common_backend": "torch", "common_backend_version": 1}')
 
 
 @pytest.fixture
@@ -160,12 +162,32 @@ def test_a_checkpoint_that_lost_a_file_its_sha256sums_lists_is_damaged_to_ls_and
     for step in (1, 2):
         checkpoint = add_checkpoint(run_dir, f"iter_{step:07d}", fixture="fsdp2_adamw_3ranks")
         torch.save({"iteration": step}, checkpoint / "common.pt")
+        (checkpoint / "metadata.json").write_text(MEGATRON_CONFIG)
         checksum_checkpoint(checkpoint)
     (run_dir / "iter_0000002" / "common.pt").unlink()
     listed = {item.entry.name: item for item in list_run_directory(run_dir).checkpoints}
     assert "common.pt: missing-file: listed in SHA256SUMS but absent" in listed[
         "iter_0000002"].problem
     assert listed["iter_0000001"].problem is None
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert report.with_status(prune.DELETED) == []
+    assert sorted(os.listdir(run_dir)) == ["iter_0000001", "iter_0000002"]
+
+
+def test_a_megatron_iteration_without_its_metadata_json_is_incomplete(tmp_path):
+    """Megatron writes common.pt first and metadata.json after `.metadata`, and its loader
+    refuses a directory without metadata.json: iter_0000002, cut short before it, was called
+    complete, and prune deleted iter_0000001, the one the run could resume from."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        checkpoint = add_checkpoint(run_dir, f"iter_{step:07d}", age_seconds=30 * DAY)
+        torch.save({"iteration": step}, checkpoint / "common.pt")
+    (run_dir / "iter_0000001" / "metadata.json").write_text(MEGATRON_CONFIG)
+    scan = scan_run_directory(run_dir)
+    assert [(entry.name, entry.complete) for entry in scan.checkpoints] == [
+        ("iter_0000001", True), ("iter_0000002", False)]
     report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
     assert report.with_status(prune.DELETED) == []
     assert sorted(os.listdir(run_dir)) == ["iter_0000001", "iter_0000002"]
