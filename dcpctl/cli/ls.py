@@ -36,8 +36,9 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     random_states_0.pkl is there, and it holds as many custom_checkpoint_<i>.pkl (written
     last) as any other checkpoint of the run. Give accelerate's `checkpoints/` directory,
     not one checkpoint_N. A directory named like a step that holds other DCP directories
-    (seed_1/step-100: a run of its own) is no checkpoint: it is ignored. Megatron's
-    latest_checkpointed_iteration.txt is shown as the tracked step.
+    (checkpoint-1/step-100: a run of its own) is no checkpoint: it is ignored. Megatron's
+    latest_checkpointed_iteration.txt is shown as the tracked step, and a symlink in RUN_DIR
+    that points to a checkpoint (latest -> step-200) below the table.
 
     A complete checkpoint is also checked as `verify --quick` checks it, short of hashing (as
     prune does): one that fails is `damaged`, its problem on a line below the table; one
@@ -90,6 +91,8 @@ def render_listing(report: ListReport) -> str:
     if report.scan.tracked_step is not None:
         lines.append(f"tracked step: {report.scan.tracked_step} (named by {MEGATRON_TRACKER}; "
                      "prune keeps it)")
+    lines += [f"symlink {link} -> {listed.entry.name} (prune keeps it)"
+              for listed in report.checkpoints for link in listed.entry.linked_by]
     return "\n".join(lines + render_ignored(report.scan.ignored))
 
 

@@ -29,7 +29,8 @@ def test_table_has_one_row_per_checkpoint_sorted_by_step(run_cli, tmp_path):
         "2000", "step_2000", "complete", "3d", "zstd", "no"]
     assert lines[3].split()[:3] + lines[3].split()[5:] == [
         "3000", "step-3000", "incomplete", "2h", "-", "no"]
-    assert lines[4] == "ignored step-4000: a symlink: never followed, never deleted"
+    assert lines[4:] == ["symlink step-4000 -> step-1000 (prune keeps it)",
+                         "ignored step-4000: a symlink: never followed, never deleted"]
 
 
 def test_json_shape(run_cli, tmp_path):
@@ -38,7 +39,8 @@ def test_json_shape(run_cli, tmp_path):
     assert set(payload) == {"run_dir", "checkpoints", "ignored", "tracked_step"}
     (entry,) = payload["checkpoints"]
     assert set(entry) == {"name", "path", "step", "complete", "size_bytes", "modified_at",
-                          "age_seconds", "sha256sums", "compression", "problem", "in_use", "parts"}
+                          "age_seconds", "sha256sums", "compression", "problem", "in_use", "parts",
+                          "linked_by"}
     assert (entry["step"], entry["complete"], entry["problem"], entry["in_use"]) == (
         10, True, None, None)
     assert (entry["parts"], payload["tracked_step"]) == ([], None)

@@ -95,7 +95,7 @@ def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
     parts = sorted(_dcp_subdirectories(names))
     if parts:
         # Only accelerate keeps a checkpoint in several DCP directories. Others in a directory
-        # named like a step (seed_1/step-100, trial-3/checkpoint_0/...) are a run of their own,
+        # named like a step (checkpoint-1/step-100, step-3/checkpoint_0/...) are a run of their own,
         # or the user's: deleting the directory would delete them with whatever lies beside.
         foreign = [part for part in parts if not ACCELERATE_PART.fullmatch(part)]
         if foreign:

@@ -1,7 +1,8 @@
 """Delete the checkpoints of a run directory that no retention rule keeps, safely and under a lock.
 
 A complete checkpoint is kept when any rule keeps it: it is the newest complete one (always),
-the one the trainer's tracker file names (always: Megatron resumes from it), one of the last
+the one the trainer's tracker file names or a symlink in the run directory points to (always,
+complete or not: Megatron resumes from it; `latest -> step-200`), one of the last
 `keep_last` complete ones, its step is a multiple of `keep_every_steps`, its name matches a
 `keep_globs` pattern, or it changed within `older_than_seconds` (newest and last go by step:
 checkpoints of one step are kept together). An incomplete
@@ -137,6 +138,8 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
                    if fnmatch.fnmatchcase(entry.name, glob)]
         if entry.step == tracked_step:
             reasons.append(f"named by {MEGATRON_TRACKER}: the trainer resumes from it")
+        if entry.linked_by:
+            reasons.append(f"symlink {', '.join(entry.linked_by)} points to it")
         problem = damaged.get(entry.name)
         if problem is not None:
             reasons += _incomplete_keep_reasons(entry, rules, f"damaged ({problem})")

@@ -69,6 +69,8 @@ class CheckpointEntry:
     """The directory's device and inode when scanned: what a deletion checks it still is
     ((0, 0) in an object store, which has no directories)."""
     parts: tuple[str, ...] = ()
+    linked_by: tuple[str, ...] = ()
+    """The symlinks of the run directory that point to it (`latest -> step-200`)."""
     custom_objects: int = 0
     """Of an accelerate checkpoint: the objects registered for checkpointing it holds."""
     objects: Mapping[str, ObjectInfo] = field(default_factory=dict, repr=False, compare=False)
@@ -94,7 +96,7 @@ class CheckpointEntry:
                 "modified_at": modified,
                 "age_seconds": None if self.age_seconds is None else round(self.age_seconds),
                 "sha256sums": self.has_sha256sums,
-                "parts": list(self.parts)}
+                "parts": list(self.parts), "linked_by": list(self.linked_by)}
 
 
 @dataclass
@@ -165,8 +167,27 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
         except OSError as error:  # not ours to read: not ours to judge or delete either
             scan.ignored.append(IgnoredEntry(name, f"cannot be read ({error.strerror})"))
     _complete_only_with_every_custom_object(scan.checkpoints)
+    links = _symlinks_by_target(scan.path, names)
+    for entry in scan.checkpoints:
+        entry.linked_by = tuple(links.get(entry.name, ()))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     return scan
+
+
+def _symlinks_by_target(run_dir: Path, names: list[str]) -> dict[str, list[str]]:
+    """The symlinks among names (entries of run_dir) by the entry of run_dir each leads to or
+    into, through any chain of links: `latest -> step-200` is how a user or a script marks the
+    checkpoint to resume from."""
+    links: dict[str, list[str]] = {}
+    real_run_dir = os.path.realpath(run_dir)
+    for name in names:
+        path = os.path.join(run_dir, name)
+        if os.path.islink(path):
+            target = os.path.relpath(os.path.realpath(path), real_run_dir)
+            entry = target.split(os.sep, 1)[0]
+            if entry not in (os.curdir, os.pardir):
+                links.setdefault(entry, []).append(name)
+    return links
 
 
 def _read_tracker(path: Path) -> int | None:

@@ -153,6 +153,28 @@ def test_symlinked_checkpoint_pointing_outside_is_left_alone(tmp_path):
         ("step-100", "a symlink: never followed, never deleted")]
 
 
+def test_a_checkpoint_a_symlink_of_the_run_points_to_is_kept(tmp_path):
+    """`latest -> step-200`: prune deleted step-200 (not the newest) and left the link
+    dangling, the checkpoint a user or a script resumes from gone."""
+    run_dir = _run_dir(tmp_path, [100, 200, 300, 400])
+    (run_dir / "latest").symlink_to("step-200")
+    (run_dir / "chain").symlink_to("latest")
+    (run_dir / "best").symlink_to(run_dir / "step-100", target_is_directory=True)
+    (run_dir / "into").symlink_to("step-300/.metadata")
+    (run_dir / "outside").symlink_to(tmp_path)
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == []
+    reasons = {decision.checkpoint.name: decision.reasons for decision in report.decisions}
+    assert reasons["step-100"] == ["symlink best points to it"]
+    assert reasons["step-200"] == ["symlink chain, latest points to it"]
+    assert reasons["step-300"] == ["symlink into points to it"]
+    (run_dir / "latest").unlink()
+    (run_dir / "into").unlink()
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == ["step-200", "step-300"]
+    assert _remaining(run_dir) == ["best", "chain", "outside", "step-100", "step-400"]
+
+
 def test_a_file_where_a_directory_is_expected_is_left_alone(tmp_path):
     run_dir = _run_dir(tmp_path, [200, 300])
     (run_dir / "step-100").write_text("not a checkpoint")
