@@ -942,10 +942,12 @@ def test_a_checkpoint_rewritten_in_place_while_read_is_said_so_not_called_damage
     result = run_cli(command[0], url, *[part.format(output=output) for part in command[1:]])
     assert rewrites and rewrites[0].returncode == 0, rewrites
     assert result.exit_code == 75, result.output
-    assert result.output == (f"Error: {url}: was rewritten while dcpctl read it (its .metadata "
-                             "is not the one read: another dcpctl's in-place run, or a save of "
-                             "this step?); the checkpoint may well be sound: run the command "
-                             "again\n")
+    message = (f"{url}: was rewritten while dcpctl read it (its .metadata is not the one read: "
+               "another dcpctl's in-place run, or a save of this step?); the checkpoint may well "
+               "be sound: run the command again")
+    assert result.stderr == f"Error: {message}\n"
+    assert result.stdout == (json.dumps({"error": message, "exit_code": 75}) + "\n"
+                             if "--json" in command else "")
     monkeypatch.setattr(paths.ObjectRangedFile, "__init__", real_init)
     assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
     assert not keys_under(moto_s3, bucket, "out")

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Collection, Iterable
 
 from dcpctl.errors import CheckpointNotFoundError
+from dcpctl.format.checkpoint.side_files import MEGATRON_COMMON_STATE, MEGATRON_CONFIG
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
-from dcpctl.format.checkpoint.side_files import MEGATRON_COMMON_STATE, MEGATRON_CONFIG
 from dcpctl.format.state_dict_layouts import ACCELERATE_MODEL_PART, ACCELERATE_PART
 from dcpctl.storage.paths import StoragePath
 
