@@ -6,7 +6,9 @@ The remote reader sorts the stored items the plan needs by file and offset, join
 into ranges of at most MERGED_RANGE_BYTES and fetches up to RANGES_IN_FLIGHT of them at once,
 handing each item to torch as its range arrives; memory stays bounded by the ranges in flight.
 Either way `.metadata` is read once and refused unless dcpctl's allowlist reader accepts it,
-before torch unpickles it (torch's own reader runs whatever a hostile one names).
+before torch unpickles it (torch's own reader runs whatever a hostile one names), and every
+item is checked against the CRC-32s of its torch.save archive before torch loads it
+(CheckedTransforms).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pickle
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from pathlib import Path
+from typing import IO, Any, Callable, Iterable, Iterator, Sequence, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -27,10 +30,15 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
+from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.view import resolve_inside
+from dcpctl.format.codecs.base import PieceStream
 from dcpctl.format.codecs.torch_extension import extension_registry
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.format.metadata.reading import parse_metadata
+from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
+                                                    check_archive, spooled_read_range)
+from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
 
@@ -44,28 +52,114 @@ def storage_reader(path: str | os.PathLike) -> FileSystemReader:
     location = storage_path(path)
     if isinstance(location, ObjectPath):
         return ObjectStoreReader(location)
-    return LocalReader(location, _extension_registry=extension_registry())
+    return LocalReader(location)
 
 
-def torch_metadata(data: bytes, source: str, load_id: str) -> Metadata:
-    """`.metadata` as torch's reader makes it, once dcpctl's allowlist reader accepted the
-    pickle: torch's own reader unpickles whatever it finds, running what it names."""
-    parse_metadata(data, source)  # refuses anything but DCP metadata, running nothing
+def torch_metadata(data: bytes, directory: StoragePath, load_id: str) -> Metadata:
+    """The `.metadata` of the checkpoint in directory as torch's reader makes it, once
+    dcpctl's allowlist reader accepted the pickle (torch's own reader unpickles whatever it
+    finds, running what it names) and every data file it names lies inside directory (torch's
+    reader opens whatever path it is given: `../other/__0_0.distcp`, an absolute path, a
+    symlink out)."""
+    parse_metadata(data, str(directory / METADATA_FILE_NAME))  # DCP metadata only, run nothing
     metadata = pickle.loads(data)  # what the allowlist reader accepted: torch's classes
+    for relative_path in {info.relative_path for info in metadata.storage_data.values()}:
+        resolve_inside(directory, relative_path)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     metadata.storage_meta.load_id = load_id
     return metadata
 
 
+class CheckedTransforms:
+    """A reader's transforms (torch's `_StorageReaderTransforms`), each item's stream checked
+    as every dcpctl command checks what it reads: the torch.save archive it holds matches the
+    CRC-32 of each of its records. torch.load checks none, and neither a plain item nor torch's
+    zstd frames nor a floatsplit stream of plain bytes (an integer tensor, an object, a small
+    float tensor) keeps a check of its own: a flipped bit loaded as a wrong value."""
+
+    def __init__(self, transforms: Any) -> None:
+        self._transforms = transforms
+
+    def transform_load_stream(self, read_item: ReadItem, transform_descriptors: Sequence[str],
+                              raw_stream: IO[bytes]) -> IO[bytes]:
+        if not transform_descriptors:  # checked where it lies, then read by torch as it was
+            _check_archive_at(raw_stream)
+            return raw_stream
+
+        def decoded() -> Iterator[bytes]:
+            stream = self._transforms.transform_load_stream(read_item, transform_descriptors,
+                                                            raw_stream)
+            return iter(lambda: stream.read(_DECODED_PIECE_BYTES), b"")
+
+        def decoded_again() -> Iterator[bytes]:
+            raw_stream.seek(0)
+            return decoded()
+
+        return PieceStream(_checked_as_archive(decoded(), decoded_again))
+
+
+_DECODED_PIECE_BYTES = 4 << 20
+
+
+def _check_archive_at(stream: IO[bytes]) -> None:
+    """Check the archive a seekable stream holds from its start; leave it at its start."""
+    stream.seek(0, os.SEEK_END)
+    length_bytes = stream.tell()
+
+    def read_range(start: int, count: int) -> bytes:
+        stream.seek(start)
+        return stream.read(count)
+
+    try:
+        if read_range(0, len(LOCAL_SIGNATURE)) == LOCAL_SIGNATURE:
+            _refuse_mismatches(lambda: check_archive(read_range, length_bytes,
+                                                     expect_tensor=False))
+    finally:
+        stream.seek(0)
+
+
+def _checked_as_archive(pieces: Iterator[bytes], reread: Callable[[], Iterable[bytes]]
+                        ) -> Iterator[bytes]:
+    """pieces, an item's decoded bytes, passed on as they come and checked at their end; reread
+    gives them again, for the rare archive whose records a streamed check cannot reach."""
+    check = ArchiveStreamCheck()
+    for piece in pieces:
+        check.update(piece)
+        yield piece
+    if check.starts_with(LOCAL_SIGNATURE):
+        _refuse_mismatches(lambda: check.finish(
+            expect_tensor=False, open_random_access=lambda: spooled_read_range(reread())))
+
+
+def _refuse_mismatches(check: Callable[[], ArchiveCheck]) -> None:
+    """Run check; raise DataError where the archive is not intact or a record's bytes do not
+    match its CRC-32. (Bytes that are no archive, a tensor's bare bytes in a SAFETENSORS
+    checkpoint, are never checked: they carry no CRC-32.)"""
+    try:
+        checked = check()
+    except DataError as error:
+        raise DataError(f"damaged: the item is no intact torch.save archive: "
+                        f"{error.message}") from None
+    for record, actual_crc in checked.crc_mismatches[:1]:
+        raise DataError(f"damaged: record {record.name!r} (bytes {record.data_offset}.."
+                        f"{record.data_end} of the item as torch reads it) has CRC-32 "
+                        f"{actual_crc:08x}, its archive says {record.crc32:08x}")
+
+
 class LocalReader(FileSystemReader):
-    """torch's FileSystemReader, `.metadata` read through torch_metadata."""
+    """torch's FileSystemReader, `.metadata` read through torch_metadata and every item
+    checked (CheckedTransforms)."""
+
+    def __init__(self, path: StoragePath) -> None:
+        super().__init__(path, _extension_registry=extension_registry())
+        self.transforms = CheckedTransforms(self.transforms)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             data = stream.read()
-        return torch_metadata(data, str(path), self.load_id)
+        return torch_metadata(data, Path(path).parent, self.load_id)
 
 
 @dataclass
@@ -83,6 +177,7 @@ class ObjectStoreReader(FileSystemReader):
 
     def __init__(self, path: ObjectPath) -> None:
         super().__init__(str(path), _extension_registry=extension_registry())
+        self.transforms = CheckedTransforms(self.transforms)
         self.location: StoragePath = path
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -102,7 +197,7 @@ class ObjectStoreReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self.location / METADATA_FILE_NAME
         path.store.list_tree(self.location.key, pin_current=True)  # this load reads them now
-        return torch_metadata(read_whole(path), str(path), self.load_id)
+        return torch_metadata(read_whole(path), self.location, self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture:
         ranges = self._merged_ranges(plan.items)

@@ -25,13 +25,17 @@ def storage_writer(path: str | os.PathLike, codec: str = FLOATSPLIT, level: int 
     loads) or `none`. level is floatsplit's level (FloatSplit's: by default 1, which codes for
     speed); the rest goes to torch's writer (and for a URL to fsspec, after the storage options
     in DCPCTL_STORAGE_OPTIONS)."""
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise InvalidOptionError(f"thread_count is a whole number, at least 1, not "
+                                 f"{thread_count!r}")
     extensions = _extensions_for(codec, level)
     serialization = writer_options.get("serialization_format", SerializationFormat.TORCH_SAVE)
     if extensions and serialization != SerializationFormat.TORCH_SAVE:
         # torch writes such tensors past its extensions, each item's stream left empty
         raise InvalidOptionError(f"codec {codec!r} codes torch.save items; torch's writer "
                                  f"passes {serialization} tensors around its extensions")
-    if is_remote(storage_path(path)):
+    location = storage_path(path)
+    if is_remote(location):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         # fsspec hands out one cached client per set of keywords, whatever endpoint and
@@ -39,7 +43,8 @@ def storage_writer(path: str | os.PathLike, codec: str = FLOATSPLIT, level: int 
         options = {"skip_instance_cache": True, **storage_options(), **writer_options}
         return FsspecWriter(os.fspath(path), thread_count=thread_count, _extensions=extensions,
                             **options)
-    return FileSystemWriter(path, thread_count=thread_count, _extensions=extensions,
+    # the local path storage_path reads (`file:///abs/ck` is /abs/ck, not ./file:/abs/ck)
+    return FileSystemWriter(location, thread_count=thread_count, _extensions=extensions,
                             **writer_options)
 
 

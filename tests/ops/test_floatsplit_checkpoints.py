@@ -211,3 +211,28 @@ def test_the_reader_refuses_a_hostile_metadata_before_torch_runs_it(tmp_path):
         dcp.load({"w": torch.zeros(2)}, storage_reader=dcpctl.storage_reader(tmp_path / "ck"),
                  no_dist=True)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("planted", ["../secret/__0_0.distcp", "{secret}/__0_0.distcp",
+                                     "link.distcp"])
+def test_the_reader_refuses_a_data_file_outside_the_checkpoint(tmp_path, planted):
+    """The local reader handed `.metadata`'s data file names to torch's reader, which opened
+    `../secret/__0_0.distcp`, an absolute path or a symlink out, and loaded that file's values;
+    the reader for buckets refused them."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import dcpctl
+
+    dcp.save({"w": torch.full((4,), 1000.0)}, checkpoint_id=tmp_path / "secret", no_dist=True)
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=tmp_path / "ck", no_dist=True)
+    (tmp_path / "ck" / "link.distcp").symlink_to(tmp_path / "secret" / "__0_0.distcp")
+    metadata_path = tmp_path / "ck" / ".metadata"
+    metadata = pickle.loads(metadata_path.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = planted.format(secret=tmp_path / "secret")
+    metadata_path.write_bytes(pickle.dumps(metadata))
+    state = {"w": torch.zeros(4)}
+    with pytest.raises(CheckpointException, match="outside the checkpoint directory|not a "
+                                                  "plain path inside the checkpoint"):
+        dcp.load(state, storage_reader=dcpctl.storage_reader(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(state["w"], torch.zeros(4))

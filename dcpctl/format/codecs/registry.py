@@ -93,6 +93,9 @@ def codec_by_name(name: str, level: int = DEFAULT_ZSTD_LEVEL) -> Codec:
 
 
 def _checked_level(level: int) -> int:
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise InvalidOptionError(f"level {level!r} is no whole number: give one of "
+                                 f"{MIN_ZSTD_LEVEL}..{MAX_ZSTD_LEVEL}")
     if not MIN_ZSTD_LEVEL <= level <= MAX_ZSTD_LEVEL:
         raise InvalidOptionError(f"zstd level {level} is outside "
                                  f"{MIN_ZSTD_LEVEL}..{MAX_ZSTD_LEVEL}")
