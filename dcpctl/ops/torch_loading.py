@@ -90,6 +90,8 @@ class CheckedTransforms:
         def decoded() -> Iterator[bytes]:
             stream = self._transforms.transform_load_stream(read_item, transform_descriptors,
                                                             raw_stream)
+            if isinstance(stream, PieceStream):  # floatsplit's: its pieces as they come
+                return stream.iter_pieces()
             return iter(lambda: stream.read(_DECODED_PIECE_BYTES), b"")
 
         def decoded_again() -> Iterator[bytes]:

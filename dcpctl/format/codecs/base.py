@@ -132,3 +132,10 @@ class PieceStream(io.RawIOBase):
 
     def readall(self) -> bytes:
         return b"".join([bytes(self._piece), *self._pieces])
+
+    def iter_pieces(self) -> Iterator[bytes]:
+        """What is left to read, piece by piece as the pieces come: no copy."""
+        if self._piece:
+            piece, self._piece = self._piece, memoryview(b"")
+            yield piece
+        yield from self._pieces
