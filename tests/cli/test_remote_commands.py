@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 
 import pytest
 import torch
@@ -931,10 +932,12 @@ def test_a_checkpoint_rewritten_in_place_while_read_is_said_so_not_called_damage
 
     bucket, url = moto_checkpoint
     real_init, rewrites = paths.ObjectRangedFile.__init__, []
+    first_open = threading.Lock()  # the command's threads open files at once: one rewrite
 
     def open_after_a_rewrite(self, path):
-        if not rewrites and path.key.endswith(".distcp"):
-            rewrites.append(run_dcpctl("compress", url))
+        with first_open:
+            if not rewrites and path.key.endswith(".distcp"):
+                rewrites.append(run_dcpctl("compress", url))
         real_init(self, path)
 
     monkeypatch.setattr(paths.ObjectRangedFile, "__init__", open_after_a_rewrite)
