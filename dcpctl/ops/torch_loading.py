@@ -14,6 +14,7 @@ item is checked against the CRC-32s of its torch.save archive before torch loads
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import pickle
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
-from dcpctl.errors import DataError
+from dcpctl.errors import DataError, DcpctlError
 from dcpctl.format.checkpoint.view import resolve_inside
 from dcpctl.format.codecs.base import PieceStream
 from dcpctl.format.codecs.torch_extension import extension_registry
@@ -83,8 +84,10 @@ class CheckedTransforms:
 
     def transform_load_stream(self, read_item: ReadItem, transform_descriptors: Sequence[str],
                               raw_stream: IO[bytes]) -> IO[bytes]:
+        fqn = read_item.storage_index.fqn
         if not transform_descriptors:  # checked where it lies, then read by torch as it was
-            _check_archive_at(raw_stream)
+            with _named_item(fqn):
+                _check_archive_at(raw_stream)
             return raw_stream
 
         def decoded() -> Iterator[bytes]:
@@ -98,7 +101,16 @@ class CheckedTransforms:
             raw_stream.seek(0)
             return decoded()
 
-        return PieceStream(_checked_as_archive(decoded(), decoded_again))
+        return PieceStream(_checked_as_archive(decoded(), decoded_again, fqn))
+
+
+@contextlib.contextmanager
+def _named_item(fqn: str) -> Iterator[None]:
+    """A failure to read an item, named with the item (torch's message names no item)."""
+    try:
+        yield
+    except DcpctlError as error:
+        raise error.located(fqn=fqn)
 
 
 _DECODED_PIECE_BYTES = 4 << 20
@@ -121,17 +133,19 @@ def _check_archive_at(stream: IO[bytes]) -> None:
         stream.seek(0)
 
 
-def _checked_as_archive(pieces: Iterator[bytes], reread: Callable[[], Iterable[bytes]]
-                        ) -> Iterator[bytes]:
-    """pieces, an item's decoded bytes, passed on as they come and checked at their end; reread
-    gives them again, for the rare archive whose records a streamed check cannot reach."""
-    check = ArchiveStreamCheck()
-    for piece in pieces:
-        check.update(piece)
-        yield piece
-    if check.starts_with(LOCAL_SIGNATURE):
-        _refuse_mismatches(lambda: check.finish(
-            expect_tensor=False, open_random_access=lambda: spooled_read_range(reread())))
+def _checked_as_archive(pieces: Iterator[bytes], reread: Callable[[], Iterable[bytes]],
+                        fqn: str) -> Iterator[bytes]:
+    """pieces, the decoded bytes of the item fqn, passed on as they come and checked at their
+    end; reread gives them again, for the rare archive whose records a streamed check cannot
+    reach."""
+    with _named_item(fqn):
+        check = ArchiveStreamCheck()
+        for piece in pieces:
+            check.update(piece)
+            yield piece
+        if check.starts_with(LOCAL_SIGNATURE):
+            _refuse_mismatches(lambda: check.finish(
+                expect_tensor=False, open_random_access=lambda: spooled_read_range(reread())))
 
 
 def _refuse_mismatches(check: Callable[[], ArchiveCheck]) -> None:

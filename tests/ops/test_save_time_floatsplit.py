@@ -371,7 +371,7 @@ def test_a_flipped_bit_in_a_bucket_fails_the_load(s3_server):
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0x10  # inside the tensor's 16 KiB record
     client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
-    with pytest.raises(CheckpointException, match="damaged: record '[^']+/data/0'"):
+    with pytest.raises(CheckpointException, match="item 'w': damaged: record '[^']+/data/0'"):
         load_with_dcpctl_reader(url)
 
 
