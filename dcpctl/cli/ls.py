@@ -32,9 +32,10 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     iter_0000100 are one DCP directory each (Megatron's, with common.pt, is complete once
     metadata.json, written after `.metadata`, is there). accelerate's checkpoint_N holds several
     (pytorch_model_fsdp_0/, optimizer_0/: its parts) beside its RNG and scheduler files: it
-    is listed as one checkpoint, complete when every part holds `.metadata`,
-    random_states_0.pkl is there, and it holds as many custom_checkpoint_<i>.pkl (written
-    last) as any other checkpoint of the run. Give accelerate's `checkpoints/` directory,
+    is listed as one checkpoint, complete when every part holds `.metadata` and
+    random_states_0.pkl is there; one holding fewer custom_checkpoint_<i>.pkl (written last)
+    than the one before it is unsure: not complete, and never pruned. Give accelerate's
+    `checkpoints/` directory,
     not one checkpoint_N. A directory named like a step that holds other DCP directories
     (checkpoint-1/step-100: a run of its own) is no checkpoint: it is ignored. Megatron's
     latest_checkpointed_iteration.txt is shown as the tracked step, and a symlink in RUN_DIR
@@ -93,6 +94,8 @@ def render_listing(report: ListReport) -> str:
                      "prune keeps it)")
     lines += [f"symlink {link} -> {listed.entry.name} (prune keeps it)"
               for listed in report.checkpoints for link in listed.entry.linked_by]
+    lines += [f"unsure: {listed.entry.name}: {listed.entry.doubt}"
+              for listed in report.checkpoints if listed.entry.doubt]
     return "\n".join(lines + render_ignored(report.scan.ignored))
 
 

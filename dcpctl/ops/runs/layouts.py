@@ -6,10 +6,9 @@
   `pytorch_model_fsdp_<i>/` and `optimizer_<i>/` beside `random_states_<rank>.pkl`,
   `scheduler.bin` and the like. The DCP directories are its parts; it is complete when every
   part holds `.metadata` and `random_states_0.pkl` is there (accelerate's `save_state` writes
-  the models, then the optimizers, then the RNG states), and as many `custom_checkpoint_<i>.pkl`
-  (the objects registered for checkpointing, written after the RNG states; accelerate's
-  `load_state` refuses a checkpoint with another number of them than are registered) as the
-  run's other accelerate checkpoints hold (scan.py compares them). The transformers Trainer,
+  the models, then the optimizers, then the RNG states, then the objects registered for
+  checkpointing, `custom_checkpoint_<i>.pkl`: scan.py doubts one holding fewer of them than
+  the checkpoint before it). The transformers Trainer,
   under FSDP with SHARDED_STATE_DICT, writes the same parts through accelerate into
   `checkpoint-N/`, then `scheduler.pt`, each rank's `rng_state_<rank>.pth` and, last,
   `trainer_state.json`, which makes one of its checkpoints complete.

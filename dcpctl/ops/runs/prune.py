@@ -140,6 +140,8 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
             reasons.append(f"named by {MEGATRON_TRACKER}: the trainer resumes from it")
         if entry.linked_by:
             reasons.append(f"symlink {', '.join(entry.linked_by)} points to it")
+        if entry.doubt is not None:
+            reasons.append(f"unsure: {entry.doubt}")
         problem = damaged.get(entry.name)
         if problem is not None:
             reasons += _incomplete_keep_reasons(entry, rules, f"damaged ({problem})")

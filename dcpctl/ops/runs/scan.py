@@ -73,6 +73,9 @@ class CheckpointEntry:
     """The symlinks of the run directory that point to it (`latest -> step-200`)."""
     custom_objects: int = 0
     """Of an accelerate checkpoint: the objects registered for checkpointing it holds."""
+    doubt: str | None = None
+    """Why it may be complete or a save cut short, where its files cannot tell: it then
+    counts as incomplete, and prune never deletes it."""
     objects: Mapping[str, ObjectInfo] = field(default_factory=dict, repr=False, compare=False)
     """In an object store, the objects the scan listed under it, by name relative to it: all
     that a deletion may remove, and only as they were then."""
@@ -96,7 +99,8 @@ class CheckpointEntry:
                 "modified_at": modified,
                 "age_seconds": None if self.age_seconds is None else round(self.age_seconds),
                 "sha256sums": self.has_sha256sums,
-                "parts": list(self.parts), "linked_by": list(self.linked_by)}
+                "parts": list(self.parts), "linked_by": list(self.linked_by),
+                "doubt": self.doubt}
 
 
 @dataclass
@@ -166,11 +170,11 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
             continue  # removed while we looked (a trainer purging its own old checkpoints)
         except OSError as error:  # not ours to read: not ours to judge or delete either
             scan.ignored.append(IgnoredEntry(name, f"cannot be read ({error.strerror})"))
-    _complete_only_with_every_custom_object(scan.checkpoints)
     links = _symlinks_by_target(scan.path, names)
     for entry in scan.checkpoints:
         entry.linked_by = tuple(links.get(entry.name, ()))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
+    _doubt_those_short_of_custom_objects(scan.checkpoints)
     return scan
 
 
@@ -232,18 +236,29 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
             has_sha256sums=all(file in objects for file in shape.sha256sums_files),
             identity=(0, 0), parts=shape.parts, custom_objects=shape.custom_objects,
             objects=objects))
-    _complete_only_with_every_custom_object(scan.checkpoints)
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
+    _doubt_those_short_of_custom_objects(scan.checkpoints)
 
 
-def _complete_only_with_every_custom_object(checkpoints: list[CheckpointEntry]) -> None:
-    """An accelerate checkpoint that holds fewer of the objects registered for checkpointing
-    than another of the run is a save cut short, or still going: accelerate writes them last,
-    and its load_state refuses a checkpoint that holds another number of them."""
-    most = max((entry.custom_objects for entry in checkpoints if entry.parts), default=0)
+def _doubt_those_short_of_custom_objects(checkpoints: list[CheckpointEntry]) -> None:
+    """accelerate writes the objects registered for checkpointing (custom_checkpoint_<i>.pkl)
+    last, and its load_state refuses a checkpoint that holds another number of them than are
+    registered now. A complete accelerate checkpoint (sorted by step) holding fewer of them than
+    the one before it is a save cut short, or the first since fewer were registered: files
+    cannot tell which. It does not count as complete (so the one before stays the newest), and
+    it is never deleted."""
+    before = None
     for entry in checkpoints:
-        if entry.parts and entry.custom_objects < most:
+        if not (entry.parts and entry.complete):
+            continue
+        if before is not None and entry.custom_objects < before.custom_objects:
             entry.complete = False
+            entry.doubt = (f"holds {entry.custom_objects} of the {before.custom_objects} objects "
+                           f"registered for checkpointing (custom_checkpoint_<i>.pkl) that "
+                           f"{before.name} holds: a save cut short, or the first since fewer "
+                           "were registered; never deleted by prune (delete it by hand if it "
+                           "is not wanted)")
+        before = entry
 
 
 def _checkpoint_shape(path: Path) -> CheckpointShape | str:

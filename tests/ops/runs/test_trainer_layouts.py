@@ -43,7 +43,7 @@ def test_each_accelerate_checkpoint_is_one_entry_with_its_parts(accelerate_run):
     assert scan.ignored == []
 
 
-def test_an_accelerate_checkpoint_short_of_its_registered_objects_is_incomplete(tmp_path):
+def test_an_accelerate_checkpoint_short_of_its_registered_objects_is_kept_unsure(tmp_path):
     """accelerate writes the objects registered for checkpointing (custom_checkpoint_<i>.pkl)
     after the RNG states, and load_state refuses a checkpoint holding another number of them:
     checkpoint_1, cut short before them, was called complete, and prune deleted checkpoint_0,
@@ -54,13 +54,31 @@ def test_an_accelerate_checkpoint_short_of_its_registered_objects_is_incomplete(
     scan = scan_run_directory(run_dir)
     assert [(entry.name, entry.complete) for entry in scan.checkpoints] == [
         ("checkpoint_0", True), ("checkpoint_1", False)]
-    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert scan.checkpoints[1].doubt.startswith(
+        "holds 1 of the 2 objects registered for checkpointing (custom_checkpoint_<i>.pkl) that "
+        "checkpoint_0 holds: a save cut short, or the first since fewer were registered")
+    rules = RetentionRules(keep_last=1, incomplete_older_than_seconds=DAY)
+    report = prune_run_directory(run_dir, rules)
     assert [decision.delete for decision in report.decisions] == [False, False]
     assert sorted(path.name for path in run_dir.iterdir()) == ["checkpoint_0", "checkpoint_1"]
-    add_accelerate_checkpoint(run_dir, "checkpoint_2", custom_objects=2)
-    report = prune_run_directory(run_dir, RetentionRules(keep_last=1,
-                                                         incomplete_older_than_seconds=DAY))
-    assert [decision.delete for decision in report.decisions] == [True, True, False]
+
+
+def test_a_run_that_registers_fewer_objects_since_loses_none_of_its_new_checkpoints(tmp_path):
+    """A run that stopped registering an object after resuming: every checkpoint since holds
+    fewer than the ones before. Compared with the run's largest count, all of them were
+    incomplete, and prune --incomplete-older-than deleted the only ones load_state reads now."""
+    run_dir = tmp_path / "checkpoints"
+    for step in range(6):
+        add_accelerate_checkpoint(run_dir, f"checkpoint_{step}", custom_objects=int(step < 3))
+    scan = scan_run_directory(run_dir)
+    assert [(entry.complete, entry.doubt is not None) for entry in scan.checkpoints] == [
+        (True, False)] * 3 + [(False, True)] + [(True, False)] * 2
+    rules = RetentionRules(keep_last=2, incomplete_older_than_seconds=DAY)
+    report = prune_run_directory(run_dir, rules)
+    assert [decision.checkpoint.name for decision in report.decisions if decision.delete] == [
+        "checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert sorted(path.name for path in run_dir.iterdir()) == [
+        "checkpoint_3", "checkpoint_4", "checkpoint_5"]
 
 
 def add_trainer_checkpoint(run_dir, name, finished=True, optimizer=True):
