@@ -81,8 +81,8 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     anything not named and laid out like a checkpoint. A directory is deleted `.metadata`
     first (every part's, for accelerate's checkpoint_N: always whole, never one part), so
     one whose deletion fails part-way is left looking incomplete, never complete. A RUN_DIR
-    that numbers some checkpoints by epoch (epoch_N, dist_epoch_N) and others by step is
-    refused: the two have no common order.
+    that numbers some complete checkpoints by epoch (epoch_N, dist_epoch_N) and others by
+    step is refused: the two have no common order.
 
     DURATION is a whole number and a unit: s, m, h, d or w (30m, 12h, 7d, 2w).
 

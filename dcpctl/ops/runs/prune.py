@@ -245,17 +245,20 @@ def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> Pr
 
 
 def _refuse_mixed_numbering(directory: StoragePath, checkpoints: list[CheckpointEntry]) -> None:
-    """Checkpoints numbered by epoch (dist_epoch_2) beside ones numbered by step (step-100)
-    have no order: epoch 2 is not older than step 100."""
+    """Complete checkpoints numbered by epoch (dist_epoch_2) beside ones numbered by step
+    (step-100) have no order: epoch 2 is not older than step 100. (Incomplete ones go by age
+    alone.)"""
     by_numbering: dict[str, list[str]] = {}
     for entry in checkpoints:
-        by_numbering.setdefault(numbered_by(entry.name), []).append(entry.name)
+        if entry.complete:
+            by_numbering.setdefault(numbered_by(entry.name), []).append(entry.name)
     if len(by_numbering) > 1:
         raise UnsupportedLayoutError(
-            f"numbers some checkpoints by epoch ({', '.join(by_numbering[EPOCHS][:3])}) and "
-            f"others by step ({', '.join(by_numbering[STEPS][:3])}): prune cannot tell which "
-            "are the newest, so it deletes nothing; keep each numbering in a run directory of "
-            "its own", path=directory)
+            f"numbers some complete checkpoints by epoch "
+            f"({', '.join(by_numbering[EPOCHS][:3])}) and others by step "
+            f"({', '.join(by_numbering[STEPS][:3])}): prune cannot tell which are the newest, "
+            "so it deletes nothing; keep each numbering in a run directory of its own",
+            path=directory)
 
 
 def _carry_out(decision: PruneDecision, delete: Callable[[], None]) -> None:

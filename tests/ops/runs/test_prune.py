@@ -323,12 +323,24 @@ def test_checkpoints_numbered_by_epoch_and_by_step_are_refused_together(tmp_path
         with pytest.raises(UnsupportedLayoutError) as raised:
             _prune(run_dir, dry_run=dry_run, keep_last=1)
         assert str(raised.value) == (
-            f"{run_dir}: numbers some checkpoints by epoch (dist_epoch_1, dist_epoch_2) and "
-            "others by step (step-100): prune cannot tell which are the newest, so it deletes "
-            "nothing; keep each numbering in a run directory of its own")
+            f"{run_dir}: numbers some complete checkpoints by epoch (dist_epoch_1, "
+            "dist_epoch_2) and others by step (step-100): prune cannot tell which are the "
+            "newest, so it deletes nothing; keep each numbering in a run directory of its own")
     assert tree_listing(run_dir) == before
     assert [entry.name for entry in scan_run_directory(run_dir).checkpoints] == [
         "dist_epoch_1", "dist_epoch_2", "step-100"]  # ls lists them all
+
+
+def test_an_incomplete_checkpoint_of_other_numbering_does_not_stop_the_prune(tmp_path):
+    """An empty `0/` beside dist_epoch_1/ and dist_epoch_2/ made prune refuse the run:
+    incomplete checkpoints go by age alone, not by their order."""
+    run_dir = tmp_path / "run"
+    for epoch in (1, 2):
+        add_checkpoint(run_dir, f"dist_epoch_{epoch}", age_seconds=30 * DAY)
+    (run_dir / "0").mkdir()
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == ["dist_epoch_1"]
+    assert _remaining(run_dir) == ["0", "dist_epoch_2"]
 
 
 def test_a_checkpoint_that_holds_checkpoints_below_its_own_metadata_is_never_deleted(tmp_path):
