@@ -88,21 +88,21 @@ def _not_empty(path: str, given: str) -> str:
 
 
 _SHORT_OF_SLASHES = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]+):/?(?P<rest>(?!/).*)$")
+# fsspec's names of object stores and remote file systems: a local name starting with one of
+# these and a colon is a lost slash. (Not every fsspec protocol: `data:set` or `zip:x` are
+# fine names for a local directory.)
+_REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hf",
+                             "oci", "oss", "hdfs", "webhdfs"})
 
 
 def _refuse_a_url_short_of_slashes(text: str) -> None:
     """`s3:/bucket/x` or `s3:bucket/x` is a URL with a slash lost, not a local directory
     `s3:` to read or create, unless there is one."""
     match = _SHORT_OF_SLASHES.match(text)
-    if match is None or os.path.lexists(text.split("/", 1)[0]):
+    if (match is None or match.group("protocol").lower() not in _REMOTE_SCHEMES
+            or os.path.lexists(text.split("/", 1)[0])):
         return
     protocol = match.group("protocol").lower()
-    try:
-        known_protocols = importlib.import_module("fsspec.registry").known_implementations
-    except ImportError:  # torch brings fsspec; without it no URL is read either
-        return
-    if protocol not in known_protocols:
-        return
     raise InvalidOptionError(f"is no URL (its scheme wants two slashes) and no local path: "
                              f"give {protocol}://{match.group('rest')}", path=text)
 

@@ -56,7 +56,7 @@ def test_an_empty_path_is_refused_never_taken_for_the_working_directory(
 
 @pytest.mark.parametrize("given, meant", [
     ("s3:/bucket/run", "s3://bucket/run"), ("S3:bucket/run", "s3://bucket/run"),
-    ("gs:/bucket", "gs://bucket"), ("memory:/x/y", "memory://x/y")])
+    ("gs:/bucket", "gs://bucket"), ("az:/container/x", "az://container/x")])
 def test_a_url_short_of_a_slash_is_refused_with_the_url_meant(copy_fixture, tmp_path, given,
                                                               meant):
     """`-o s3:/bucket/run` wrote a local directory `s3:` in the working directory, and
@@ -81,6 +81,10 @@ def test_a_local_directory_named_like_a_scheme_is_still_read(copy_fixture, tmp_p
     checkpoint.rename(tmp_path / "s3:" / "step-1")
     result = run_dcpctl("inspect", "s3:/step-1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+    for output in ("data:set", "zip:x/y", "file:out", "c:/ck"):  # local names, not lost slashes
+        result = run_dcpctl("compress", "s3:/step-1", "-o", output, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / output / ".metadata").is_file()
 
 
 @pytest.mark.parametrize("option", [["--storage-option", "anon=true"], ["--debug"]])
