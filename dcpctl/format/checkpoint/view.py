@@ -118,10 +118,23 @@ def resolve_inside(directory: StoragePath, relative_path: str) -> StoragePath:
         return candidate  # no links in an object store: the name is the whole story
     real_directory = os.path.realpath(directory)
     real_candidate = os.path.realpath(candidate)
-    if os.path.commonpath([real_directory, real_candidate]) != real_directory:
+    if (os.path.commonpath([real_directory, real_candidate]) != real_directory
+            and not _in_its_hub_cache_blobs(real_directory, real_candidate)):
         raise UnsafePathError(f"{relative_path!r} resolves to {real_candidate}, outside the "
                               "checkpoint directory (a symlink out?)", path=directory)
     return candidate
+
+
+def _in_its_hub_cache_blobs(real_directory: str, real_candidate: str) -> bool:
+    """Whether a checkpoint in huggingface_hub's cache (`REPO/snapshots/REVISION/...`, every
+    file a symlink to `REPO/blobs/HASH`) links real_candidate into its own repository's blobs:
+    a real directory beside its snapshots, not a link out of the tree."""
+    parts = Path(real_directory).parts
+    if "snapshots" not in parts[:-1]:
+        return False
+    repository = Path(*parts[:len(parts) - 1 - parts[::-1].index("snapshots")])
+    blobs = repository / "blobs"
+    return not os.path.islink(blobs) and os.path.dirname(real_candidate) == str(blobs)
 
 
 def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = True

@@ -204,6 +204,45 @@ def test_a_file_linked_out_of_the_directory_is_refused(copy_fixture, tmp_path, n
     assert open_checkpoint(checkpoint).tensors
 
 
+def _in_a_hub_cache(tmp_path, blobs_elsewhere: bool = False):
+    """A checkpoint as huggingface_hub's cache lays out a download: every file of
+    REPO/snapshots/REVISION/ a symlink to REPO/blobs/<its hash>."""
+    import shutil
+
+    repository = tmp_path / "hub" / "models--org--run"
+    snapshot = repository / "snapshots" / "0123abcd" / "step-100"
+    snapshot.mkdir(parents=True)
+    blobs = repository / "blobs"
+    if blobs_elsewhere:  # blobs itself a link out of the tree: no blobs of the repository's
+        (tmp_path / "elsewhere").mkdir()
+        blobs.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    else:
+        blobs.mkdir()
+    for source in fixture_path("fsdp2_adamw_3ranks").iterdir():
+        blob = blobs / f"blob-{source.name.strip('.')}"
+        shutil.copyfile(source, blob)
+        (snapshot / source.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def test_a_checkpoint_in_the_hugging_face_hub_cache_reads(tmp_path):
+    """Its files link to the repository's blobs, out of the checkpoint's directory: every
+    command and dcpctl.storage_reader refused it, where stock torch loads it."""
+    import torch.distributed.checkpoint as dcp
+
+    import dcpctl
+
+    snapshot = _in_a_hub_cache(tmp_path)
+    assert open_checkpoint(snapshot).tensors
+    expected = load_with_torch(fixture_path("fsdp2_adamw_3ranks"))
+    state = {fqn: torch.zeros_like(tensor) for fqn, tensor in expected.items()
+             if isinstance(tensor, torch.Tensor)}
+    dcp.load(state, storage_reader=dcpctl.storage_reader(snapshot), no_dist=True)
+    assert len(state) > 10 and all(torch.equal(state[fqn], expected[fqn]) for fqn in state)
+    with pytest.raises(UnsafePathError, match="resolves to .*outside the checkpoint"):
+        open_checkpoint(_in_a_hub_cache(tmp_path / "other", blobs_elsewhere=True))
+
+
 def test_a_subdirectory_linked_out_of_the_directory_is_refused(copy_fixture, tmp_path):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     outside = tmp_path / "elsewhere"
