@@ -17,7 +17,8 @@ def _remember_json(context: click.Context, parameter: click.Parameter, as_json: 
 json_option = click.option("--json", "as_json", is_flag=True, callback=_remember_json,
                            help="Print the report as one JSON document instead of text; "
                                 "a failure that leaves no report prints {\"error\": MESSAGE, "
-                                "\"exit_code\": N} instead (its Error: line still on stderr).")
+                                "\"exit_code\": N} instead (its Error: line still on stderr; "
+                                "a command line that does not parse, on stderr only).")
 # Past these, a typo (`--workers 100000`) would start a process or thread per unit of it.
 MAX_WORKERS = MAX_THREADS = 1024
 threads_option = click.option(
