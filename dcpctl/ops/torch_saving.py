@@ -41,7 +41,7 @@ def storage_writer(path: str | os.PathLike, codec: str = FLOATSPLIT, level: int 
         # fsspec hands out one cached client per set of keywords, whatever endpoint and
         # credentials the environment names now: this writer gets its own.
         options = {"skip_instance_cache": True, **storage_options(), **writer_options}
-        return FsspecWriter(os.fspath(path), thread_count=thread_count, _extensions=extensions,
+        return FsspecWriter(str(location), thread_count=thread_count, _extensions=extensions,
                             **options)
     # the local path storage_path reads (`file:///abs/ck` is /abs/ck, not ./file:/abs/ck)
     return FileSystemWriter(location, thread_count=thread_count, _extensions=extensions,

@@ -342,12 +342,14 @@ def test_a_file_url_saves_at_the_path_it_names(tmp_path, monkeypatch):
     assert torch.equal(state["w"], torch.ones(3))
 
 
-def test_a_save_into_a_bucket(s3_server, tmp_path):
+@pytest.mark.parametrize("scheme", ["s3", "S3"])
+def test_a_save_into_a_bucket(s3_server, tmp_path, scheme):
     import torch.distributed.checkpoint as dcp
 
     url = f"s3://{s3_server.new_bucket()}/run/step-5"
     state = {"w": (torch.randn(256, 256) * 0.02).to(torch.bfloat16), "step": 5}
-    dcp.save(state, storage_writer=dcpctl.storage_writer(url, thread_count=2), no_dist=True)
+    writer = dcpctl.storage_writer(url.replace("s3", scheme, 1), thread_count=2)
+    dcp.save(state, storage_writer=writer, no_dist=True)
     loaded = load_with_dcpctl_reader(url)
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 5
     result = run_dcpctl("verify", url)
