@@ -39,7 +39,8 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     not one checkpoint_N. A directory named like a step that holds other DCP directories
     (checkpoint-1/step-100: a run of its own) is no checkpoint: it is ignored. Megatron's
     latest_checkpointed_iteration.txt is shown as the tracked step, and a symlink in RUN_DIR
-    that points to a checkpoint (latest -> step-200) below the table.
+    that points to a checkpoint (latest -> step-200) and the transformers Trainer's
+    best_model_checkpoint below the table.
 
     A complete checkpoint is also checked as `verify --quick` checks it, short of hashing (as
     prune does): one that fails is `damaged`, its problem on a line below the table; one
@@ -96,6 +97,8 @@ def render_listing(report: ListReport) -> str:
               for listed in report.checkpoints for link in listed.entry.linked_by]
     lines += [f"unsure: {listed.entry.name}: {listed.entry.doubt}"
               for listed in report.checkpoints if listed.entry.doubt]
+    lines += [f"best: {listed.entry.name} (the Trainer's best_model_checkpoint; prune keeps it)"
+              for listed in report.checkpoints if listed.entry.trainers_best]
     return "\n".join(lines + render_ignored(report.scan.ignored))
 
 

@@ -40,7 +40,7 @@ def test_json_shape(run_cli, tmp_path):
     (entry,) = payload["checkpoints"]
     assert set(entry) == {"name", "path", "step", "complete", "size_bytes", "modified_at",
                           "age_seconds", "sha256sums", "compression", "problem", "in_use", "parts",
-                          "linked_by", "doubt"}
+                          "linked_by", "doubt", "trainers_best"}
     assert (entry["step"], entry["complete"], entry["problem"], entry["in_use"]) == (
         10, True, None, None)
     assert (entry["parts"], payload["tracked_step"]) == ([], None)

@@ -2,7 +2,8 @@
 
 A complete checkpoint is kept when any rule keeps it: it is the newest complete one (always),
 the one the trainer's tracker file names or a symlink in the run directory points to (always,
-complete or not: Megatron resumes from it; `latest -> step-200`), one of the last
+complete or not: Megatron resumes from it; `latest -> step-200`), the transformers Trainer's
+best_model_checkpoint (always), one of the last
 `keep_last` complete ones, its step is a multiple of `keep_every_steps`, its name matches a
 `keep_globs` pattern, or it changed within `older_than_seconds` (newest and last go by step:
 checkpoints of one step are kept together). An incomplete
@@ -142,6 +143,8 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
             reasons.append(f"symlink {', '.join(entry.linked_by)} points to it")
         if entry.doubt is not None:
             reasons.append(f"unsure: {entry.doubt}")
+        if entry.trainers_best:
+            reasons.append("the Trainer's best_model_checkpoint (trainer_state.json)")
         problem = damaged.get(entry.name)
         if problem is not None:
             reasons += _incomplete_keep_reasons(entry, rules, f"damaged ({problem})")

@@ -4,7 +4,9 @@ and state; `ls` lists them and `prune` decides over them."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import posixpath
 import re
 import stat
 import time
@@ -16,10 +18,11 @@ from typing import Mapping
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import (MEGATRON_TRACKER, MEGATRON_TRACKER_MAX_BYTES,
-                                     METADATA_IS_A_DIRECTORY, CheckpointShape, checkpoint_shape,
-                                     parse_tracked_iteration, refuse_a_checkpoint_as_run_directory)
+                                     METADATA_IS_A_DIRECTORY, TRAINER_LAST_WRITTEN,
+                                     CheckpointShape, checkpoint_shape, parse_tracked_iteration,
+                                     refuse_a_checkpoint_as_run_directory)
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
-from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
+from dcpctl.storage.paths import StoragePath, file_names_in, read_whole, storage_path
 
 # A checkpoint directory is named by a word trainers name one by (torchtitan's step-1000,
 # step_2000, the HF Trainer's checkpoint-3000, accelerate's checkpoint_3, DeepSpeed's
@@ -76,6 +79,9 @@ class CheckpointEntry:
     doubt: str | None = None
     """Why it may be complete or a save cut short, where its files cannot tell: it then
     counts as incomplete, and prune never deletes it."""
+    trainers_best: bool = False
+    """Whether the transformers Trainer names it its best checkpoint (best_model_checkpoint
+    in the newest complete checkpoint's trainer_state.json)."""
     objects: Mapping[str, ObjectInfo] = field(default_factory=dict, repr=False, compare=False)
     """In an object store, the objects the scan listed under it, by name relative to it: all
     that a deletion may remove, and only as they were then."""
@@ -100,7 +106,7 @@ class CheckpointEntry:
                 "age_seconds": None if self.age_seconds is None else round(self.age_seconds),
                 "sha256sums": self.has_sha256sums,
                 "parts": list(self.parts), "linked_by": list(self.linked_by),
-                "doubt": self.doubt}
+                "doubt": self.doubt, "trainers_best": self.trainers_best}
 
 
 @dataclass
@@ -175,6 +181,7 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
         entry.linked_by = tuple(links.get(entry.name, ()))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     _doubt_those_short_of_custom_objects(scan.checkpoints)
+    _mark_the_trainers_best(scan.checkpoints)
     return scan
 
 
@@ -238,6 +245,38 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
             objects=objects))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     _doubt_those_short_of_custom_objects(scan.checkpoints)
+    _mark_the_trainers_best(scan.checkpoints)
+
+
+def _mark_the_trainers_best(checkpoints: list[CheckpointEntry]) -> None:
+    """The transformers Trainer (load_best_model_at_end) names its best checkpoint in each
+    checkpoint's trainer_state.json, and its own rotation never deletes that one: nor does
+    prune. The newest complete checkpoint's state is the one that counts."""
+    newest = next((entry for entry in reversed(checkpoints) if entry.complete), None)
+    if newest is None or (newest.objects and TRAINER_LAST_WRITTEN not in newest.objects):
+        return  # (in an object store, the listing tells without a request)
+    best = _best_model_checkpoint(newest.path / TRAINER_LAST_WRITTEN)
+    for entry in checkpoints:
+        entry.trainers_best = entry.name == best
+
+
+def _best_model_checkpoint(path: StoragePath) -> str | None:
+    """The name of the checkpoint a trainer_state.json names best_model_checkpoint (its last
+    path part), or None where there is no such file, or it says none."""
+    try:
+        if path.stat().st_size > TRAINER_STATE_MAX_BYTES:
+            return None
+        state = json.loads(read_whole(path))
+    except (OSError, ValueError):  # none there, unreadable, or no JSON: nothing named
+        return None
+    best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+    if not isinstance(best, str):
+        return None
+    return posixpath.basename(best.replace("\\", "/").rstrip("/"))
+
+
+TRAINER_STATE_MAX_BYTES = 256 << 20
+"""A trainer_state.json holds the run's log history; past this it is not one to parse."""
 
 
 def _doubt_those_short_of_custom_objects(checkpoints: list[CheckpointEntry]) -> None:

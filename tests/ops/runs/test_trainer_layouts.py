@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -81,9 +82,10 @@ def test_a_run_that_registers_fewer_objects_since_loses_none_of_its_new_checkpoi
         "checkpoint_3", "checkpoint_4", "checkpoint_5"]
 
 
-def add_trainer_checkpoint(run_dir, name, finished=True, optimizer=True):
+def add_trainer_checkpoint(run_dir, name, finished=True, optimizer=True, best=None):
     """A checkpoint as the transformers Trainer writes it under FSDP with SHARDED_STATE_DICT:
-    accelerate's DCP parts, then scheduler.pt, each rank's RNG state and trainer_state.json."""
+    accelerate's DCP parts, then scheduler.pt, each rank's RNG state and trainer_state.json
+    (naming best as its best_model_checkpoint, a path as the Trainer writes it)."""
     checkpoint = run_dir / name
     for part in ACCELERATE_PARTS if optimizer else ("pytorch_model_fsdp_0",):
         add_checkpoint(checkpoint, part, complete=True)
@@ -91,8 +93,28 @@ def add_trainer_checkpoint(run_dir, name, finished=True, optimizer=True):
     for rank in range(2):
         (checkpoint / f"rng_state_{rank}.pth").write_bytes(b"rng state")
     if finished:
-        (checkpoint / "trainer_state.json").write_text('{"global_step": 1}')
+        (checkpoint / "trainer_state.json").write_text(json.dumps(
+            {"global_step": 1, "best_model_checkpoint": best and f"output/{best}",
+             "log_history": [{"loss": 1.0}]}))
     return checkpoint
+
+
+def test_prune_keeps_the_trainers_best_checkpoint(tmp_path):
+    """load_best_model_at_end: the Trainer's rotation keeps the checkpoint its state names
+    best_model_checkpoint, and loads it at the end; prune --keep-last 1 deleted it."""
+    run_dir = tmp_path / "output"
+    for step in (500, 1000, 1500):
+        add_trainer_checkpoint(run_dir, f"checkpoint-{step}", best="checkpoint-500")
+    add_trainer_checkpoint(run_dir, "checkpoint-2000", finished=False)
+    scan = scan_run_directory(run_dir)
+    assert [entry.trainers_best for entry in scan.checkpoints] == [True, False, False, False]
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert [decision.checkpoint.name for decision in report.decisions if decision.delete] == [
+        "checkpoint-1000"]
+    assert report.decisions[0].reasons == ["the Trainer's best_model_checkpoint "
+                                           "(trainer_state.json)"]
+    (run_dir / "checkpoint-1500" / "trainer_state.json").write_text("not JSON")
+    assert not any(entry.trainers_best for entry in scan_run_directory(run_dir).checkpoints)
 
 
 def test_transformers_trainer_checkpoints_are_complete_once_its_state_is_written(tmp_path):
