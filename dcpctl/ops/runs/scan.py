@@ -267,7 +267,7 @@ def _best_model_checkpoint(path: StoragePath) -> str | None:
         if path.stat().st_size > TRAINER_STATE_MAX_BYTES:
             return None
         state = json.loads(read_whole(path))
-    except (OSError, ValueError):  # none there, unreadable, or no JSON: nothing named
+    except (OSError, ValueError, RecursionError):  # none there, unreadable, no JSON: no name
         return None
     best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
     if not isinstance(best, str):

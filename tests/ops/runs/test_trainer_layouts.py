@@ -113,8 +113,9 @@ def test_prune_keeps_the_trainers_best_checkpoint(tmp_path):
         "checkpoint-1000"]
     assert report.decisions[0].reasons == ["the Trainer's best_model_checkpoint "
                                            "(trainer_state.json)"]
-    (run_dir / "checkpoint-1500" / "trainer_state.json").write_text("not JSON")
-    assert not any(entry.trainers_best for entry in scan_run_directory(run_dir).checkpoints)
+    for state in ("not JSON", "[" * 100_000, '{"best_model_checkpoint": 3}'):
+        (run_dir / "checkpoint-1500" / "trainer_state.json").write_text(state)
+        assert not any(entry.trainers_best for entry in scan_run_directory(run_dir).checkpoints)
 
 
 def test_transformers_trainer_checkpoints_are_complete_once_its_state_is_written(tmp_path):
