@@ -56,16 +56,16 @@ def storage_reader(path: str | os.PathLike) -> FileSystemReader:
     return LocalReader(location)
 
 
-def torch_metadata(data: bytes, directory: StoragePath, load_id: str) -> Metadata:
-    """The `.metadata` of the checkpoint in directory as torch's reader makes it, once
-    dcpctl's allowlist reader accepted the pickle (torch's own reader unpickles whatever it
-    finds, running what it names) and every data file it names lies inside directory (torch's
+def torch_metadata(data: bytes, path: StoragePath, load_id: str) -> Metadata:
+    """The metadata file at path, read as data, as torch's reader makes it, once dcpctl's
+    allowlist reader accepted the pickle (torch's own reader unpickles whatever it finds,
+    running what it names) and every data file it names lies inside its directory (torch's
     reader opens whatever path it is given: `../other/__0_0.distcp`, an absolute path, a
     symlink out)."""
-    parse_metadata(data, str(directory / METADATA_FILE_NAME))  # DCP metadata only, run nothing
+    parse_metadata(data, str(path))  # refuses anything but DCP metadata, running nothing
     metadata = pickle.loads(data)  # what the allowlist reader accepted: torch's classes
     for relative_path in {info.relative_path for info in metadata.storage_data.values()}:
-        resolve_inside(directory, relative_path)
+        resolve_inside(path.parent, relative_path)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     metadata.storage_meta.load_id = load_id
@@ -175,7 +175,7 @@ class LocalReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             data = stream.read()
-        return torch_metadata(data, Path(path).parent, self.load_id)
+        return torch_metadata(data, Path(path), self.load_id)
 
 
 @dataclass
@@ -213,7 +213,7 @@ class ObjectStoreReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self.location / METADATA_FILE_NAME
         path.store.list_tree(self.location.key, pin_current=True)  # this load reads them now
-        return torch_metadata(read_whole(path), self.location, self.load_id)
+        return torch_metadata(read_whole(path), path, self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture:
         ranges = self._merged_ranges(plan.items)

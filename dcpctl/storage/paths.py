@@ -99,10 +99,9 @@ def _refuse_a_url_short_of_slashes(text: str) -> None:
     """`s3:/bucket/x` or `s3:bucket/x` is a URL with a slash lost, not a local directory
     `s3:` to read or create, unless there is one."""
     match = _SHORT_OF_SLASHES.match(text)
-    if (match is None or match.group("protocol").lower() not in _REMOTE_SCHEMES
-            or os.path.lexists(text.split("/", 1)[0])):
+    protocol = match.group("protocol").lower() if match else None
+    if protocol not in _REMOTE_SCHEMES or os.path.lexists(text.split("/", 1)[0]):
         return
-    protocol = match.group("protocol").lower()
     raise InvalidOptionError(f"is no URL (its scheme wants two slashes) and no local path: "
                              f"give {protocol}://{match.group('rest')}", path=text)
 
