@@ -37,7 +37,7 @@ def checksum_command(checkpoint: str, as_json: bool, threads: int | None,
     print_report(report, as_json, render_checksum_report)
 
 
-def render_checksum_report(report: ChecksumReport) -> str:
+def render_checksum_report(report: ChecksumReport) -> list[str]:
     """Where SHA256SUMS went and what it covers, for people."""
-    return (f"wrote {report.sums_path}: {counted(len(report.digests), 'file')}, "
-            f"{format_bytes(report.hashed_bytes)}")
+    return [f"wrote {report.sums_path}: {counted(len(report.digests), 'file')}, "
+            f"{format_bytes(report.hashed_bytes)}"]

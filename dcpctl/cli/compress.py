@@ -106,7 +106,7 @@ def decompress_command(checkpoint: str, output: str | None, threads: int | None,
     print_report(report, as_json, render_transcode_report)
 
 
-def render_transcode_report(report: TranscodeReport) -> str:
+def render_transcode_report(report: TranscodeReport) -> list[str]:
     """What a compress or decompress did, for people."""
     if report.unchanged:
         left = "would be left" if report.dry_run else "left"
@@ -116,7 +116,7 @@ def render_transcode_report(report: TranscodeReport) -> str:
                  f"stored: {format_bytes(report.stored_bytes_before)}"]
         lines += [f"removed {name}, left by an earlier interrupted run"
                   for name in report.removed_stale_files]
-        return "\n".join(lines)
+        return lines
     where = "in place" if report.in_place else f"into {report.output}"
     verb = "would rewrite" if report.dry_run else "rewrote"
     encoding = "uncompressed" if report.codec == IDENTITY.name else f"as {report.codec}"
@@ -124,7 +124,7 @@ def render_transcode_report(report: TranscodeReport) -> str:
              + (f" level {report.level}" if report.level else "")
              + f" ({report.items_transcoded} re-encoded, {report.items_copied} copied)"]
     if report.dry_run:
-        return "\n".join(lines + [f"stored now: {format_bytes(report.stored_bytes_before)}"])
+        return lines + [f"stored now: {format_bytes(report.stored_bytes_before)}"]
     rate = report.stored_bytes_before / report.seconds if report.seconds else 0
     lines.append(f"stored: {format_bytes(report.stored_bytes_before)} -> "
                  f"{format_bytes(report.stored_bytes_after)} (ratio {report.ratio:.3f}) in "
@@ -133,4 +133,4 @@ def render_transcode_report(report: TranscodeReport) -> str:
                  + (f"{report.threads} threads" if report.threads > 1 else "1 thread"))
     lines += [f"removed {name}, left by an earlier interrupted run"
               for name in report.removed_stale_files]
-    return "\n".join(lines)
+    return lines

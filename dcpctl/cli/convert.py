@@ -149,7 +149,7 @@ def _refuse_foreign_options(context: click.Context, target: str) -> None:
             raise click.UsageError(f"{option} does not apply to --to {target}", context)
 
 
-def render_convert_report(report: ConvertReport) -> str:
+def render_convert_report(report: ConvertReport) -> list[str]:
     """What a convert did, for people."""
     objects = f" and {report.objects} objects" if report.objects else ""
     layout = f" for {counted(report.ranks, 'rank')}" if report.ranks else ""
@@ -171,5 +171,4 @@ def render_convert_report(report: ConvertReport) -> str:
         lines.append("left out: " + "; ".join(left_out))
     rows = [(written.name, written.tensors, format_bytes(written.size_bytes))
             for written in report.files]
-    lines += ["", format_table(("file", "tensors", "size"), rows, right_aligned=(1, 2))]
-    return "\n".join(lines)
+    return lines + ["", *format_table(("file", "tensors", "size"), rows, right_aligned=(1, 2))]

@@ -46,8 +46,9 @@ def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
     # them at all.
     with paused_cycle_collector():
         report = inspect_checkpoint(checkpoint, fqn_glob)
-        print_report(report, as_json, lambda report: "\n\n".join(
-            [render_summary(report), render_files(report) if by_file else render_tensors(report)]))
+        print_report(report, as_json, lambda report: [
+            *render_summary(report), "",
+            *(render_files(report) if by_file else render_tensors(report))])
         end_process_without_teardown(context)
         del report
 
@@ -56,7 +57,7 @@ def _ratio(numerator: int, denominator: int) -> str:
     return f"{numerator / denominator:.3f}" if denominator else "-"
 
 
-def render_summary(report: InspectReport) -> str:
+def render_summary(report: InspectReport) -> list[str]:
     """The key facts of a checkpoint, one per line."""
     def sizes(logical: dict[str, int], stored: dict[str, int] | None = None) -> str:
         parts = []
@@ -83,11 +84,10 @@ def render_summary(report: InspectReport) -> str:
         ("files", f"{len(report.files)}, {format_bytes(file_bytes)}"),
     ]
     width = max(len(label) for label, _ in lines)
-    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in lines
-                     if value is not None)
+    return [f"{label.ljust(width)}  {value}" for label, value in lines if value is not None]
 
 
-def render_tensors(report: InspectReport) -> str:
+def render_tensors(report: InspectReport) -> list[str]:
     """One row per tensor, then one per object."""
     # Shapes and sizes repeat from tensor to tensor: each distinct one is formatted once.
     shape_text = lru_cache(maxsize=None)(_shape_text)
@@ -104,7 +104,7 @@ def _shape_text(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape)) or "scalar"
 
 
-def render_files(report: InspectReport) -> str:
+def render_files(report: InspectReport) -> list[str]:
     """One row per data file."""
     rows = [(f.name, format_bytes(f.size_bytes), f.serialization, f.item_count,
              ", ".join(f"{codec} {count}"

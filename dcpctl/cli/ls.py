@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 
 from dcpctl.cli.options import checkpoint_argument, json_option
-from dcpctl.cli.render import (escape_control_characters, format_age, format_bytes,
-                               format_table, print_report)
+from dcpctl.cli.render import format_age, format_bytes, format_table, print_report
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.listing import ListedCheckpoint, ListReport, list_run_directory
 from dcpctl.ops.runs.scan import CheckpointEntry, IgnoredEntry
@@ -72,11 +71,10 @@ def checkpoint_cells(entry: CheckpointEntry, checked_state: str | None = None) -
 
 def render_ignored(ignored: list[IgnoredEntry]) -> list[str]:
     """One line per entry named like a checkpoint that was left alone."""
-    return [escape_control_characters(f"ignored {entry.name}: {entry.reason}")
-            for entry in ignored]
+    return [f"ignored {entry.name}: {entry.reason}" for entry in ignored]
 
 
-def render_listing(report: ListReport) -> str:
+def render_listing(report: ListReport) -> list[str]:
     """The ls table, then damaged checkpoints' problems and the ignored look-alikes."""
     if not report.checkpoints:
         lines = [f"{report.scan.path}: no checkpoint directories"]
@@ -86,8 +84,8 @@ def render_listing(report: ListReport) -> str:
                  else ", ".join(listed.compression or ()) or "-",
                  "yes" if listed.entry.has_sha256sums else "no"]
                 for listed in report.checkpoints]
-        lines = [format_table((*CHECKPOINT_HEADERS, "COMPRESSION", "SHA256SUMS"), rows,
-                              right_aligned=(0, 3, 4))]
+        lines = format_table((*CHECKPOINT_HEADERS, "COMPRESSION", "SHA256SUMS"), rows,
+                             right_aligned=(0, 3, 4))
         lines += [f"problem: {listed.problem}" for listed in report.checkpoints if listed.problem]
         lines += [f"in use: {listed.in_use}" for listed in report.checkpoints if listed.in_use]
     if report.scan.tracked_step is not None:
@@ -99,7 +97,7 @@ def render_listing(report: ListReport) -> str:
               for listed in report.checkpoints if listed.entry.doubt]
     lines += [f"best: {listed.entry.name} (the Trainer's best_model_checkpoint; prune keeps it)"
               for listed in report.checkpoints if listed.entry.trainers_best]
-    return "\n".join(lines + render_ignored(report.scan.ignored))
+    return lines + render_ignored(report.scan.ignored)
 
 
 def _checked_state(listed: ListedCheckpoint) -> str | None:

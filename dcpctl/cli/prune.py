@@ -116,14 +116,14 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
                                   f"{failed[0].error}", path=run_dir)
 
 
-def render_prune(report: PruneReport) -> str:
+def render_prune(report: PruneReport) -> list[str]:
     """One row per checkpoint with what became of it and why, then a summary line."""
     rows = [[*checkpoint_cells(decision.checkpoint, "damaged" if decision.damage else None),
              decision.status,
              "; ".join(decision.reasons + ([decision.error] if decision.error else []))]
             for decision in report.decisions]
-    lines = [format_table((*CHECKPOINT_HEADERS, "ACTION", "WHY"), rows, right_aligned=(0, 3, 4))
-             if rows else f"{report.run_dir}: no checkpoint directories"]
+    lines = (format_table((*CHECKPOINT_HEADERS, "ACTION", "WHY"), rows, right_aligned=(0, 3, 4))
+             if rows else [f"{report.run_dir}: no checkpoint directories"])
     lines += render_ignored(report.ignored)
     planned = len(report.to_delete)
     if report.dry_run:
@@ -132,4 +132,4 @@ def render_prune(report: PruneReport) -> str:
     else:
         lines.append(f"deleted {len(report.with_status(DELETED))} of "
                      f"{counted(planned, 'checkpoint')}, freed {format_bytes(report.freed_bytes)}")
-    return "\n".join(lines)
+    return lines

@@ -1,9 +1,10 @@
 """Turning reports into text for people and JSON for scripts: the one way commands print.
 
 Names in a report come from a checkpoint or a directory that a stranger may have made, and a
-name can hold terminal control sequences (`\\x1b[31m`...). Text for people has every control
-character escaped, so what a checkpoint holds can never rewrite the screen; JSON escapes them
-by its own rules.
+name can hold terminal control sequences (`\\x1b[31m`...) or line breaks. A report for people
+is rendered as lines, and every control character in each line is escaped, the line break
+too: what a checkpoint holds can never rewrite the screen or pass for a line of the report.
+JSON escapes them by its own rules.
 """
 
 from __future__ import annotations
@@ -22,9 +23,18 @@ _ESCAPES.update({code: f"\\x{code - 0xDC00:02x}" for code in range(0xDC80, 0xDD0
 _ESCAPES_KEEPING_LINES = {code: text for code, text in _ESCAPES.items() if code != ord("\n")}
 
 
-def escape_control_characters(text: str, keep_newlines: bool = False) -> str:
+def escape_control_characters(text: str) -> str:
     """text with every control character written as an escape, `\\x1b` for ESC."""
-    return text.translate(_ESCAPES_KEEPING_LINES if keep_newlines else _ESCAPES)
+    return text.translate(_ESCAPES)
+
+
+def escaped_lines(lines: Sequence[str]) -> str:
+    """The lines joined into one text, every control character in each escaped, a line break
+    inside a line too."""
+    text = "\n".join(lines)
+    if text.count("\n") == max(len(lines) - 1, 0):  # no line holds a break: one pass
+        return text.translate(_ESCAPES_KEEPING_LINES)
+    return "\n".join(map(escape_control_characters, lines))
 
 
 def format_bytes(size_bytes: int | None) -> str:
@@ -56,9 +66,9 @@ def format_age(seconds: float | None) -> str:
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
-                 right_aligned: Sequence[int] = ()) -> str:
-    """A plain text table with columns padded to their widest cell, control characters in
-    cells escaped first (so that columns stay aligned)."""
+                 right_aligned: Sequence[int] = ()) -> list[str]:
+    """The lines of a plain text table with columns padded to their widest cell, control
+    characters in cells escaped first (so that columns stay aligned)."""
     columns = [[header, *_escaped_cells(list(map(str, column)))]
                for header, column in zip(headers, zip(*rows) if rows else [()] * len(headers))]
     widths = [max(map(len, column)) for column in columns]
@@ -66,7 +76,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
     # hundred thousand rows are formatted in C, not cell by cell.
     row_format = "  ".join(f"%{'' if index in right_aligned else '-'}{width}s"
                            for index, width in enumerate(widths))
-    return "\n".join(map(str.rstrip, map(row_format.__mod__, zip(*columns))))
+    return list(map(str.rstrip, map(row_format.__mod__, zip(*columns))))
 
 
 def _escaped_cells(cells: list[str]) -> list[str]:
@@ -84,10 +94,11 @@ JSON_ASKED = "json_asked"
 REPORT_PRINTED = "report_printed"
 
 
-def print_report(report: Any, as_json: bool, render_text: Callable[[Any], str]) -> None:
+def print_report(report: Any, as_json: bool,
+                 render_lines: Callable[[Any], Sequence[str]]) -> None:
     """Print a command's report on stdout: one compact JSON document (the report's own
-    `to_json_text()` where it writes one, else `to_json()`), or render_text(report) for
-    people."""
+    `to_json_text()` where it writes one, else `to_json()`), or render_lines(report) for
+    people, escaped."""
     context = click.get_current_context(silent=True)
     if context is not None:
         context.ensure_object(dict)[REPORT_PRINTED] = True
@@ -97,7 +108,7 @@ def print_report(report: Any, as_json: bool, render_text: Callable[[Any], str]) 
         text = to_json_text() if to_json_text is not None else json.dumps(
             report.to_json(), separators=(",", ":"), default=str)
     else:
-        text = escape_control_characters(render_text(report), keep_newlines=True)
+        text = escaped_lines(render_lines(report))
     sys.stdout.write(text)
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
                                 threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import counted, escape_control_characters, format_bytes, print_report
+from dcpctl.cli.render import counted, format_bytes, print_report
 from dcpctl.errors import InvalidOptionError
 from dcpctl.ops.reshard.execution import (CODEC_NAMES, PER_RANK_OBJECT_CHOICES, Mesh,
                                           ReshardReport, parse_mesh, reshard_checkpoint)
@@ -88,7 +88,7 @@ def reshard_command(checkpoint: str, world_size: int | None, mesh_text: str | No
     print_report(report, as_json, render_reshard_report)
 
 
-def render_reshard_report(report: ReshardReport) -> str:
+def render_reshard_report(report: ReshardReport) -> list[str]:
     """What a reshard did, for people."""
     rate = report.logical_bytes / report.seconds if report.seconds else 0
     lines = [f"{report.source} -> {report.output}: {counted(report.tensors, 'tensor')} in "
@@ -108,6 +108,6 @@ def render_reshard_report(report: ReshardReport) -> str:
         without = (f"; new ranks {describe_ranks(per_rank.ranks_without)} have none of "
                    "their own (a trainer that loads its own, as torchtitan's dataloader does, "
                    "must skip them on resume)" if per_rank.ranks_without else "")
-        lines.append(f"per-rank objects ({escape_control_characters(per_rank.fqns[0])}, ...) "
+        lines.append(f"per-rank objects ({per_rank.fqns[0]}, ...) "
                      f"of ranks {describe_ranks(per_rank.ranks)}: {what}{without}")
-    return "\n".join(lines)
+    return lines

@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import counted, escape_control_characters, format_bytes, print_report
+from dcpctl.cli.render import counted, format_bytes, print_report
 from dcpctl.ops.verify.verifier import Problem, VerifyReport, verify_checkpoint
 
 _FQNS_SHOWN = 3
@@ -50,7 +50,7 @@ def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json
     context.exit(report.exit_code)
 
 
-def render_report(report: VerifyReport) -> str:
+def render_report(report: VerifyReport) -> list[str]:
     """A summary of the checks made, then each problem on two lines."""
     checks = ["structure"]
     if report.checksummed_files is not None:
@@ -67,12 +67,12 @@ def render_report(report: VerifyReport) -> str:
                      "stopped (or running) dcpctl, not the checkpoint's: the next in-place run "
                      "removes them (in an object store once a day old)")
     for problem in report.problems:
-        lines += ["", render_problem(problem)]
-    return "\n".join(lines)
+        lines += ["", *render_problem(problem)]
+    return lines
 
 
-def render_problem(problem: Problem) -> str:
-    """`rule  file  bytes a..b  fqns` then the message, indented."""
+def render_problem(problem: Problem) -> list[str]:
+    """`rule  file  bytes a..b  fqns`, then the message, indented."""
     parts = [problem.rule]
     if problem.file:
         parts.append(problem.file)
@@ -82,6 +82,4 @@ def render_problem(problem: Problem) -> str:
         shown = ", ".join(problem.fqns[:_FQNS_SHOWN])
         more = len(problem.fqns) - _FQNS_SHOWN
         parts.append(shown + (f" and {more} more" if more > 0 else ""))
-    # names and messages come from the checkpoint: a newline in them must not start a line
-    return (escape_control_characters("  ".join(parts)) + "\n    "
-            + escape_control_characters(problem.message))
+    return ["  ".join(parts), "    " + problem.message]

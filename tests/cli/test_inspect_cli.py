@@ -105,9 +105,9 @@ def test_inspect_imports_none_of_the_heavy_modules():
 def _table_cell_by_cell(headers, rows, right_aligned):
     cells = [[str(cell) for cell in row] for row in [headers, *rows]]
     widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
-    return "\n".join("  ".join(cell.rjust(width) if column in right_aligned else cell.ljust(width)
-                               for column, (cell, width) in enumerate(zip(row, widths))).rstrip()
-                     for row in cells)
+    return ["  ".join(cell.rjust(width) if column in right_aligned else cell.ljust(width)
+                      for column, (cell, width) in enumerate(zip(row, widths))).rstrip()
+            for row in cells]
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -171,6 +171,30 @@ def test_a_newline_in_a_name_cannot_forge_a_line_of_a_report(run_cli, copy_fixtu
     assert [line for line in result.output.splitlines() if line.startswith("status")] == [
         line for line in result.output.splitlines() if line.startswith("status      damaged")]
     assert "grid\\x0a\\x0astatus      ok" in result.output
+
+
+def test_a_newline_in_a_name_or_path_cannot_forge_a_line_of_any_report(run_cli, copy_fixture,
+                                                                        tmp_path):
+    """Every report for people escapes a line break in what it names: the summary's `by key`
+    line of inspect, the checkpoint's path in verify, compress, checksum and convert, a symlink's
+    name in ls; each printed it as it was, and the text after it passed for a line of dcpctl's
+    own."""
+    forged = "\nFORGED ok"
+    checkpoint = tmp_path / f"run{forged}" / "step-1"
+    checkpoint.parent.mkdir()
+    copy_fixture("mesh2d_4ranks").rename(checkpoint)
+    _with_grid_renamed(checkpoint, f"grid{forged}")
+    (checkpoint.parent / f"latest{forged}").symlink_to("step-1")
+    runs = [("inspect", checkpoint), ("verify", checkpoint), ("ls", checkpoint.parent),
+            ("compress", checkpoint, "-o", tmp_path / f"zstd{forged}"),
+            ("checksum", checkpoint),
+            ("convert", checkpoint, "--to", "torch", "-o", tmp_path / f"model{forged}.pt")]
+    for args in runs:
+        result = run_cli(*args)
+        assert result.exit_code == 0, (args, result.output)
+        assert "\\x0aFORGED ok" in result.output, (args, result.output)
+        assert not [line for line in result.output.splitlines() if "FORGED" in line
+                    and "\\x0aFORGED" not in line], (args, result.output)
 
 
 @pytest.mark.parametrize("args", [["inspect", "--json"], ["inspect"], ["verify", "--json"]],
