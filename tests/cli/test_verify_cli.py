@@ -129,3 +129,28 @@ def test_usage_errors_exit_2(run_cli):
     assert run_cli("verify").exit_code == 2
     assert run_cli("verify", fixture_path("mesh2d_4ranks"), "--threads", 0).exit_code == 2
     assert run_cli("checksum", fixture_path("mesh2d_4ranks"), "--bogus").exit_code == 2
+
+
+def test_a_data_file_left_by_an_earlier_save_is_named_as_one(run_cli, tmp_path):
+    """torch's writer, saving again into one directory with fewer writer threads, overwrites
+    `.metadata` and the files it names and leaves the others: the checkpoint loads, and verify
+    says where the files it does not know most likely come from, and that removing them
+    clears it; a file of any other name is only said to be unknown."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = tmp_path / "latest"
+    state = {f"w{index}": torch.arange(8.0) + index for index in range(4)}
+    for threads in (4, 1):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(checkpoint, thread_count=threads))
+    (checkpoint / "notes.txt").write_text("mine")
+    loaded = {name: torch.zeros(8) for name in state}
+    dcp.load(loaded, checkpoint_id=checkpoint)
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
+    report = json.loads(run_cli("verify", checkpoint, "--json").output)
+    messages = {problem["file"]: problem["message"] for problem in report["problems"]}
+    assert sorted(messages) == ["__0_1.distcp", "__0_2.distcp", "__0_3.distcp", "notes.txt"]
+    assert messages["notes.txt"] == "file is not named by the metadata"
+    assert all("a data file of an earlier save into this directory" in messages[name]
+               and "removing it clears this" in messages[name]
+               for name in messages if name != "notes.txt")

@@ -18,7 +18,8 @@ from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_besid
                                                  side_file_problems, side_files_of)
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
-from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
+from dcpctl.format.file_names import (METADATA_FILE_NAME, SHA256SUMS_FILE_NAME,
+                                      rank_of_file_name)
 from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_started
 from dcpctl.ops.verify.consolidation import consolidation_problems
 from dcpctl.ops.verify.scan import items_to_check
@@ -150,8 +151,20 @@ def unknown_file_problems(checkpoint: Checkpoint, present: set[str] | None = Non
                   if checkpoint.hf_storage else present)
     unknown = candidates - known - {SHA256SUMS_FILE_NAME} - set(
         leftover_temporaries(checkpoint, present))
-    return [Problem(Rule.UNKNOWN_FILE, "file is not named by the metadata", name)
+    return [Problem(Rule.UNKNOWN_FILE, _unknown_file_message(name), name)
             for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown)))]
+
+
+def _unknown_file_message(name: str) -> str:
+    """What verify says of a file the metadata does not name; of a data file named as torch's
+    writer names them, where it most likely comes from: saving again into one directory with
+    fewer ranks or writer threads, which overwrites `.metadata` and the files it names and
+    leaves the rest."""
+    if rank_of_file_name(name) is None:
+        return "file is not named by the metadata"
+    return ("file is not named by the metadata: a data file of an earlier save into this "
+            "directory, most likely (torch's writer leaves the files of a save before with more "
+            "ranks or threads); the checkpoint loads without it, and removing it clears this")
 
 
 def leftover_temporaries(checkpoint: Checkpoint, present: set[str]) -> list[str]:
