@@ -8,7 +8,7 @@ import click
 
 from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.process import end_process_without_teardown
-from dcpctl.cli.render import counted, format_bytes, format_table, print_report
+from dcpctl.cli.render import counted, format_bytes, format_table, print_report, render_problem
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.ops.inspection.report import InspectReport, inspect_checkpoint
 
@@ -34,6 +34,10 @@ def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
     the compression in use. Then one row per tensor: fqn, dtype, shape, number of stored
     chunks, logical and stored bytes.
 
+    A data file that is missing or ends before the items the metadata places in it is listed
+    below the report, which is shown all the same, and inspect exits 1 (`problems` in
+    --json); `dcpctl verify` checks every byte.
+
     \b
     Examples:
       dcpctl inspect ckpt/
@@ -48,9 +52,12 @@ def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
         report = inspect_checkpoint(checkpoint, fqn_glob)
         print_report(report, as_json, lambda report: [
             *render_summary(report), "",
-            *(render_files(report) if by_file else render_tensors(report))])
-        end_process_without_teardown(context)
+            *(render_files(report) if by_file else render_tensors(report)),
+            *(line for problem in report.problems for line in ("", *render_problem(problem)))])
+        exit_code = 1 if report.problems else 0
+        end_process_without_teardown(context, exit_code)
         del report
+    context.exit(exit_code)
 
 
 def _ratio(numerator: int, denominator: int) -> str:
@@ -82,6 +89,8 @@ def render_summary(report: InspectReport) -> list[str]:
         ("compression", ", ".join(f"{codec} ({counted(count, 'item')})"
                                   for codec, count in report.compression.items()) or "-"),
         ("files", f"{len(report.files)}, {format_bytes(file_bytes)}"),
+        ("damaged", f"{counted(len(report.problems), 'problem')} of its data files, listed "
+                    "below" if report.problems else None),
     ]
     width = max(len(label) for label, _ in lines)
     return [f"{label.ljust(width)}  {value}" for label, value in lines if value is not None]

@@ -12,11 +12,12 @@ import click
 RUNS_AS_PROCESS = "runs_as_process"
 
 
-def end_process_without_teardown(context: click.Context) -> None:
-    """In the dcpctl process itself, flush the output and exit 0 at once: freeing millions of
-    objects one by one at shutdown can take longer than the command's own work."""
+def end_process_without_teardown(context: click.Context, exit_code: int = 0) -> None:
+    """In the dcpctl process itself, flush the output and exit with exit_code at once:
+    freeing millions of objects one by one at shutdown can take longer than the command's
+    own work."""
     if not (context.find_root().obj or {}).get(RUNS_AS_PROCESS):
         return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(0)
+    os._exit(exit_code)

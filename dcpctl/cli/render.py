@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import click
 
+if TYPE_CHECKING:
+    from dcpctl.ops.verify.verifier import Problem
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_FQNS_SHOWN = 3  # of a problem's
 # C0 and C1 control characters, DEL, and the lone surrogates that stand for undecodable bytes
 # in file names: each shown as \\xNN.
 _ESCAPES = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
@@ -123,3 +127,17 @@ def print_failure(context: click.Context, message: str, exit_code: int) -> None:
     if asked.get(JSON_ASKED) and not asked.get(REPORT_PRINTED):
         sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code}) + "\n")
         sys.stdout.flush()
+
+
+def render_problem(problem: Problem) -> list[str]:
+    """`rule  file  bytes a..b  fqns`, then the message, indented."""
+    parts = [problem.rule]
+    if problem.file:
+        parts.append(problem.file)
+    if problem.start is not None and problem.end is not None:
+        parts.append(f"bytes {problem.start}..{problem.end}")
+    if problem.fqns:
+        shown = ", ".join(problem.fqns[:_FQNS_SHOWN])
+        more = len(problem.fqns) - _FQNS_SHOWN
+        parts.append(shown + (f" and {more} more" if more > 0 else ""))
+    return ["  ".join(parts), "    " + problem.message]

@@ -7,10 +7,8 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import counted, format_bytes, print_report
-from dcpctl.ops.verify.verifier import Problem, VerifyReport, verify_checkpoint
-
-_FQNS_SHOWN = 3
+from dcpctl.cli.render import counted, format_bytes, print_report, render_problem
+from dcpctl.ops.verify.verifier import VerifyReport, verify_checkpoint
 
 
 @click.command("verify")
@@ -59,7 +57,7 @@ def render_report(report: VerifyReport) -> list[str]:
         checks.append(f"deep ({counted(report.items_checked, 'item')})")
     status = report.status
     if report.problems:
-        status += f": {len(report.problems)} problem{'s' * (len(report.problems) != 1)}"
+        status += f": {counted(len(report.problems), 'problem')}"
     lines = [f"checkpoint  {report.path}", f"checks      {', '.join(checks)}",
              f"read        {format_bytes(report.bytes_read)}", f"status      {status}"]
     if report.leftover_temporaries:
@@ -69,17 +67,3 @@ def render_report(report: VerifyReport) -> list[str]:
     for problem in report.problems:
         lines += ["", *render_problem(problem)]
     return lines
-
-
-def render_problem(problem: Problem) -> list[str]:
-    """`rule  file  bytes a..b  fqns`, then the message, indented."""
-    parts = [problem.rule]
-    if problem.file:
-        parts.append(problem.file)
-    if problem.start is not None and problem.end is not None:
-        parts.append(f"bytes {problem.start}..{problem.end}")
-    if problem.fqns:
-        shown = ", ".join(problem.fqns[:_FQNS_SHOWN])
-        more = len(problem.fqns) - _FQNS_SHOWN
-        parts.append(shown + (f" and {more} more" if more > 0 else ""))
-    return ["  ".join(parts), "    " + problem.message]

@@ -56,9 +56,33 @@ def test_bad_inputs_are_one_line_errors(run_cli, tmp_path, copy_fixture):
     hostile = copy_fixture("mesh2d_4ranks")
     (hostile / ".metadata").write_bytes(pickle.dumps(print))
     _assert_one_line_error(run_cli("inspect", hostile), ".metadata", "builtins.print")
-    truncated = copy_fixture("objects_2ranks")
-    (truncated / "__1_2.distcp").write_bytes(b"")
-    _assert_one_line_error(run_cli("inspect", truncated), "__1_2.distcp", "truncated")
+
+
+def test_a_checkpoint_with_a_data_file_cut_short_or_missing_is_shown_with_its_problems(
+        run_cli, copy_fixture):
+    """What the metadata says is what a user whose load failed wants to see: inspect shows it
+    and lists the data files missing or cut short below it, exit 1 (it refused the whole
+    checkpoint with an error naming the first)."""
+    checkpoint = copy_fixture("objects_2ranks")
+    whole = json.loads(run_cli("inspect", checkpoint, "--json").output)
+    assert whole["problems"] == []
+    (checkpoint / "__1_2.distcp").write_bytes(b"")
+    (checkpoint / "__0_0.distcp").unlink()
+    result = run_cli("inspect", checkpoint)
+    assert result.exit_code == 1, result.output
+    assert "damaged      2 problems of its data files, listed below" in result.output
+    assert "missing-file  __0_0.distcp" in result.output
+    assert "truncated  __1_2.distcp  bytes 0.." in result.output
+    for tensor in whole["tensors"]:
+        assert tensor["fqn"] in result.output
+    json_result = run_cli("inspect", checkpoint, "--json")
+    assert json_result.exit_code == 1
+    report = json.loads(json_result.output)
+    assert [(problem["rule"], problem["file"]) for problem in report["problems"]] == [
+        ("missing-file", "__0_0.distcp"), ("truncated", "__1_2.distcp")]
+    sizes = ("problems", "files", "file_bytes")  # those of the files as they are now
+    assert {key: value for key, value in report.items() if key not in sizes} == {
+        key: value for key, value in whole.items() if key not in sizes}
 
 
 def test_debug_shows_the_traceback(run_cli, tmp_path):
@@ -173,8 +197,8 @@ def test_a_newline_in_a_name_cannot_forge_a_line_of_a_report(run_cli, copy_fixtu
     assert "grid\\x0a\\x0astatus      ok" in result.output
 
 
-def test_a_newline_in_a_name_or_path_cannot_forge_a_line_of_any_report(run_cli, copy_fixture,
-                                                                        tmp_path):
+def test_a_newline_in_a_name_or_path_cannot_forge_a_line_of_any_report(
+        run_cli, copy_fixture, tmp_path):
     """Every report for people escapes a line break in what it names: the summary's `by key`
     line of inspect, the checkpoint's path in verify, compress, checksum and convert, a symlink's
     name in ls; each printed it as it was, and the text after it passed for a line of dcpctl's

@@ -46,8 +46,8 @@ def test_checksum_refuses_a_file_the_checkpoint_does_not_name(run_cli, copy_fixt
     (checkpoint / stray).write_bytes(b"x")
     result = run_cli("checksum", checkpoint)
     assert result.exit_code == 1, result.output
-    assert result.output == (f"Error: {checkpoint}/{stray}: unknown-file: file is not named by "
-                             "the metadata\n")
+    assert result.output.startswith(f"Error: {checkpoint}/{stray}: unknown-file: file is not "
+                                    "named by the metadata")
     assert not (checkpoint / "SHA256SUMS").exists()
     (checkpoint / stray).unlink()
     assert run_cli("checksum", checkpoint).exit_code == 0
@@ -134,8 +134,8 @@ def test_usage_errors_exit_2(run_cli):
 def test_a_data_file_left_by_an_earlier_save_is_named_as_one(run_cli, tmp_path):
     """torch's writer, saving again into one directory with fewer writer threads, overwrites
     `.metadata` and the files it names and leaves the others: the checkpoint loads, and verify
-    says where the files it does not know most likely come from, and that removing them
-    clears it; a file of any other name is only said to be unknown."""
+    says where the files it does not know most likely come from; a file of any other name is
+    only said to be unknown."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -151,6 +151,7 @@ def test_a_data_file_left_by_an_earlier_save_is_named_as_one(run_cli, tmp_path):
     messages = {problem["file"]: problem["message"] for problem in report["problems"]}
     assert sorted(messages) == ["__0_1.distcp", "__0_2.distcp", "__0_3.distcp", "notes.txt"]
     assert messages["notes.txt"] == "file is not named by the metadata"
-    assert all("a data file of an earlier save into this directory" in messages[name]
-               and "removing it clears this" in messages[name]
+    assert all(messages[name].endswith("most likely left by an earlier save into this "
+                                       "directory with more ranks or writer threads; the "
+                                       "checkpoint loads without it")
                for name in messages if name != "notes.txt")

@@ -54,6 +54,11 @@ class Problem:
     end: int | None = None
     fqns: tuple[str, ...] = ()
 
+    def to_json(self) -> dict:
+        """The problem as `--json` reports carry it."""
+        return {"rule": self.rule, "file": self.file, "start": self.start, "end": self.end,
+                "fqns": list(self.fqns), "message": self.message}
+
 
 def problems_error(problems: list[Problem], where: Path) -> DataError:
     """One error for the first of problems: its rule and message, its file (in the checkpoint

@@ -14,8 +14,9 @@ from typing import Iterable
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.format.checkpoint.hf_storage import describe_hf_storage
 from dcpctl.format.checkpoint.side_files import side_files_of
+from dcpctl.format.checkpoint.problems import Problem
 from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, TensorEntry,
-                                           open_checkpoint)
+                                           find_file_problems, open_checkpoint)
 from dcpctl.format.state_dict_layouts import describe_layout, is_optimizer_state
 from dcpctl.format.codecs.names import describe_codec
 from dcpctl.format.file_names import natural_order, world_size_of_rank_files
@@ -42,6 +43,9 @@ class InspectReport:
     stored_bytes_by_top_level_key: dict[str, int] = field(default_factory=dict)
     compression: dict[str, int] = field(default_factory=dict)
     codecs_by_file: dict[str, dict[str, int]] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+    """Data files the metadata names that are missing, not regular files, or end before the
+    items in them: what the metadata and file sizes show wrong (verify reads the rest)."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
@@ -73,6 +77,7 @@ class InspectReport:
             "nbytes_by_top_level_key": self.nbytes_by_top_level_key,
             "stored_bytes_by_top_level_key": self.stored_bytes_by_top_level_key,
             "compression": self.compression,
+            "problems": [problem.to_json() for problem in self.problems],
         }
 
     def files_json(self) -> list[dict]:
@@ -106,10 +111,14 @@ def _object_json(entry: ObjectEntry) -> dict:
 
 def inspect_checkpoint(path: str | os.PathLike, fqn_glob: str | None = None) -> InspectReport:
     """Summarize a checkpoint; `fqn_glob` keeps only tensors and objects whose fqn matches.
-    Held shared while read: a checkpoint another dcpctl is rewriting is refused at once, not
-    read half old, half new."""
+    Data files that are missing or cut short are no reason not to show what the metadata says:
+    they are the report's problems. Held shared while read: a checkpoint another dcpctl is
+    rewriting is refused at once, not read half old, half new."""
     with paused_cycle_collector(), locked_checkpoint(path, exclusive=False):
-        return build_inspect_report(open_checkpoint(path), fqn_glob)
+        checkpoint = open_checkpoint(path, check_files=False)
+        report = build_inspect_report(checkpoint, fqn_glob)
+        report.problems = find_file_problems(checkpoint)
+        return report
 
 
 def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) -> InspectReport:

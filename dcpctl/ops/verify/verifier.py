@@ -58,8 +58,7 @@ class VerifyReport:
             "path": self.path, "status": self.status, "deep": self.deep,
             "checksummed_files": self.checksummed_files, "items_checked": self.items_checked,
             "bytes_read": self.bytes_read,
-            "problems": [{"rule": p.rule, "file": p.file, "start": p.start, "end": p.end,
-                          "fqns": list(p.fqns), "message": p.message} for p in self.problems],
+            "problems": [problem.to_json() for problem in self.problems],
             "leftover_temporaries": self.leftover_temporaries,
         }
 
@@ -162,9 +161,8 @@ def _unknown_file_message(name: str) -> str:
     leaves the rest."""
     if rank_of_file_name(name) is None:
         return "file is not named by the metadata"
-    return ("file is not named by the metadata: a data file of an earlier save into this "
-            "directory, most likely (torch's writer leaves the files of a save before with more "
-            "ranks or threads); the checkpoint loads without it, and removing it clears this")
+    return ("file is not named by the metadata: most likely left by an earlier save into this "
+            "directory with more ranks or writer threads; the checkpoint loads without it")
 
 
 def leftover_temporaries(checkpoint: Checkpoint, present: set[str]) -> list[str]:
