@@ -30,8 +30,7 @@ from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, Sh
                                    WorkerError, describe_failure, packed, run_share_of)
 from dcpctl.execution.parent_death import die_with_parent
 from dcpctl.failpoints import arm_in_worker
-from dcpctl.format.checkpoint.checksums import metadata_fingerprints
-from dcpctl.format.metadata.reading import metadata_read
+from dcpctl.storage.planned_from import fingerprints, planned_from
 
 _POLL_SECONDS = 0.05
 _PROGRESS_SECONDS = 0.5
@@ -207,27 +206,28 @@ class Team:
             if kind == "failed":
                 raise WorkerError(f"rank {rank} of {self.size}: {value}")
         shares = [value for _, value in outcomes[1:]]
-        mine = metadata_fingerprints({path for _, read in shares for path in read})
-        for rank, (_, read) in enumerate(shares, start=1):
-            self._refuse_another_checkpoint(rank, read, mine)
-        return [outcomes[0][1], *(outcome.adopted() for outcome, _ in shares)]
+        mine = fingerprints({path: whole for _, files, _ in shares
+                             for path, whole in files.items()})
+        for rank, (_, _, theirs) in enumerate(shares, start=1):
+            self._refuse_another_checkpoint(rank, theirs, mine)
+        return [outcomes[0][1], *(outcome.adopted() for outcome, _, _ in shares)]
 
     def _refuse_another_checkpoint(self, rank: int, theirs: dict[str, str | None],
                                    mine: dict[str, str | None]) -> None:
-        """Refuse a rank's share where a `.metadata` it read (theirs: metadata_fingerprints)
-        is not the file rank 0 reads at that path (mine): it planned from another checkpoint
-        (a node's own copy, another working directory), and its share would be that
-        checkpoint's bytes."""
+        """Refuse a rank's share where a file it planned from (theirs: the fingerprints of
+        planned_from.py) is not the file rank 0 reads at that path (mine): it planned from
+        another checkpoint or model (a node's own copy, another working directory), and its
+        share would be made of that one's bytes."""
         for path, fingerprint in sorted(theirs.items()):
             if fingerprint is None or mine[path] != fingerprint:
                 raise WorkerError(
                     f"rank {rank} of {self.size}: read {path} as another file than rank 0 "
-                    "reads there: every rank must see the same checkpoint (one shared file "
-                    "system, or a bucket, at the same paths); nothing was published")
+                    "reads there: every rank must see the same files (one shared file system, "
+                    "or a bucket, at the same paths); nothing was published")
 
     def _outcome_of(self, number: int, rank: int) -> tuple[str, Any]:
-        """Rank's outcome of job number: ("done", (its ShareOutcome, the fingerprints of the
-        `.metadata` files it read)), ("failed", what it said), or ("silent", why rank 0 stopped
+        """Rank's outcome of job number: ("done", (its ShareOutcome, the files it planned from
+        and their fingerprints)), ("failed", what it said), or ("silent", why rank 0 stopped
         waiting for it)."""
         try:
             return pickle.loads(self._wait(f"dcpctl/result/{number}/{rank}", rank))
@@ -260,7 +260,8 @@ class Team:
                                        _PROGRESS_SECONDS)
             try:
                 share = plans.run_share(*value, self.rank, self.size, progress.advance)
-                outcome = ("done", (share, metadata_fingerprints(metadata_read())))
+                files = planned_from()
+                outcome = ("done", (share, files, fingerprints(files)))
             except Exception as error:  # noqa: BLE001 - rank 0 reports it
                 outcome = ("failed", describe_failure(error))
             progress.flush()

@@ -13,6 +13,7 @@ from pathlib import Path
 from dcpctl.errors import DataError, UnsupportedLayoutError, missing_file_error
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType, fits_in_torch
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
+from dcpctl.storage.planned_from import note_planned_from
 from dcpctl.storage.paths import open_ranged, read_whole
 
 SINGLE_FILE_NAME = "model.safetensors"
@@ -248,8 +249,11 @@ def read_safetensors_model(source: Path) -> list[tuple[Path, SafetensorsTensor]]
     index (each tensor must be in the file the index names), or a directory's
     `model.safetensors`."""
     files, weight_map = _model_files(source)
+    if weight_map is not None:
+        note_planned_from(source / HF_INDEX_FILE_NAME, whole=True)
     tensors, file_of = [], {}
     for path in files:
+        note_planned_from(path, whole=False)
         for tensor in read_safetensors_file(path):
             if tensor.name in file_of:
                 raise DataError(f"tensor {tensor.name!r} is also in "

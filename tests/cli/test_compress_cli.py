@@ -7,7 +7,8 @@ import json
 from conftest import MANIFEST, fixture_path, load_with_torch
 from make_fixtures import tensor_sha256
 
-from dcpctl.format.checkpoint.checksums import read_sha256sums, sha256_of_file
+from dcpctl.format.checkpoint.checksums import read_sha256sums
+from dcpctl.storage.file_digests import sha256_of_file
 
 
 def tensor_hashes(checkpoint) -> dict[str, str]:

@@ -22,7 +22,8 @@ from make_fixtures import tensor_sha256
 from safetensors.torch import load_file
 
 from dcpctl.failpoints import Failpoint
-from dcpctl.format.checkpoint.checksums import read_sha256sums, sha256_of_file
+from dcpctl.format.checkpoint.checksums import read_sha256sums
+from dcpctl.storage.file_digests import sha256_of_file
 from dcpctl.ops.checksum import checksum_checkpoint
 from dcpctl.ops.transcode import compress_checkpoint
 from dcpctl.storage.local import is_temporary_name

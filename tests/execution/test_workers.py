@@ -375,7 +375,34 @@ def test_ranks_that_see_another_checkpoint_at_the_same_path_publish_nothing(tmp_
                            "another-checkpoint")
     assert results[0][0] == 1, results
     assert ("Error: rank 1 of 2: read ck/.metadata as another file than rank 0 reads there: "
-            "every rank must see the same checkpoint") in results[0][1], results
+            "every rank must see the same files") in results[0][1], results
+    assert directory_state(tmp_path) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["model.safetensors", "model.pt"])
+def test_ranks_that_see_another_model_at_the_same_path_publish_nothing(tmp_path, source):
+    """`convert --to dcp` from safetensors or torch.save: each rank plans from the model at its
+    path, and a rank that read its node's own copy of another revision (the same tensors,
+    other values) wrote its share from that one: a checkpoint mixed of both, exit 0 (only
+    `.metadata` files were compared)."""
+    import safetensors.torch
+    import torch
+
+    first, second = tmp_path / "node0", tmp_path / "node1"
+    for node, value in ((first, 1.0), (second, 2.0)):
+        node.mkdir()
+        state = {"embed": torch.full((64, 8), value), "head": torch.arange(16.0)}
+        if source.endswith(".safetensors"):
+            safetensors.torch.save_file(state, node / source)
+        else:
+            torch.save(state, node / source)
+    before = directory_state(tmp_path)
+    command = ["convert", source, "--to", "dcp", "--ranks", "2", "-o", str(tmp_path / "out")]
+    results = _start_ranks([(command, first), (command, second)], f"another-{source}")
+    assert results[0][0] == 1, results
+    assert (f"Error: rank 1 of 2: read {source} as another file than rank 0 reads there"
+            in results[0][1]), results
     assert directory_state(tmp_path) == before
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from dcpctl.errors import DataError, DcpctlError
+from dcpctl.errors import DataError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.side_files import files_beside_data
@@ -17,39 +16,12 @@ from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.claims import OutputClaim
+from dcpctl.storage.file_digests import sha256_of_file
 from dcpctl.storage.objects import ObjectPath
-from dcpctl.storage.paths import (StoragePath, missing_files, new_output_file, open_ranged,
-                                  read_whole, storage_path, write_whole)
+from dcpctl.storage.paths import (StoragePath, missing_files, new_output_file, read_whole,
+                                  storage_path, write_whole)
 
 _LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")  # sha256sum -c takes either case
-HASH_PIECE_BYTES = 4 << 20
-
-
-def sha256_of_file(path: StoragePath, on_progress: Callable[[int], None] | None = None) -> str:
-    """The hex SHA-256 of a file, read in pieces; on_progress gets the size of each piece."""
-    digest = hashlib.sha256()
-    with open_ranged(path) as reader:
-        position = 0
-        while piece := reader.read(position, HASH_PIECE_BYTES):
-            position += len(piece)
-            digest.update(piece)
-            if on_progress is not None:
-                on_progress(len(piece))
-    return digest.hexdigest()
-
-
-def metadata_fingerprints(paths: Iterable[str]) -> dict[str, str | None]:
-    """The SHA-256 of each `.metadata` at paths (as metadata_read gives them), as this process
-    reads it now; None where it cannot be read. Processes on other machines that share a job
-    compare them: a path read as another file there (a node's own copy, another working
-    directory) would have them plan from another checkpoint."""
-    fingerprints: dict[str, str | None] = {}
-    for path in paths:
-        try:
-            fingerprints[path] = sha256_of_file(storage_path(path))
-        except (OSError, DcpctlError):
-            fingerprints[path] = None
-    return fingerprints
 
 
 def sha256_of_files(directory: StoragePath, names: Iterable[str], threads: int,

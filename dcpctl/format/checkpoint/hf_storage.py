@@ -26,6 +26,7 @@ from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
 from dcpctl.format.metadata.records import (ChunkMetadata, CheckpointMetadata, MetadataIndex,
                                             StorageInfo, TensorMetadata, TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
+from dcpctl.storage.planned_from import note_planned_from
 from dcpctl.format.safetensors import (METADATA_KEY, SHARDING_INFO_KEY, check_back_to_back,
                                        parse_entry, parse_json, read_safetensors_header,
                                        read_weight_map)
@@ -102,6 +103,7 @@ def hf_storage_metadata(directory: StoragePath, file_names: list[str],
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     for name in file_names:
         path = directory / name
+        note_planned_from(path, whole=False)
         header, data_start = read_safetensors_header(path, 0)
         offsets_by_fqn = _sharding_info(header, path)
         tensors = [parse_entry(path, fqn, entry, data_start, file_sizes[name])

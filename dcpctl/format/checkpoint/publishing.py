@@ -31,7 +31,7 @@ from typing import Hashable, Iterable, Sequence
 
 from dcpctl.errors import DataError, DcpctlError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
-from dcpctl.format.checkpoint.checksums import HASH_PIECE_BYTES, sha256_of_file, write_sha256sums
+from dcpctl.format.checkpoint.checksums import write_sha256sums
 from dcpctl.format.checkpoint.problems import problems_error
 from dcpctl.format.checkpoint.side_files import side_file_problems
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
@@ -43,6 +43,7 @@ from dcpctl.storage.objects import WriteOutcomeUnknownError
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   open_ranged, write_whole)
 from dcpctl.storage.claims import OutputClaim
+from dcpctl.storage.file_digests import HASH_PIECE_BYTES, sha256_of_file
 from dcpctl.storage.staging import staged_output
 
 

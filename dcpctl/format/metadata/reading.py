@@ -25,6 +25,7 @@ from dcpctl.format.metadata.records import (MEMORY_FORMAT_CODES, TORCH_LAYOUTS, 
                                             StorageInfo, StorageMeta, TensorMetadata,
                                             TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
+from dcpctl.storage.planned_from import note_planned_from
 from dcpctl.storage.local import open_for_reading
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
@@ -281,7 +282,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike | StoragePath) -> Checkpoint
     unpickled as it is read, never whole in memory beside what it unpickles to (142 MB at a
     million chunks)."""
     path = storage_path(checkpoint_dir) / METADATA_FILE_NAME
-    _metadata_read.add(str(path))
+    note_planned_from(path, whole=True)
     try:
         if isinstance(path, ObjectPath):
             return parse_metadata(read_whole(path), str(path))
@@ -293,11 +294,3 @@ def read_metadata(checkpoint_dir: str | os.PathLike | StoragePath) -> Checkpoint
 
 
 _READ_BUFFER_BYTES = 1 << 20
-
-
-_metadata_read: set[str] = set()
-
-
-def metadata_read() -> list[str]:
-    """Every `.metadata` this process has read with read_metadata, by path or URL as given."""
-    return sorted(_metadata_read)

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.storage.planned_from import note_planned_from
 from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.format.torch_save.zip_records import ZipRecord
 from dcpctl.storage.local import open_for_reading
@@ -23,6 +24,7 @@ def open_torch_save(path: Path) -> tuple[Any, dict[int, ZipRecord]]:
     unpickled with torch's weights_only loader so that no code from the file runs, and the
     storage record (`<prefix>/data/<key>`) of each storage, by the offset torch's loader gave
     the storage (storage_file_offset)."""
+    note_planned_from(path, whole=False)
     with open_for_reading(path) as stream:
         def read_range(start: int, length: int) -> bytes:
             stream.seek(start)

@@ -1,0 +1,48 @@
+"""The files a process has made its plans from, and fingerprints that tell whether another
+process, on another machine, read the same files at the same paths.
+
+Every rank of a torchrun job plans alone, from the files it reads. A rank that reads another
+file at a path (a node's own copy of a model, another working directory) plans from another
+checkpoint, and its share of the output would be made of that one's bytes; rank 0 compares
+their fingerprints with its own (execution/torchrun.py) and publishes nothing where they
+differ. A `.metadata` is fingerprinted whole: it is what a plan is made of, and it names its
+save. A safetensors or torch.save file is fingerprinted by its size and its ends, where these
+formats keep their structure (a safetensors header; a zip central directory, which holds each
+record's CRC-32): hashing the whole of a model's files again would cost as much as the job.
+"""
+
+from __future__ import annotations
+
+from dcpctl.errors import DcpctlError
+from dcpctl.storage.file_digests import sha256_of_ends, sha256_of_file
+from dcpctl.storage.paths import storage_path
+
+ENDS_BYTES = 1 << 20
+"""The bytes at each end of a file that its fingerprint covers, where it does not cover it
+whole."""
+
+_planned_from: dict[str, bool] = {}  # path or URL as read: whether fingerprinted whole
+
+
+def note_planned_from(path: object, whole: bool) -> None:
+    """Note that this process made a plan from the file at path (`str(path)` is its name in
+    fingerprints), fingerprinted whole or by its ends."""
+    _planned_from[str(path)] = whole
+
+
+def planned_from() -> dict[str, bool]:
+    """Every file noted so far: path to whether it is fingerprinted whole."""
+    return dict(_planned_from)
+
+
+def fingerprints(files: dict[str, bool]) -> dict[str, str | None]:
+    """The fingerprint of each of files (as planned_from gives them), as this process reads
+    the file now; None where it cannot be read."""
+    found: dict[str, str | None] = {}
+    for path, whole in files.items():
+        try:
+            found[path] = (sha256_of_file(storage_path(path)) if whole
+                           else sha256_of_ends(storage_path(path), ENDS_BYTES))
+        except (OSError, DcpctlError):
+            found[path] = None
+    return found
