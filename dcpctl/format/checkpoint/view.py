@@ -371,30 +371,46 @@ def _chunk_nbytes_of(checkpoint: Checkpoint, items: dict[str, tuple[str, Storage
 def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:
     """Data files the metadata names that are missing, or end before an item that it places
     in them does, with the fqns of the items affected."""
-    problems = []
-    for name, data_file in sorted(checkpoint.files.items()):
+    # each wrong file's rule and the byte its items must end before (-1: every item)
+    wrong: dict[str, tuple[str, int]] = {}
+    for name, data_file in checkpoint.files.items():
         if data_file.size_bytes is None:
-            problems.append(Problem(Rule.MISSING_FILE, f"missing data file, named by "
-                                    f"{data_file.item_count} items", name,
-                                    fqns=_distinct(_fqns_in(checkpoint, name))))
+            wrong[name] = (Rule.MISSING_FILE, -1)
         elif not data_file.regular:
-            problems.append(Problem(Rule.NOT_REGULAR_FILE, "not a regular file (a FIFO, a device "
-                                    "or a directory) where a data file should be", name,
-                                    fqns=_distinct(_fqns_in(checkpoint, name))))
+            wrong[name] = (Rule.NOT_REGULAR_FILE, -1)
         elif data_file.end_bytes > data_file.size_bytes:
-            past_end = _fqns_in(checkpoint, name, past=data_file.size_bytes)
-            problems.append(Problem(Rule.TRUNCATED, f"the file is {data_file.size_bytes} "
-                                    f"bytes, but {len(past_end)} items end past it, the last "
-                                    f"(item {data_file.last_fqn!r}) at byte "
-                                    f"{data_file.end_bytes}", name, data_file.size_bytes,
-                                    data_file.end_bytes, _distinct(past_end)))
+            wrong[name] = (Rule.TRUNCATED, data_file.size_bytes)
+    if not wrong:
+        return []
+    affected = _fqns_past(checkpoint, {name: past for name, (_, past) in wrong.items()})
+    problems = []
+    for name, (rule, _) in sorted(wrong.items()):
+        data_file, fqns = checkpoint.files[name], affected[name]
+        if rule == Rule.MISSING_FILE:
+            problems.append(Problem(rule, f"missing data file, named by "
+                                    f"{data_file.item_count} items", name, fqns=_distinct(fqns)))
+        elif rule == Rule.NOT_REGULAR_FILE:
+            problems.append(Problem(rule, "not a regular file (a FIFO, a device or a directory) "
+                                    "where a data file should be", name, fqns=_distinct(fqns)))
+        else:
+            problems.append(Problem(rule, f"the file is {data_file.size_bytes} bytes, but "
+                                    f"{len(fqns)} items end past it, the last (item "
+                                    f"{data_file.last_fqn!r}) at byte {data_file.end_bytes}",
+                                    name, data_file.size_bytes, data_file.end_bytes,
+                                    _distinct(fqns)))
     return problems
 
 
-def _fqns_in(checkpoint: Checkpoint, name: str, past: int = -1) -> list[str]:
-    """The fqn of each item in file `name` that ends past byte `past`, in storage order."""
-    return [key.fqn for key, info in checkpoint.metadata.storage_data.items()
-            if info.relative_path == name and info.offset + info.length > past]
+def _fqns_past(checkpoint: Checkpoint, past_by_file: dict[str, int]) -> dict[str, list[str]]:
+    """For each file of past_by_file, the fqn of each item in it that ends past the byte
+    given, in storage order: one pass over the items, however many files are wrong (a
+    checkpoint of a thousand ranks whose files are all missing has a million items)."""
+    fqns: dict[str, list[str]] = {name: [] for name in past_by_file}
+    for key, info in checkpoint.metadata.storage_data.items():
+        past = past_by_file.get(info.relative_path)
+        if past is not None and info.offset + info.length > past:
+            fqns[info.relative_path].append(key.fqn)
+    return fqns
 
 
 def _distinct(fqns: list[str]) -> tuple[str, ...]:

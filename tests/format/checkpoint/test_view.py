@@ -13,7 +13,7 @@ from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpo
                            MetadataError, UnsafePathError)
 from dcpctl.format.checkpoint.items import StoredSpan, iter_item_pieces, read_item
 from dcpctl.format.checkpoint.locations import locate_chunk, locate_object
-from dcpctl.format.checkpoint.view import SAFETENSORS, open_checkpoint
+from dcpctl.format.checkpoint.view import SAFETENSORS, find_file_problems, open_checkpoint
 from dcpctl.format.codecs.base import PieceStream
 from dcpctl.format.metadata.reading import read_metadata
 
@@ -114,6 +114,33 @@ def test_missing_data_file(copy_fixture):
     with pytest.raises(DataError, match=r"__1_0.distcp: missing-file: missing data file"):
         open_checkpoint(checkpoint)
     assert open_checkpoint(checkpoint, check_files=False).files["__1_0.distcp"].size_bytes is None
+
+
+def test_the_problems_of_many_wrong_files_are_found_in_one_pass_over_the_items(copy_fixture):
+    """With every data file missing (only `.metadata` copied), the items affected were looked
+    for once per file: a checkpoint of a thousand ranks took a minute to refuse, where
+    reading its metadata takes ten seconds. Each problem still names its own items."""
+    checkpoint_dir = copy_fixture("objects_2ranks")
+    for data_file in checkpoint_dir.glob("*.distcp"):
+        data_file.unlink()
+    checkpoint = open_checkpoint(checkpoint_dir, check_files=False)
+
+    class CountedItems(dict):
+        passes = 0
+
+        def items(self):
+            CountedItems.passes += 1
+            return super().items()
+
+    storage_data = checkpoint.metadata.storage_data
+    checkpoint.metadata.storage_data = CountedItems(storage_data)
+    problems = find_file_problems(checkpoint)
+    assert CountedItems.passes == 1
+    assert [problem.file for problem in problems] == sorted(checkpoint.files) and len(problems) > 5
+    for problem in problems:
+        assert problem.rule == "missing-file"
+        assert problem.fqns == tuple(dict.fromkeys(
+            key.fqn for key, info in storage_data.items() if info.relative_path == problem.file))
 
 
 def test_truncated_data_file(copy_fixture):
