@@ -13,8 +13,8 @@ from pathlib import Path
 from dcpctl.errors import DataError, UnsupportedLayoutError, missing_file_error
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType, fits_in_torch
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
-from dcpctl.storage.planned_from import note_planned_from
 from dcpctl.storage.paths import open_ranged, read_whole
+from dcpctl.storage.planned_from import note_planned_from
 
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

@@ -25,10 +25,10 @@ from dcpctl.format.metadata.records import (MEMORY_FORMAT_CODES, TORCH_LAYOUTS, 
                                             StorageInfo, StorageMeta, TensorMetadata,
                                             TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
-from dcpctl.storage.planned_from import note_planned_from
 from dcpctl.storage.local import open_for_reading
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
+from dcpctl.storage.planned_from import note_planned_from
 from dcpctl.unpickling_memory import bounded_memory, memory_budget_bytes
 
 _TORCH_METADATA_MODULE = "torch.distributed.checkpoint.metadata"

@@ -13,10 +13,10 @@ from typing import Any, Iterator
 import torch
 
 from dcpctl.errors import DataError, UnsupportedLayoutError
-from dcpctl.storage.planned_from import note_planned_from
 from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.format.torch_save.zip_records import ZipRecord
 from dcpctl.storage.local import open_for_reading
+from dcpctl.storage.planned_from import note_planned_from
 
 
 def open_torch_save(path: Path) -> tuple[Any, dict[int, ZipRecord]]:

@@ -13,8 +13,8 @@ from typing import Iterable
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.format.checkpoint.hf_storage import describe_hf_storage
-from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.side_files import side_files_of
 from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, TensorEntry,
                                            find_file_problems, open_checkpoint)
 from dcpctl.format.state_dict_layouts import describe_layout, is_optimizer_state
