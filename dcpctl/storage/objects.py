@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import posixpath
 import stat
 import threading
@@ -343,15 +344,44 @@ class FileObjectWriter(ObjectWriter):
         self.store.note_written(self.key)
 
     def discard(self) -> None:
-        discard = getattr(self._file, "discard", None)
+        """Drop the object. An fsspec buffered file closes itself when collected, and closing
+        uploads and commits what it holds (at the interpreter's exit, where fsspec's event loop
+        is gone, that waits forever): so the store's own cancel runs where the file class has
+        one (an upload begun is aborted), the file is then marked closed with nothing flushed,
+        and whatever the key holds is deleted. Other files (memory://) are closed, then
+        deleted. A store that stopped answering is given DISCARD_SECONDS for each step: the
+        command is failing already, and a leftover temporary object is removed by a later
+        run."""
+        from fsspec.spec import AbstractBufferedFile
+
+        file = self._file
+        if isinstance(file, AbstractBufferedFile):
+            if type(file).discard is not AbstractBufferedFile.discard:  # fsspec's does nothing
+                _within(DISCARD_SECONDS, file.discard)
+            file.buffer = io.BytesIO()
+            file.closed = True
+        else:
+            _within(DISCARD_SECONDS, file.close)
+        _within(DISCARD_SECONDS, lambda: self.store.delete([self.key]))
+
+
+DISCARD_SECONDS = 20
+"""How long each step of dropping an object being written may wait on the store."""
+
+
+def _within(seconds: float, call: Callable[[], object]) -> None:
+    """Run call, giving up on it after seconds (it goes on in a daemon thread, which the
+    process's exit does not wait for); its failure is dropped: the failure being handled is
+    the one to report."""
+    def run() -> None:
         try:
-            if discard is not None:
-                discard()
-            else:
-                self._file.close()
-                self.store.delete([self.key])
-        except Exception:  # noqa: BLE001 - the failure being handled is the one to report
+            call()
+        except Exception:  # noqa: BLE001 - see the docstring
             pass
+
+    worker = threading.Thread(target=run, name="dcpctl-discard", daemon=True)
+    worker.start()
+    worker.join(seconds)
 
 
 class ObjectPath:

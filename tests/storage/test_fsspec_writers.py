@@ -1,0 +1,101 @@
+"""Objects written through fsspec's buffered files (gs://, az:// and other protocols without a
+writer of dcpctl's own), against a file system that keeps its objects the way such stores do:
+blocks staged as they fill, the object committed when the file closes."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+
+from dcpctl.storage import objects
+from dcpctl.storage.objects import ObjectStore
+
+
+class StagingFileSystem(AbstractFileSystem):
+    """Objects committed by their file's last upload, as adlfs's and gcsfs's files do."""
+
+    protocol = "staging-test"
+
+    def __init__(self, file_class: type, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.file_class = file_class
+        self.committed: dict[str, bytes] = {}
+        self.cancelled: list[str] = []
+        self.deleting = threading.Event()  # set: rm_file never returns (a store gone silent)
+
+    def _open(self, path, mode="rb", **kwargs):
+        return self.file_class(self, path, mode, **kwargs)
+
+    def rm_file(self, path) -> None:
+        if self.deleting.is_set():
+            threading.Event().wait()
+        if path not in self.committed:
+            raise FileNotFoundError(path)
+        del self.committed[path]
+
+    def info(self, path, **kwargs):
+        if path not in self.committed:
+            raise FileNotFoundError(path)
+        return {"name": path, "size": len(self.committed[path]), "type": "file"}
+
+
+class StagingFile(AbstractBufferedFile):
+    def _initiate_upload(self) -> None:
+        self.staged = b""
+
+    def _upload_chunk(self, final=False) -> bool:
+        self.staged += self.buffer.getvalue()
+        if final:
+            self.fs.committed[self.path] = self.staged
+        return True
+
+
+class CancellingFile(StagingFile):
+    def discard(self) -> None:
+        self.fs.cancelled.append(self.path)
+
+
+def _store(file_class: type = None) -> tuple[ObjectStore, StagingFileSystem]:
+    filesystem = StagingFileSystem(file_class or StagingFile, skip_instance_cache=True)
+    return ObjectStore("staging-test", filesystem), filesystem
+
+
+def test_a_discarded_object_is_never_committed_when_its_file_is_collected():
+    """fsspec's buffered file closes itself when collected, and closing commits it: the
+    discarded object was published once the garbage collector came by (and at the
+    interpreter's exit, where fsspec's event loop is gone, the close waited forever)."""
+    store, filesystem = _store()
+    writer = store.open_writer("run/part.tmp")
+    writer.write(b"x" * 1000)
+    writer.discard()
+    del writer
+    gc.collect()
+    assert filesystem.committed == {}
+    store.open_writer("run/whole").finish()  # a finished object is committed, as before
+    assert filesystem.committed == {"run/whole": b""}
+
+
+def test_a_store_s_own_cancel_runs_and_what_the_key_holds_is_deleted():
+    store, filesystem = _store(CancellingFile)
+    writer = store.open_writer("run/part.tmp")
+    writer.write(b"x" * (6 << 20))  # past fsspec's block size: an upload has begun
+    filesystem.committed["run/part.tmp"] = b"written in place as it grew"
+    writer.discard()
+    assert filesystem.cancelled == ["run/part.tmp"]
+    assert filesystem.committed == {}
+
+
+def test_a_store_that_stopped_answering_does_not_hold_the_failing_command(monkeypatch):
+    monkeypatch.setattr(objects, "DISCARD_SECONDS", 0.2)
+    store, filesystem = _store()
+    writer = store.open_writer("run/part.tmp")
+    writer.write(b"x")
+    filesystem.deleting.set()
+    started = time.monotonic()
+    writer.discard()
+    assert time.monotonic() - started < 2
+    gc.collect()
+    assert filesystem.committed == {}
