@@ -45,8 +45,13 @@ def storage_options() -> dict[str, object]:
     return {**options, **_EXTRA_OPTIONS}
 
 
-_SECRET_OPTION = re.compile(r"secret|pass|token|auth|key|cred|sig|sas|cert", re.IGNORECASE)
-_SECRET_ENVIRONMENT = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+# adlfs's connection_string holds the account's key
+_SECRET_OPTION = re.compile(r"secret|pass|token|auth|key|cred|sig|sas|cert|connection_string",
+                            re.IGNORECASE)
+_SECRET_ENVIRONMENT = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                       "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_KEY",
+                       "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN",
+                       "AZURE_STORAGE_CLIENT_SECRET")
 _SHORTEST_SECRET = 3
 """Shorter values are no secret worth hiding (a test's `x`), and hiding them would mangle the
 line: every `y` of `list-type` shown as `***`."""

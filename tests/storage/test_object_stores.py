@@ -400,6 +400,11 @@ def test_errors_show_no_secret_of_the_storage_options(monkeypatch):
     assert without_secrets(repr(["u", "Top\\Secret'\""]) + " gs://acme-ml/run: -----BEGIN KEY-----"
                            ) == "['u', '***'] gs://acme-ml/run: ***"
     assert without_secrets("at s3://AKIA:hunter2@bucket/run") == "at s3://***@bucket/run"
+    # adlfs's connection string holds the account key, from an option or the environment
+    connection = "AccountName=acct;AccountKey=azure-key=="
+    monkeypatch.setenv(STORAGE_OPTIONS_ENVIRONMENT, json.dumps({"connection_string": connection}))
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "env-azure-key")
+    assert without_secrets(f"bad {connection} or env-azure-key") == "bad *** or ***"
     monkeypatch.setenv(STORAGE_OPTIONS_ENVIRONMENT, "not json")
     assert without_secrets("text") == "text"
     # a one-letter dummy secret hid every letter like it: `list-t***pe=2`
