@@ -205,8 +205,9 @@ def _per_rank_objects(checkpoint: Checkpoint, world_size: int, choice: str
                if (rank := rank_of_per_rank_entry(entry.fqn)) is not None}
     if not by_rank:
         return None
-    ranks = tuple(sorted(set(by_rank.values())))
-    ranks_without = tuple(rank for rank in range(world_size) if rank not in ranks)
+    present = set(by_rank.values())
+    ranks = tuple(sorted(present))
+    ranks_without = tuple(rank for rank in range(world_size) if rank not in present)
     fits = not ranks_without and ranks[-1] < world_size
     if not fits and choice == REFUSE:
         raise UnsupportedLayoutError(
