@@ -212,7 +212,7 @@ def _orphan_entries(checkpoint: Checkpoint) -> list[Problem]:
 
 def _chunk_cover_problems(tensor: TensorEntry) -> list[Problem]:
     """The chunks must tile the tensor: no two overlap, and together they hold every element."""
-    if len(tensor.chunks) >= _MANY_CHUNKS and _tiles_by_rows(tensor):
+    if len(tensor.chunks) >= _MANY_CHUNKS and (_tiles_by_rows(tensor) or _tiles_as_grid(tensor)):
         return []
     boxes = [(chunk.offsets, chunk.sizes) for chunk in tensor.chunks if math.prod(chunk.sizes)]
     overlap = find_overlapping_boxes(boxes)
@@ -269,6 +269,32 @@ def _tiles_by_rows(tensor: TensorEntry) -> bool:
         starts, lengths = list(map(first, rows)), list(map(itemgetter(1), rows))
     ends = list(accumulate(lengths))
     return bool(starts) and ends[-1] == shape[0] and starts == [0, *ends[:-1]]
+
+
+def _tiles_as_grid(tensor: TensorEntry) -> bool:
+    """Whether the chunks are the cells of a grid over the tensor, as a tensor sharded along
+    two dims is (data-parallel rows by tensor-parallel columns): in each dim, the chunks'
+    (offset, size) pairs cut it into consecutive runs, and no two chunks start at the same
+    place, as many as the grid has cells. Then each chunk is its own cell and every cell has
+    one: they tile it, told in about k log k steps where the sweep of find_overlapping_boxes
+    keeps a band of the grid open and takes about k times the square root of k. False does
+    not mean they fail to tile."""
+    shape = tensor.shape
+    chunks = [chunk for chunk in tensor.chunks if math.prod(chunk.sizes)]
+    if not shape or not chunks or not math.prod(shape):
+        return False
+    cells = 1
+    for dim, extent in enumerate(shape):
+        runs = sorted({(chunk.offsets[dim], chunk.sizes[dim]) for chunk in chunks})
+        reached = 0
+        for start, length in runs:
+            if start != reached:  # a gap, an overlap, or one start with two lengths
+                return False
+            reached += length
+        if reached != extent:
+            return False
+        cells *= len(runs)
+    return cells == len(chunks) == len({tuple(chunk.offsets) for chunk in chunks})
 
 
 _OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
