@@ -330,6 +330,7 @@ class FileObjectWriter(ObjectWriter):
     def __init__(self, store: ObjectStore, key: str, if_absent: bool) -> None:
         self.store = store
         self.key = key
+        self._if_absent = if_absent
         with store.translated_errors(key):
             store.refuse_unmet_condition(key, if_absent, None)
             self._file = store.fs.open(key, "wb")
@@ -347,11 +348,12 @@ class FileObjectWriter(ObjectWriter):
         """Drop the object. An fsspec buffered file closes itself when collected, and closing
         uploads and commits what it holds (at the interpreter's exit, where fsspec's event loop
         is gone, that waits forever): so the store's own cancel runs where the file class has
-        one (an upload begun is aborted), the file is then marked closed with nothing flushed,
-        and whatever the key holds is deleted. Other files (memory://) are closed, then
-        deleted. A store that stopped answering is given DISCARD_SECONDS for each step: the
-        command is failing already, and a leftover temporary object is removed by a later
-        run."""
+        one (an upload begun is aborted), and the file is then marked closed with nothing
+        flushed; other files (memory://) are closed. A new object's key (opened if_absent: no
+        object had it) is then deleted, in case the store wrote there as the file grew; a
+        replacing writer's key still holds the object it was to replace, which stays. A store
+        that stopped answering is given DISCARD_SECONDS for each step: the command is failing
+        already, and a leftover temporary object is removed by a later run."""
         from fsspec.spec import AbstractBufferedFile
 
         file = self._file
@@ -362,7 +364,8 @@ class FileObjectWriter(ObjectWriter):
             file.closed = True
         else:
             _within(DISCARD_SECONDS, file.close)
-        _within(DISCARD_SECONDS, lambda: self.store.delete([self.key]))
+        if self._if_absent:
+            _within(DISCARD_SECONDS, lambda: self.store.delete([self.key]))
 
 
 DISCARD_SECONDS = 20

@@ -68,7 +68,7 @@ def test_a_discarded_object_is_never_committed_when_its_file_is_collected():
     discarded object was published once the garbage collector came by (and at the
     interpreter's exit, where fsspec's event loop is gone, the close waited forever)."""
     store, filesystem = _store()
-    writer = store.open_writer("run/part.tmp")
+    writer = store.open_writer("run/part.tmp", if_absent=True)
     writer.write(b"x" * 1000)
     writer.discard()
     del writer
@@ -80,7 +80,7 @@ def test_a_discarded_object_is_never_committed_when_its_file_is_collected():
 
 def test_a_store_s_own_cancel_runs_and_what_the_key_holds_is_deleted():
     store, filesystem = _store(CancellingFile)
-    writer = store.open_writer("run/part.tmp")
+    writer = store.open_writer("run/part.tmp", if_absent=True)
     writer.write(b"x" * (6 << 20))  # past fsspec's block size: an upload has begun
     filesystem.committed["run/part.tmp"] = b"written in place as it grew"
     writer.discard()
@@ -91,7 +91,7 @@ def test_a_store_s_own_cancel_runs_and_what_the_key_holds_is_deleted():
 def test_a_store_that_stopped_answering_does_not_hold_the_failing_command(monkeypatch):
     monkeypatch.setattr(objects, "DISCARD_SECONDS", 0.2)
     store, filesystem = _store()
-    writer = store.open_writer("run/part.tmp")
+    writer = store.open_writer("run/part.tmp", if_absent=True)
     writer.write(b"x")
     filesystem.deleting.set()
     started = time.monotonic()
@@ -99,3 +99,18 @@ def test_a_store_that_stopped_answering_does_not_hold_the_failing_command(monkey
     assert time.monotonic() - started < 2
     gc.collect()
     assert filesystem.committed == {}
+
+
+def test_a_failed_replacement_leaves_the_object_it_was_to_replace():
+    """`convert --to torch -o URL --overwrite` writes over the object there, which must stay
+    until the new one is complete: the first version of discard deleted it."""
+    from dcpctl.storage.paths import ObjectOutputFile
+
+    for file_class in (StagingFile, CancellingFile):
+        store, filesystem = _store(file_class)
+        filesystem.committed["out/model.pt"] = b"the previous, good model"
+        output = ObjectOutputFile(objects.ObjectPath(store, "out/model.pt"), replacing=True)
+        output.write(b"half of a new")
+        output.discard()
+        gc.collect()
+        assert filesystem.committed == {"out/model.pt": b"the previous, good model"}
