@@ -20,9 +20,14 @@ if TYPE_CHECKING:
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _FQNS_SHOWN = 3  # of a problem's
-# C0 and C1 control characters, DEL, and the lone surrogates that stand for undecodable bytes
-# in file names: each shown as \\xNN.
+# C0 and C1 control characters and DEL, each shown as \\xNN; the lone surrogates that stand for
+# undecodable bytes in file names as the byte, \\xNN; any other lone surrogate (a pickled name
+# can hold one; UTF-8 cannot write it), the line and paragraph separators that Python's
+# splitlines() breaks at, and the bidirectional controls that reorder what a terminal shows,
+# as \\uNNNN.
 _ESCAPES = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({code: f"\\u{code:04x}" for code in (
+    *range(0xD800, 0xE000), 0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))})
 _ESCAPES.update({code: f"\\x{code - 0xDC00:02x}" for code in range(0xDC80, 0xDD00)})
 _ESCAPES_KEEPING_LINES = {code: text for code, text in _ESCAPES.items() if code != ord("\n")}
 

@@ -197,6 +197,25 @@ def test_a_newline_in_a_name_cannot_forge_a_line_of_a_report(run_cli, copy_fixtu
     assert "grid\\x0a\\x0astatus      ok" in result.output
 
 
+def test_a_lone_surrogate_a_line_separator_or_a_bidi_control_in_a_name_is_escaped(
+        copy_fixture):
+    """A pickled name can hold a lone surrogate, which UTF-8 cannot write: inspect and verify
+    failed with an internal UnicodeEncodeError. U+2028 passed as it was (Python's splitlines()
+    breaks there), and so did U+202E, which makes a terminal show what follows backwards."""
+    from conftest import run_dcpctl
+
+    checkpoint = _with_grid_renamed(copy_fixture("mesh2d_4ranks"),
+                                    "grid\ud800\u2028FORGED \u202egnp.exe")
+    for args in (["inspect", checkpoint], ["inspect", checkpoint, "--by-file"],
+                 ["verify", checkpoint]):
+        result = run_dcpctl(*args)
+        assert result.returncode == 0, result.stderr
+        assert not any(character in result.stdout for character in "\u2028\u202e")
+    assert "grid\\ud800\\u2028FORGED \\u202egnp.exe" in run_dcpctl("inspect", checkpoint).stdout
+    result = run_dcpctl("inspect", checkpoint / "missing\u2028\udcff")  # \udcff: byte 0xff
+    assert result.returncode == 1 and "missing\\u2028\\xff" in result.stderr
+
+
 def test_a_newline_in_a_name_or_path_cannot_forge_a_line_of_any_report(
         run_cli, copy_fixture, tmp_path):
     """Every report for people escapes a line break in what it names: the summary's `by key`
