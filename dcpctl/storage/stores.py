@@ -51,7 +51,7 @@ _SECRET_OPTION = re.compile(r"secret|pass|token|auth|key|cred|sig|sas|cert|conne
 _SECRET_ENVIRONMENT = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
                        "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_KEY",
                        "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN",
-                       "AZURE_STORAGE_CLIENT_SECRET")
+                       "AZURE_STORAGE_CLIENT_SECRET", "AZURE_CLIENT_SECRET")
 _SHORTEST_SECRET = 3
 """Shorter values are no secret worth hiding (a test's `x`), and hiding them would mangle the
 line: every `y` of `list-type` shown as `***`."""
@@ -67,6 +67,7 @@ def without_secrets(text: str) -> str:
         _collect_secrets(storage_options(), False, secrets)
     except DcpctlError:  # options that are no JSON object hold nothing to find
         pass
+    secrets.update(_secret_fields(secrets))
     spellings = {spelling for secret in filter(None, secrets)
                  for spelling in (secret, repr(secret)[1:-1], json.dumps(secret)[1:-1])}
     for spelling in sorted(spellings, key=len, reverse=True):  # as quoted back, too
@@ -85,6 +86,18 @@ def holds_user_info(url: str) -> bool:
 def without_user_info(text: str) -> str:
     """text with the user and password of every URL in it shown as `***`."""
     return _URL_USER_INFO.sub(r"\1***@", text)
+
+
+def _secret_fields(secrets: set[str]) -> set[str]:
+    """The values of the fields named like a secret in secrets that are connection strings
+    (Azure's `AccountName=a;AccountKey=...;...`): an error may quote the key alone."""
+    fields = set()
+    for secret in secrets:
+        for field in secret.split(";"):
+            name, equals, value = field.partition("=")
+            if equals and _SECRET_OPTION.search(name) and len(value) >= _SHORTEST_SECRET:
+                fields.add(value)
+    return fields
 
 
 def _collect_secrets(value: object, secret: bool, into: set) -> None:

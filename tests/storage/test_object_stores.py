@@ -404,7 +404,10 @@ def test_errors_show_no_secret_of_the_storage_options(monkeypatch):
     connection = "AccountName=acct;AccountKey=azure-key=="
     monkeypatch.setenv(STORAGE_OPTIONS_ENVIRONMENT, json.dumps({"connection_string": connection}))
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "env-azure-key")
-    assert without_secrets(f"bad {connection} or env-azure-key") == "bad *** or ***"
+    monkeypatch.setenv("AZURE_CLIENT_SECRET", "client-secret")
+    assert without_secrets(f"bad {connection} or env-azure-key, key azure-key==, "
+                           "client-secret; account acct") == (
+        "bad *** or ***, key ***, ***; account acct")
     monkeypatch.setenv(STORAGE_OPTIONS_ENVIRONMENT, "not json")
     assert without_secrets("text") == "text"
     # a one-letter dummy secret hid every letter like it: `list-t***pe=2`
