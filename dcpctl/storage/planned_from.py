@@ -6,9 +6,12 @@ file at a path (a node's own copy of a model, another working directory) plans f
 checkpoint, and its share of the output would be made of that one's bytes; rank 0 compares
 their fingerprints with its own (execution/torchrun.py) and publishes nothing where they
 differ. A `.metadata` is fingerprinted whole: it is what a plan is made of, and it names its
-save. A safetensors or torch.save file is fingerprinted by its size and its ends, where these
-formats keep their structure (a safetensors header; a zip central directory, which holds each
-record's CRC-32): hashing the whole of a model's files again would cost as much as the job.
+save. A safetensors or torch.save file is fingerprinted by its size and its first and last
+ENDS_BYTES, where these formats keep their structure: hashing the whole of a model's files
+again would cost each rank as much as the job. A torch.save file's zip directory, at its end,
+holds each record's CRC-32, so its fingerprint covers its contents; a safetensors header holds
+names, shapes and offsets only, so two files that differ only in the middle of a tensor of
+more than ENDS_BYTES pass for one (a limit the README states).
 """
 
 from __future__ import annotations

@@ -388,17 +388,22 @@ def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:
         data_file, fqns = checkpoint.files[name], affected[name]
         if rule == Rule.MISSING_FILE:
             problems.append(Problem(rule, f"missing data file, named by "
-                                    f"{data_file.item_count} items", name, fqns=_distinct(fqns)))
+                                    f"{_items(data_file.item_count)}", name,
+                                    fqns=_distinct(fqns)))
         elif rule == Rule.NOT_REGULAR_FILE:
             problems.append(Problem(rule, "not a regular file (a FIFO, a device or a directory) "
                                     "where a data file should be", name, fqns=_distinct(fqns)))
         else:
             problems.append(Problem(rule, f"the file is {data_file.size_bytes} bytes, but "
-                                    f"{len(fqns)} items end past it, the last (item "
+                                    f"{_items(len(fqns))} end past it, the last (item "
                                     f"{data_file.last_fqn!r}) at byte {data_file.end_bytes}",
                                     name, data_file.size_bytes, data_file.end_bytes,
                                     _distinct(fqns)))
     return problems
+
+
+def _items(count: int) -> str:
+    return f"{count} item" if count == 1 else f"{count} items"
 
 
 def _fqns_past(checkpoint: Checkpoint, past_by_file: dict[str, int]) -> dict[str, list[str]]:
