@@ -155,3 +155,33 @@ def test_a_data_file_left_by_an_earlier_save_is_named_as_one(run_cli, tmp_path):
                                        "directory with more ranks or writer threads; the "
                                        "checkpoint loads without it")
                for name in messages if name != "notes.txt")
+
+
+def test_a_store_that_fails_while_verify_reads_is_an_error_not_damage(run_cli, monkeypatch):
+    """A store that stopped answering made each item's read fail after the client's retries,
+    and verify called the item damaged (`decode: item does not decode: ... kept failing`) and
+    went on to the next, paying the retries again for each: a failure of the store is said as
+    one, once, and the checkpoint is not called damaged."""
+    import fsspec
+
+    from dcpctl.storage import objects
+
+    fsspec.filesystem("memory").put(str(fixture_path("fsdp2_adamw_3ranks")), "/flaky-store",
+                                    recursive=True)
+    assert run_cli("verify", "memory://flaky-store").exit_code == 0
+    reads = []
+    read_range = objects.ObjectStore.read_range
+
+    def failing_read(self, key, start, end):  # the store goes once .metadata is read
+        if not key.endswith(".distcp"):
+            return read_range(self, key, start, end)
+        reads.append(key)
+        raise objects.StorageError("the connection kept failing after retries",
+                                   path=self.url(key))
+
+    monkeypatch.setattr(objects.ObjectStore, "read_range", failing_read)
+    result = run_cli("verify", "memory://flaky-store", "--threads", 1)
+    assert result.exit_code == 1
+    assert "the connection kept failing after retries" in result.output
+    assert "damaged" not in result.output and "decode" not in result.output
+    assert len(reads) <= 3

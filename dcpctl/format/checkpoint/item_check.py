@@ -20,6 +20,7 @@ from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     spooled_read_range)
 from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE, ReadRange
+from dcpctl.storage.objects import StorageError
 from dcpctl.storage.paths import open_ranged
 
 Reread = Callable[[], Iterable[bytes]]
@@ -67,6 +68,8 @@ class ItemCheck:
         try:
             checked = self._archive.finish(location.expected is not None,
                                            lambda: _random_access(location, reread))
+        except StorageError:  # the store failed, not the item
+            raise
         except DcpctlError as error:
             return [self._problem(Rule.ARCHIVE, "item is not an intact torch.save archive: "
                                   f"{error.message}")]

@@ -27,6 +27,7 @@ from dcpctl.format.checkpoint.structure import (StoredItem, is_safetensors_tenso
                                                 safetensors_files)
 from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
+from dcpctl.storage.objects import StorageError
 from dcpctl.storage.paths import RangedFile, StoragePath, open_ranged
 
 PIECE_BYTES = 4 << 20
@@ -258,6 +259,8 @@ def check_archive_item(archive: ArchiveItem, file_name: str,
             check.feed(piece)
     except NotAnArchiveError as error:
         return [dataclasses.replace(error.problem, file=file_name)]
+    except StorageError:  # the store failed, not the item: no problem of the checkpoint's
+        raise
     except DcpctlError as error:
         return [Problem(Rule.DECODE, f"item does not decode: {error.message}", file_name,
                         location.start, location.end, (item.fqn,))]
@@ -275,6 +278,8 @@ def check_safetensors_item(item: StoredItem, file_name: str, path: StoragePath
         entry = header.get(item.fqn)
         begin, end = entry["data_offsets"]
         dtype_code, shape = entry["dtype"], tuple(entry["shape"])
+    except StorageError:
+        raise
     except DcpctlError as error:
         return [Problem(Rule.SAFETENSORS_HEADER, error.message, **where)]
     except (TypeError, KeyError, ValueError):
