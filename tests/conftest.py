@@ -199,6 +199,22 @@ def flip_bit(path: Path, offset: int, mask: int = 0x04) -> None:
         stream.write(bytes([byte ^ mask]))
 
 
+def damage_one_item(checkpoint: Path, file_name: str) -> None:
+    """Flip a bit in the tensor bytes of the largest item of a data file, where its CRC-32
+    covers it; SHA256SUMS goes, so that the damage is found as the item is read."""
+    from dcpctl.format.checkpoint.view import open_checkpoint
+    from dcpctl.format.torch_save.layout import find_payload_start
+
+    (checkpoint / "SHA256SUMS").unlink(missing_ok=True)  # else caught before any worker starts
+    locations = [location for location in item_locations(open_checkpoint(checkpoint)).values()
+                 if Path(location.path).name == file_name]
+    largest = max(locations, key=lambda location: location.length)
+    with open(checkpoint / file_name, "rb") as stream:
+        stream.seek(largest.start)
+        payload_start = find_payload_start(stream.read(largest.length))
+    flip_bit(checkpoint / file_name, largest.start + payload_start)  # a CRC-32 covers it
+
+
 def back_date(path: Path, age_seconds: float) -> None:
     """Set the mtime of path and of everything under it to age_seconds ago."""
     when = time.time() - age_seconds

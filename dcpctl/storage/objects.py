@@ -359,23 +359,24 @@ class FileObjectWriter(ObjectWriter):
         file = self._file
         if isinstance(file, AbstractBufferedFile):
             if type(file).discard is not AbstractBufferedFile.discard:  # fsspec's does nothing
-                _within(DISCARD_SECONDS, file.discard)
+                run_within(DISCARD_SECONDS, file.discard)
             file.buffer = io.BytesIO()
             file.closed = True
         else:
-            _within(DISCARD_SECONDS, file.close)
+            run_within(DISCARD_SECONDS, file.close)
         if self._if_absent:
-            _within(DISCARD_SECONDS, lambda: self.store.delete([self.key]))
+            run_within(DISCARD_SECONDS, lambda: self.store.delete([self.key]))
 
 
 DISCARD_SECONDS = 20
 """How long each step of dropping an object being written may wait on the store."""
 
 
-def _within(seconds: float, call: Callable[[], object]) -> None:
+def run_within(seconds: float, call: Callable[[], object]) -> None:
     """Run call, giving up on it after seconds (it goes on in a daemon thread, which the
-    process's exit does not wait for); its failure is dropped: the failure being handled is
-    the one to report."""
+    process's exit does not wait for): cleaning up after a failure, against a store that may
+    have stopped answering. Its own failure is dropped: the failure being handled is the one
+    to report."""
     def run() -> None:
         try:
             call()

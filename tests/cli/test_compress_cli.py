@@ -49,3 +49,27 @@ def test_dry_run_and_errors_are_one_line(run_cli, tmp_path):
         assert result.exit_code == 1
         assert result.output.startswith("Error: ") and len(result.output.splitlines()) == 1
     assert run_cli("compress", "x", "--level", "30").exit_code == 2
+
+
+def test_a_failed_run_gives_up_cleaning_a_store_that_stopped_answering(
+        run_cli, copy_fixture, monkeypatch):
+    """Removing what a failed run wrote into an object store waited on each request's
+    retries, one object after another: against a dead store, the failing command did not
+    end for minutes. It gives up after ABORT_SECONDS, and the error it reports is the run's."""
+    import time
+
+    import fsspec
+    from conftest import damage_one_item
+
+    from dcpctl.format.checkpoint import publishing
+    from dcpctl.storage import objects
+
+    source = copy_fixture("fsdp2_adamw_3ranks")
+    damage_one_item(source, "__2_0.distcp")
+    monkeypatch.setattr(publishing, "ABORT_SECONDS", 0.5, raising=False)
+    monkeypatch.setattr(objects.ObjectStore, "delete", lambda *args, **kwargs: time.sleep(5))
+    started = time.monotonic()
+    result = run_cli("compress", source, "-o", "memory://silent-store/out")
+    assert result.exit_code == 1 and "__2_0.distcp" in result.output
+    assert time.monotonic() - started < 4
+    assert not fsspec.filesystem("memory").exists("/silent-store/out/.metadata")

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (MANIFEST, REPO_ROOT, directory_state, fixture_path, flip_bit,
-                      item_locations, load_with_torch, run_dcpctl)
+from conftest import (MANIFEST, REPO_ROOT, damage_one_item, directory_state, fixture_path,
+                      load_with_torch, run_dcpctl)
 from make_fixtures import tensor_sha256
 
 from dcpctl.errors import InvalidOptionError
 from dcpctl.format.checkpoint.view import open_checkpoint
-from dcpctl.format.torch_save.layout import find_payload_start
 from dcpctl.stopping import Terminated
 
 SOURCE = "fsdp2_adamw_3ranks"
@@ -183,17 +182,6 @@ def test_verify_and_checksum_with_workers_agree_with_one_process(copy_fixture):
     assert reports[0] == reports[1] == reports[2] and reports[0]["status"] == "ok"
 
 
-def _damage_one_item(checkpoint: Path, file_name: str) -> None:
-    (checkpoint / "SHA256SUMS").unlink(missing_ok=True)  # else caught before any worker starts
-    locations = [location for location in item_locations(open_checkpoint(checkpoint)).values()
-                 if Path(location.path).name == file_name]
-    largest = max(locations, key=lambda location: location.length)
-    with open(checkpoint / file_name, "rb") as stream:
-        stream.seek(largest.start)
-        payload_start = find_payload_start(stream.read(largest.length))
-    flip_bit(checkpoint / file_name, largest.start + payload_start)  # a CRC-32 covers it
-
-
 # the worker whose share holds the damaged item: the last rank file's writer for compress; for
 # convert, the writer of the first tensor (its chunk in __2_0.distcp is damaged)
 @pytest.mark.parametrize("command,worker", [
@@ -202,7 +190,7 @@ def _damage_one_item(checkpoint: Path, file_name: str) -> None:
 def test_damage_found_by_a_worker_fails_the_command_naming_it(copy_fixture, tmp_path, command,
                                                               worker):
     checkpoint = copy_fixture(SOURCE)
-    _damage_one_item(checkpoint, "__2_0.distcp")
+    damage_one_item(checkpoint, "__2_0.distcp")
     before = directory_state(checkpoint)
     result = run_dcpctl(command[0], checkpoint, *command[1:], "-o", tmp_path / "out",
                         "--workers", 2)
@@ -316,7 +304,7 @@ def test_torchrun_ranks_write_the_same_bytes_as_one_process(tmp_path):
 @pytest.mark.parametrize("damaged,rank", [("__2_0.distcp", 1), ("__0_0.distcp", 0)])
 def test_a_failing_rank_fails_the_torchrun_job_naming_it(copy_fixture, tmp_path, damaged, rank):
     checkpoint = copy_fixture(SOURCE)
-    _damage_one_item(checkpoint, damaged)
+    damage_one_item(checkpoint, damaged)
     result = torchrun("compress", checkpoint, "-o", tmp_path / "out", ranks=2)
     assert result.returncode != 0
     assert f"Error: rank {rank} of 2: " in result.stderr and damaged in result.stderr

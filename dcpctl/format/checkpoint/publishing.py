@@ -39,7 +39,7 @@ from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
-from dcpctl.storage.objects import WriteOutcomeUnknownError
+from dcpctl.storage.objects import WriteOutcomeUnknownError, run_within
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   open_ranged, write_whole)
 from dcpctl.storage.claims import OutputClaim
@@ -148,6 +148,10 @@ def merge_shares(shares: Iterable[WrittenShare]
     return storage, digests
 
 
+ABORT_SECONDS = 60
+"""How long an output in an object store may take to remove what a failed run wrote."""
+
+
 class CheckpointOutput:
     """Where a rewritten checkpoint goes; see the module docstring for the two ways. Its data
     files are written through DataFileSets (data_files()), in this process or by workers,
@@ -199,7 +203,17 @@ class CheckpointOutput:
 
     def abort(self) -> None:
         """Remove everything this output wrote (workers stopped first); the source stays as it
-        was. Once `.metadata` names the new files, they are the checkpoint and stay."""
+        was. Once `.metadata` names the new files, they are the checkpoint and stay. In an
+        object store, which may be what failed the run, the removal is given ABORT_SECONDS in
+        all: each request to a store that stopped answering waits out its client's retries (a
+        minute or more), and what is left, temporary objects no checkpoint names, the next run
+        on it removes."""
+        if is_remote(self.directory):
+            run_within(ABORT_SECONDS, self._remove_written)
+        else:
+            self._remove_written()
+
+    def _remove_written(self) -> None:
         for files in self._sets:
             files.discard()
         if self._metadata_switched:
