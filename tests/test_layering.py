@@ -16,7 +16,8 @@ PACKAGE_DIR = REPO_ROOT / "dcpctl"
 # Lowest first: a module may import modules of its own layer or below, never above.
 LAYERS = [
     ("base", ["dcpctl.version", "dcpctl.errors", "dcpctl.failpoints", "dcpctl.stopping",
-              "dcpctl.cycle_collector", "dcpctl.allocator", "dcpctl.unpickling_memory"]),
+              "dcpctl.cycle_collector", "dcpctl.allocator", "dcpctl.unpickling_memory",
+              "dcpctl.library_logs"]),
     ("foundations", ["dcpctl.pipeline", "dcpctl.storage", "dcpctl.format.dtypes",
                      "dcpctl.format.file_names"]),
     ("file formats", ["dcpctl.format.metadata", "dcpctl.format.torch_save",

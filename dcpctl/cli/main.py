@@ -15,6 +15,7 @@ from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.cli.render import escape_control_characters, print_failure
 from dcpctl.cycle_collector import freeze_built_objects_on_resume
 from dcpctl.errors import DcpctlError, describe_os_error
+from dcpctl.library_logs import quiet_library_logs, show_library_logs
 from dcpctl.ops.distributed import join_torchrun, launched_by_torchrun
 from dcpctl.ops.storage_options import add_storage_options, without_secrets
 from dcpctl.stopping import Terminated, stop_on_signals
@@ -138,6 +139,8 @@ def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -
     """
     context.ensure_object(dict)
     context.obj["debug"] = debug
+    if debug:
+        show_library_logs()
     add_storage_options(dict(_parsed_storage_option(text) for text in storage_options))
 
 
@@ -155,6 +158,7 @@ def _parsed_storage_option(text: str) -> tuple[str, object]:
 def main() -> None:
     """Console-script entry point."""
     reuse_large_buffers()
+    quiet_library_logs()
     bound_unpickling_memory()
     freeze_built_objects_on_resume()
     stop_on_signals()

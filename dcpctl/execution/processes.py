@@ -202,10 +202,12 @@ def _serve(index: int, count: int, connection: Connection) -> None:
     from dcpctl.allocator import reuse_large_buffers
     from dcpctl.cycle_collector import freeze_built_objects_on_resume
     from dcpctl.failpoints import arm_in_worker
+    from dcpctl.library_logs import quiet_library_logs
     from dcpctl.unpickling_memory import bound_unpickling_memory
 
     # as the command's own process does (cli/main.py)
     reuse_large_buffers()
+    quiet_library_logs()
     bound_unpickling_memory()
     freeze_built_objects_on_resume()
     arm_in_worker()

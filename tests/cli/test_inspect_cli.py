@@ -280,3 +280,26 @@ def test_a_report_of_one_file_or_item_reads_as_english(run_cli, tmp_path):
     assert "checksums (2 files in SHA256SUMS), deep (1 item)" in result.output, result.output
     result = run_cli("compress", tmp_path / "dcp", "--dry-run")
     assert "would rewrite 1 item in place" in result.output, result.output
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_what_libraries_log_is_shown_only_with_debug(debug):
+    """gcsfs logs each request it gives up on: with no handler configured, Python printed
+    each record, traceback and all, on stderr above dcpctl's one line (51 lines for one
+    failed request, over a thousand for a verify against a store that stopped answering)."""
+    code = (
+        "import logging, sys\n"
+        "import dcpctl.cli.inspection as inspection\n"
+        "from dcpctl.cli.main import main\n"
+        "real = inspection.inspect_checkpoint\n"
+        "def noisy(*args, **kwargs):\n"
+        "    logging.getLogger('gcsfs').error('_request out of retries on exception')\n"
+        "    return real(*args, **kwargs)\n"
+        "inspection.inspect_checkpoint = noisy\n"
+        "sys.argv[0] = 'dcpctl'\n"
+        "main()\n")
+    result = subprocess.run([sys.executable, "-c", code, *(["--debug"] if debug else []),
+                             "inspect", str(fixture_path("mesh2d_4ranks"))],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert ("out of retries" in result.stderr) is debug
