@@ -291,9 +291,14 @@ class _TranslatedErrors:
         described = self.store.describe(error)
         if described is None and isinstance(error, PermissionError):
             described = StorageError, "access denied"
-        if described is None and (isinstance(error, (OSError, ConnectionError, TimeoutError))
+        if described is None and isinstance(error, TimeoutError):
+            described = StorageError, (f"the store did not answer in time "
+                                       f"({type(error).__name__}{': ' if str(error) else ''}"
+                                       f"{error})")
+        if described is None and (isinstance(error, (OSError, ConnectionError))
                                   or _raised_by_a_client_library(error)):
-            described = StorageError, f"{type(error).__name__}: {error}"
+            described = StorageError, (f"{type(error).__name__}: {error}" if str(error)
+                                       else type(error).__name__)
         if described is None:
             return False
         kind, reason = described

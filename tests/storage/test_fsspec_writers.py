@@ -114,3 +114,21 @@ def test_a_failed_replacement_leaves_the_object_it_was_to_replace():
         output.discard()
         gc.collect()
         assert filesystem.committed == {"out/model.pt": b"the previous, good model"}
+
+
+def test_a_timeout_or_an_error_without_a_message_is_said_in_words():
+    """gcsfs with requests_timeout raises FSTimeoutError with no message: the line read
+    `...: FSTimeoutError: ` and stopped there."""
+    from fsspec.exceptions import FSTimeoutError
+
+    store, _ = _store()
+    said = []
+    for error in (FSTimeoutError(), TimeoutError("read timed out"), ConnectionResetError()):
+        try:
+            with store.translated_errors("run/x"):
+                raise error
+        except objects.StorageError as translated:
+            said.append(translated.message)
+    assert said == ["the store did not answer in time (FSTimeoutError)",
+                    "the store did not answer in time (TimeoutError: read timed out)",
+                    "ConnectionResetError"]
