@@ -350,15 +350,17 @@ class FileObjectWriter(ObjectWriter):
         self.store.note_written(self.key)
 
     def discard(self) -> None:
-        """Drop the object. An fsspec buffered file closes itself when collected, and closing
-        uploads and commits what it holds (at the interpreter's exit, where fsspec's event loop
-        is gone, that waits forever): so the store's own cancel runs where the file class has
-        one (an upload begun is aborted), and the file is then marked closed with nothing
-        flushed; other files (memory://) are closed. A new object's key (opened if_absent: no
-        object had it) is then deleted, in case the store wrote there as the file grew; a
-        replacing writer's key still holds the object it was to replace, which stays. A store
-        that stopped answering is given DISCARD_SECONDS for each step: the command is failing
-        already, and a leftover temporary object is removed by a later run."""
+        """Drop the object. An fsspec buffered file (gcsfs's, adlfs's) publishes nothing
+        before it is closed, but closes itself when collected, and closing uploads and commits
+        what it holds (at the interpreter's exit, where fsspec's event loop is gone, that waits
+        forever): so the store's own cancel runs where the file class has one (an upload begun
+        is aborted), and the file is marked closed with nothing flushed. Its key is left as it
+        is: it may hold the object this one was to replace, or another run's that took the
+        output over meanwhile. Other files (memory://, a local file system's) write where they
+        are as they grow: they are closed, and a new object's key (opened if_absent: no object
+        had it) is deleted. A store that stopped answering is given DISCARD_SECONDS for each
+        step: the command is failing already, and a leftover temporary object is removed by a
+        later run."""
         from fsspec.spec import AbstractBufferedFile
 
         file = self._file
@@ -367,8 +369,8 @@ class FileObjectWriter(ObjectWriter):
                 run_within(DISCARD_SECONDS, file.discard)
             file.buffer = io.BytesIO()
             file.closed = True
-        else:
-            run_within(DISCARD_SECONDS, file.close)
+            return
+        run_within(DISCARD_SECONDS, file.close)
         if self._if_absent:
             run_within(DISCARD_SECONDS, lambda: self.store.delete([self.key]))
 

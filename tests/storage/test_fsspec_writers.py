@@ -8,6 +8,7 @@ import gc
 import threading
 import time
 
+import pytest
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from dcpctl.storage import objects
@@ -78,14 +79,48 @@ def test_a_discarded_object_is_never_committed_when_its_file_is_collected():
     assert filesystem.committed == {"run/whole": b""}
 
 
-def test_a_store_s_own_cancel_runs_and_what_the_key_holds_is_deleted():
+def test_a_store_s_own_cancel_runs_and_the_key_keeps_what_another_run_put_there():
     store, filesystem = _store(CancellingFile)
     writer = store.open_writer("run/part.tmp", if_absent=True)
     writer.write(b"x" * (6 << 20))  # past fsspec's block size: an upload has begun
-    filesystem.committed["run/part.tmp"] = b"written in place as it grew"
+    filesystem.committed["run/part.tmp"] = b"another run's, which took the output over"
     writer.discard()
+    gc.collect()
     assert filesystem.cancelled == ["run/part.tmp"]
-    assert filesystem.committed == {}
+    assert filesystem.committed == {"run/part.tmp": b"another run's, which took the output over"}
+
+
+def test_a_run_taken_over_leaves_the_data_files_of_the_run_that_took_it(monkeypatch):
+    """A run whose output another took over (--overwrite) fails as it completes a data file;
+    that file was no longer listed as open, so the abort never discarded it, and its
+    finalizer then committed it over the other run's file of that name (and the first
+    version of discard deleted the other files' names outright)."""
+    from dcpctl.errors import OutputTakenError
+    from dcpctl.format.checkpoint.publishing import DataFileSet
+    from dcpctl.storage.claims import OutputClaim
+
+    store, filesystem = _store()
+    def cat_file(path, start=None, end=None, **kwargs):
+        if path not in filesystem.committed:
+            raise FileNotFoundError(path)
+        return filesystem.committed[path][start:end]
+
+    monkeypatch.setattr(filesystem, "cat_file", cat_file)
+    output = objects.ObjectPath(store, "out")
+    claim = OutputClaim(output / ".metadata.tmp", b"dcpctl run A\n")
+    filesystem.committed["out/.metadata.tmp"] = claim.data
+    files = DataFileSet(output, None, claim)
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        files.data_file(name).write(b"A" * 1000)
+    taken = {"out/.metadata": b"run B's", "out/__0_0.distcp": b"run B's 0",
+             "out/__1_0.distcp": b"run B's 1"}
+    del filesystem.committed["out/.metadata.tmp"]
+    filesystem.committed.update(taken)
+    with pytest.raises(OutputTakenError):
+        files.finish_data_file("__0_0.distcp")
+    files.discard()
+    gc.collect()
+    assert filesystem.committed == taken
 
 
 def test_a_store_that_stopped_answering_does_not_hold_the_failing_command(monkeypatch):

@@ -112,8 +112,9 @@ class DataFileSet:
     def finish_data_file(self, final_name: str) -> None:
         """Sync and close a data file, remembering its checksum. Where the output was taken
         over meanwhile (OutputClaim.check), OutputTakenError instead: the object is never
-        completed, and discard() abandons it."""
-        self.digests[final_name] = self._open_writers.pop(final_name).close()
+        completed, and discard() abandons it: the writer stays listed until it closes."""
+        self.digests[final_name] = self._open_writers[final_name].close()
+        del self._open_writers[final_name]
 
     def finish_data_files(self) -> dict[str, str]:
         """Sync and close every data file still open; the digests of all, by final name."""
