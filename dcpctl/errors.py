@@ -17,6 +17,13 @@ def describe_os_error(error: OSError) -> str:
     return f"{where}{error.strerror or error}"
 
 
+def name_and_message(error: BaseException) -> str:
+    """`ConnectionResetError: reset by peer`, or the class's name alone where the error says
+    nothing more (a client's timeout often does not)."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
 def _path_text(path) -> str:
     """A local path as os.fspath gives it, a URL (an object store's path) as it is written."""
     return path if isinstance(path, str) else str(path)

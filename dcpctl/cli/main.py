@@ -14,7 +14,7 @@ from dcpctl.allocator import reuse_large_buffers
 from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.cli.render import escape_control_characters, print_failure
 from dcpctl.cycle_collector import freeze_built_objects_on_resume
-from dcpctl.errors import DcpctlError, describe_os_error
+from dcpctl.errors import DcpctlError, describe_os_error, name_and_message
 from dcpctl.library_logs import quiet_library_logs, show_library_logs
 from dcpctl.ops.distributed import join_torchrun, launched_by_torchrun
 from dcpctl.ops.storage_options import add_storage_options, without_secrets
@@ -74,7 +74,7 @@ class DcpctlGroup(click.Group):
         except Terminated as stop:
             self._fail(context, f"stopped by {stop}", 128 + stop.signal_number)
         except Exception as error:  # a bug: say so briefly, traceback with --debug
-            self._fail(context, f"internal error: {type(error).__name__}: {error} "
+            self._fail(context, f"internal error: {name_and_message(error)} "
                                 "(run with --debug for the traceback)", 1)
 
     @staticmethod
@@ -140,7 +140,7 @@ def cli(context: click.Context, debug: bool, storage_options: tuple[str, ...]) -
     context.ensure_object(dict)
     context.obj["debug"] = debug
     if debug:
-        show_library_logs()
+        show_library_logs(in_workers=bool(context.obj.get(RUNS_AS_PROCESS)))
     add_storage_options(dict(_parsed_storage_option(text) for text in storage_options))
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
-from dcpctl.errors import DcpctlError, describe_os_error
+from dcpctl.errors import DcpctlError, describe_os_error, name_and_message
 from dcpctl.execution.shares import split_by_size
 from dcpctl.storage.stores import adopt_etags_written, etags_written
 
@@ -127,7 +127,7 @@ def describe_failure(error: BaseException) -> str:
         return str(error)
     if isinstance(error, OSError):  # as the CLI words one raised in its own process
         return describe_os_error(error)
-    return f"internal error: {type(error).__name__}: {error}"
+    return f"internal error: {name_and_message(error)}"
 
 
 class BatchedProgress:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
-from dcpctl.errors import TRY_AGAIN_EXIT_CODE, DcpctlError
+from dcpctl.errors import TRY_AGAIN_EXIT_CODE, DcpctlError, name_and_message
 
 
 class StorageError(DcpctlError):
@@ -293,12 +293,10 @@ class _TranslatedErrors:
             described = StorageError, "access denied"
         if described is None and isinstance(error, TimeoutError):
             described = StorageError, (f"the store did not answer in time "
-                                       f"({type(error).__name__}{': ' if str(error) else ''}"
-                                       f"{error})")
+                                       f"({name_and_message(error)})")
         if described is None and (isinstance(error, (OSError, ConnectionError))
                                   or _raised_by_a_client_library(error)):
-            described = StorageError, (f"{type(error).__name__}: {error}" if str(error)
-                                       else type(error).__name__)
+            described = StorageError, name_and_message(error)
         if described is None:
             return False
         kind, reason = described

@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Callable, Iterator, Mapping
 
-from dcpctl.errors import DcpctlError
+from dcpctl.errors import DcpctlError, name_and_message
 from dcpctl.storage.objects import ObjectChangedError, ObjectStore, ObjectWriter, StorageError
 
 PART_BYTES = 8 << 20
@@ -260,7 +260,7 @@ class S3Store(ObjectStore):
         if isinstance(error, (botocore_exceptions.ConnectionError,
                               botocore_exceptions.HTTPClientError,
                               botocore_exceptions.ResponseStreamingError, aiohttp.ClientError)):
-            return f"the connection kept failing after retries ({type(error).__name__}: {error})"
+            return f"the connection kept failing after retries ({name_and_message(error)})"
         code = _code_of(error)
         if code in ("NoSuchBucket",):
             return "no such bucket"
@@ -269,13 +269,13 @@ class S3Store(ObjectStore):
             return f"access denied ({code})"
         if code in ("PreconditionFailed", "412"):
             return ("the object changed while dcpctl read or replaced it (its ETag is not the "
-                    "one first seen); nothing was published")
+                    "one first seen)")
         if code in ("SlowDown", "Throttling", "503", "RequestTimeout"):
             return f"the store kept refusing requests after retries ({code})"
         if code is not None:
             return f"S3 error {code}: {_message_of(error)}"
         if isinstance(error, botocore_exceptions.BotoCoreError):
-            return f"{type(error).__name__}: {error}"
+            return name_and_message(error)
         return None
 
 

@@ -303,3 +303,24 @@ def test_what_libraries_log_is_shown_only_with_debug(debug):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert ("out of retries" in result.stderr) is debug
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_worker_of_a_debug_command_shows_what_libraries_log(debug):
+    """--workers processes start afresh: they dropped the libraries' records whatever the
+    command was given."""
+    import os
+
+    code = ("import logging\n"
+            "from dcpctl.library_logs import quiet_library_logs\n"
+            "quiet_library_logs()  # what a worker does first\n"
+            "logging.getLogger('gcsfs').error('_request out of retries on exception')\n")
+    from dcpctl import library_logs
+
+    environment = {name: value for name, value in os.environ.items()
+                   if name != library_logs._SHOWN}
+    if debug:  # as show_library_logs(in_workers=True) leaves it for the workers
+        environment[library_logs._SHOWN] = "1"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=environment)
+    assert ("out of retries" in result.stderr) is debug

@@ -100,6 +100,7 @@ def test_a_run_taken_over_leaves_the_data_files_of_the_run_that_took_it(monkeypa
     from dcpctl.storage.claims import OutputClaim
 
     store, filesystem = _store()
+
     def cat_file(path, start=None, end=None, **kwargs):
         if path not in filesystem.committed:
             raise FileNotFoundError(path)

@@ -17,7 +17,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
-from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.errors import DataError, UnsupportedLayoutError, name_and_message
 from dcpctl.format.dtypes import DTYPES_BY_NAME, LEGACY_STORAGE_TYPES, DType
 from dcpctl.format.torch_save.loadable_pickle import refuse_unloadable_pickle
 from dcpctl.format.torch_save.zip_records import (LOCAL_HEADER_BYTES, LOCAL_SIGNATURE,
@@ -435,7 +435,7 @@ def _parse_tensor_pickle(data: bytes, storage_record_prefix: str) -> SavedTensor
     except DataError:
         raise
     except Exception as error:  # a damaged pickle fails in many ways; all mean the same
-        raise DataError(f"data.pkl does not unpickle ({type(error).__name__}: {error})") from None
+        raise DataError(f"data.pkl does not unpickle ({name_and_message(error)})") from None
     if not isinstance(loaded, SavedTensor):
         raise DataError(f"data.pkl holds a {type(loaded).__name__}, not one tensor")
     return loaded

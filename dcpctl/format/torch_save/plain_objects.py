@@ -15,6 +15,7 @@ import pickle
 from collections import Counter, OrderedDict
 from typing import Any
 
+from dcpctl.errors import name_and_message
 from dcpctl.format.torch_save.layout import check_torch_save_records
 from dcpctl.format.torch_save.loadable_pickle import refuse_unloadable_pickle
 from dcpctl.format.torch_save.zip_records import read_zip_records
@@ -54,7 +55,7 @@ def load_plain_object(archive: bytes) -> Any:
     except NotPlainData:
         raise
     except Exception as error:  # damage fails in many ways: torch's loader says how
-        raise NotPlainData(f"{type(error).__name__}: {error}") from None
+        raise NotPlainData(f"{name_and_message(error)}") from None
 
 
 def _load(view: memoryview) -> Any:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from dcpctl.errors import DataError, UnsupportedLayoutError
+from dcpctl.errors import DataError, UnsupportedLayoutError, name_and_message
 from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.format.torch_save.zip_records import ZipRecord
 from dcpctl.storage.local import open_for_reading
@@ -96,7 +96,7 @@ def _by_worked_out_offset(path: Path, skeleton: Any, pickle_bytes: bytes, prefix
         keys = storage_keys_in_order(pickle_bytes)
     except Exception as error:  # noqa: BLE001 - torch's own (Python) unpickler took it
         raise UnsupportedLayoutError(f"its data.pkl does not read as torch's loader read it "
-                                     f"({type(error).__name__}: {error})", path=path) from None
+                                     f"({name_and_message(error)})", path=path) from None
     offsets = sorted({getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
                       for tensor in find_tensors(skeleton) if tensor.layout == torch.strided}
                      - {None})
