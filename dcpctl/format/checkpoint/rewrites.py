@@ -49,10 +49,14 @@ def rewrite_error(directory: StoragePath) -> ObjectChangedError:
 def rewrite_named(directory: StoragePath) -> Iterator[None]:
     """Where the block fails because the checkpoint at directory was rewritten meanwhile
     (rewritten_since_read), raise rewrite_error instead of what the block raised (a file
-    gone, an object changed, a CRC that no longer holds)."""
+    gone, an object changed, a CRC that no longer holds). A failure of the store itself (a
+    connection that kept failing, a timeout) is no sign of a rewrite: it is raised as it is,
+    without asking that store again, which would wait out the client's retries once more."""
     try:
         yield
     except (DcpctlError, OSError) as error:
-        if rewritten_since_read(directory):
+        store_failed = isinstance(error, StorageError) and not isinstance(
+            error, ObjectChangedError)
+        if not store_failed and rewritten_since_read(directory):
             raise rewrite_error(directory) from error
         raise

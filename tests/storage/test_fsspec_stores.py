@@ -1,6 +1,7 @@
-"""Objects written through fsspec's buffered files (gs://, az:// and other protocols without a
-writer of dcpctl's own), against a file system that keeps its objects the way such stores do:
-blocks staged as they fill, the object committed when the file closes."""
+"""Stores reached through fsspec's generic calls (gs://, az:// and other protocols without a
+store of dcpctl's own), against a file system that keeps its objects the way such stores do:
+blocks staged as they fill, the object committed when the file closes. Objects written and
+dropped, and how a failing store is said and handled."""
 
 from __future__ import annotations
 
@@ -168,3 +169,24 @@ def test_a_timeout_or_an_error_without_a_message_is_said_in_words():
     assert said == ["the store did not answer in time (FSTimeoutError)",
                     "the store did not answer in time (TimeoutError: read timed out)",
                     "ConnectionResetError"]
+
+
+@pytest.mark.parametrize("failure, asked", [
+    (objects.StorageError("the connection kept failing after retries"), False),
+    (objects.ObjectChangedError("the object changed while dcpctl read or replaced it"), True),
+    (FileNotFoundError(2, "gone"), True)])
+def test_a_failure_of_the_store_itself_is_no_reason_to_ask_it_about_a_rewrite(
+        monkeypatch, failure, asked):
+    """After a read failed on a store that stopped answering, the command asked that store
+    whether the checkpoint had been rewritten meanwhile, and waited out the client's retries
+    once more (about 33 s against a dead gs:// emulator) before saying what had failed."""
+    from dcpctl.format.checkpoint import rewrites
+
+    store, _ = _store()
+    questions = []
+    monkeypatch.setattr(rewrites, "rewritten_since_read",
+                        lambda directory: questions.append(directory) or False)
+    with pytest.raises(type(failure)):
+        with rewrites.rewrite_named(objects.ObjectPath(store, "run/step-1")):
+            raise failure
+    assert bool(questions) is asked
