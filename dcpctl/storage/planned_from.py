@@ -27,6 +27,7 @@ ENDS_BYTES = 1 << 20
 whole."""
 
 FINGERPRINT_THREADS = 8
+"""Files fingerprinted at once: in an object store, each waits on a few requests."""
 
 _planned_from: dict[str, bool] = {}  # path or URL as read: whether fingerprinted whole
 
@@ -44,8 +45,7 @@ def planned_from() -> dict[str, bool]:
 
 def fingerprints(files: dict[str, bool]) -> dict[str, str | None]:
     """The fingerprint of each of files (as planned_from gives them), as this process reads
-    the file now; None where it cannot be read. Read FINGERPRINT_THREADS at a time: in an
-    object store each costs a few requests' wait."""
+    the file now; None where it cannot be read."""
     def fingerprint(path: str) -> str | None:
         try:
             return (sha256_of_file(storage_path(path)) if files[path]

@@ -59,8 +59,9 @@ line: every `y` of `list-type` shown as `***`."""
 
 def without_secrets(text: str) -> str:
     """text with the secrets of the storage options in force (the values of options named
-    like a key, password, token or credentials, at any depth) and of the AWS environment shown
-    as `***`: what a file system's error may quote back."""
+    like a key, password, token or credentials, at any depth, and the key fields of a
+    connection string) and of the AWS and Azure environment shown as `***`: what a file
+    system's error may quote back."""
     secrets = {value for value in map(os.environ.get, _SECRET_ENVIRONMENT)
                if value and len(value) >= _SHORTEST_SECRET}
     try:
