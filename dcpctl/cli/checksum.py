@@ -7,8 +7,9 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import counted, format_bytes, print_report
+from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.checksum import ChecksumReport, checksum_checkpoint
+from dcpctl.wording import counted
 
 
 @click.command("checksum")

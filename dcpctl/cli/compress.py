@@ -8,10 +8,11 @@ from dcpctl.cli.options import (checkpoint_argument, dry_run_option, json_option
                                 overwrite_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import counted, format_bytes, print_report
+from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.ops.transcode import (COMPRESSING_CODEC_NAMES, DEFAULT_ZSTD_LEVEL, IDENTITY,
                                   MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL, ZSTD, TranscodeReport,
                                   compress_checkpoint, decompress_checkpoint)
+from dcpctl.wording import counted
 
 _output_option = output_option(
     required=False,

@@ -10,10 +10,11 @@ from click.core import ParameterSource
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
                                 threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import counted, format_bytes, format_table, print_report
+from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.ops.convert.report import ConvertReport
 from dcpctl.ops.convert.targets import (CAST_DTYPE_NAMES, DEFAULT_MAX_SHARD_BYTES,
                                         TARGET_OPTIONS, Rename, convert_checkpoint)
+from dcpctl.wording import counted
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, **{f"{unit}b": 1000 ** power for power, unit in enumerate("kmgt", 1)},

@@ -8,9 +8,10 @@ import click
 
 from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.process import end_process_without_teardown
-from dcpctl.cli.render import counted, format_bytes, format_table, print_report, render_problem
+from dcpctl.cli.render import format_bytes, format_table, print_report, render_problem
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.ops.inspection.report import InspectReport, inspect_checkpoint
+from dcpctl.wording import counted
 
 
 @click.command("inspect")

@@ -8,9 +8,10 @@ import click
 
 from dcpctl.cli.ls import CHECKPOINT_HEADERS, checkpoint_cells, render_ignored
 from dcpctl.cli.options import checkpoint_argument, dry_run_option, json_option
-from dcpctl.cli.render import counted, format_bytes, format_table, print_report
+from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.errors import PartialFailureError
 from dcpctl.ops.runs.prune import DELETED, FAILED, PruneReport, RetentionRules, prune_run_directory
+from dcpctl.wording import counted
 
 _DURATION = re.compile(r"([0-9]+)([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -58,11 +58,6 @@ def format_bytes(size_bytes: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def counted(count: int, noun: str, plural: str | None = None) -> str:
-    """`1 file`, `2 files`: count and the noun, plural (noun + s unless given) but for one."""
-    return f"{count} {noun}" if count == 1 else f"{count} {plural or noun + 's'}"
-
-
 def format_age(seconds: float | None) -> str:
     """`45s`, `90m`, `36h`, `9d`: whole units of the largest unit that fits twice, rounded
     down; `?` where the age is unknown."""

@@ -7,11 +7,12 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
                                 threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import counted, format_bytes, print_report
+from dcpctl.cli.render import format_bytes, print_report
 from dcpctl.errors import InvalidOptionError
 from dcpctl.ops.reshard.execution import (CODEC_NAMES, PER_RANK_OBJECT_CHOICES, Mesh,
                                           ReshardReport, parse_mesh, reshard_checkpoint)
 from dcpctl.ops.reshard.planning import describe_ranks
+from dcpctl.wording import counted
 
 
 @click.command("reshard")

@@ -7,8 +7,9 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
                                 workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import counted, format_bytes, print_report, render_problem
+from dcpctl.cli.render import format_bytes, print_report, render_problem
 from dcpctl.ops.verify.verifier import VerifyReport, verify_checkpoint
+from dcpctl.wording import counted
 
 
 @click.command("verify")

@@ -13,8 +13,9 @@ import pytest
 from conftest import FIXTURE_NAMES, fixture_path, torch_metadata
 
 from dcpctl.cli.inspection import render_tensors
-from dcpctl.cli.render import counted, format_bytes, format_table
+from dcpctl.cli.render import format_bytes, format_table
 from dcpctl.ops.inspection.report import inspect_checkpoint
+from dcpctl.wording import counted
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)

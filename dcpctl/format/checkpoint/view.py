@@ -26,6 +26,7 @@ from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, S
 from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
 from dcpctl.storage.paths import StoragePath, open_ranged, storage_path
+from dcpctl.wording import counted
 
 TORCH_SAVE = "torch_save"
 SAFETENSORS = "safetensors"
@@ -388,22 +389,18 @@ def find_file_problems(checkpoint: Checkpoint) -> list[Problem]:
         data_file, fqns = checkpoint.files[name], affected[name]
         if rule == Rule.MISSING_FILE:
             problems.append(Problem(rule, f"missing data file, named by "
-                                    f"{_items(data_file.item_count)}", name,
+                                    f"{counted(data_file.item_count, 'item')}", name,
                                     fqns=_distinct(fqns)))
         elif rule == Rule.NOT_REGULAR_FILE:
             problems.append(Problem(rule, "not a regular file (a FIFO, a device or a directory) "
                                     "where a data file should be", name, fqns=_distinct(fqns)))
         else:
             problems.append(Problem(rule, f"the file is {data_file.size_bytes} bytes, but "
-                                    f"{_items(len(fqns))} end past it, the last (item "
+                                    f"{counted(len(fqns), 'item')} end past it, the last (item "
                                     f"{data_file.last_fqn!r}) at byte {data_file.end_bytes}",
                                     name, data_file.size_bytes, data_file.end_bytes,
                                     _distinct(fqns)))
     return problems
-
-
-def _items(count: int) -> str:
-    return f"{count} item" if count == 1 else f"{count} items"
 
 
 def _fqns_past(checkpoint: Checkpoint, past_by_file: dict[str, int]) -> dict[str, list[str]]:
