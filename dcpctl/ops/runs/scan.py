@@ -248,6 +248,10 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
     _mark_the_trainers_best(scan.checkpoints)
 
 
+TRAINER_STATE_MAX_BYTES = 256 << 20
+"""A trainer_state.json holds the run's log history; past this it is not one to parse."""
+
+
 def _mark_the_trainers_best(checkpoints: list[CheckpointEntry]) -> None:
     """The transformers Trainer (load_best_model_at_end) names its best checkpoint in each
     checkpoint's trainer_state.json, and its own rotation never deletes that one: nor does
@@ -273,10 +277,6 @@ def _best_model_checkpoint(path: StoragePath) -> str | None:
     if not isinstance(best, str):
         return None
     return posixpath.basename(best.replace("\\", "/").rstrip("/"))
-
-
-TRAINER_STATE_MAX_BYTES = 256 << 20
-"""A trainer_state.json holds the run's log history; past this it is not one to parse."""
 
 
 def _doubt_those_short_of_custom_objects(checkpoints: list[CheckpointEntry]) -> None:
