@@ -13,7 +13,8 @@ it next, so no thread idles waiting for a turn. Held pieces share one budget of
 number or size of tasks. The earliest unfinished task is always
 its lane's turn and never waits, so the pipeline always makes progress. With one thread,
 everything runs in the calling thread, one task after another. The first error anywhere
-cancels the rest and is raised in the calling thread.
+(or Ctrl-C, SIGTERM in the calling thread) cancels the rest and is raised in the calling
+thread once every thread stopped, or after STOP_SECONDS for threads that did not.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, Iterable, Iterator, Sequence, TypeVar
 
@@ -29,6 +31,12 @@ from dcpctl.failpoints import Failpoint, failpoint
 Task = TypeVar("Task")
 
 DEFAULT_BYTES_IN_FLIGHT = 64 << 20
+STOP_SECONDS = 10.0
+"""After a failure or a stop, how long the calling thread waits for the other threads to reach
+their next step before it raises anyway. A thread stuck in a call that never returns (a block
+upload to a store that stopped answering, which adlfs gives no timeout) would otherwise hold
+the command, and the removal of what it wrote, until it is killed; what such a thread still
+has open, the caller discards as it unwinds."""
 
 
 def coalesce(pieces: Iterable[bytes], min_bytes: int) -> Iterator[bytes]:
@@ -188,8 +196,7 @@ class Pipeline(Generic[Task]):
             state.fail(error)
         finally:
             state.fail(PipelineCancelled())  # stops workers that are still going
-            for worker in workers:
-                worker.join()
+            _join_within(workers, STOP_SECONDS)
         if not isinstance(state.error, PipelineCancelled):
             raise state.error
 
@@ -223,6 +230,13 @@ class Pipeline(Generic[Task]):
             close = getattr(pieces, "close", None)
             if close is not None:
                 close()
+
+
+def _join_within(threads: list[threading.Thread], seconds: float) -> None:
+    """Join the threads, giving up on those still running after `seconds` in all."""
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _hold_until_turn(index: int, task, pieces: Iterator[bytes], state: _PipelineState

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -116,6 +119,42 @@ def test_consumer_error_is_raised_and_workers_stop():
         Pipeline(produce, threads=3, bytes_in_flight=1000).run(list(range(10)), consume)
     assert closed  # generators of started tasks were closed
     assert threading.active_count() == threads_before
+
+
+_STUCK_CONSUMER = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    import dcpctl.pipeline as pipeline
+    from dcpctl.pipeline import Pipeline
+
+    pipeline.STOP_SECONDS = {stop_seconds}
+    never = threading.Event()
+
+    def consume(task, pieces):
+        for _ in pieces:
+            if task == 1:
+                never.wait()  # a write to a store that stopped answering
+
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.{signal_name})).start()
+    started = time.monotonic()
+    try:
+        Pipeline(lambda task: [b"piece"], threads=2).run([0, 1, 2, 3], consume)
+    except BaseException as error:
+        print(type(error).__name__, round(time.monotonic() - started, 1))
+""")
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_stop_is_raised_though_a_thread_is_stuck_in_a_call_that_never_returns(signal_name):
+    """Ctrl-C or SIGTERM while a thread waits on a store that stopped answering: the command
+    stops (and can remove what it wrote) once the others stopped, rather than never."""
+    script = _STUCK_CONSUMER.format(stop_seconds=1.0, signal_name=signal_name)
+    if signal_name == "SIGTERM":
+        script = "from dcpctl.stopping import stop_on_signals; stop_on_signals()\n" + script
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    name, seconds = done.stdout.split()
+    assert name == ("KeyboardInterrupt" if signal_name == "SIGINT" else "Terminated")
+    assert 1.0 <= float(seconds) < 10
 
 
 def test_no_tasks_and_unread_pieces():
