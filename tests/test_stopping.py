@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -51,3 +53,23 @@ def test_without_a_stop_the_block_error_passes_through(stopping_handlers):
     with pytest.raises(OSError, match="disk full"):
         with finishing_first():
             raise OSError("disk full")
+
+
+_INTERRUPTED_WHILE_IMPORTING = """
+import sys
+
+class CtrlCWhileImporting:  # Ctrl-C lands while the command line is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "click":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlCWhileImporting())
+from dcpctl.__main__ import main
+main()
+"""
+
+
+def test_ctrl_c_while_the_command_starts_is_said_as_an_interruption_not_a_traceback():
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_WHILE_IMPORTING, "inspect", "x"],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGINT, "Error: interrupted\n")

@@ -156,7 +156,8 @@ def _parsed_storage_option(text: str) -> tuple[str, object]:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """The command line: set the process up, then run the command (dcpctl/__main__.py starts
+    it)."""
     reuse_large_buffers()
     quiet_library_logs()
     bound_unpickling_memory()
