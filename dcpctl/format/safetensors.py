@@ -9,12 +9,14 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from dcpctl.errors import DataError, UnsupportedLayoutError, missing_file_error
 from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType, fits_in_torch
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
 from dcpctl.storage.paths import open_ranged, read_whole
 from dcpctl.storage.planned_from import note_planned_from
+from dcpctl.wording import counted
 
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -148,19 +150,42 @@ def check_tensor_name(name: str) -> None:
                                      "leave it out with --exclude)") from None
 
 
+_NAMES_SHOWN = 10
+
+
+def refuse_dtypes_it_cannot_store(tensors: Iterable[tuple[str, DType]]) -> None:
+    """Refuse, all named in one message, the tensors (name, dtype) whose dtype safetensors has
+    no code for, with the remedy: --dtype casts floating-point tensors only."""
+    refused = [(name, dtype) for name, dtype in tensors if dtype.safetensors_code is None]
+    if not refused:
+        return
+    floating = sum(dtype.is_floating_point for _, dtype in refused)
+    if len(refused) == 1:
+        (name, dtype), = refused
+        remedy = ("cast it with --dtype, or leave it out with --exclude" if floating
+                  else "leave it out with --exclude")
+        raise UnsupportedLayoutError(f"tensor {name!r} has dtype torch.{dtype.name}, which "
+                                     f"safetensors cannot store ({remedy})")
+    if floating == len(refused):
+        remedy = "cast them with --dtype, or leave them out with --exclude"
+    elif floating:
+        remedy = "cast the floating-point ones with --dtype; leave the others out with --exclude"
+    else:
+        remedy = "leave them out with --exclude"
+    shown = ", ".join(f"{name!r} (torch.{dtype.name})" for name, dtype in refused[:_NAMES_SHOWN])
+    more = f", and {len(refused) - _NAMES_SHOWN} more" if len(refused) > _NAMES_SHOWN else ""
+    raise UnsupportedLayoutError(f"{counted(len(refused), 'tensor')} have dtypes safetensors "
+                                 f"cannot store: {shown}{more} ({remedy})")
+
+
 def encode_header(tensors: list[SafetensorsTensor]) -> bytes:
     """The header of a file holding these tensors' data back to back in this order: 8-byte
     length, then JSON padded with spaces so that the data starts 8-byte aligned."""
     entries: dict = {METADATA_KEY: _FILE_METADATA}
     offset = 0
+    refuse_dtypes_it_cannot_store((tensor.name, tensor.dtype) for tensor in tensors)
     for tensor in tensors:
         check_tensor_name(tensor.name)
-        if tensor.dtype.safetensors_code is None:
-            remedy = ("cast it with --dtype, or leave it out with --exclude"
-                      if tensor.dtype.is_floating_point else "leave it out with --exclude")
-            raise UnsupportedLayoutError(
-                f"tensor {tensor.name!r} has dtype torch.{tensor.dtype.name}, which safetensors "
-                f"cannot store ({remedy})")
         entries[tensor.name] = {"dtype": tensor.dtype.safetensors_code,
                                 "shape": list(tensor.shape),
                                 "data_offsets": [offset, offset + tensor.nbytes]}

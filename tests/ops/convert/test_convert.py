@@ -501,6 +501,21 @@ def test_complex128_is_refused_with_a_remedy_that_works(tmp_path):
                                cast_to=dtype_by_name("float32"))
 
 
+def test_every_tensor_safetensors_cannot_store_is_named_in_one_refusal(tmp_path, run_cli):
+    """Not one per run: a user excluding the first found would meet the next one only then."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a_c128": torch.ones(2, dtype=torch.complex128), "ok": torch.ones(2),
+              "b_c32": torch.ones(2, dtype=torch.complex32)},
+             checkpoint_id=tmp_path / "dcp", no_dist=True)
+    result = run_cli("convert", tmp_path / "dcp", "--to", "safetensors", "--include", "*",
+                     "-o", tmp_path / "hf")
+    assert result.exit_code == 1
+    assert ("2 tensors have dtypes safetensors cannot store: 'a_c128' (torch.complex128), "
+            "'b_c32' (torch.complex32) (leave them out with --exclude)") in result.stderr
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_torch_save_file_with_an_empty_tensor_is_laid_out_as_torchs(tmp_path, run_cli):
     """A data descriptor after an empty tensor's record (torch.save writes none) moved every
     record after it: torch's mmap load, which works offsets out by its writer's layout, read
