@@ -175,8 +175,7 @@ def torch_save_layout(plan: TorchSavePlan, checkpoint: Checkpoint, path: Storage
 
 def _pickle_state(plan: TorchSavePlan, checkpoint: Checkpoint) -> tuple[list[OutputTensor], bytes]:
     """data.pkl for the nested state, and its tensors in storage key order."""
-    values: dict[str, object] = {entry.fqn: _load_object(checkpoint, entry)
-                                 for entry in plan.objects}
+    values = _load_objects(checkpoint, plan.objects)
     values.update((tensor.entry.fqn, tensor) for tensor in plan.tensors)
     state: dict = {}
     for fqn, key_path in plan.paths.items():
@@ -228,6 +227,38 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     return report
 
 
+def _load_objects(checkpoint: Checkpoint, objects: list[ObjectEntry]) -> dict[str, object]:
+    """Each non-tensor entry's value by fqn; those torch's weights_only loader refuses are
+    named together, in one refusal."""
+    values, refusals = {}, {}
+    for entry in objects:
+        try:
+            values[entry.fqn] = _load_object(checkpoint, entry)
+        except _NotWeightsOnly as refusal:
+            refusals[entry.fqn] = str(refusal)
+    if len(refusals) == 1:
+        (fqn, reason), = refusals.items()
+        raise UnsupportedLayoutError(f"object {fqn!r} cannot be loaded with weights_only=True "
+                                     f"({reason}); leave it out with --exclude",
+                                     path=checkpoint.path)
+    if refusals:
+        shown = "; ".join(f"{fqn!r} ({reason})" for fqn, reason
+                          in list(refusals.items())[:_REFUSALS_SHOWN])
+        more = (f"; and {len(refusals) - _REFUSALS_SHOWN} more"
+                if len(refusals) > _REFUSALS_SHOWN else "")
+        raise UnsupportedLayoutError(f"{len(refusals)} objects cannot be loaded with "
+                                     f"weights_only=True: {shown}{more}; leave them out with "
+                                     "--exclude", path=checkpoint.path)
+    return values
+
+
+_REFUSALS_SHOWN = 5
+
+
+class _NotWeightsOnly(Exception):
+    """Why torch's weights_only loader refused an object."""
+
+
 def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
     """A non-tensor entry: plain data without torch (plain_objects.py), anything else
     unpickled with torch's weights_only loader (no code runs either way)."""
@@ -244,9 +275,7 @@ def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
     try:
         value = torch.load(io.BytesIO(archive), weights_only=True)
     except Exception as error:  # the weights_only loader refuses in many ways
-        raise UnsupportedLayoutError(
-            f"{location.path}: object {entry.fqn!r} cannot be loaded with weights_only=True "
-            f"({weights_only_refusal(error)}); leave it out with --exclude") from None
+        raise _NotWeightsOnly(weights_only_refusal(error)) from None
     refuse_tensors_in_object(location.path, entry.fqn, value)
     return value
 

@@ -516,6 +516,23 @@ def test_every_tensor_safetensors_cannot_store_is_named_in_one_refusal(tmp_path,
     assert not (tmp_path / "hf").exists()
 
 
+def test_every_object_the_weights_only_loader_refuses_is_named_in_one_refusal(tmp_path,
+                                                                            run_cli):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a_path": Path("x"), "w": torch.ones(2), "b_path": Path("y"), "n": 3},
+             checkpoint_id=tmp_path / "dcp", no_dist=True)
+    result = run_cli("convert", tmp_path / "dcp", "--to", "torch", "-o", tmp_path / "out.pt")
+    assert result.exit_code == 1
+    assert result.stderr.startswith(
+        f"Error: {tmp_path / 'dcp'}: 2 objects cannot be loaded with weights_only=True: "
+        "'a_path' (")
+    assert "; 'b_path' (" in result.stderr
+    assert result.stderr.endswith("; leave them out with --exclude\n")
+    assert run_cli("convert", tmp_path / "dcp", "--to", "torch", "-o", tmp_path / "out.pt",
+                   "--exclude", "*_path").exit_code == 0
+
+
 def test_a_torch_save_file_with_an_empty_tensor_is_laid_out_as_torchs(tmp_path, run_cli):
     """A data descriptor after an empty tensor's record (torch.save writes none) moved every
     record after it: torch's mmap load, which works offsets out by its writer's layout, read
