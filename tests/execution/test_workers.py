@@ -301,6 +301,30 @@ def test_torchrun_ranks_write_the_same_bytes_as_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_job_over_two_nodes_writes_the_same_bytes_as_one_process(tmp_path):
+    """Two torchrun agents, as on two machines sharing a file system: they meet through c10d
+    rendezvous (as SLURM users start them, per `dcpctl --help`), each with two ranks."""
+    import socket
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    source, alone, ranked = fixture_path(SOURCE), tmp_path / "alone", tmp_path / "ranked"
+    ok("reshard", source, "--ranks", "5", "-o", alone)
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=dcpctl-test", "-m", "dcpctl", "reshard", str(source), "--ranks", "5", "-o",
+         str(ranked)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+        for node in (0, 1)]
+    outcomes = [(node.wait(timeout=300), node.stdout.read(), node.stderr.read())
+                for node in nodes]
+    assert [code for code, _, _ in outcomes] == [0, 0], outcomes
+    assert "".join(out for _, out, _ in outcomes).count(str(ranked)) == 1  # from rank 0 only
+    assert tree(alone) == tree(ranked)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("damaged,rank", [("__2_0.distcp", 1), ("__0_0.distcp", 0)])
 def test_a_failing_rank_fails_the_torchrun_job_naming_it(copy_fixture, tmp_path, damaged, rank):
     checkpoint = copy_fixture(SOURCE)
