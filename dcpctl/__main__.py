@@ -1,5 +1,6 @@
 """The `dcpctl` command and `python -m dcpctl`."""
 
+import signal
 import sys
 
 
@@ -9,7 +10,7 @@ def main() -> None:
         from dcpctl.cli.main import main as run_command_line
     except KeyboardInterrupt:  # Ctrl-C while starting: said as a command stopped so says it
         sys.stderr.write("Error: interrupted\n")
-        sys.exit(130)
+        sys.exit(128 + signal.SIGINT)
     run_command_line()
 
 

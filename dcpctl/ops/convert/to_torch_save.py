@@ -227,6 +227,13 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     return report
 
 
+_REFUSALS_SHOWN = 5
+
+
+class _NotWeightsOnly(Exception):
+    """Why torch's weights_only loader refused an object."""
+
+
 def _load_objects(checkpoint: Checkpoint, objects: list[ObjectEntry]) -> dict[str, object]:
     """Each non-tensor entry's value by fqn; those torch's weights_only loader refuses are
     named together, in one refusal."""
@@ -250,13 +257,6 @@ def _load_objects(checkpoint: Checkpoint, objects: list[ObjectEntry]) -> dict[st
                                      f"weights_only=True: {shown}{more}; leave them out with "
                                      "--exclude", path=checkpoint.path)
     return values
-
-
-_REFUSALS_SHOWN = 5
-
-
-class _NotWeightsOnly(Exception):
-    """Why torch's weights_only loader refused an object."""
 
 
 def _load_object(checkpoint: Checkpoint, entry: ObjectEntry):
