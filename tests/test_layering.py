@@ -17,7 +17,7 @@ PACKAGE_DIR = REPO_ROOT / "dcpctl"
 LAYERS = [
     ("base", ["dcpctl.version", "dcpctl.errors", "dcpctl.failpoints", "dcpctl.stopping",
               "dcpctl.cycle_collector", "dcpctl.allocator", "dcpctl.unpickling_memory",
-              "dcpctl.library_logs", "dcpctl.wording"]),
+              "dcpctl.library_logs", "dcpctl.wording", "dcpctl.thread_pools"]),
     ("foundations", ["dcpctl.pipeline", "dcpctl.storage", "dcpctl.format.dtypes",
                      "dcpctl.format.file_names"]),
     ("file formats", ["dcpctl.format.metadata", "dcpctl.format.torch_save",

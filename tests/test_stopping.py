@@ -5,8 +5,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from conftest import fixture_path
 
 from dcpctl.stopping import Terminated, finishing_first, stop_on_signals
 
@@ -73,3 +75,58 @@ def test_ctrl_c_while_the_command_starts_is_said_as_an_interruption_not_a_traceb
     done = subprocess.run([sys.executable, "-c", _INTERRUPTED_WHILE_IMPORTING, "inspect", "x"],
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (128 + signal.SIGINT, "Error: interrupted\n")
+
+
+_STORE_THAT_STOPS_ANSWERING = """
+import os, signal, sys, threading
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
+
+class StoreThatStopsAnswering(MemoryFileSystem):
+    \"\"\"Answers until the first read of a data file, which never returns; the command is
+    sent SIGTERM half a second later.\"\"\"
+    protocol = "stops-answering"
+    store, pseudo_dirs, stopped = {}, [""], threading.Event()
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).replace("stops-answering://", "memory://", 1))
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        if str(path).endswith(".distcp"):
+            if not self.stopped.is_set():
+                self.stopped.set()
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            threading.Event().wait()
+        return super().cat_file(path, start, end, **kwargs)
+
+fsspec.register_implementation("stops-answering", StoreThatStopsAnswering)
+StoreThatStopsAnswering().put(sys.argv[1], "/bucket/ck", recursive=True)
+sys.argv = ["dcpctl", *sys.argv[2:]]
+from dcpctl.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("command,seconds", [
+    (["verify"], 5), (["checksum"], 5),
+    (["compress", "-o", "{tmp}/out"], 15),  # the pipeline gives its threads 10 s to stop
+])
+def test_a_stop_ends_the_command_though_its_threads_wait_on_a_store_that_stopped_answering(
+        tmp_path, command, seconds):
+    """The error was said at once, then the process waited at exit for the threads still
+    reading (from a pool, which Python joins at exit) as long as the store's client retried:
+    minutes on S3, forever here."""
+    arguments = [part.format(tmp=tmp_path) for part in command]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _STORE_THAT_STOPS_ANSWERING,
+             str(fixture_path("fsdp2_adamw_3ranks")), arguments[0],
+             "stops-answering://bucket/ck", *arguments[1:]],
+            capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command[0]} still running 60 s after SIGTERM")
+    assert (done.returncode, done.stderr) == (128 + signal.SIGTERM, "Error: stopped by SIGTERM\n")
+    assert time.monotonic() - started < seconds
+    assert not (tmp_path / "out").exists()

@@ -16,11 +16,11 @@ more than ENDS_BYTES pass for one (a limit the README states).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 from dcpctl.errors import DcpctlError
 from dcpctl.storage.file_digests import sha256_of_ends, sha256_of_file
 from dcpctl.storage.paths import storage_path
+from dcpctl.thread_pools import thread_pool
 
 ENDS_BYTES = 1 << 20
 """The bytes at each end of a file that its fingerprint covers, where it does not cover it
@@ -55,5 +55,5 @@ def fingerprints(files: dict[str, bool]) -> dict[str, str | None]:
 
     if len(files) < 2:
         return {path: fingerprint(path) for path in files}
-    with ThreadPoolExecutor(min(FINGERPRINT_THREADS, len(files))) as pool:
+    with thread_pool(min(FINGERPRINT_THREADS, len(files)), "dcpctl-fingerprint") as pool:
         return dict(zip(files, pool.map(fingerprint, files)))

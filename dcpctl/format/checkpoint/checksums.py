@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from dcpctl.errors import DataError
@@ -20,6 +19,7 @@ from dcpctl.storage.file_digests import sha256_of_file
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import (StoragePath, missing_files, new_output_file, read_whole,
                                   storage_path, write_whole)
+from dcpctl.thread_pools import thread_pool
 
 _LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")  # sha256sum -c takes either case
 
@@ -30,7 +30,7 @@ def sha256_of_files(directory: StoragePath, names: Iterable[str], threads: int,
     (hashlib lets go of the GIL), the largest files first."""
     directory = storage_path(directory)
     by_size = sorted(names, key=lambda name: -(directory / name).stat().st_size)
-    with ThreadPoolExecutor(max_workers=threads) as pool:
+    with thread_pool(threads, "dcpctl-sha256") as pool:
         futures = {name: pool.submit(sha256_of_file, directory / name, on_progress)
                    for name in by_size}
         return {name: future.result() for name, future in futures.items()}

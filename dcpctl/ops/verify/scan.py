@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -29,6 +28,7 @@ from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
 from dcpctl.storage.objects import StorageError
 from dcpctl.storage.paths import RangedFile, StoragePath, open_ranged
+from dcpctl.thread_pools import thread_pool
 
 PIECE_BYTES = 4 << 20
 _UNIT_BYTES = 64 << 20
@@ -130,7 +130,7 @@ def scan_units(units: list[ScanUnit], threads: int, advance: Callable[[int], Non
                ) -> list[Problem]:
     """Run the units on `threads` threads; the problems they found. advance(bytes) follows
     the reading."""
-    with ThreadPoolExecutor(max_workers=threads) as pool:
+    with thread_pool(threads, "dcpctl-verify") as pool:
         found = list(pool.map(lambda unit: _scan_unit(unit, advance), units))
     return [problem for problems in found for problem in problems]
 

@@ -516,8 +516,8 @@ def test_every_tensor_safetensors_cannot_store_is_named_in_one_refusal(tmp_path,
     assert not (tmp_path / "hf").exists()
 
 
-def test_every_object_the_weights_only_loader_refuses_is_named_in_one_refusal(tmp_path,
-                                                                            run_cli):
+def test_every_object_the_weights_only_loader_refuses_is_named_in_one_refusal(
+        tmp_path, run_cli):
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"a_path": Path("x"), "w": torch.ones(2), "b_path": Path("y"), "n": 3},
