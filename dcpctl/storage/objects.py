@@ -198,6 +198,11 @@ class ObjectStore:
         name relative to prefix is wanted; their names. Only S3 has them: here, none."""
         return []
 
+    def abort_open_uploads(self, prefix: str) -> None:
+        """Abort the uploads this process started under prefix (or of the object prefix names)
+        that were neither completed nor aborted: a writer still held by a thread a stop did
+        not wait for (pipeline.STOP_SECONDS). Only S3 has them: here, none."""
+
     def delete(self, keys: list[str], if_etags: Mapping[str, str | None] | None = None) -> None:
         """Delete the objects of exactly these keys (fsspec's `rm` would take a key holding
         `*`, `?` or `[` for a pattern, and delete what it matches), in batches where the store

@@ -77,6 +77,31 @@ def _check_session_options(options: dict[str, object]) -> None:
 class S3Store(ObjectStore):
     """An S3 bucket (see module docstring)."""
 
+    def __init__(self, protocol: str, filesystem) -> None:
+        super().__init__(protocol, filesystem)
+        self._open_uploads: dict[str, str] = {}  # upload id -> key: started, not yet ended
+        self._open_uploads_lock = threading.Lock()
+
+    def note_upload(self, key: str, upload_id: str, is_open: bool) -> None:
+        """Keep track of the uploads this process has open (abort_open_uploads)."""
+        with self._open_uploads_lock:
+            if is_open:
+                self._open_uploads[upload_id] = key
+            else:
+                self._open_uploads.pop(upload_id, None)
+
+    def abort_open_uploads(self, prefix: str) -> None:
+        base = prefix.rstrip("/")
+        with self._open_uploads_lock:
+            ours = {upload_id: key for upload_id, key in self._open_uploads.items()
+                    if key == base or key.startswith(base + "/")}
+        for upload_id, key in ours.items():
+            try:
+                self._call(key, "abort_multipart_upload", UploadId=upload_id)
+            except Exception:  # noqa: BLE001 - housekeeping after the failure being reported
+                continue
+            self.note_upload(key, upload_id, is_open=False)
+
     def _call(self, key: str, method: str, **arguments):
         """Run an S3 call on s3fs's event loop (with its retries); raise ClientError as is."""
         bucket, object_key, _ = self.fs.split_path(key)
@@ -356,6 +381,7 @@ class MultipartWriter(ObjectWriter):
             if self._upload_id is None:
                 response = self.store._call(self.key, "create_multipart_upload")
                 self._upload_id = response["UploadId"]
+                self.store.note_upload(self.key, self._upload_id, is_open=True)
         self._reap(block=False)
         _PART_SLOTS.acquire()
         try:
@@ -405,6 +431,7 @@ class MultipartWriter(ObjectWriter):
             if not self._made_as_written():
                 raise
             etag = self.store.remembered_etag(self.key)  # as _made_as_written asked for it
+            self.store.note_upload(self.key, self._upload_id, is_open=False)
         else:
             etag = self._listed_etag()
         self.store.note_written(self.key, etag)
@@ -419,6 +446,7 @@ class MultipartWriter(ObjectWriter):
                 self.store._call(self.key, "complete_multipart_upload",
                                  UploadId=self._upload_id, MultipartUpload={"Parts": self._parts},
                                  **condition)
+            self.store.note_upload(self.key, self._upload_id, is_open=False)
 
     @contextlib.contextmanager
     def _upload_still_open(self) -> Iterator[None]:
@@ -477,6 +505,7 @@ class MultipartWriter(ObjectWriter):
         if self._upload_id is not None:
             try:
                 self.store._call(self.key, "abort_multipart_upload", UploadId=self._upload_id)
+                self.store.note_upload(self.key, self._upload_id, is_open=False)
             except Exception:  # noqa: BLE001 - the failure being handled is the one to report
                 pass
             self._upload_id = None

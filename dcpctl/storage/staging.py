@@ -396,13 +396,15 @@ class ObjectStoreOutput:
         self.confirm()
 
     def abort(self) -> None:
-        """Delete what was written under the destination, where it is this run's output. Where
-        another run took it over, nothing: an object this run wrote cannot be told from one of
-        the same bytes that run wrote (their ETags are the same), and that run deletes what it
-        finds of this one's (confirm()). A store that fails meanwhile (the one that failed
+        """Delete what was written under the destination, where it is this run's output, and
+        abort this run's uploads there that a thread it did not wait for still holds. Where
+        another run took it over, nothing more: an object this run wrote cannot be told from
+        one of the same bytes that run wrote (their ETags are the same), and that run deletes
+        what it finds of this one's (confirm()). A store that fails meanwhile (the one that failed
         the run, say) leaves it: the error that stopped the run is the one to report, and a
         run with --overwrite clears it."""
         try:
+            self.destination.store.abort_open_uploads(self.destination.key)
             if not self.is_directory:
                 # the object is written whole or not at all: one that stood there stays
                 now = _current_etag(self.destination)

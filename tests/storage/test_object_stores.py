@@ -263,6 +263,29 @@ def test_uploads_a_killed_run_left_are_aborted_once_stale(moto_s3, monkeypatch, 
                                         "run/step-100/__0_0.distcp"]  # under no pruned prefix
 
 
+@pytest.mark.parametrize("is_directory", [True, False], ids=["checkpoint", "file"])
+def test_an_upload_a_stopped_run_s_thread_still_holds_goes_with_the_output(
+        moto_s3, monkeypatch, tmp_path, is_directory):
+    """A stop waits at most pipeline.STOP_SECONDS for a thread stuck on a store that stopped
+    answering: the upload that thread held was left, billed and out of every listing, and no
+    rerun aborted it (under a day old, it may be a live run's)."""
+    from dcpctl.storage.staging import staged_output
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    client, bucket = moto_s3.client(), moto_s3.new_bucket()
+    other = ObjectOutputFile(storage_path(f"s3://{bucket}/elsewhere/model.pt"))
+    other.write(os.urandom(PART_BYTES + 1))  # this process's too, but no part of the output
+    staged = staged_output(storage_path(f"s3://{bucket}/out"), False, tmp_path, is_directory)
+    held = ObjectOutputFile(staged.path / "__0_0.distcp" if is_directory else staged.path,
+                            claim=staged.claim if is_directory else None)
+    held.write(os.urandom(PART_BYTES + 1))  # started, then neither finished nor discarded
+    assert len(_uploads(client, bucket)) == 2
+    staged.abort()
+    assert _uploads(client, bucket) == ["elsewhere/model.pt"]
+    other.discard()
+
+
 @pytest.mark.parametrize("split_path", ["as given", "trailing slash dropped"])
 def test_the_clean_up_of_a_checkpoint_leaves_a_sibling_prefix_alone(moto_s3, monkeypatch,
                                                                     split_path):

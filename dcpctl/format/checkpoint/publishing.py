@@ -39,7 +39,7 @@ from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
 from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
-from dcpctl.storage.objects import WriteOutcomeUnknownError, run_within
+from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError, run_within
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   open_ranged, write_whole)
 from dcpctl.storage.claims import OutputClaim
@@ -220,6 +220,8 @@ class CheckpointOutput:
         if self._metadata_switched:
             return
         if self.in_place:
+            if isinstance(self.directory, ObjectPath):  # uploads a stuck thread still holds
+                self.directory.store.abort_open_uploads(self.directory.key)
             names = self._planned_names | {name for files in self._sets for name in files.digests}
             for name in sorted(names):
                 (self.directory / temporary_name(name, self._token)).unlink(missing_ok=True)
