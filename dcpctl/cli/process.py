@@ -20,5 +20,8 @@ def end_process_without_teardown(context: click.Context, exit_code: int = 0) -> 
     if not (context.find_root().obj or {}).get(RUNS_AS_PROCESS):
         return
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (`| head`), a stream closed: nothing to do
+            pass
     os._exit(exit_code)
