@@ -11,7 +11,7 @@ import sys
 import click
 
 from dcpctl.allocator import reuse_large_buffers
-from dcpctl.cli.process import RUNS_AS_PROCESS, end_process_without_teardown
+from dcpctl.cli.process import RUNS_AS_PROCESS
 from dcpctl.cli.render import escape_control_characters, print_failure
 from dcpctl.cycle_collector import freeze_built_objects_on_resume
 from dcpctl.errors import DcpctlError, describe_os_error, name_and_message
@@ -82,7 +82,6 @@ class DcpctlGroup(click.Group):
         if context.obj and context.obj.get("debug"):
             raise
         print_failure(context, without_secrets(message), exit_code)
-        end_process_without_teardown(context, exit_code)  # what failed has been cleaned up
         sys.exit(exit_code)
 
 

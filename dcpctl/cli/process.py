@@ -15,8 +15,7 @@ RUNS_AS_PROCESS = "runs_as_process"
 def end_process_without_teardown(context: click.Context, exit_code: int = 0) -> None:
     """In the dcpctl process itself, flush the output and exit with exit_code at once:
     freeing millions of objects one by one at shutdown can take longer than the command's
-    own work, and after a failure, shutdown would wait for every thread still in a call to a
-    store that stopped answering (thread_pools.py), minutes after the error was said."""
+    own work."""
     if not (context.find_root().obj or {}).get(RUNS_AS_PROCESS):
         return
     for stream in (sys.stdout, sys.stderr):

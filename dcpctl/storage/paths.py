@@ -17,7 +17,6 @@ import posixpath
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, Union
 
@@ -29,6 +28,7 @@ from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, 
                                   read_file, write_file_atomically)
 from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError
 from dcpctl.storage.stores import holds_user_info, store_for, without_user_info
+from dcpctl.thread_pools import DaemonThreadPool
 
 StoragePath = Union[Path, ObjectPath]
 
@@ -186,7 +186,7 @@ READ_AHEAD_PIECES = 4
 """Pieces of an object fetched ahead of the one being read, front to back..."""
 READ_AHEAD_BYTES = 32 << 20
 """...as long as all the reads at once hold no more than this fetched ahead."""
-_READ_AHEAD_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dcpctl-read-ahead")
+_READ_AHEAD_POOL = DaemonThreadPool(32, "dcpctl-read-ahead")
 
 
 class _Budget:
