@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import click
 
+from dcpctl.wording import listed
+
 if TYPE_CHECKING:
     from dcpctl.ops.verify.verifier import Problem
 
@@ -137,7 +139,5 @@ def render_problem(problem: Problem) -> list[str]:
     if problem.start is not None and problem.end is not None:
         parts.append(f"bytes {problem.start}..{problem.end}")
     if problem.fqns:
-        shown = ", ".join(problem.fqns[:_FQNS_SHOWN])
-        more = len(problem.fqns) - _FQNS_SHOWN
-        parts.append(shown + (f" and {more} more" if more > 0 else ""))
+        parts.append(listed(problem.fqns, _FQNS_SHOWN))
     return ["  ".join(parts), "    " + problem.message]

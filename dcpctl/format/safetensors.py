@@ -16,7 +16,7 @@ from dcpctl.format.dtypes import DTYPES_BY_SAFETENSORS_CODE, DType, fits_in_torc
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME, METADATA_FILE_NAME
 from dcpctl.storage.paths import open_ranged, read_whole
 from dcpctl.storage.planned_from import note_planned_from
-from dcpctl.wording import counted
+from dcpctl.wording import counted, listed
 
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -172,10 +172,9 @@ def refuse_dtypes_it_cannot_store(tensors: Iterable[tuple[str, DType]]) -> None:
         remedy = "cast the floating-point ones with --dtype; leave the others out with --exclude"
     else:
         remedy = "leave them out with --exclude"
-    shown = ", ".join(f"{name!r} (torch.{dtype.name})" for name, dtype in refused[:_NAMES_SHOWN])
-    more = f", and {len(refused) - _NAMES_SHOWN} more" if len(refused) > _NAMES_SHOWN else ""
+    shown = listed([f"{name!r} (torch.{dtype.name})" for name, dtype in refused], _NAMES_SHOWN)
     raise UnsupportedLayoutError(f"{counted(len(refused), 'tensor')} have dtypes safetensors "
-                                 f"cannot store: {shown}{more} ({remedy})")
+                                 f"cannot store: {shown} ({remedy})")
 
 
 def encode_header(tensors: list[SafetensorsTensor]) -> bytes:

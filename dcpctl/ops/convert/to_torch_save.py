@@ -39,6 +39,7 @@ from dcpctl.ops.convert.report import (ConvertReport, OutputTensor, ProgressCall
                                        cast_dtype)
 from dcpctl.storage.paths import StoragePath, storage_path
 from dcpctl.storage.staging import staged_output
+from dcpctl.wording import listed
 
 _PICKLE_PROTOCOL = 2  # torch.save's default
 
@@ -249,12 +250,10 @@ def _load_objects(checkpoint: Checkpoint, objects: list[ObjectEntry]) -> dict[st
                                      f"({reason}); leave it out with --exclude",
                                      path=checkpoint.path)
     if refusals:
-        shown = "; ".join(f"{fqn!r} ({reason})" for fqn, reason
-                          in list(refusals.items())[:_REFUSALS_SHOWN])
-        more = (f"; and {len(refusals) - _REFUSALS_SHOWN} more"
-                if len(refusals) > _REFUSALS_SHOWN else "")
+        shown = listed([f"{fqn!r} ({reason})" for fqn, reason in refusals.items()],
+                       _REFUSALS_SHOWN, separator="; ")
         raise UnsupportedLayoutError(f"{len(refusals)} objects cannot be loaded with "
-                                     f"weights_only=True: {shown}{more}; leave them out with "
+                                     f"weights_only=True: {shown}; leave them out with "
                                      "--exclude", path=checkpoint.path)
     return values
 

@@ -36,6 +36,7 @@ from dcpctl.format.metadata.records import ChunkMetadata
 from dcpctl.format.state_dict_layouts import rank_of_per_rank_entry
 from dcpctl.ops.reshard.target_layout import object_holders, target_chunks, target_mesh
 from dcpctl.pipeline import Run, group_into_runs
+from dcpctl.wording import listed
 
 # Runs are formed within windows of this many bytes of tasks in plan order (see
 # group_tasks_into_runs).
@@ -229,9 +230,7 @@ def describe_ranks(ranks: tuple[int, ...]) -> str:
 
 
 def _fqns_text(by_rank: dict[str, int]) -> str:
-    shown = list(by_rank)[:2]
-    more = f" and {len(by_rank) - len(shown)} more" if len(by_rank) > len(shown) else ""
-    return ", ".join(shown) + more
+    return listed(list(by_rank), 2)
 
 
 def _input_codec(checkpoint: Checkpoint) -> Codec:
