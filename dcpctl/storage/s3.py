@@ -431,9 +431,9 @@ class MultipartWriter(ObjectWriter):
             if not self._made_as_written():
                 raise
             etag = self.store.remembered_etag(self.key)  # as _made_as_written asked for it
-            self.store.note_upload(self.key, self._upload_id, is_open=False)
         else:
             etag = self._listed_etag()
+        self.store.note_upload(self.key, self._upload_id, is_open=False)  # completed
         self.store.note_written(self.key, etag)
 
     def _complete(self) -> None:
@@ -446,7 +446,6 @@ class MultipartWriter(ObjectWriter):
                 self.store._call(self.key, "complete_multipart_upload",
                                  UploadId=self._upload_id, MultipartUpload={"Parts": self._parts},
                                  **condition)
-            self.store.note_upload(self.key, self._upload_id, is_open=False)
 
     @contextlib.contextmanager
     def _upload_still_open(self) -> Iterator[None]:
