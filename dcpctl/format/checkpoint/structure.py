@@ -109,7 +109,7 @@ def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:
     show it damaged (what `verify --quick` reports, SHA256SUMS aside)."""
     checkpoint = open_checkpoint(path, check_files=False)  # check_structure words those too
     with paused_cycle_collector():
-        problems = check_structure(checkpoint, list_stored_items(checkpoint))
+        problems = check_structure(checkpoint)
     if problems:
         raise problems_error(problems, checkpoint.path)
     return checkpoint
@@ -125,25 +125,32 @@ def open_quickly_verified(path: str | os.PathLike) -> Checkpoint:
     return checkpoint
 
 
-def check_structure(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
+def check_structure(checkpoint: Checkpoint) -> list[Problem]:
     """Missing and truncated files, overlapping items, chunks that do not tile their tensor,
     entries without storage, and stored lengths that contradict dtype and shape."""
     problems = find_file_problems(checkpoint)
-    problems += _overlapping_items(checkpoint, items)
+    problems += _overlapping_items(checkpoint)
     problems += _storage_link_problems(checkpoint)
     for tensor in checkpoint.tensors:
         problems += _chunk_cover_problems(tensor)
-    problems += _stored_length_problems(checkpoint, items)
+    problems += _stored_length_problems(checkpoint)
     return problems
 
 
-def _overlapping_items(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
+def _overlapping_items(checkpoint: Checkpoint) -> list[Problem]:
+    """Items that share bytes of a file, looked for only in files whose items the metadata
+    does not list in order and apart (DataFile.items_apart)."""
+    unordered = {name for name, data_file in checkpoint.files.items()
+                 if not data_file.items_apart}
+    if not unordered:
+        return []
+    items = list_stored_items(checkpoint)
     safetensors_names = safetensors_files(checkpoint)
     spans_by_file: dict[str, list[tuple[int, int, int]]] = defaultdict(list)  # offset, index, end
     for index, item in enumerate(items):
         storage = item.storage
-        if storage.length and not (safetensors_names
-                                   and is_safetensors_tensor(item, safetensors_names)):
+        if (storage.length and storage.relative_path in unordered
+                and not (safetensors_names and is_safetensors_tensor(item, safetensors_names))):
             spans_by_file[storage.relative_path].append(
                 (storage.offset, index, storage.offset + storage.length))
     problems = []
@@ -162,6 +169,8 @@ def _overlapping_items(checkpoint: Checkpoint, items: list[StoredItem]) -> list[
 
 def _storage_link_problems(checkpoint: Checkpoint) -> list[Problem]:
     """Chunks and objects without storage, and storage entries that no chunk or object has."""
+    if checkpoint.every_entry_joined:
+        return []
     problems = []
     linked = list(chain.from_iterable(map(_storages_of_chunks, checkpoint.tensors)))
     linked += map(_STORAGE, checkpoint.objects)
@@ -325,29 +334,33 @@ def find_overlapping_boxes(boxes: list[Box]) -> tuple[Box, Box] | None:
     return None
 
 
-def _stored_length_problems(checkpoint: Checkpoint, items: list[StoredItem]) -> list[Problem]:
+def _stored_length_problems(checkpoint: Checkpoint) -> list[Problem]:
     """SAFETENSORS items hold exactly the chunk's bytes; a plain torch.save archive at least;
     an item under a codec no more than the codec can decode its stored bytes to."""
     safetensors_names = safetensors_files(checkpoint)
     elements_of_sizes: dict[tuple[int, ...], int] = {}
     problems = []
-    for item in items:
-        if item.tensor is None:
-            continue
-        storage, sizes = item.storage, item.chunk.sizes
-        elements = elements_of_sizes.get(sizes)
-        if elements is None:
-            elements = elements_of_sizes[sizes] = math.prod(sizes)
-        nbytes = elements * item.tensor.dtype.itemsize
-        if storage.transform_descriptors:
-            wrong = nbytes > max_decoded_bytes(storage.length)
-        elif safetensors_names and is_safetensors_tensor(item, safetensors_names):
-            wrong = storage.length != nbytes
-        else:
-            wrong = storage.length < nbytes
-        if wrong:
-            problems.append(Problem(
-                Rule.STORED_LENGTH, f"item of {storage.length} bytes cannot hold a "
-                f"{item.tensor.dtype.name} chunk of sizes {list(sizes)} ({nbytes} bytes)",
-                storage.relative_path, storage.offset, item.end, (item.fqn,)))
+    for tensor in checkpoint.tensors:
+        itemsize = tensor.dtype.itemsize
+        for chunk in tensor.chunks:
+            storage = chunk.storage
+            if storage is None:
+                continue
+            sizes = chunk.sizes
+            elements = elements_of_sizes.get(sizes)
+            if elements is None:
+                elements = elements_of_sizes[sizes] = math.prod(sizes)
+            nbytes = elements * itemsize
+            if storage.transform_descriptors:
+                wrong = nbytes > max_decoded_bytes(storage.length)
+            elif safetensors_names and storage.relative_path in safetensors_names:
+                wrong = storage.length != nbytes
+            else:
+                wrong = storage.length < nbytes
+            if wrong:
+                problems.append(Problem(
+                    Rule.STORED_LENGTH, f"item of {storage.length} bytes cannot hold a "
+                    f"{tensor.dtype.name} chunk of sizes {list(sizes)} ({nbytes} bytes)",
+                    storage.relative_path, storage.offset, storage.offset + storage.length,
+                    (tensor.fqn,)))
     return problems

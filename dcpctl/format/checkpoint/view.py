@@ -69,6 +69,9 @@ class DataFile:
     item_count: int = 0
     end_bytes: int = 0
     last_fqn: str = ""
+    items_apart: bool = True
+    """Whether each item the metadata places in the file starts at or past the end of every
+    item listed before it: then no two of them share a byte, as in every file torch writes."""
 
 
 @dataclass
@@ -86,6 +89,9 @@ class Checkpoint:
     hf_storage: bool = False
     """Whether torch's HuggingFaceStorageWriter wrote it (hf_storage.py): its metadata is read
     from its safetensors files, and it has no `.metadata`."""
+    every_entry_joined: bool = False
+    """Whether each storage_data entry was joined with the one chunk or object of its key
+    (_collect_entries): then every chunk and object has storage and no entry is an orphan."""
     _checked_paths: dict[str, StoragePath] = field(default_factory=dict, repr=False)
 
     def data_path(self, relative_path: str) -> StoragePath:
@@ -246,6 +252,7 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
     entry, and the data files those entries name."""
     stored_by_fqn, first_tensor_items = _scan_storage(checkpoint)
     storage_by_key: dict | None = None  # built only for tensors _join_in_order cannot join
+    entries_joined = 0  # storage entries joined one to one, in the fqns' own order
     for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
         stored = stored_by_fqn.get(fqn, ())
         if isinstance(entry, TensorMetadata):
@@ -255,6 +262,8 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
                     storage_by_key = {(key.fqn, key.offset): info for key, info
                                       in checkpoint.metadata.storage_data.items()}
                 stored_bytes = _join_by_key(fqn, entry.chunks, storage_by_key)
+            else:
+                entries_joined += len(stored)
             dtype = entry.properties.dtype
             nbytes = math.prod(entry.size) * dtype.itemsize
             checkpoint.tensors.append(
@@ -262,6 +271,11 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
         else:
             checkpoint.objects.append(ObjectEntry(fqn, next(
                 (info for offset, info in stored if offset is None), None)))
+            if len(stored) == 1 and stored[0][0] is None:
+                entries_joined += 1
+    # stored_by_fqn holds each entry once, under its key's fqn: all of them were joined when
+    # as many were joined as there are
+    checkpoint.every_entry_joined = entries_joined == len(checkpoint.metadata.storage_data or ())
     chunk_nbytes = _chunk_nbytes_of(checkpoint, first_tensor_items)
     for name, (_, info) in first_tensor_items.items():
         checkpoint.files[name].serialization = _detect_serialization(checkpoint, info,
@@ -292,6 +306,8 @@ def _scan_storage(checkpoint: Checkpoint
         if key.offset is not None and info.relative_path not in first_tensor_items:
             first_tensor_items[info.relative_path] = (fqn, info)
         data_file.item_count += 1
+        if info.offset < data_file.end_bytes:
+            data_file.items_apart = False
         end = info.offset + info.length
         if end > data_file.end_bytes:
             data_file.end_bytes, data_file.last_fqn = end, fqn

@@ -105,9 +105,9 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         plan_ahead(planning)
     report.checksummed_files = None if sums is None else len(sums)
     with paused_cycle_collector():
-        items = list_stored_items(checkpoint) if checkpoint is not None else []
         if checkpoint is not None:
-            report.problems += check_structure(checkpoint, items)
+            report.problems += check_structure(checkpoint)
+        items = list_stored_items(checkpoint) if checkpoint is not None and deep else []
     present = _present_files(directory, checkpoint)
     report.problems += _listing_problems(directory, checkpoint, present, sums, report.problems)
     if checkpoint is not None:

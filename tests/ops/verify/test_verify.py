@@ -483,8 +483,9 @@ def test_progress_reports_every_byte_read(copy_fixture):
     assert {total for _, total in calls} == {report.bytes_read}
 
 
-def _first_key(metadata, fqn):
-    return next(key for key in metadata.storage_data if key.fqn == fqn)
+def _first_key(metadata, fqn, offset=None):
+    return next(key for key in metadata.storage_data if key.fqn == fqn
+                and (offset is None or tuple(key.offset) == offset))
 
 
 def _unknown_transform(metadata):
@@ -517,6 +518,48 @@ def test_metadata_edits_each_break_a_named_rule(edit, expected_rules, copy_fixtu
     report = verify_checkpoint(checkpoint)
     assert rules(report) == expected_rules, report.problems
     assert all(problem.fqns for problem in report.problems)
+
+
+def _listed_in_reverse(metadata):
+    metadata.storage_data = dict(reversed(metadata.storage_data.items()))
+
+
+def test_items_the_metadata_lists_out_of_order_are_checked_for_overlap_all_the_same(
+        copy_fixture):
+    """Items listed in each file's order and apart are told apart without a sort; items listed
+    in another order are sorted, and only an overlap is damage: listed in reverse, the items of
+    each file are whole, and one moved onto its neighbour (listed before it) shares its bytes."""
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    edit_metadata(checkpoint, _listed_in_reverse)
+    assert verify_checkpoint(checkpoint, deep=False).status == "ok"
+
+    def move_onto_the_neighbour(metadata):
+        # __3_0.distcp holds grid (4, 3), bias (3,) and table (2, 0), listed in that order:
+        # reversed, table comes first, then bias, which now starts inside the moved grid item
+        metadata.storage_data[_first_key(metadata, "grid", (4, 3))].offset = 1000
+        _listed_in_reverse(metadata)
+
+    edit_metadata(checkpoint, move_onto_the_neighbour)
+    overlap = only_problem(verify_checkpoint(checkpoint, deep=False), "item-overlap")
+    assert overlap.file == "__3_0.distcp" and set(overlap.fqns) == {"grid", "bias"}
+
+
+@pytest.mark.parametrize("fqn, offset", [("step", (0,)), ("weights.dense", None),
+                                         ("weights.dense", (1, 0))])
+def test_a_storage_entry_beside_those_of_an_entry_s_own_keys_is_an_orphan(copy_fixture, fqn,
+                                                                         offset):
+    """Every other entry joins its chunk or object in the metadata's own order; the one more,
+    for an object or a tensor, matches none of them."""
+    checkpoint = copy_fixture("objects_2ranks")
+
+    def add_an_entry(metadata):
+        info = metadata.storage_data[_first_key(metadata, fqn)]
+        metadata.storage_data[MetadataIndex(fqn, None if offset is None else torch.Size(offset))] \
+            = type(info)(info.relative_path, info.offset, info.length)
+
+    edit_metadata(checkpoint, add_an_entry)
+    orphan = only_problem(verify_checkpoint(checkpoint, deep=False), "orphan-storage")
+    assert orphan.fqns == (fqn,)
 
 
 def test_the_readme_lists_every_rule_verify_reports():
