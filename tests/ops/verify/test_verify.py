@@ -546,8 +546,8 @@ def test_items_the_metadata_lists_out_of_order_are_checked_for_overlap_all_the_s
 
 @pytest.mark.parametrize("fqn, offset", [("step", (0,)), ("weights.dense", None),
                                          ("weights.dense", (1, 0))])
-def test_a_storage_entry_beside_those_of_an_entry_s_own_keys_is_an_orphan(copy_fixture, fqn,
-                                                                         offset):
+def test_a_storage_entry_beside_those_of_an_entry_s_own_keys_is_an_orphan(
+        copy_fixture, fqn, offset):
     """Every other entry joins its chunk or object in the metadata's own order; the one more,
     for an object or a tensor, matches none of them."""
     checkpoint = copy_fixture("objects_2ranks")
