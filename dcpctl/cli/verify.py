@@ -6,6 +6,7 @@ import click
 
 from dcpctl.cli.options import (checkpoint_argument, json_option, threads_option, workers_for,
                                 workers_option)
+from dcpctl.cli.process import end_process_without_teardown
 from dcpctl.cli.progress import byte_progress
 from dcpctl.cli.render import format_bytes, print_report, render_problem
 from dcpctl.ops.verify.verifier import VerifyReport, verify_checkpoint
@@ -46,6 +47,7 @@ def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json
                                    on_progress=progress,
                                    workers=workers_for(workers, checkpoint))
     print_report(report, as_json, render_report)
+    end_process_without_teardown(context, report.exit_code)  # not freeing report.checkpoint
     context.exit(report.exit_code)
 
 

@@ -106,6 +106,12 @@ class MetadataIndex:
     index: int | None = field(default=None, compare=False, hash=False)
 
     def __setstate__(self, state: dict) -> None:
+        try:  # torch pickles all three fields: told apart from any other state with no set
+            self.fqn, self.offset, self.index = state["fqn"], state["offset"], state["index"]
+            if len(state) == 3:
+                return
+        except (KeyError, TypeError):
+            pass
         try:
             self.fqn, self.offset, self.index = (state["fqn"], state.get("offset"),
                                                  state.get("index"))

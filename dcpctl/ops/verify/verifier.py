@@ -46,6 +46,9 @@ class VerifyReport:
     leftover_temporaries: list[str] = field(default_factory=list)
     """Files under dcpctl's temporary names that the metadata does not name: what a stopped
     (or a running) dcpctl left; not the checkpoint's, and no damage to it."""
+    checkpoint: Checkpoint | None = field(default=None, repr=False, compare=False)
+    """The checkpoint as its metadata was read (None where it could not be): millions of
+    records at a million chunks, held as long as the report is."""
 
     @property
     def exit_code(self) -> int:
@@ -84,7 +87,7 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
             on_progress: Callable[[int, int], None] | None) -> VerifyReport:
     report = VerifyReport(str(directory), deep)
     try:
-        checkpoint = open_checkpoint(directory, check_files=False)
+        checkpoint = report.checkpoint = open_checkpoint(directory, check_files=False)
     except IncompleteCheckpointError as error:
         report.status = INCOMPLETE
         report.problems.append(Problem(Rule.INCOMPLETE, error.message))

@@ -433,3 +433,26 @@ def test_megatron_mcore_data_reads_and_writes_back():
     assert read.mcore_data == {"decoder.weight": {"nd_reformulated_orig_global_shape": (4, 8)}}
     assert parse_metadata(serialize_metadata(read)) == read
     assert pickle.loads(serialize_metadata(read)).mcore_data == read.mcore_data
+
+
+@pytest.mark.parametrize("state, refused", [
+    ({"fqn": "w", "offset": (0,), "index": 0}, False),  # what torch pickles
+    ({"fqn": "w", "offset": (0,)}, False),  # fields at their defaults left out
+    ({"fqn": "w"}, False),
+    ({"fqn": "w", "offset": (0,), "placement": 0}, True),  # as many fields, one not torch's
+    ({"fqn": "w", "offset": (0,), "index": 0, "placement": 0}, True),
+    ({"offset": (0,), "index": 0, "placement": 0}, True),
+    ({"offset": (0,), "index": 0}, True),
+    ([("fqn", "w"), ("offset", (0,)), ("index", 0)], True),
+])
+def test_a_storage_key_is_built_only_from_torch_s_fields(state, refused):
+    from dcpctl.format.metadata.records import MetadataIndex
+
+    key = MetadataIndex.__new__(MetadataIndex)
+    if refused:
+        with pytest.raises(MetadataError, match="holds a MetadataIndex whose pickled fields"):
+            key.__setstate__(state)
+    else:
+        key.__setstate__(state)
+        assert (key.fqn, key.offset, key.index) == (state["fqn"], state.get("offset"),
+                                                    state.get("index"))
