@@ -169,7 +169,7 @@ def _overlapping_items(checkpoint: Checkpoint) -> list[Problem]:
 
 def _storage_link_problems(checkpoint: Checkpoint) -> list[Problem]:
     """Chunks and objects without storage, and storage entries that no chunk or object has."""
-    if checkpoint.every_entry_joined:
+    if checkpoint.joined_one_to_one:
         return []
     problems = []
     linked = list(chain.from_iterable(map(_storages_of_chunks, checkpoint.tensors)))

@@ -89,9 +89,10 @@ class Checkpoint:
     hf_storage: bool = False
     """Whether torch's HuggingFaceStorageWriter wrote it (hf_storage.py): its metadata is read
     from its safetensors files, and it has no `.metadata`."""
-    every_entry_joined: bool = False
-    """Whether each storage_data entry was joined with the one chunk or object of its key
-    (_collect_entries): then every chunk and object has storage and no entry is an orphan."""
+    joined_one_to_one: bool = False
+    """Whether every chunk and object was joined with a storage entry of its key, and every
+    storage entry with one of them (_collect_entries): then none lacks storage and no entry is
+    an orphan."""
     _checked_paths: dict[str, StoragePath] = field(default_factory=dict, repr=False)
 
     def data_path(self, relative_path: str) -> StoragePath:
@@ -253,6 +254,7 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
     stored_by_fqn, first_tensor_items = _scan_storage(checkpoint)
     storage_by_key: dict | None = None  # built only for tensors _join_in_order cannot join
     entries_joined = 0  # storage entries joined one to one, in the fqns' own order
+    all_joined_so_far = True  # each tensor and object so far joined with all its entries
     for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
         stored = stored_by_fqn.get(fqn, ())
         if isinstance(entry, TensorMetadata):
@@ -262,6 +264,7 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
                     storage_by_key = {(key.fqn, key.offset): info for key, info
                                       in checkpoint.metadata.storage_data.items()}
                 stored_bytes = _join_by_key(fqn, entry.chunks, storage_by_key)
+                all_joined_so_far = False
             else:
                 entries_joined += len(stored)
             dtype = entry.properties.dtype
@@ -273,9 +276,12 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
                 (info for offset, info in stored if offset is None), None)))
             if len(stored) == 1 and stored[0][0] is None:
                 entries_joined += 1
-    # stored_by_fqn holds each entry once, under its key's fqn: all of them were joined when
-    # as many were joined as there are
-    checkpoint.every_entry_joined = entries_joined == len(checkpoint.metadata.storage_data or ())
+            else:
+                all_joined_so_far = False
+    # stored_by_fqn holds each entry once, under its key's fqn: every one of them was joined
+    # when as many were joined as there are
+    checkpoint.joined_one_to_one = all_joined_so_far and entries_joined == len(
+        checkpoint.metadata.storage_data or ())
     chunk_nbytes = _chunk_nbytes_of(checkpoint, first_tensor_items)
     for name, (_, info) in first_tensor_items.items():
         checkpoint.files[name].serialization = _detect_serialization(checkpoint, info,

@@ -562,6 +562,22 @@ def test_a_storage_entry_beside_those_of_an_entry_s_own_keys_is_an_orphan(
     assert orphan.fqns == (fqn,)
 
 
+@pytest.mark.parametrize("fqn", ["step", "weights.dense", "weights.mask"])
+def test_an_entry_whose_storage_entries_are_all_gone_has_no_storage(copy_fixture, fqn):
+    """Every other entry joins its chunk or object one to one, so no entry is left over: the
+    object or the tensor's chunks that lost theirs are named all the same."""
+    checkpoint = copy_fixture("objects_2ranks")
+
+    def drop_its_entries(metadata):
+        for key in [key for key in metadata.storage_data if key.fqn == fqn]:
+            del metadata.storage_data[key]
+
+    edit_metadata(checkpoint, drop_its_entries)
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert rules(report) <= {"no-storage", "unknown-file"}
+    assert only_problem(report, "no-storage").fqns == (fqn,)
+
+
 def test_the_readme_lists_every_rule_verify_reports():
     readme = (REPO_ROOT / "README.md").read_text()
     listing = readme[readme.index("The rules:"):].split("\n\n", 1)[0]
