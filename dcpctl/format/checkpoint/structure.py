@@ -138,10 +138,12 @@ def check_structure(checkpoint: Checkpoint) -> list[Problem]:
 
 
 def _overlapping_items(checkpoint: Checkpoint) -> list[Problem]:
-    """Items that share bytes of a file, looked for only in files whose items the metadata
-    does not list in order and apart (DataFile.items_apart)."""
+    """Items that share bytes of a file. Where every chunk and object has a storage entry of
+    its own (Checkpoint.joined_one_to_one), the items are the storage entries: they are looked
+    for only in files whose entries the metadata does not list in order and apart
+    (DataFile.items_apart). Elsewhere two chunks may hold one entry, and every file is."""
     unordered = {name for name, data_file in checkpoint.files.items()
-                 if not data_file.items_apart}
+                 if not (data_file.items_apart and checkpoint.joined_one_to_one)}
     if not unordered:
         return []
     items = list_stored_items(checkpoint)

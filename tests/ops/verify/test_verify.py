@@ -544,6 +544,24 @@ def test_items_the_metadata_lists_out_of_order_are_checked_for_overlap_all_the_s
     assert overlap.file == "__3_0.distcp" and set(overlap.fqns) == {"grid", "bias"}
 
 
+@pytest.mark.parametrize("index", [0, 2])  # chunk 2 of model.head.bias is empty
+def test_a_chunk_listed_twice_shares_its_item_with_itself(copy_fixture, index):
+    """Both copies join the one storage entry of their key: the metadata lists that entry
+    once, in order and apart, but two chunks hold it, an empty one too."""
+    import copy
+
+    checkpoint = copy_fixture("fsdp2_adamw_3ranks")
+
+    def list_a_chunk_twice(metadata):
+        chunks = metadata.state_dict_metadata["model.head.bias"].chunks
+        chunks.insert(index + 1, copy.deepcopy(chunks[index]))
+
+    edit_metadata(checkpoint, list_a_chunk_twice)
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert only_problem(report, "item-overlap").fqns == ("model.head.bias", "model.head.bias")
+    assert rules(report) == {"item-overlap"} | ({"chunk-overlap"} if index == 0 else set())
+
+
 @pytest.mark.parametrize("fqn, offset", [("step", (0,)), ("weights.dense", None),
                                          ("weights.dense", (1, 0))])
 def test_a_storage_entry_beside_those_of_an_entry_s_own_keys_is_an_orphan(
