@@ -19,16 +19,23 @@ coordinator.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
 from dcpctl.execution.parent_death import die_with_parent
+from dcpctl.stopping import Terminated, stop_on_signals
+from dcpctl.storage.stores import abort_open_uploads
 
 _PROGRESS_INTERVAL_SECONDS = 0.2
+WORKER_STOP_SECONDS = 20.0
+"""How long terminated workers get to stop their shares (at most pipeline.STOP_SECONDS) and
+abort their uploads before they are killed."""
 
 _Worker = tuple[int, multiprocessing.Process, Connection]  # share index, process, its pipe
 
@@ -91,12 +98,19 @@ class LocalWorkers:
             connection.close()
 
     def _end_processes(self) -> None:
+        """Terminate the workers still at work, and wait for them: each stops its share and
+        aborts its uploads (_serve), and is killed where that takes past WORKER_STOP_SECONDS
+        (a store that stopped answering)."""
         self._stopped = True
         for _, process, _ in self._workers:
             if process.is_alive():
                 process.terminate()
+        deadline = time.monotonic() + WORKER_STOP_SECONDS
         for _, process, _ in self._workers:
-            process.join()
+            process.join(max(deadline - time.monotonic(), 0))
+            if process.is_alive():
+                process.kill()
+                process.join()
 
 
 def _run_own_share(job: ShareJob, plan: Any, count: int, gathering: _Gathering,
@@ -196,7 +210,9 @@ def _ended(index: int, count: int, process: multiprocessing.Process) -> WorkerEr
 
 def _serve(index: int, count: int, connection: Connection) -> None:
     """A worker process: plan what is sent ahead, run share `index` of each job sent, send
-    each result or error; end when the coordinator closes the pipe."""
+    each result or error; end when the coordinator closes the pipe. A share that fails, or
+    that SIGTERM or SIGHUP stops (the coordinator ending it), aborts the uploads it left open
+    first: its coordinator's clean-up reaches only its own."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator decides when to stop
     die_with_parent()  # a coordinator killed with SIGKILL leaves no worker writing on
     from dcpctl.allocator import reuse_large_buffers
@@ -210,7 +226,18 @@ def _serve(index: int, count: int, connection: Connection) -> None:
     quiet_library_logs()
     bound_unpickling_memory()
     freeze_built_objects_on_resume()
+    stop_on_signals()  # Ctrl-C stays ignored
     arm_in_worker()
+    try:
+        _serve_jobs(index, count, connection)
+    except Terminated as stop:
+        for signal_number in (signal.SIGTERM, signal.SIGHUP):  # a second one ends it at once
+            signal.signal(signal_number, signal.SIG_DFL)
+        abort_open_uploads()
+        os.kill(os.getpid(), stop.signal_number)  # ended by it, as the coordinator tells
+
+
+def _serve_jobs(index: int, count: int, connection: Connection) -> None:
     plans = PlansMadeAhead()
     progress = BatchedProgress(lambda units: connection.send(("progress", units)),
                                _PROGRESS_INTERVAL_SECONDS)
@@ -227,6 +254,9 @@ def _serve(index: int, count: int, connection: Connection) -> None:
                 result = plans.run_share(*value, index, count, progress.advance)
                 progress.flush()
                 connection.send(("done", result))
+            except Terminated:
+                raise
             except BaseException as error:  # noqa: BLE001 - every failure goes to the coordinator
+                abort_open_uploads()
                 connection.send(("failed", describe_failure(error)))
                 return

@@ -31,6 +31,7 @@ from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, Sh
 from dcpctl.execution.parent_death import die_with_parent
 from dcpctl.failpoints import arm_in_worker
 from dcpctl.storage.planned_from import fingerprints, planned_from
+from dcpctl.storage.stores import abort_open_uploads
 
 _POLL_SECONDS = 0.05
 _PROGRESS_SECONDS = 0.5
@@ -263,7 +264,11 @@ class Team:
                 files = planned_from()
                 outcome = ("done", (share, files, fingerprints(files)))
             except Exception as error:  # noqa: BLE001 - rank 0 reports it
+                abort_open_uploads()  # rank 0's clean-up reaches only its own
                 outcome = ("failed", describe_failure(error))
+            except BaseException:  # stopped
+                abort_open_uploads()
+                raise
             progress.flush()
             self.store.set(f"dcpctl/result/{number}/{self.rank}", pickle.dumps(outcome))
 

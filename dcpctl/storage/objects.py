@@ -199,9 +199,9 @@ class ObjectStore:
         return []
 
     def abort_open_uploads(self, prefix: str) -> None:
-        """Abort the uploads this process started under prefix (or of the object prefix names)
-        that were neither completed nor aborted: a writer still held by a thread a stop did
-        not wait for (pipeline.STOP_SECONDS). Only S3 has them: here, none."""
+        """Abort the uploads this process started under prefix (or of the object prefix names;
+        every one for "") that were neither completed nor aborted: a writer still held by a
+        thread a stop did not wait for (pipeline.STOP_SECONDS). Only S3 has them: here, none."""
 
     def delete(self, keys: list[str], if_etags: Mapping[str, str | None] | None = None) -> None:
         """Delete the objects of exactly these keys (fsspec's `rm` would take a key holding

@@ -94,7 +94,7 @@ class S3Store(ObjectStore):
         base = prefix.rstrip("/")
         with self._open_uploads_lock:
             ours = {upload_id: key for upload_id, key in self._open_uploads.items()
-                    if key == base or key.startswith(base + "/")}
+                    if not base or key == base or key.startswith(base + "/")}
         for upload_id, key in ours.items():
             try:
                 self._call(key, "abort_multipart_upload", UploadId=upload_id)

@@ -132,6 +132,16 @@ def store_for(protocol: str) -> ObjectStore:
         return store
 
 
+def abort_open_uploads() -> None:
+    """Abort every upload this process started and neither completed nor aborted, in every
+    store (ObjectStore.abort_open_uploads): what a worker whose share failed or was stopped
+    leaves, which its coordinator's clean-up cannot reach."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+    for store in stores:
+        store.abort_open_uploads("")
+
+
 def etags_written(since: dict[str, dict[str, str]] | None = None) -> dict[str, dict[str, str]]:
     """By protocol, the ETags the writes of this process were given (ObjectStore.etags_written),
     only those not already in `since` (what it gave earlier): what a worker process hands its

@@ -13,8 +13,9 @@ import threading
 import pytest
 import torch
 from conftest import (ACCELERATE_PARTS, MANIFEST, add_accelerate_checkpoint,
-                      dcpctl_stopped_at, download_prefix, fixture_path, load_with_dcpctl_reader,
-                      load_with_torch, run_dcpctl, upload_directory)
+                      dcpctl_stopped_at, download_prefix, fixture_path, flip_bit,
+                      load_with_dcpctl_reader, load_with_torch, run_dcpctl, torch_metadata,
+                      upload_directory)
 from make_fixtures import tensor_sha256
 from s3_servers import Faults, faulty_proxy
 from safetensors.torch import load_file
@@ -716,6 +717,51 @@ def test_workers_share_a_bucket_checkpoint(moto_s3, moto_checkpoint):
                       )["status"] == "ok"
 
 
+def _two_files_of_24_mb(directory, damaged: bool = False) -> None:
+    """A checkpoint of two files of six 4 MB tensors each; damaged: the last item of each has
+    a bit flipped in its tensor data."""
+    import torch.distributed.checkpoint as dcp
+
+    generator = torch.Generator().manual_seed(0)
+    state = {f"w{index}": torch.randn(1 << 20, generator=generator) for index in range(12)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, thread_count=2),
+             no_dist=True)
+    if damaged:
+        for key, info in torch_metadata(directory).storage_data.items():
+            if key.fqn in ("w5", "w11"):
+                flip_bit(directory / info.relative_path, info.offset + info.length // 2)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGHUP", "a damaged item"])
+@pytest.mark.parametrize("output", ["in place", "new prefix"])
+def test_a_worker_stopped_or_failing_mid_upload_aborts_its_upload(
+        moto_s3, monkeypatch, tmp_path, stop, output):
+    """A worker ended mid-share (its coordinator failing or stopped terminates it), or whose
+    share failed, ended with its multipart upload open: S3 keeps and bills its parts, out of
+    every listing, and the clean-up of an in-place run aborts only the uploads of its own
+    process (under a day old, another's may be a live run's). Here the worker is sent the
+    signal itself three items into a file of several parts, or each file's last item is
+    damaged."""
+    signalled = stop != "a damaged item"
+    _two_files_of_24_mb(tmp_path / "ck", damaged=not signalled)
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    client, bucket = moto_s3.client(), moto_s3.new_bucket()
+    url = upload_directory(moto_s3, tmp_path / "ck", bucket, "run/step-1")
+    source = {item["Key"]: item["ETag"]
+              for item in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    output_args = ["-o", f"s3://{bucket}/run/z"] if output == "new prefix" else []
+    result = run_dcpctl("compress", url, *output_args, "--workers", 2, "--threads", 1,
+                        failpoint=f"after-data-write@3:{stop}" if signalled else None,
+                        failpoint_scope="workers", timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert (f"worker 2 of 2 ended without finishing its share (killed by {stop})"
+            if signalled else "CRC-32") in result.stderr, result.stderr
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    assert {item["Key"]: item["ETag"]
+            for item in client.list_objects_v2(Bucket=bucket)["Contents"]} == source
+
+
 @pytest.mark.slow  # torchrun's start-up: about 15 s
 def test_torchrun_ranks_share_a_bucket_checkpoint(moto_s3, moto_checkpoint):
     """Each rank writes its share of the output objects and hands rank 0 their ETags, which
@@ -744,6 +790,29 @@ def test_torchrun_ranks_share_a_bucket_checkpoint(moto_s3, moto_checkpoint):
         assert json.loads(ok("verify", ranked, "--json"))["status"] == "ok"
     assert tensor_digests(load_with_dcpctl_reader(f"s3://{bucket}/run/compress-ranked")
                           ) == expected_tensors()
+
+
+@pytest.mark.slow  # torchrun's start-up: about 15 s
+def test_a_torchrun_rank_failing_mid_upload_aborts_its_upload(moto_s3, monkeypatch, tmp_path):
+    """As a local worker's: the share of rank 1 fails on a damaged item, its upload open."""
+    import subprocess
+    import sys
+
+    _two_files_of_24_mb(tmp_path / "ck", damaged=True)
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    client, bucket = moto_s3.client(), moto_s3.new_bucket()
+    url = upload_directory(moto_s3, tmp_path / "ck", bucket, "run/step-1")
+    source = {item["Key"]: item["ETag"]
+              for item in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "dcpctl", "compress", url, "--threads", "1"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "CRC-32" in result.stderr, result.stderr
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    assert {item["Key"]: item["ETag"]
+            for item in client.list_objects_v2(Bucket=bucket)["Contents"]} == source
 
 
 def test_an_object_a_worker_wrote_replaced_with_one_of_its_size_is_not_published(

@@ -103,6 +103,35 @@ def test_the_first_failure_stops_every_share_and_names_its_worker(failing, named
     assert time.monotonic() - started < _LONG_SECONDS / 2
 
 
+class _SlowToStopJob(_Job):
+    """_Job whose worker share, stopped, takes _LONG_SECONDS over its clean-up (as one whose
+    store stopped answering)."""
+
+    def run_share(self, plan: str, lanes: list[int], advance) -> tuple:
+        if lanes == [0]:
+            time.sleep(1)  # the worker is in its share by then
+            raise DataError("lane 0 is damaged")
+        try:
+            return super().run_share(plan, lanes, advance)
+        finally:
+            time.sleep(_LONG_SECONDS)
+
+
+def test_a_worker_slow_to_stop_is_killed_after_worker_stop_seconds(monkeypatch):
+    """Terminated workers stop their shares and abort their uploads; one still at it after
+    WORKER_STOP_SECONDS is killed, so the failure is raised and the output aborted."""
+    from dcpctl.execution import processes
+
+    monkeypatch.setattr(processes, "WORKER_STOP_SECONDS", 2.0)
+    with _workers(2) as workers:
+        (_, process, _), = workers._workers
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="^worker 1 of 2: lane 0 is damaged"):
+            workers.run(_SlowToStopJob(0), "plan", lambda units: None)
+        assert 3.0 <= time.monotonic() - started < _LONG_SECONDS / 2
+        assert process.exitcode == -signal.SIGKILL
+
+
 class _LocatingJob(_Job):
     """_Job whose shares step through their work inside an item, as decoding does: a
     DcpctlError raised there is given the item's place (iter_decoded_item)."""
