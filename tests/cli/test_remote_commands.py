@@ -732,6 +732,21 @@ def _two_files_of_24_mb(directory, damaged: bool = False) -> None:
                 flip_bit(directory / info.relative_path, info.offset + info.length // 2)
 
 
+def _uploaded(moto_s3, monkeypatch, directory) -> tuple:
+    """The moto client, a new bucket and the URL of directory uploaded into it (run/step-1),
+    with dcpctl's processes pointed at moto."""
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    client, bucket = moto_s3.client(), moto_s3.new_bucket()
+    return client, bucket, upload_directory(moto_s3, directory, bucket, "run/step-1")
+
+
+def _objects_of(client, bucket: str) -> dict[str, str]:
+    """Every object of the bucket, by key: its ETag."""
+    return {item["Key"]: item["ETag"]
+            for item in client.list_objects_v2(Bucket=bucket).get("Contents", ())}
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGHUP", "a damaged item"])
 @pytest.mark.parametrize("output", ["in place", "new prefix"])
 def test_a_worker_stopped_or_failing_mid_upload_aborts_its_upload(
@@ -744,12 +759,8 @@ def test_a_worker_stopped_or_failing_mid_upload_aborts_its_upload(
     damaged."""
     signalled = stop != "a damaged item"
     _two_files_of_24_mb(tmp_path / "ck", damaged=not signalled)
-    for name, value in moto_s3.environment().items():
-        monkeypatch.setenv(name, value)
-    client, bucket = moto_s3.client(), moto_s3.new_bucket()
-    url = upload_directory(moto_s3, tmp_path / "ck", bucket, "run/step-1")
-    source = {item["Key"]: item["ETag"]
-              for item in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    client, bucket, url = _uploaded(moto_s3, monkeypatch, tmp_path / "ck")
+    source = _objects_of(client, bucket)
     output_args = ["-o", f"s3://{bucket}/run/z"] if output == "new prefix" else []
     result = run_dcpctl("compress", url, *output_args, "--workers", 2, "--threads", 1,
                         failpoint=f"after-data-write@3:{stop}" if signalled else None,
@@ -758,8 +769,7 @@ def test_a_worker_stopped_or_failing_mid_upload_aborts_its_upload(
     assert (f"worker 2 of 2 ended without finishing its share (killed by {stop})"
             if signalled else "CRC-32") in result.stderr, result.stderr
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
-    assert {item["Key"]: item["ETag"]
-            for item in client.list_objects_v2(Bucket=bucket)["Contents"]} == source
+    assert _objects_of(client, bucket) == source
 
 
 @pytest.mark.slow  # torchrun's start-up: about 15 s
@@ -799,20 +809,15 @@ def test_a_torchrun_rank_failing_mid_upload_aborts_its_upload(moto_s3, monkeypat
     import sys
 
     _two_files_of_24_mb(tmp_path / "ck", damaged=True)
-    for name, value in moto_s3.environment().items():
-        monkeypatch.setenv(name, value)
-    client, bucket = moto_s3.client(), moto_s3.new_bucket()
-    url = upload_directory(moto_s3, tmp_path / "ck", bucket, "run/step-1")
-    source = {item["Key"]: item["ETag"]
-              for item in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    client, bucket, url = _uploaded(moto_s3, monkeypatch, tmp_path / "ck")
+    source = _objects_of(client, bucket)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "dcpctl", "compress", url, "--threads", "1"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "CRC-32" in result.stderr, result.stderr
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
-    assert {item["Key"]: item["ETag"]
-            for item in client.list_objects_v2(Bucket=bucket)["Contents"]} == source
+    assert _objects_of(client, bucket) == source
 
 
 def test_an_object_a_worker_wrote_replaced_with_one_of_its_size_is_not_published(
