@@ -36,6 +36,27 @@ def stop_on_signals() -> None:
             signal.signal(signal_number, _request_stop)
 
 
+def stop_once_on_signals() -> None:
+    """For a worker process (execution/processes.py), whose coordinator acts on Ctrl-C for it:
+    the first SIGTERM or SIGHUP raises Terminated, and those that follow do nothing while the
+    worker stops (a signal to the whole process group is followed by the coordinator's own
+    SIGTERM), so that it aborts what it wrote; its coordinator kills it if that takes too
+    long. A signal someone chose to ignore stays ignored."""
+    for signal_number in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signal_number) is not signal.SIG_IGN:
+            signal.signal(signal_number, _stop_once)
+
+
+_stop_raised = False
+
+
+def _stop_once(signal_number: int, frame) -> None:
+    global _stop_raised
+    if not _stop_raised:
+        _stop_raised = True
+        raise Terminated(signal_number)
+
+
 @contextlib.contextmanager
 def finishing_first() -> Iterator[None]:
     """Run the block to its end even if a stop is requested meanwhile; then stop (the stop

@@ -18,6 +18,7 @@ coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -29,10 +30,11 @@ from typing import Any, Callable
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
 from dcpctl.execution.parent_death import die_with_parent
-from dcpctl.stopping import Terminated, stop_on_signals
+from dcpctl.stopping import Terminated, stop_once_on_signals
 from dcpctl.storage.stores import abort_open_uploads
 
 _PROGRESS_INTERVAL_SECONDS = 0.2
+_WAIT_SECONDS = 0.1  # how often a worker waiting for its next job looks for a stop
 WORKER_STOP_SECONDS = 20.0
 """How long terminated workers get to stop their shares (at most pipeline.STOP_SECONDS) and
 abort their uploads before they are killed."""
@@ -226,37 +228,39 @@ def _serve(index: int, count: int, connection: Connection) -> None:
     quiet_library_logs()
     bound_unpickling_memory()
     freeze_built_objects_on_resume()
-    stop_on_signals()  # Ctrl-C stays ignored
+    stop_once_on_signals()
     arm_in_worker()
-    try:
-        _serve_jobs(index, count, connection)
-    except Terminated as stop:
-        for signal_number in (signal.SIGTERM, signal.SIGHUP):  # a second one ends it at once
-            signal.signal(signal_number, signal.SIG_DFL)
-        abort_open_uploads()
-        os.kill(os.getpid(), stop.signal_number)  # ended by it, as the coordinator tells
+    with connection:
+        try:
+            _serve_jobs(index, count, connection)
+        except Terminated as stop:
+            abort_open_uploads()
+            with contextlib.suppress(OSError):  # the coordinator may have stopped reading
+                connection.send(("failed", f"stopped by {stop}"))
+            os._exit(128 + stop.signal_number)  # not waiting for threads stuck on a store
 
 
 def _serve_jobs(index: int, count: int, connection: Connection) -> None:
     plans = PlansMadeAhead()
     progress = BatchedProgress(lambda units: connection.send(("progress", units)),
                                _PROGRESS_INTERVAL_SECONDS)
-    with connection:
-        while True:
-            try:
-                kind, value = connection.recv()
-            except EOFError:
-                return
-            if kind == "plan":
-                plans.make(value)
-                continue
-            try:
-                result = plans.run_share(*value, index, count, progress.advance)
-                progress.flush()
-                connection.send(("done", result))
-            except Terminated:
-                raise
-            except BaseException as error:  # noqa: BLE001 - every failure goes to the coordinator
-                abort_open_uploads()
-                connection.send(("failed", describe_failure(error)))
-                return
+    while True:
+        try:
+            while not connection.poll(_WAIT_SECONDS):  # a wait in Python, so that a stop is
+                pass  # acted on at once (one whose handler ran just before a read that blocks
+            kind, value = connection.recv()  # on the pipe was seen only after it)
+        except EOFError:
+            return
+        if kind == "plan":
+            plans.make(value)
+            continue
+        try:
+            result = plans.run_share(*value, index, count, progress.advance)
+            progress.flush()
+            connection.send(("done", result))
+        except Terminated:
+            raise
+        except BaseException as error:  # noqa: BLE001 - every failure goes to the coordinator
+            abort_open_uploads()
+            connection.send(("failed", describe_failure(error)))
+            return
