@@ -246,9 +246,11 @@ def _serve_jobs(index: int, count: int, connection: Connection) -> None:
                                _PROGRESS_INTERVAL_SECONDS)
     while True:
         try:
-            while not connection.poll(_WAIT_SECONDS):  # a wait in Python, so that a stop is
-                pass  # acted on at once (one whose handler ran just before a read that blocks
-            kind, value = connection.recv()  # on the pipe was seen only after it)
+            # a wait in Python, not a read that blocks on the pipe: a stop whose handler ran
+            # just before such a read was acted on only once the read returned
+            while not connection.poll(_WAIT_SECONDS):
+                pass
+            kind, value = connection.recv()
         except EOFError:
             return
         if kind == "plan":
