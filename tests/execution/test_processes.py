@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -103,14 +104,18 @@ def test_the_first_failure_stops_every_share_and_names_its_worker(failing, named
     assert time.monotonic() - started < _LONG_SECONDS / 2
 
 
+_WORKER_IN_ITS_SHARE = threading.Event()  # set by the coordinator's advance
+
+
 class _SlowToStopJob(_Job):
     """_Job whose worker share, stopped, takes _LONG_SECONDS over its clean-up (as one whose
-    store stopped answering)."""
+    store stopped answering); the coordinator's share fails once the worker's has begun."""
 
     def run_share(self, plan: str, lanes: list[int], advance) -> tuple:
         if lanes == [0]:
-            time.sleep(1)  # the worker is in its share by then
+            assert _WORKER_IN_ITS_SHARE.wait(_LONG_SECONDS)
             raise DataError("lane 0 is damaged")
+        advance(1)
         try:
             return super().run_share(plan, lanes, advance)
         finally:
@@ -125,11 +130,12 @@ def test_a_worker_slow_to_stop_is_killed_after_worker_stop_seconds(monkeypatch):
     monkeypatch.setattr(processes, "WORKER_STOP_SECONDS", 2.0)
     with _workers(2) as workers:
         (_, process, _), = workers._workers
+        _WORKER_IN_ITS_SHARE.clear()
         started = time.monotonic()
         with pytest.raises(WorkerError, match="^worker 1 of 2: lane 0 is damaged"):
-            workers.run(_SlowToStopJob(0), "plan", lambda units: None)
-        assert 3.0 <= time.monotonic() - started < _LONG_SECONDS / 2
-        assert process.exitcode == -signal.SIGKILL
+            workers.run(_SlowToStopJob(0), "plan", lambda units: _WORKER_IN_ITS_SHARE.set())
+        assert time.monotonic() - started < _LONG_SECONDS / 2
+        assert process.exitcode == -signal.SIGKILL  # still in its clean-up after 2 s
 
 
 class _LocatingJob(_Job):
