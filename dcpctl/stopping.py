@@ -54,7 +54,7 @@ def _stop_once(signal_number: int, frame) -> None:
     global _stop_raised
     if not _stop_raised:
         _stop_raised = True
-        raise Terminated(signal_number)
+        _request_stop(signal_number, frame)  # raised now, or as a finishing_first block ends
 
 
 @contextlib.contextmanager

@@ -57,6 +57,27 @@ def test_without_a_stop_the_block_error_passes_through(stopping_handlers):
             raise OSError("disk full")
 
 
+def test_a_worker_stops_once_and_waits_for_a_block_as_every_process_does(monkeypatch):
+    """The first SIGTERM or SIGHUP of a worker process stops it, as a block's end; the
+    coordinator's own SIGTERM that follows a signal to the whole group does nothing."""
+    from dcpctl import stopping
+
+    saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP)}
+    monkeypatch.setattr(stopping, "_stop_raised", False)
+    try:
+        stopping.stop_once_on_signals()
+        steps = []
+        with pytest.raises(Terminated, match="SIGHUP"):
+            with finishing_first():
+                signal.raise_signal(signal.SIGHUP)
+                steps.append("end of the block")
+        signal.raise_signal(signal.SIGTERM)
+        assert steps == ["end of the block"]
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+
+
 _INTERRUPTED_WHILE_IMPORTING = """
 import sys
 
