@@ -16,7 +16,6 @@ more than ENDS_BYTES pass for one (a limit the README states).
 
 from __future__ import annotations
 
-
 from dcpctl.errors import DcpctlError
 from dcpctl.storage.file_digests import sha256_of_ends, sha256_of_file
 from dcpctl.storage.paths import storage_path
