@@ -58,19 +58,23 @@ def _stop_once(signal_number: int, frame) -> None:
 
 
 @contextlib.contextmanager
-def finishing_first() -> Iterator[None]:
+def finishing_first(finished: str | None = None) -> Iterator[None]:
     """Run the block to its end even if a stop is requested meanwhile; then stop (the stop
-    wins over an error the block raised)."""
+    wins over an error the block raised). `finished` says what a block that ended without
+    error has done, which the stop's message (describe_stop) then tells: the user stopped a
+    run whose output is whole all the same."""
     if getattr(_state, "deferred", None) is not None:  # nested: the outer block decides
         yield
         return
     _state.deferred = []
+    ended_without_error = False
     try:
         yield
+        ended_without_error = True
     finally:
         deferred, _state.deferred = _state.deferred, None
         if deferred:
-            _raise_stop(deferred[0])
+            _raise_stop(deferred[0], finished if ended_without_error else None)
 
 
 def _request_stop(signal_number: int, frame) -> None:
@@ -81,7 +85,15 @@ def _request_stop(signal_number: int, frame) -> None:
     _raise_stop(signal_number)
 
 
-def _raise_stop(signal_number: int) -> None:
-    if signal_number == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Terminated(signal_number)
+def _raise_stop(signal_number: int, finished: str | None = None) -> None:
+    stop = KeyboardInterrupt() if signal_number == signal.SIGINT else Terminated(signal_number)
+    stop.finished = finished
+    raise stop
+
+
+def describe_stop(stop: KeyboardInterrupt | Terminated) -> str:
+    """How a command's stop is said: by its signal, and with what a finishing_first block it
+    waited for had finished."""
+    said = "interrupted" if isinstance(stop, KeyboardInterrupt) else f"stopped by {stop}"
+    finished = getattr(stop, "finished", None)
+    return f"{said}, after finishing what a stop waits for: {finished}" if finished else said

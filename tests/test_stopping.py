@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import fixture_path
 
-from dcpctl.stopping import Terminated, finishing_first, stop_on_signals
+from dcpctl.stopping import Terminated, describe_stop, finishing_first, stop_on_signals
 
 
 @pytest.fixture
@@ -49,6 +49,31 @@ def test_the_stop_wins_over_an_error_the_block_raises(stopping_handlers):
             signal.raise_signal(signal.SIGINT)
             raise OSError("disk full")
     assert isinstance(stopped.value.__context__, OSError)
+
+
+def test_a_stop_that_waited_for_a_block_says_what_the_block_finished(stopping_handlers):
+    with pytest.raises(Terminated) as stopped:
+        with finishing_first(finished="the output is published whole"):
+            signal.raise_signal(signal.SIGTERM)
+    assert describe_stop(stopped.value) == ("stopped by SIGTERM, after finishing what a stop "
+                                            "waits for: the output is published whole")
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        with finishing_first(finished="the output is published whole"):
+            signal.raise_signal(signal.SIGINT)
+    assert describe_stop(interrupted.value) == ("interrupted, after finishing what a stop "
+                                                "waits for: the output is published whole")
+
+
+def test_a_stop_that_cut_a_block_short_says_nothing_of_it(stopping_handlers):
+    """A block that raised did not finish: the stop is said as any other."""
+    with pytest.raises(Terminated) as stopped:
+        with finishing_first(finished="the output is published whole"):
+            signal.raise_signal(signal.SIGTERM)
+            raise OSError("disk full")
+    assert describe_stop(stopped.value) == "stopped by SIGTERM"
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        signal.raise_signal(signal.SIGINT)
+    assert describe_stop(interrupted.value) == "interrupted"
 
 
 def test_without_a_stop_the_block_error_passes_through(stopping_handlers):

@@ -18,7 +18,7 @@ from dcpctl.errors import DcpctlError, describe_os_error, name_and_message
 from dcpctl.library_logs import quiet_library_logs, show_library_logs
 from dcpctl.ops.distributed import join_torchrun, launched_by_torchrun
 from dcpctl.ops.storage_options import add_storage_options, without_secrets
-from dcpctl.stopping import Terminated, stop_on_signals
+from dcpctl.stopping import Terminated, describe_stop, stop_on_signals
 from dcpctl.unpickling_memory import bound_unpickling_memory
 from dcpctl.version import __version__
 
@@ -69,10 +69,10 @@ class DcpctlGroup(click.Group):
             if isinstance(error, BrokenPipeError) and _stdout_reader_gone():
                 raise  # `dcpctl inspect CKPT --json | head`: click ends quietly, as `cat` does
             self._fail(context, describe_os_error(error), 1)
-        except KeyboardInterrupt:
-            self._fail(context, "interrupted", 128 + signal.SIGINT)
+        except KeyboardInterrupt as stop:
+            self._fail(context, describe_stop(stop), 128 + signal.SIGINT)
         except Terminated as stop:
-            self._fail(context, f"stopped by {stop}", 128 + stop.signal_number)
+            self._fail(context, describe_stop(stop), 128 + stop.signal_number)
         except Exception as error:  # a bug: say so briefly, traceback with --debug
             self._fail(context, f"internal error: {name_and_message(error)} "
                                 "(run with --debug for the traceback)", 1)
@@ -184,11 +184,11 @@ def _run_as_torchrun_rank() -> int:
         click.echo(f"Error: {escape_control_characters(without_secrets(str(error)))}",
                    err=True)
         return error.exit_code
-    except KeyboardInterrupt:  # said as rank 0's command says it (DcpctlGroup.invoke)
-        click.echo("Error: interrupted", err=True)
+    except KeyboardInterrupt as stop:  # said as rank 0's command says it (DcpctlGroup.invoke)
+        click.echo(f"Error: {describe_stop(stop)}", err=True)
         return 128 + signal.SIGINT
     except Terminated as stop:
-        click.echo(f"Error: stopped by {stop}", err=True)
+        click.echo(f"Error: {describe_stop(stop)}", err=True)
         return 128 + stop.signal_number
     exit_code = 1
     try:

@@ -98,7 +98,8 @@ class StagedOutput:
         if self.is_directory:
             fsync_directory(self.path)
         failpoint(Failpoint.BEFORE_PUBLISH)
-        with finishing_first():  # never stopped between moving the old output aside and in
+        # never stopped between moving the old output aside and in
+        with finishing_first(finished="the output is published whole"):
             if not self.overwrite:
                 self._publish_without_replacing()
             elif self.is_directory and self.destination.exists():

@@ -255,7 +255,8 @@ class CheckpointOutput:
                 raise DataError(f"{missing[0]}, written by this run, is gone (another run took "
                                 "it for a killed run's?): the checkpoint is unchanged",
                                 path=directory)
-        with finishing_first():  # from here on, a stop waits for the end
+        # from here on, a stop waits for the end
+        with finishing_first(finished="the checkpoint is rewritten whole"):
             # SHA256SUMS describes the old files: it goes at the switch, so a run that fails
             # or stops earlier leaves the source with its sums
             try:
