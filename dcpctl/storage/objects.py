@@ -191,11 +191,11 @@ class ObjectStore:
                                          "(its ETag is not the one first seen); nothing was "
                                          "published", path=self.url(key))
 
-    def abort_stale_uploads(self, prefix: str, written_before: float,
-                            wanted: Callable[[str], bool] = lambda name: True) -> list[str]:
-        """Abort the unfinished uploads under prefix/ that nothing added to since
-        written_before (seconds since the epoch), as a killed run leaves them, those whose
-        name relative to prefix is wanted; their names. Only S3 has them: here, none."""
+    def abort_uploads(self, prefix: str, wanted: Callable[[str], bool] = lambda name: True,
+                      written_before: float | None = None) -> list[str]:
+        """Abort the unfinished uploads under prefix/ (as a killed process leaves them) whose
+        name relative to prefix is wanted, and, given written_before (seconds since the epoch),
+        that nothing added to since; their names. Only S3 has them: here, none."""
         return []
 
     def abort_open_uploads(self, prefix: str) -> None:

@@ -408,8 +408,8 @@ def abort_stale_uploads(directory: ObjectPath,
     """Abort the uploads under directory that nothing added to for STALE_OBJECT_SECONDS (a
     killed run's: S3 keeps, and bills, their parts until then), those whose names are
     wanted; their names."""
-    return directory.store.abort_stale_uploads(directory.key,
-                                               time.time() - STALE_OBJECT_SECONDS, wanted)
+    return directory.store.abort_uploads(directory.key, wanted,
+                                         written_before=time.time() - STALE_OBJECT_SECONDS)
 
 
 STALE_OBJECT_SECONDS = 24 * 3600

@@ -219,12 +219,13 @@ class S3Store(ObjectStore):
     def open_writer(self, key: str, if_absent: bool = False) -> ObjectWriter:
         return MultipartWriter(self, key, if_absent)
 
-    def abort_stale_uploads(self, prefix: str, written_before: float,
-                            wanted: Callable[[str], bool] = lambda name: True) -> list[str]:
-        """Abort the multipart uploads under prefix/ that were started, and given their last
-        part, before written_before: a killed run's, whose parts S3 keeps (and bills, out of
-        every listing) until they are aborted. Best effort: a store that will not list or
-        abort them (rclone's) leaves them, and says nothing."""
+    def abort_uploads(self, prefix: str, wanted: Callable[[str], bool] = lambda name: True,
+                      written_before: float | None = None) -> list[str]:
+        """Abort the multipart uploads under prefix/ whose names are wanted, and, given
+        written_before, that were started, and given their last part, before it: a killed
+        process's, whose parts S3 keeps (and bills, out of every listing) until they are
+        aborted. Best effort: a store that will not list or abort them (rclone's) leaves them,
+        and says nothing."""
         bucket, key, _ = self.fs.split_path(prefix)
         # its own `/`: s3fs before 2026.2 drops one given, which would take in step-100/ too
         key_prefix = key.rstrip("/") + "/" if key else ""
@@ -232,7 +233,8 @@ class S3Store(ObjectStore):
         try:
             for upload in self._uploads_under(bucket, key_prefix):
                 name = upload["Key"][len(key_prefix):]
-                if wanted(name) and self._last_written(bucket, upload) < written_before:
+                if wanted(name) and (written_before is None
+                                     or self._last_written(bucket, upload) < written_before):
                     self._run(self.fs._call_s3("abort_multipart_upload", Bucket=bucket,
                                                Key=upload["Key"], UploadId=upload["UploadId"]))
                     aborted.append(name)

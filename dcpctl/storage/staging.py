@@ -11,7 +11,7 @@ import fcntl
 import os
 import stat
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from dcpctl.errors import OutputError, OutputTakenError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
@@ -170,9 +170,10 @@ class StagedOutput:
                               "when the run started): nothing was replaced; run again with "
                               "--overwrite to replace it", path=self.destination) from None
 
-    def abort(self) -> None:
+    def abort(self, upload_names: Collection[str] = ()) -> None:
         """Remove the unfinished output, and the directories made for it where nothing else
-        came to be in them; the destination stays as it was."""
+        came to be in them; the destination stays as it was. (Files are never left half
+        uploaded here: upload_names is for ObjectStoreOutput.abort.)"""
         with contextlib.suppress(OSError):
             remove_directory(self._staging)
         self._unlock()
@@ -396,9 +397,11 @@ class ObjectStoreOutput:
         failpoint(Failpoint.BEFORE_PUBLISH)
         self.confirm()
 
-    def abort(self) -> None:
+    def abort(self, upload_names: Collection[str] = ()) -> None:
         """Delete what was written under the destination, where it is this run's output, and
-        abort this run's uploads there that a thread it did not wait for still holds. Where
+        abort this run's uploads there that a thread it did not wait for still holds, and
+        those of upload_names (files this run writes under the prefix, which a worker or rank
+        killed mid-write leaves unfinished: S3 keeps, and bills, their parts). Where
         another run took it over, nothing more: an object this run wrote cannot be told from
         one of the same bytes that run wrote (their ETags are the same), and that run deletes
         what it finds of this one's (confirm()). A store that fails meanwhile (the one that failed
@@ -414,6 +417,9 @@ class ObjectStoreOutput:
             elif (self._claimed and self.claim.is_held()) or (
                     self._confirmed and not (self.destination / METADATA_FILE_NAME).exists()):
                 delete_checkpoint_objects(self.destination)
+                if upload_names:
+                    self.destination.store.abort_uploads(self.destination.key,
+                                                         set(upload_names).__contains__)
         except (StorageError, OSError):
             pass
 

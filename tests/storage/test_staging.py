@@ -313,6 +313,27 @@ def test_a_run_with_overwrite_beaten_to_the_claim_is_not_told_to_pass_overwrite(
     assert _keys(destination) == [".metadata.tmp"]
 
 
+def test_an_aborted_object_store_output_aborts_the_uploads_of_its_files(moto_s3, monkeypatch):
+    """A worker or rank killed mid-write leaves its multipart upload open, which S3 keeps and
+    bills, out of every listing. The run's abort aborts those of its own files under its
+    prefix at once, and no other. (The day-old clean-up would not yet on S3; moto dates every
+    upload in 2010, so here no upload is taken for a day old.)"""
+    from dcpctl.storage import paths
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(paths, "STALE_OBJECT_SECONDS", 1e12)
+    output, destination = _object_output(moto_s3)
+    client = moto_s3.client()
+    bucket, _, prefix = destination.key.partition("/")
+    for name in ("__0_0.distcp", "elsewhere.bin"):
+        client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{name}")
+    output.abort(upload_names=["__0_0.distcp", ".metadata"])
+    assert [upload["Key"] for upload in client.list_multipart_uploads(Bucket=bucket)["Uploads"]
+            ] == [f"{prefix}/elsewhere.bin"]
+    assert _keys(destination) == []
+
+
 def test_a_data_file_set_starts_no_file_once_its_output_was_taken_over(s3_server):
     """Workers and torchrun ranks write an output's data files through DataFileSets (pickled
     to them): a run taken over went on writing files after its claim was gone."""

@@ -219,14 +219,18 @@ class CheckpointOutput:
             files.discard()
         if self._metadata_switched:
             return
+        names = self._planned_names | {name for files in self._sets for name in files.digests}
         if self.in_place:
-            if isinstance(self.directory, ObjectPath):  # uploads a stuck thread still holds
+            temporaries = {temporary_name(name, self._token) for name in names}
+            if isinstance(self.directory, ObjectPath):
+                # this run's unfinished uploads: of this process (a thread a stop did not wait
+                # for still holds them), and of any (a worker or rank killed mid-write)
                 self.directory.store.abort_open_uploads(self.directory.key)
-            names = self._planned_names | {name for files in self._sets for name in files.digests}
-            for name in sorted(names):
-                (self.directory / temporary_name(name, self._token)).unlink(missing_ok=True)
+                self.directory.store.abort_uploads(self.directory.key, temporaries.__contains__)
+            for name in sorted(temporaries):
+                (self.directory / name).unlink(missing_ok=True)
         else:
-            self._staged.abort()
+            self._staged.abort(upload_names=names)
 
     def _publish_new_directory(self, metadata: CheckpointMetadata, digests: dict[str, str]
                                ) -> None:
