@@ -16,9 +16,31 @@ class DType:
     itemsize: int
     safetensors_code: str | None
     is_floating_point: bool = False
+    packed_values: int = 1
+    """Values each element holds: 2 for float4_e2m1fn_x2, two 4-bit floats in a byte."""
 
     def __repr__(self) -> str:
         return f"torch.{self.name}"
+
+    def safetensors_shape(self, sizes: Sequence[int]) -> tuple[int, ...] | None:
+        """The shape a safetensors header gives a tensor of these sizes: it counts values, so
+        a packed dtype's last size is torch's times the values each element packs (F4 [5, 4]
+        for float4_e2m1fn_x2 [5, 2]). None where it has none: a 0-d tensor of packed values."""
+        if self.packed_values == 1:
+            return tuple(sizes)
+        if not sizes:
+            return None
+        return (*sizes[:-1], sizes[-1] * self.packed_values)
+
+    def sizes_of_safetensors_shape(self, shape: Sequence[int]) -> tuple[int, ...] | None:
+        """torch's sizes of the tensor whose safetensors header gives this shape (see
+        safetensors_shape); None where no tensor of this dtype has it (a last size that does
+        not pack into whole elements)."""
+        if self.packed_values == 1:
+            return tuple(shape)
+        if not shape or shape[-1] % self.packed_values:
+            return None
+        return (*shape[:-1], shape[-1] // self.packed_values)
 
 
 _KNOWN_DTYPES = [
@@ -31,7 +53,7 @@ _KNOWN_DTYPES = [
     DType("float8_e5m2", 1, "F8_E5M2", True),
     DType("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", True),
     DType("float8_e8m0fnu", 1, "F8_E8M0", True),
-    DType("float4_e2m1fn_x2", 1, None, True),
+    DType("float4_e2m1fn_x2", 1, "F4", True, packed_values=2),
     DType("complex128", 16, None),
     DType("complex64", 8, "C64"),
     DType("complex32", 4, None),

@@ -153,10 +153,17 @@ def check_tensor_name(name: str) -> None:
 _NAMES_SHOWN = 10
 
 
-def refuse_dtypes_it_cannot_store(tensors: Iterable[tuple[str, DType]]) -> None:
-    """Refuse, all named in one message, the tensors (name, dtype) whose dtype safetensors has
-    no code for, with the remedy: --dtype casts floating-point tensors only."""
-    refused = [(name, dtype) for name, dtype in tensors if dtype.safetensors_code is None]
+def refuse_what_it_cannot_store(tensors: Iterable[tuple[str, DType, tuple[int, ...]]]) -> None:
+    """Refuse, all named in one message, the tensors (name, dtype, sizes) whose dtype
+    safetensors has no code for, with the remedy (--dtype casts floating-point tensors only);
+    and a 0-d tensor of packed values, which a safetensors shape cannot count."""
+    tensors = list(tensors)
+    for name, dtype, sizes in tensors:
+        if dtype.safetensors_code and dtype.safetensors_shape(sizes) is None:
+            raise UnsupportedLayoutError(
+                f"tensor {name!r} is a 0-d torch.{dtype.name}, whose {dtype.packed_values} "
+                "packed values a safetensors shape cannot count (leave it out with --exclude)")
+    refused = [(name, dtype) for name, dtype, _ in tensors if dtype.safetensors_code is None]
     if not refused:
         return
     floating = sum(dtype.is_floating_point for _, dtype in refused)
@@ -182,11 +189,11 @@ def encode_header(tensors: list[SafetensorsTensor]) -> bytes:
     length, then JSON padded with spaces so that the data starts 8-byte aligned."""
     entries: dict = {METADATA_KEY: _FILE_METADATA}
     offset = 0
-    refuse_dtypes_it_cannot_store((tensor.name, tensor.dtype) for tensor in tensors)
+    refuse_what_it_cannot_store((tensor.name, tensor.dtype, tensor.shape) for tensor in tensors)
     for tensor in tensors:
         check_tensor_name(tensor.name)
         entries[tensor.name] = {"dtype": tensor.dtype.safetensors_code,
-                                "shape": list(tensor.shape),
+                                "shape": list(tensor.dtype.safetensors_shape(tensor.shape)),
                                 "data_offsets": [offset, offset + tensor.nbytes]}
         offset += tensor.nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
@@ -240,14 +247,19 @@ def parse_entry(path: Path, name: str, entry, data_start: int,
     if dtype is None:
         raise UnsupportedLayoutError(f"tensor {name!r} has safetensors dtype {code!r}, "
                                      "which dcpctl does not know", path=path)
-    if not fits_in_torch(shape, dtype.itemsize):
+    sizes = dtype.sizes_of_safetensors_shape(shape)
+    if sizes is None:
+        raise DataError(f"tensor {name!r} has safetensors dtype {code} and shape {shape}, whose "
+                        f"last size is no whole number of torch.{dtype.name} elements (each "
+                        f"packs {dtype.packed_values} values)", path=path)
+    if not fits_in_torch(sizes, dtype.itemsize):
         raise DataError(f"tensor {name!r} has a shape past what torch can hold (sizes, "
                         "elements and bytes below 2**63)", path=path)
-    nbytes = math.prod(shape) * dtype.itemsize
+    nbytes = math.prod(sizes) * dtype.itemsize
     if end - begin != nbytes or data_start + end > file_bytes:
         raise DataError(f"tensor {name!r} claims bytes {begin}..{end} of the data, which do "
                         f"not hold {nbytes} bytes inside the file", path=path)
-    return SafetensorsTensor(name, dtype, tuple(shape), data_start + begin, nbytes)
+    return SafetensorsTensor(name, dtype, sizes, data_start + begin, nbytes)
 
 
 def check_back_to_back(path: Path, tensors: list[SafetensorsTensor], data_start: int,

@@ -48,6 +48,40 @@ def test_a_dtype_safetensors_cannot_store_is_named():
         encode_header([entry])  # --dtype casts floats only: no advice to cast
 
 
+def test_packed_float4_is_written_and_read_with_the_shape_safetensors_counts(tmp_path):
+    """safetensors' F4 counts 4-bit values: torch's float4_e2m1fn_x2 [5, 2] (ten bytes) is
+    F4 [5, 4]. Both were refused: a dtype safetensors "cannot store", and F4 unknown."""
+    packed = torch.arange(30, dtype=torch.uint8).reshape(3, 5, 2).view(torch.float4_e2m1fn_x2)
+    path = tmp_path / "model.safetensors"
+    _write_by_hand(path, {"w": packed})
+    header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    assert (header["w"]["dtype"], header["w"]["shape"]) == ("F4", [3, 5, 4])
+    with safe_open(path, "pt") as handle:
+        loaded = handle.get_tensor("w")
+    assert loaded.dtype == packed.dtype
+    assert torch.equal(loaded.view(torch.uint8), packed.view(torch.uint8))
+    save_file({"w": packed}, path)  # as the library writes it, read back by dcpctl
+    (tensor,) = [tensor for _, tensor in read_safetensors_model(path)]
+    assert (tensor.dtype.name, tensor.shape, tensor.nbytes) == ("float4_e2m1fn_x2", (3, 5, 2), 30)
+
+
+@pytest.mark.parametrize("shape", [[5, 3], [3], []])
+def test_an_f4_shape_that_packs_no_whole_bytes_is_refused(tmp_path, shape):
+    path = tmp_path / "model.safetensors"
+    _with_header(path, json.dumps({"w": {"dtype": "F4", "shape": shape,
+                                         "data_offsets": [0, 16]}}).encode())
+    with pytest.raises(DataError, match=r"'w' has safetensors dtype F4 and shape .* no whole "
+                                        r"number of torch.float4_e2m1fn_x2 elements"):
+        read_safetensors_model(path)
+
+
+def test_a_0_d_packed_float4_tensor_is_refused_by_name():
+    entry = SafetensorsTensor("s", dtype_by_name("float4_e2m1fn_x2"), (), nbytes=1)
+    with pytest.raises(UnsupportedLayoutError, match=r"'s' is a 0-d torch.float4_e2m1fn_x2, "
+                                                     r"whose 2 packed values"):
+        encode_header([entry])
+
+
 @pytest.mark.parametrize("sizes,limit,expected", [
     ([4, 4, 4], 8, [[0, 1], [2]]),
     ([4, 4, 4], 12, [[0, 1, 2]]),

@@ -81,7 +81,7 @@ def cast_dtype(entry: TensorEntry, cast_to: DType | None, source: StoragePath) -
     values packed two to a byte (float4_e2m1fn_x2) is refused: torch casts no such tensor."""
     if cast_to is None or not entry.dtype.is_floating_point or entry.dtype == cast_to:
         return entry.dtype
-    if entry.dtype.name.endswith("_x2"):
+    if entry.dtype.packed_values > 1:
         raise UnsupportedLayoutError(
             f"tensor {entry.fqn!r} is {entry.dtype.name}, two values packed in each byte, which "
             "torch casts to no other dtype; leave it out with --exclude, or convert without "

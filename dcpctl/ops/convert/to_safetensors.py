@@ -22,8 +22,7 @@ from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
 from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTensor,
                                        check_tensor_name, encode_header, encode_index, plan_shards,
-                                       refuse_dtypes_it_cannot_store,
-                                       shard_file_name)
+                                       refuse_what_it_cannot_store, shard_file_name)
 from dcpctl.format.torch_save.zip_records import holds_storages, read_central_directory
 from dcpctl.ops.convert.key_selection import KeySelection, is_selected, select_and_rename
 from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
@@ -60,7 +59,8 @@ def plan_safetensors(checkpoint: Checkpoint, selection: KeySelection, cast_to: D
         check_tensor_name(name)
     tensors = [OutputTensor(entry, names[entry.fqn], cast_dtype(entry, cast_to, checkpoint.path))
                for entry in checkpoint.tensors if entry.fqn in names]
-    refuse_dtypes_it_cannot_store((tensor.name, tensor.dtype) for tensor in tensors)
+    refuse_what_it_cannot_store((tensor.name, tensor.dtype, tensor.entry.shape)
+                                for tensor in tensors)
     shards = plan_shards([tensor.nbytes for tensor in tensors], max_shard_bytes)
     files = []
     for number, indexes in enumerate(shards, start=1):

@@ -286,7 +286,8 @@ def check_safetensors_item(item: StoredItem, file_name: str, path: StoragePath
         return [Problem(Rule.SAFETENSORS_HEADER, "the safetensors header has no valid entry for "
                         "this fqn", **where)]
     expected_sizes = tuple(item.chunk.sizes)
-    if dtype_code != item.tensor.dtype.safetensors_code or shape != expected_sizes:
+    dtype = item.tensor.dtype
+    if dtype_code != dtype.safetensors_code or shape != dtype.safetensors_shape(expected_sizes):
         return [Problem(Rule.TENSOR_MISMATCH, f"header gives {dtype_code} {list(shape)}; the "
                         f"metadata says {item.tensor.dtype.name} {list(expected_sizes)}", **where)]
     file_bytes = path.stat().st_size

@@ -491,6 +491,23 @@ def test_float8_e8m0_goes_to_safetensors_and_back(tmp_path):
         state["scales"])
 
 
+def test_packed_float4_goes_to_safetensors_and_back(tmp_path):
+    """It was refused as a dtype safetensors cannot store (F4 stores it), and F4 as unknown."""
+    import torch.distributed.checkpoint as dcp
+
+    packed = torch.arange(40, dtype=torch.uint8).reshape(4, 5, 2).view(torch.float4_e2m1fn_x2)
+    dcp.save({"f4": packed}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    convert_to_safetensors(tmp_path / "dcp", tmp_path / "hf", EVERYTHING)
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as handle:
+        loaded = handle.get_tensor("f4")
+    assert loaded.dtype == packed.dtype and loaded.shape == packed.shape
+    assert torch.equal(loaded.view(torch.uint8), packed.view(torch.uint8))
+    convert_to_dcp(tmp_path / "hf", tmp_path / "again")
+    again = load_with_torch(tmp_path / "again")["f4"]
+    assert again.dtype == packed.dtype and torch.equal(again.view(torch.uint8),
+                                                       packed.view(torch.uint8))
+
+
 def test_complex128_is_refused_with_a_remedy_that_works(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -306,6 +306,20 @@ def test_sha256sums_giving_a_file_two_digests_is_refused(copy_fixture, tmp_path,
         compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
 
 
+def test_a_packed_float4_tensor_of_a_safetensors_save_verifies(tmp_path):
+    """torch's SAFETENSORS serialization heads a float4_e2m1fn_x2 chunk [5, 2] with F4
+    [5, 4] (safetensors counts 4-bit values): verify and checksum called it a tensor-mismatch."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    packed = torch.arange(10, dtype=torch.uint8).reshape(5, 2).view(torch.float4_e2m1fn_x2)
+    dcp.save({"w": packed, "f": torch.ones(3)}, no_dist=True, storage_writer=dcp.FileSystemWriter(
+        tmp_path / "ck", serialization_format=SerializationFormat.SAFETENSORS))
+    assert verify_checkpoint(tmp_path / "ck").problems == []
+    checksum_checkpoint(tmp_path / "ck")
+    assert verify_checkpoint(tmp_path / "ck").problems == []
+
+
 def test_safetensors_header_checked_against_metadata(copy_fixture):
     checkpoint = copy_fixture("safetensors_fsdp2_2ranks")
     edit_metadata(checkpoint, lambda metadata: setattr(
