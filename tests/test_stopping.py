@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +123,45 @@ def test_ctrl_c_while_the_command_starts_is_said_as_an_interruption_not_a_traceb
     done = subprocess.run([sys.executable, "-c", _INTERRUPTED_WHILE_IMPORTING, "inspect", "x"],
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (128 + signal.SIGINT, "Error: interrupted\n")
+
+
+_STOPPED_WHILE_TEARING_DOWN = """
+import atexit, os, signal, sys, time
+
+stop = getattr(signal, sys.argv[1])
+
+def stopped_now():  # as a SIGTERM or Ctrl-C that lands while the interpreter tears down
+    os.kill(os.getpid(), stop)
+    time.sleep(1)
+    print("teardown went on", file=sys.stderr)
+
+atexit.register(stopped_now)
+sys.argv = ["dcpctl", *sys.argv[2:]]
+from dcpctl.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "SIGHUP"])
+@pytest.mark.parametrize("sums_agree", [True, False])
+def test_a_stop_after_the_command_ended_ends_the_process_with_the_command_s_status(
+        tmp_path, stop, sums_agree):
+    """The stop was raised into the interpreter's teardown, after the command's result:
+    `Exception ignored in ...: Terminated` (or KeyboardInterrupt), or the process killed by
+    the signal. Here it lands in an exit handler, after checksum wrote its sums or refused."""
+    checkpoint = shutil.copytree(fixture_path("fsdp2_adamw_3ranks"), tmp_path / "ck")
+    if not sums_agree:
+        (checkpoint / "SHA256SUMS").write_text("0" * 64 + "  .metadata\n")
+    done = subprocess.run([sys.executable, "-c", _STOPPED_WHILE_TEARING_DOWN, stop, "checksum",
+                           str(checkpoint), "--json"], capture_output=True, text=True, timeout=60)
+    assert "teardown went on" not in done.stderr and "Exception ignored" not in done.stderr, \
+        done.stderr
+    if sums_agree:
+        assert (done.returncode, done.stderr) == (0, "")
+        assert json.loads(done.stdout)["sums_path"] == str(checkpoint / "SHA256SUMS")
+    else:
+        assert done.returncode == 1
+        assert done.stderr.startswith("Error: ") and done.stderr.count("\n") == 1, done.stderr
 
 
 _STORE_THAT_STOPS_ANSWERING = """

@@ -11,7 +11,7 @@ import sys
 import click
 
 from dcpctl.allocator import reuse_large_buffers
-from dcpctl.cli.process import RUNS_AS_PROCESS
+from dcpctl.cli.process import RUNS_AS_PROCESS, end_at_once_if_stopped
 from dcpctl.cli.render import escape_control_characters, print_failure
 from dcpctl.cycle_collector import freeze_built_objects_on_resume
 from dcpctl.errors import DcpctlError, describe_os_error, name_and_message
@@ -164,8 +164,14 @@ def main() -> None:
     freeze_built_objects_on_resume()
     stop_on_signals()
     if launched_by_torchrun():
-        sys.exit(_run_as_torchrun_rank())
-    cli(prog_name="dcpctl", obj={RUNS_AS_PROCESS: True})
+        exit_code = _run_as_torchrun_rank()
+        end_at_once_if_stopped(exit_code)
+        sys.exit(exit_code)
+    try:
+        cli(prog_name="dcpctl", obj={RUNS_AS_PROCESS: True})
+    except SystemExit as exit:
+        end_at_once_if_stopped(_status_of(exit))
+        raise
 
 
 def _run_as_torchrun_rank() -> int:
@@ -195,7 +201,12 @@ def _run_as_torchrun_rank() -> int:
         cli(prog_name="dcpctl", obj={}, standalone_mode=True)  # the teardown is kept: see end
         exit_code = 0
     except SystemExit as exit:
-        exit_code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        exit_code = _status_of(exit)
     finally:
         team.end(exit_code)
     return exit_code
+
+
+def _status_of(exit: SystemExit) -> int:
+    """The exit status a SystemExit gives the process."""
+    return exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import click
@@ -18,6 +19,21 @@ def end_process_without_teardown(context: click.Context, exit_code: int = 0) -> 
     own work."""
     if not (context.find_root().obj or {}).get(RUNS_AS_PROCESS):
         return
+    _exit_now(exit_code)
+
+
+def end_at_once_if_stopped(exit_code: int) -> None:
+    """For the dcpctl process whose command has ended, its result said: a stop from now on
+    (Ctrl-C, SIGTERM, SIGHUP while the interpreter tears down, joining threads and running
+    exit handlers) ends it at once with the command's own status, where the stop raised into
+    the teardown would print `Exception ignored in ...` or end the process by the signal. A
+    signal someone chose to ignore stays ignored."""
+    for signal_number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signal_number) is not signal.SIG_IGN:
+            signal.signal(signal_number, lambda number, frame: _exit_now(exit_code))
+
+
+def _exit_now(exit_code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
