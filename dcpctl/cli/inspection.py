@@ -26,8 +26,8 @@ def inspect_command(context: click.Context, checkpoint: str, as_json: bool,
     """Show what CHECKPOINT holds, reading only `.metadata` and file sizes.
 
     The summary gives the DCP version, the layout (whose state dict: torchtitan,
-    torchtune, {"model", "optim"}, an accelerate part, Megatron-Core torch_dist or a plain
-    one; where the model weights are and which trainer state lies beside them, which is
+    torchtune, {"model", "optim"}, an accelerate part, Megatron-Core torch_dist, Lightning
+    or a plain one; where the model weights are and which trainer state lies beside them, which is
     what `convert --to safetensors` leaves out; FSDP2/DTensor or FSDP1/ShardedTensor chunks,
     where a tensor with fewer rows than ranks tells), how many tensors and objects, their
     logical size (what the tensors occupy in memory) and stored size (bytes in the data

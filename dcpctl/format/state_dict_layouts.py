@@ -11,6 +11,8 @@ of its fqns):
   `optimizer_<i>/` holding `optimizer.` alone.
 - Megatron-Core `torch_dist`: its own sharded keys beside `optimizer.state.` and `rng_state`,
   with common.pt and metadata.json beside the DCP files.
+- Lightning: the state dict's own keys (`model.`, `optimizer.`), with meta.pt beside the DCP
+  files.
 
 TRAINER_STATE_ROOTS are the roots of trainer state; every other entry is the model's. When
 every model entry lies under `model.`, the model was saved under a `model` key and its own

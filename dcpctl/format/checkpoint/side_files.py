@@ -2,13 +2,17 @@
 
 Megatron-Core's `torch_dist` saver writes `common.pt` (the state common to all ranks, one
 torch.save file) and `metadata.json` (its backend: without it Megatron's loader says the
-directory "is not a distributed checkpoint") next to `.metadata` and the `.distcp` files. They
-belong to the checkpoint: `verify` checks them against SHA256SUMS and does not call them
-unknown, `checksum` hashes them, and every command that writes a new checkpoint directory
-carries them over byte for byte (they do not depend on the layout of the DCP files). `common.pt`
-is a torch.save archive: its records are checked against their CRC-32s as an item's are, and
-`metadata.json` must be what Megatron's loader reads (side_file_problems), by verify, by
-checksum before it certifies them, and before they are carried.
+directory "is not a distributed checkpoint") next to `.metadata` and the `.distcp` files.
+Lightning's sharded checkpoints (Fabric's and the Trainer's FSDP and ModelParallel strategies)
+hold `meta.pt`, a torch.save file of the state that is not the model's or the optimizers'
+(step, loops, hyperparameters): Lightning takes a directory for a sharded checkpoint only where
+it is there. They belong to the checkpoint: `verify` checks them against SHA256SUMS and does not
+call them unknown, `checksum` hashes them, and every command that writes a new checkpoint
+directory carries them over byte for byte (they do not depend on the layout of the DCP files).
+`common.pt` and `meta.pt` are torch.save archives: their records are checked against their
+CRC-32s as an item's are, and `metadata.json` must be what Megatron's loader reads
+(side_file_problems), by verify, by checksum before it certifies them, and before they are
+carried.
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ from dcpctl.storage.paths import StoragePath, file_names_in, open_ranged
 
 MEGATRON_COMMON_STATE = "common.pt"
 MEGATRON_CONFIG = "metadata.json"
-SIDE_FILE_NAMES = (MEGATRON_COMMON_STATE, MEGATRON_CONFIG)
+LIGHTNING_STATE = "meta.pt"
+_SAVER_OF_SIDE_FILE = {MEGATRON_COMMON_STATE: "Megatron-Core torch_dist",
+                       MEGATRON_CONFIG: "Megatron-Core torch_dist", LIGHTNING_STATE: "Lightning"}
+SIDE_FILE_NAMES = tuple(_SAVER_OF_SIDE_FILE)
+_ARCHIVES = (MEGATRON_COMMON_STATE, LIGHTNING_STATE)  # torch.save files
 
 
 def side_files_of(checkpoint: Checkpoint) -> list[str]:
@@ -38,6 +46,11 @@ def side_files_of(checkpoint: Checkpoint) -> list[str]:
     its directory that its metadata does not name as data files."""
     names = [name for name in SIDE_FILE_NAMES if name not in checkpoint.files]
     return list(_regular_file_sizes(checkpoint, names))
+
+
+def saver_of_side_files(side_files: Iterable[str]) -> str | None:
+    """The trainer that writes these side files (side_files_of), if any."""
+    return next((_SAVER_OF_SIDE_FILE[name] for name in side_files), None)
 
 
 def files_beside_data(checkpoint: Checkpoint) -> list[str]:
@@ -80,15 +93,16 @@ def _regular_file_sizes(checkpoint: Checkpoint, names: list[str]) -> dict[str, i
 
 
 def side_file_problems(directory: StoragePath, side_files: Iterable[str]) -> list[Problem]:
-    """What is wrong with a checkpoint's side files (side_files_of): `common.pt` must be a
-    torch.save archive whose records match their CRC-32s (torch.load does not check them),
-    `metadata.json` the UTF-8 JSON object of Megatron's fields its loader reads."""
+    """What is wrong with a checkpoint's side files (side_files_of): `common.pt` and `meta.pt`
+    must be torch.save archives whose records match their CRC-32s (torch.load does not check
+    them), `metadata.json` the UTF-8 JSON object of Megatron's fields its loader reads."""
     side_files = list(side_files)
     problems = []
     if MEGATRON_CONFIG in side_files:
         problems += _config_problems(directory)
-    if MEGATRON_COMMON_STATE in side_files:
-        problems += _common_state_problems(directory)
+    for name in _ARCHIVES:
+        if name in side_files:
+            problems += _archive_problems(directory, name)
     return problems
 
 
@@ -119,8 +133,7 @@ def _config_problems(directory: StoragePath) -> list[Problem]:
     return []
 
 
-def _common_state_problems(directory: StoragePath) -> list[Problem]:
-    name = MEGATRON_COMMON_STATE
+def _archive_problems(directory: StoragePath, name: str) -> list[Problem]:
     try:
         with open_ranged(directory / name) as file:
             checked = check_archive(file.read, file.size(), expect_tensor=False)

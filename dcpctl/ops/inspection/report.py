@@ -14,7 +14,7 @@ from typing import Iterable
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.format.checkpoint.hf_storage import describe_hf_storage
 from dcpctl.format.checkpoint.problems import Problem
-from dcpctl.format.checkpoint.side_files import side_files_of
+from dcpctl.format.checkpoint.side_files import saver_of_side_files, side_files_of
 from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, TensorEntry,
                                            find_file_problems, open_checkpoint)
 from dcpctl.format.state_dict_layouts import describe_layout, is_optimizer_state
@@ -170,9 +170,10 @@ def _saver(checkpoint: Checkpoint) -> str | None:
     """Who wrote the checkpoint, where its files tell."""
     if checkpoint.hf_storage:
         return describe_hf_storage(checkpoint.files)
-    if side_files_of(checkpoint) or checkpoint.metadata.mcore_data is not None:
+    saver = saver_of_side_files(side_files_of(checkpoint))
+    if saver is None and checkpoint.metadata.mcore_data is not None:
         return "Megatron-Core torch_dist"
-    return None
+    return saver
 
 
 def _matching(entries: list, fqn_glob: str | None) -> list:

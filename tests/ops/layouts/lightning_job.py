@@ -1,0 +1,79 @@
+"""A Lightning Fabric job on CPU ranks, run by torchrun (Fabric takes its ranks from there):
+`save OUT VALUES` trains two AdamW steps of a small FSDP2 model (the ModelParallel strategy)
+and saves a sharded checkpoint with Fabric's own `save`; `load CHECKPOINT VALUES` loads one
+into a fresh job with Fabric's own `load`. Rank 0 writes the full model and optimizer state,
+and the rest of the state Fabric gave back, to VALUES (JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def _parallelize(model, device_mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=device_mesh["data_parallel"])
+    return fully_shard(model, mesh=device_mesh["data_parallel"])
+
+
+def _job():
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    ranks = int(os.environ["WORLD_SIZE"])
+    fabric = L.Fabric(accelerator="cpu", devices=ranks, strategy=ModelParallelStrategy(
+        _parallelize, data_parallel_size=ranks, tensor_parallel_size=1))
+    fabric.launch()
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=False):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(),
+                                    torch.nn.Linear(24, 5))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return fabric, model, optimizer
+
+
+def _step(fabric, model, optimizer, seed: int) -> None:
+    inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+    fabric.backward(model(inputs).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _write_values(fabric, model, optimizer, rest: dict, values_file: str) -> None:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    values = {f"model.{fqn}": value.tolist()
+              for fqn, value in get_model_state_dict(model, options=full).items()}
+    for parameter, moments in get_optimizer_state_dict(model, optimizer,
+                                                       options=full)["state"].items():
+        values.update({f"optimizer.{parameter}.{name}": value.tolist()
+                       for name, value in moments.items()})
+    if fabric.global_rank == 0:
+        with open(values_file, "w") as stream:
+            json.dump({"tensors": values, "rest": rest}, stream)
+
+
+def main(action: str, path: str, values_file: str) -> None:
+    fabric, model, optimizer = _job()
+    if action == "save":
+        for seed in (1, 2):
+            _step(fabric, model, optimizer, seed)
+        rest = {"step": 2, "note": "two steps"}
+        fabric.save(path, {"model": model, "optimizer": optimizer, **rest})
+    else:
+        _step(fabric, model, optimizer, 3)  # state the load must replace
+        rest = fabric.load(path, {"model": model, "optimizer": optimizer})
+    _write_values(fabric, model, optimizer, rest, values_file)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
