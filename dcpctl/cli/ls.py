@@ -22,14 +22,17 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     A checkpoint directory is named by a word trainers name checkpoints by (step, steps,
     global_step, checkpoint, checkpoints, ckpt, iter, iteration, epoch, dist_epoch; any case),
     an optional `-` or `_`, then the step and nothing after it, or by the step alone:
-    step-1000, step_2000, checkpoint-3000, global_step4000, iter_0000100, 5000. Other names
-    (llama3, ckpt_v2, old-step-3-bak, step-3.tmp) are not checkpoints. It is
+    step-1000, step_2000, checkpoint-3000, global_step4000, iter_0000100, 5000; or as
+    Lightning's ModelCheckpoint names them by default: epoch=2-step=300.ckpt, step=300.ckpt.
+    Other names (llama3, ckpt_v2, old-step-3-bak, step-3.tmp, epoch=2-step=300-v1.ckpt) are
+    not checkpoints. It is
     complete when it holds `.metadata` (torch writes it last) and incomplete when it holds
     only data files, `.metadata.tmp`, or nothing yet: a save in progress or one that died.
 
     Trainers' layouts: torchtitan's step-N, torchtune's dist_epoch_N and Megatron's
     iter_0000100 are one DCP directory each (Megatron's, with common.pt, is complete once
-    metadata.json, written after `.metadata`, is there). accelerate's checkpoint_N holds several
+    metadata.json, written after `.metadata`, is there; Lightning's, with meta.pt written after
+    `.metadata`, once that is there). accelerate's checkpoint_N holds several
     (pytorch_model_fsdp_0/, optimizer_0/: its parts) beside its RNG and scheduler files: it
     is listed as one checkpoint, complete when every part holds `.metadata` and
     random_states_0.pkl is there; one holding fewer custom_checkpoint_<i>.pkl (written last)

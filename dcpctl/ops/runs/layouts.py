@@ -17,6 +17,9 @@
   refuses a directory without).
 - Megatron-Core names the iteration it resumes from in `latest_checkpointed_iteration.txt` in
   the run directory (written once a save is finished), which prune always keeps.
+- Lightning's ModelCheckpoint names a sharded checkpoint (a DCP directory) as it names a file,
+  by default `epoch=2-step=300.ckpt`, and writes `meta.pt` in it after `.metadata`: complete
+  once that is there (Lightning takes a directory without it for no sharded checkpoint).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from dataclasses import dataclass
 from typing import Collection, Iterable
 
 from dcpctl.errors import CheckpointNotFoundError
-from dcpctl.format.checkpoint.side_files import MEGATRON_COMMON_STATE, MEGATRON_CONFIG
+from dcpctl.format.checkpoint.side_files import (LIGHTNING_STATE, MEGATRON_COMMON_STATE,
+                                                 MEGATRON_CONFIG)
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
 from dcpctl.format.state_dict_layouts import ACCELERATE_MODEL_PART, ACCELERATE_PART
@@ -43,6 +47,11 @@ MEGATRON_TRACKER_MAX_BYTES = 64
 
 
 METADATA_IS_A_DIRECTORY = f"its {METADATA_FILE_NAME} is a directory: not a DCP checkpoint"
+
+LIGHTNING_CHECKPOINT_NAME = re.compile(r"(?:epoch=[0-9]+-)?step=(?P<number>[0-9]+)\.ckpt")
+"""The names Lightning's ModelCheckpoint gives by default (`{epoch}-{step}`, or `{step}`):
+names with other metrics in them, or a version (`-v1`) that a second checkpoint of one step
+gets, are none that dcpctl takes for a checkpoint's."""
 
 
 @dataclass(frozen=True)
@@ -72,9 +81,9 @@ class CheckpointShape:
         return [f"{part}/{file_name}" for part in self.parts]
 
 
-def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
-    """The shape of a checkpoint directory from the names of the files in it and in its
-    subdirectories at any depth (`part/file`), or why it is not a checkpoint."""
+def checkpoint_shape(names: Collection[str], directory_name: str) -> CheckpointShape | str:
+    """The shape of the checkpoint directory of this name from the names of the files in it
+    and in its subdirectories at any depth (`part/file`), or why it is not a checkpoint."""
     if any(f"/{METADATA_FILE_NAME}/" in f"/{name}" for name in names):
         return METADATA_IS_A_DIRECTORY
     if METADATA_FILE_NAME in names:
@@ -90,7 +99,9 @@ def checkpoint_shape(names: Collection[str]) -> CheckpointShape | str:
         # Megatron writes common.pt first and metadata.json after .metadata; its loader
         # refuses a directory without metadata.json.
         megatron_unfinished = MEGATRON_COMMON_STATE in names and MEGATRON_CONFIG not in names
-        return CheckpointShape((), complete=not megatron_unfinished)
+        lightning_unfinished = (LIGHTNING_CHECKPOINT_NAME.fullmatch(directory_name) is not None
+                                and LIGHTNING_STATE not in names)
+        return CheckpointShape((), complete=not (megatron_unfinished or lightning_unfinished))
     parts = sorted(_dcp_subdirectories(names))
     if parts:
         # Only accelerate keeps a checkpoint in several DCP directories. Others in a directory

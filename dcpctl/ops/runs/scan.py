@@ -17,9 +17,10 @@ from typing import Mapping
 
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.file_names import METADATA_FILE_NAME
-from dcpctl.ops.runs.layouts import (MEGATRON_TRACKER, MEGATRON_TRACKER_MAX_BYTES,
-                                     METADATA_IS_A_DIRECTORY, TRAINER_LAST_WRITTEN,
-                                     CheckpointShape, checkpoint_shape, parse_tracked_iteration,
+from dcpctl.ops.runs.layouts import (LIGHTNING_CHECKPOINT_NAME, MEGATRON_TRACKER,
+                                     MEGATRON_TRACKER_MAX_BYTES, METADATA_IS_A_DIRECTORY,
+                                     TRAINER_LAST_WRITTEN, CheckpointShape, checkpoint_shape,
+                                     parse_tracked_iteration,
                                      refuse_a_checkpoint_as_run_directory)
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
 from dcpctl.storage.paths import StoragePath, file_names_in, read_whole, storage_path
@@ -27,9 +28,10 @@ from dcpctl.storage.paths import StoragePath, file_names_in, read_whole, storage
 # A checkpoint directory is named by a word trainers name one by (torchtitan's step-1000,
 # step_2000, the HF Trainer's checkpoint-3000, accelerate's checkpoint_3, DeepSpeed's
 # global_step4000, Megatron's iter_0000100, torchtune's dist_epoch_3), an optional `-` or `_`,
-# then the number and nothing after it; or by the number alone (5000). Any other name is none
-# of our business, whatever it holds: llama3 or ckpt_v2 (a model's or a version's number, the
-# user's own weights), old-step-3-bak, step-3.tmp.
+# then the number and nothing after it; or by the number alone (5000); or as Lightning names
+# its checkpoints by default (epoch=2-step=300.ckpt: layouts.LIGHTNING_CHECKPOINT_NAME). Any
+# other name is none of our business, whatever it holds: llama3 or ckpt_v2 (a model's or a
+# version's number, the user's own weights), old-step-3-bak, step-3.tmp.
 _STEP_WORDS = ("step", "steps", "global_step", "checkpoint", "checkpoints", "ckpt", "iter",
                "iteration")
 _EPOCH_WORDS = ("epoch", "dist_epoch")
@@ -40,8 +42,9 @@ STEPS, EPOCHS = "steps", "epochs"
 
 
 def parse_step(name: str) -> int | None:
-    """The step a checkpoint directory name stands for (its whole trailing number), or None."""
-    match = _CHECKPOINT_NAME.fullmatch(name)
+    """The step a checkpoint directory name stands for (its whole trailing number, or
+    Lightning's step=), or None."""
+    match = _CHECKPOINT_NAME.fullmatch(name) or LIGHTNING_CHECKPOINT_NAME.fullmatch(name)
     return int(match.group("number")) if match else None
 
 
@@ -230,7 +233,7 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
         if slash and parse_step(name) is not None:
             by_checkpoint.setdefault(name, {})[rest] = info
     for name, objects in sorted(by_checkpoint.items()):
-        shape = checkpoint_shape(objects.keys())
+        shape = checkpoint_shape(objects.keys(), name)
         if not isinstance(shape, CheckpointShape):
             scan.ignored.append(IgnoredEntry(name, shape))
             continue
@@ -309,7 +312,7 @@ def _checkpoint_shape(path: Path) -> CheckpointShape | str:
         return "not a directory"
     if (path / METADATA_FILE_NAME).is_dir() and not (path / METADATA_FILE_NAME).is_symlink():
         return METADATA_IS_A_DIRECTORY  # empty, it lists no name below it
-    return checkpoint_shape(file_names_in(path))
+    return checkpoint_shape(file_names_in(path), path.name)
 
 
 def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: float

@@ -234,6 +234,33 @@ def test_a_megatron_iteration_without_its_metadata_json_is_incomplete(tmp_path):
     assert sorted(os.listdir(run_dir)) == ["iter_0000001", "iter_0000002"]
 
 
+def test_lightning_s_checkpoints_are_listed_by_step_and_complete_once_meta_pt_is_written(
+        tmp_path):
+    """Lightning's ModelCheckpoint names a sharded checkpoint as it names a file
+    (`epoch=0-step=10.ckpt`): ls listed none, and prune kept nothing by step. Lightning writes
+    meta.pt after `.metadata`, and loads no directory without it: step 30, cut short before
+    it, is incomplete, so prune keeps step 20, the one the run can resume from."""
+    import torch
+
+    run_dir = tmp_path / "checkpoints"
+    for name in ("epoch=0-step=9.ckpt", "epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt",
+                 "step=30.ckpt", "last.ckpt", "epoch=1-step=20-v1.ckpt",
+                 "epoch=1-step=20-val_loss=0.25.ckpt"):
+        checkpoint = add_checkpoint(run_dir, name, age_seconds=30 * DAY)
+        if name != "step=30.ckpt":
+            torch.save({"global_step": 1}, checkpoint / "meta.pt")
+    scan = scan_run_directory(run_dir)
+    assert [(entry.name, entry.step, entry.complete) for entry in scan.checkpoints] == [
+        ("epoch=0-step=9.ckpt", 9, True), ("epoch=0-step=10.ckpt", 10, True),
+        ("epoch=1-step=20.ckpt", 20, True), ("step=30.ckpt", 30, False)]
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert [decision.checkpoint.name for decision in report.with_status(prune.DELETED)] == [
+        "epoch=0-step=9.ckpt", "epoch=0-step=10.ckpt"]
+    assert sorted(os.listdir(run_dir)) == [
+        "epoch=1-step=20-v1.ckpt", "epoch=1-step=20-val_loss=0.25.ckpt", "epoch=1-step=20.ckpt",
+        "last.ckpt", "step=30.ckpt"]
+
+
 def test_prune_deletes_whole_accelerate_checkpoints_only(accelerate_run):
     add_accelerate_checkpoint(accelerate_run, "checkpoint_3", parts_complete=(True, False))
     report = prune_run_directory(accelerate_run, RetentionRules(keep_last=1))
