@@ -77,16 +77,17 @@ class RenameRule(click.ParamType):
 @click.option("--include", multiple=True, metavar="GLOB",
               help="safetensors, torch: take the entries whose checkpoint fqn matches GLOB "
                    "(repeatable). Default for safetensors: the model's weights, every tensor "
-                   "but trainer state (entries under optimizer., optim., lr_scheduler, "
-                   "dataloader., train_state, rng_state, ...: the model at the top level, as "
-                   "torchtitan saves it, or under model.); for torch: everything.")
+                   "but trainer state (entries under optimizer., optim., optimizer_0., "
+                   "lr_scheduler, dataloader., train_state, rng_state, ...: the model at the "
+                   "top level, as torchtitan saves it, or under model. or state_dict.); for "
+                   "torch: everything.")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="safetensors, torch: leave out entries whose fqn matches GLOB (repeatable).")
 @click.option("--strip-prefix", default=None,
               help="safetensors: remove this prefix from names so that they match the module's "
-                   "own state_dict(). Default: `model.` when every name taken starts with it "
-                   "(a model saved under a `model` key), else nothing; '' keeps names as they "
-                   "are.")
+                   "own state_dict(). Default: `model.` or `state_dict.` when every name taken "
+                   "starts with it (a model saved under that key), else nothing; '' keeps "
+                   "names as they are.")
 @click.option("--rename", "renames", multiple=True, type=RenameRule(),
               help="safetensors: rewrite names with a regex, after --strip-prefix, e.g. "
                    "'^layers\\.(\\d+)\\.=model.layers.\\1.' (repeatable, applied in order; "

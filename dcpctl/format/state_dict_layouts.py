@@ -11,13 +11,14 @@ of its fqns):
   `optimizer_<i>/` holding `optimizer.` alone.
 - Megatron-Core `torch_dist`: its own sharded keys beside `optimizer.state.` and `rng_state`,
   with common.pt and metadata.json beside the DCP files.
-- Lightning: the state dict's own keys (`model.`, `optimizer.`), with meta.pt beside the DCP
-  files.
+- Lightning, with meta.pt beside the DCP files: Fabric's own keys (`model.`, `optimizer.`);
+  the Trainer's `model.` (FSDP strategy) or `state_dict.` (ModelParallel strategy) beside
+  `optimizer_0.`, `optimizer_1.`, one per optimizer.
 
-TRAINER_STATE_ROOTS are the roots of trainer state; every other entry is the model's. When
-every model entry lies under `model.`, the model was saved under a `model` key and its own
-names are what follows (a Hugging Face `LlamaForCausalLM`'s `model.layers...` beside
-`lm_head.weight` is a model with a module called `model`).
+TRAINER_STATE_ROOTS (and `optimizer_<i>`) are the roots of trainer state; every other entry is
+the model's. When every model entry lies under `model.` or `state_dict.`, the model was saved
+under that key and its own names are what follows (a Hugging Face `LlamaForCausalLM`'s
+`model.layers...` beside `lm_head.weight` is a model with a module called `model`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from __future__ import annotations
 import re
 from typing import Collection, Iterable
 
-MODEL_PREFIX = "model."
+MODEL_PREFIXES = ("model.", "state_dict.")
+"""The keys a trainer saves a model's state dict under (`state_dict`: Lightning's Trainer)."""
 TRAINER_STATE_ROOTS = frozenset({
     "optimizer", "optim", "optimizers", "optimizer_state", "optim_state", "state",
     "param_groups", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
@@ -35,6 +37,7 @@ TRAINER_STATE_ROOTS = frozenset({
     "iteration", "step", "epoch", "epochs_run", "global_step", "steps_run", "seed",
     "total_epochs", "max_steps_per_epoch", "num_floating_point_operations_so_far",
 })
+_NUMBERED_OPTIMIZER_ROOT = re.compile(r"optimizer_[0-9]+")  # Lightning's Trainer, per optimizer
 _TORCHTUNE_ROOTS = frozenset({"epochs_run", "seed", "steps_run", "total_epochs",
                               "max_steps_per_epoch"})
 ACCELERATE_PART = re.compile(r"(pytorch_model_fsdp|optimizer)_[0-9]+")
@@ -61,15 +64,21 @@ def root_of(fqn: str) -> str:
 
 
 def is_trainer_state(fqn: str) -> bool:
-    """Whether fqn is trainer state beside the model (TRAINER_STATE_ROOTS)."""
-    return root_of(fqn) in TRAINER_STATE_ROOTS
+    """Whether fqn is trainer state beside the model (TRAINER_STATE_ROOTS, `optimizer_<i>`)."""
+    return _is_trainer_state_root(root_of(fqn))
+
+
+def _is_trainer_state_root(root: str) -> bool:
+    return root in TRAINER_STATE_ROOTS or _NUMBERED_OPTIMIZER_ROOT.fullmatch(root) is not None
 
 
 def model_prefix_of(model_fqns: Collection[str]) -> str:
-    """`model.` when every model entry lies under it (the model saved under a `model` key),
-    else nothing."""
-    nested = model_fqns and all(fqn.startswith(MODEL_PREFIX) for fqn in model_fqns)
-    return MODEL_PREFIX if nested else ""
+    """`model.` (or `state_dict.`) when every model entry lies under it (the model saved under
+    a `model` key), else nothing."""
+    for prefix in MODEL_PREFIXES:
+        if model_fqns and all(fqn.startswith(prefix) for fqn in model_fqns):
+            return prefix
+    return ""
 
 
 def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None = None) -> str:
@@ -79,8 +88,8 @@ def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None 
     fqns = list(fqns)
     first_names = [fqn.partition(".")[0] for fqn in fqns]  # root_of, once per fqn, inline
     roots = set(first_names)
-    model = [fqn for fqn, root in zip(fqns, first_names) if root not in TRAINER_STATE_ROOTS]
-    state = sorted(roots & TRAINER_STATE_ROOTS)
+    model = [fqn for fqn, root in zip(fqns, first_names) if not _is_trainer_state_root(root)]
+    state = sorted(filter(_is_trainer_state_root, roots))
     part = ACCELERATE_PART.fullmatch(directory_name)
     if saver:
         trainer = saver
@@ -95,10 +104,11 @@ def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None 
         trainer = '{"model", "optim"}'
     else:
         trainer = "plain state dict"
+    prefix = model_prefix_of(model)
     if not model:
         where = "no model weights"
-    elif model_prefix_of(model):
-        where = "model weights under model."
+    elif prefix:
+        where = f"model weights under {prefix}"
     else:
         where = "model weights at the top level"
     beside = f"; trainer state: {', '.join(state)}" if state else ""
@@ -111,7 +121,11 @@ _OPTIMIZER_ROOTS = ("optimizer", "optim")
 def is_optimizer_state(fqn: str) -> bool:
     """Whether fqn is an optimizer's state of a parameter (`optim.state.<param>.exp_avg`)."""
     root, _, rest = fqn.partition(".")
-    return root in _OPTIMIZER_ROOTS and rest.startswith("state.")
+    return _is_optimizer_root(root) and rest.startswith("state.")
+
+
+def _is_optimizer_root(root: str) -> bool:
+    return root in _OPTIMIZER_ROOTS or _NUMBERED_OPTIMIZER_ROOT.fullmatch(root) is not None
 
 
 def _optimizer_form(fqns: list[str], roots: set[str]) -> str:
@@ -119,9 +133,8 @@ def _optimizer_form(fqns: list[str], roots: set[str]) -> str:
     with flatten_optimizer_state_dict keys its param_groups by parameter
     (`optim.param_groups.<fqn>.lr`), without it by the group's place in a list
     (`optim.param_groups.0.lr`)."""
-    for root in _OPTIMIZER_ROOTS:
-        if root not in roots:
-            continue
+    numbered = sorted(root for root in roots if _NUMBERED_OPTIMIZER_ROOT.fullmatch(root))
+    for root in [*(root for root in _OPTIMIZER_ROOTS if root in roots), *numbered]:
         prefix = f"{root}.param_groups."
         groups = {fqn[len(prefix):].partition(".")[0] for fqn in fqns if fqn.startswith(prefix)}
         if groups:

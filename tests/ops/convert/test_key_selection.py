@@ -31,6 +31,17 @@ def test_default_leaves_out_an_rng_state_beside_a_model_without_optimizer():
     assert names == {"model.a": "a", "model.b": "b"}
 
 
+@pytest.mark.parametrize("model_key", ["model", "state_dict"])
+def test_a_lightning_trainer_s_model_beside_its_numbered_optimizers(model_key):
+    """Lightning's Trainer saves the module under `model` (FSDP) or `state_dict`
+    (ModelParallel) beside `optimizer_0`, `optimizer_1`: those were taken for weights."""
+    fqns = [f"{model_key}.body.0.weight", "optimizer_0.state.body.0.weight.exp_avg",
+            "optimizer_0.param_groups.0.lr", "optimizer_1.state.head.step",
+            f"{model_key}.head.bias"]
+    assert select_and_rename(fqns, KeySelection(strip_prefix=None)) == {
+        f"{model_key}.body.0.weight": "body.0.weight", f"{model_key}.head.bias": "head.bias"}
+
+
 def test_a_model_with_a_module_called_model_keeps_its_names():
     fqns = ["model.embed_tokens.weight", "lm_head.weight", "optim.state.lm_head.weight.exp_avg"]
     assert select_and_rename(fqns, KeySelection(strip_prefix=None)) == {

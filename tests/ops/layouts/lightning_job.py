@@ -1,8 +1,10 @@
-"""A Lightning Fabric job on CPU ranks, run by torchrun (Fabric takes its ranks from there):
-`save OUT VALUES` trains two AdamW steps of a small FSDP2 model (the ModelParallel strategy)
-and saves a sharded checkpoint with Fabric's own `save`; `load CHECKPOINT VALUES` loads one
-into a fresh job with Fabric's own `load`. Rank 0 writes the full model and optimizer state,
-and the rest of the state Fabric gave back, to VALUES (JSON)."""
+"""Lightning jobs on CPU ranks, run by torchrun (Lightning takes its ranks from there), with
+the ModelParallel strategy's FSDP2. Fabric: `save OUT VALUES` trains two AdamW steps of a
+small model and saves a sharded checkpoint with Fabric's own `save`; `load CHECKPOINT VALUES`
+loads one into a fresh job with Fabric's own `load`; rank 0 writes the full model and
+optimizer state, and the rest of the state Fabric gave back, to VALUES (JSON). The Trainer:
+`trainer-save OUT VALUES` fits a LightningModule for two steps and saves a checkpoint with
+`Trainer.save_checkpoint`; rank 0 writes the module's full state dict to VALUES."""
 
 from __future__ import annotations
 
@@ -62,7 +64,49 @@ def _write_values(fabric, model, optimizer, rest: dict, values_file: str) -> Non
             json.dump({"tensors": values, "rest": rest}, stream)
 
 
+def _trainer_save(path: str, values_file: str) -> None:
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(),
+                                            torch.nn.Linear(24, 5))
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.body:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.body, mesh=mesh)
+
+        def training_step(self, batch, index):
+            return self.body(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    inputs = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+                        strategy=ModelParallelStrategy(), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    module = Net()
+    trainer.fit(module, DataLoader(TensorDataset(inputs), batch_size=4))
+    trainer.save_checkpoint(path)
+    values = {name: value.full_tensor().tolist() for name, value in module.state_dict().items()}
+    if trainer.global_rank == 0:
+        with open(values_file, "w") as stream:
+            json.dump(values, stream)
+
+
 def main(action: str, path: str, values_file: str) -> None:
+    if action == "trainer-save":
+        return _trainer_save(path, values_file)
     fabric, model, optimizer = _job()
     if action == "save":
         for seed in (1, 2):

@@ -1,7 +1,8 @@
 """Sharded checkpoints written by Lightning's own `Fabric.save` (the ModelParallel strategy's
 FSDP2 model and optimizer as DCP files, the rest of the state in `meta.pt` beside them), read
-back by Lightning's own `Fabric.load` after dcpctl rewrote them. The jobs run under torchrun,
-from which Fabric takes its CPU ranks (lightning_job.py)."""
+back by Lightning's own `Fabric.load` after dcpctl rewrote them; and by its Trainer's
+`save_checkpoint`, converted to safetensors. The jobs run under torchrun, from which Lightning
+takes its CPU ranks (lightning_job.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from dcpctl.format.checkpoint.checksums import read_sha256sums
+from dcpctl.ops.convert.key_selection import KeySelection
+from dcpctl.ops.convert.to_safetensors import convert_to_safetensors
 from dcpctl.ops.checksum import checksum_checkpoint
 from dcpctl.ops.inspection.report import inspect_checkpoint
 from dcpctl.ops.reshard.execution import reshard_checkpoint
@@ -71,3 +74,18 @@ def test_lightning_resumes_from_dcpctl_s_outputs(lightning_save, tmp_path, rewri
     assert (output / "meta.pt").read_bytes() == (checkpoint / "meta.pt").read_bytes()
     _run_job(ranks, "load", output, tmp_path / "loaded.json")
     assert json.loads((tmp_path / "loaded.json").read_text()) == saved
+
+
+def test_a_lightning_trainer_checkpoint_converts_to_the_module_s_own_state_dict(tmp_path):
+    """The Trainer saves the module under `state_dict.` beside `optimizer_0.`: both were taken
+    for model weights, and safetensors got the optimizer's moments under names of their own."""
+    from safetensors.torch import load_file
+
+    _run_job(2, "trainer-save", tmp_path / "ckpt", tmp_path / "module.json")
+    assert inspect_checkpoint(tmp_path / "ckpt").layout == (
+        "Lightning (model weights under state_dict.; trainer state: optimizer_0; optimizer "
+        "state nested)")
+    convert_to_safetensors(tmp_path / "ckpt", tmp_path / "hf", KeySelection(strip_prefix=None))
+    converted = {name: value.tolist()
+                 for name, value in load_file(tmp_path / "hf" / "model.safetensors").items()}
+    assert converted == json.loads((tmp_path / "module.json").read_text())
