@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.render import format_age, format_bytes, format_table, print_report
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
-from dcpctl.ops.runs.listing import ListedCheckpoint, ListReport, list_run_directory
+from dcpctl.ops.runs.listing import ListReport, list_run_directory
 from dcpctl.ops.runs.scan import CheckpointEntry, IgnoredEntry
 
 CHECKPOINT_HEADERS = ("STEP", "CHECKPOINT", "STATE", "SIZE", "AGE")
@@ -45,8 +45,10 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     best_model_checkpoint below the table.
 
     A complete checkpoint is also checked as `verify --quick` checks it, short of hashing (as
-    prune does): one that fails is `damaged`, its problem on a line below the table; one
-    another dcpctl is changing (an in-place compress) is `in use`, not checked.
+    prune does): one that fails is `damaged`, one whose `.metadata` dcpctl cannot read
+    `unreadable` (torch may read it all the same; prune never deletes it), its problem on a
+    line below the table; one another dcpctl is changing (an in-place compress) is `in use`,
+    not checked. `--json` gives each its `state` as the table does.
 
     One row per checkpoint: step, name, state, size, compression (read from `.metadata`),
     age (time since anything inside it last changed; `?` where the store does not say when
@@ -57,17 +59,15 @@ def ls_command(run_dir: str, as_json: bool) -> None:
     \b
     Examples:
       dcpctl ls runs/exp1/
-      dcpctl ls runs/exp1/ --json | jq -r '.checkpoints[] | select(.complete) | .path'
+      dcpctl ls runs/exp1/ --json | jq -r '.checkpoints[] | select(.state == "complete") | .path'
     """
     print_report(list_run_directory(run_dir), as_json, render_listing)
 
 
-def checkpoint_cells(entry: CheckpointEntry, checked_state: str | None = None) -> list[str]:
-    """The cells of CHECKPOINT_HEADERS for one checkpoint, shared by ls and prune tables;
-    checked_state: what the quick check found of a complete one, where not sound (damaged, in
-    use)."""
+def checkpoint_cells(entry: CheckpointEntry, state: str) -> list[str]:
+    """The cells of CHECKPOINT_HEADERS for one checkpoint in its state (quick_check.STATES),
+    shared by ls and prune tables."""
     name = f"{entry.name} ({len(entry.parts)} parts)" if entry.parts else entry.name
-    state = checked_state or ("complete" if entry.complete else "incomplete")
     return [str(entry.step), name, state, format_bytes(entry.size_bytes),
             format_age(entry.age_seconds)]
 
@@ -82,7 +82,7 @@ def render_listing(report: ListReport) -> list[str]:
     if not report.checkpoints:
         lines = [f"{report.scan.path}: no checkpoint directories"]
     else:
-        rows = [[*checkpoint_cells(listed.entry, _checked_state(listed)),
+        rows = [[*checkpoint_cells(listed.entry, listed.state),
                  "?" if listed.compression is None and listed.entry.complete
                  else ", ".join(listed.compression or ()) or "-",
                  "yes" if listed.entry.has_sha256sums else "no"]
@@ -101,7 +101,3 @@ def render_listing(report: ListReport) -> list[str]:
     lines += [f"best: {listed.entry.name} (the Trainer's best_model_checkpoint; prune keeps it)"
               for listed in report.checkpoints if listed.entry.trainers_best]
     return lines + render_ignored(report.scan.ignored)
-
-
-def _checked_state(listed: ListedCheckpoint) -> str | None:
-    return "damaged" if listed.problem else "in use" if listed.in_use else None

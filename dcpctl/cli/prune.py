@@ -75,9 +75,11 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     An incomplete checkpoint never counts toward --keep-last. It is deleted only with
     --incomplete-older-than, when nothing in it changed for longer than DURATION (a save
     in progress keeps writing, so it stays young), and when no --keep GLOB matches it. A
-    checkpoint with `.metadata` that `verify --quick` calls damaged (a data file missing or
-    short, as in one being copied in) counts as incomplete: it never takes the place of a
-    sound one as the newest or among the last N.
+    checkpoint with `.metadata` that `verify --quick` calls damaged, or whose `.metadata`
+    dcpctl cannot read, never takes the place of a sound one as the newest or among the last
+    N. One damaged by a data file missing or short (as in one being copied in) counts as
+    incomplete; one damaged otherwise, or unreadable (torch may read it all the same), is
+    never deleted.
 
     Never touched: symlinks (not followed, not deleted, nor their targets), files, and
     anything not named and laid out like a checkpoint. A directory is deleted `.metadata`
@@ -119,7 +121,7 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
 
 def render_prune(report: PruneReport) -> list[str]:
     """One row per checkpoint with what became of it and why, then a summary line."""
-    rows = [[*checkpoint_cells(decision.checkpoint, "damaged" if decision.damage else None),
+    rows = [[*checkpoint_cells(decision.checkpoint, decision.state),
              decision.status,
              "; ".join(decision.reasons + ([decision.error] if decision.error else []))]
             for decision in report.decisions]

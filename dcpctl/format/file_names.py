@@ -17,6 +17,17 @@ HF_INDEX_FILE_NAME = "model.safetensors.index.json"
 """The index of sharded safetensors files (Hugging Face's layout, also torch's HF writer)."""
 
 
+_RANK_METADATA_FILE_NAME = re.compile(rf"__([0-9]+){re.escape(METADATA_FILE_NAME)}")
+
+
+def rank_of_metadata_file_name(name: str) -> int | None:
+    """The rank whose own metadata a file holds (`__<rank>.metadata`: torch's save with
+    use_collectives=False, where each rank plans and writes alone and no `.metadata` is
+    written), or None."""
+    match = _RANK_METADATA_FILE_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def rank_file_name(rank: int) -> str:
     """The data file of a rank, as torch's FileSystemWriter names it (one file per rank)."""
     return f"__{rank}_0{DATA_FILE_SUFFIX}"

@@ -201,17 +201,22 @@ def open_directory_at(parent_descriptor: int, name: str) -> int:
 
 def empty_directory(descriptor: int) -> None:
     """Delete everything in the open directory, through descriptors only: a path swapped for
-    a symlink meanwhile is never followed, whatever it points to. Goes down without recursion,
-    so a tree planted deep inside fails on the open-file limit (an OSError), not on Python's
-    stack."""
+    a symlink meanwhile is never followed, whatever it points to; a directory of another file
+    system (a mount point) is never entered, and stops it (OSError EXDEV). Goes down without
+    recursion, so a tree planted deep inside fails on the open-file limit (an OSError), not on
+    Python's stack."""
     entered: list[tuple[int, str]] = []  # the directories below descriptor being emptied
     current = descriptor
+    device = os.fstat(descriptor).st_dev
     try:
         while True:
             subdirectory = _remove_files_in(current)
             if subdirectory is not None:
                 current = open_directory_at(current, subdirectory)
                 entered.append((current, subdirectory))
+                if os.fstat(current).st_dev != device:
+                    raise OSError(errno.EXDEV, "another file system is mounted there; not "
+                                  "deleted", subdirectory)
                 continue
             if not entered:
                 return
@@ -222,6 +227,31 @@ def empty_directory(descriptor: int) -> None:
     finally:
         for still_open, _ in entered:
             os.close(still_open)
+
+
+_MOUNT_INFO = "/proc/self/mountinfo"
+
+
+def mount_points_inside(directory: str | os.PathLike) -> list[str]:
+    """The mount points strictly inside directory (bind mounts of its own file system too,
+    which share its device number), relative to it, from the kernel's mount table; none where
+    this system has no such table."""
+    base = os.path.realpath(directory)
+    try:
+        with open(_MOUNT_INFO, encoding="utf-8", errors="surrogateescape") as table:
+            lines = table.read().splitlines()
+    except OSError:
+        return []
+    inside = []
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) < 5:
+            continue
+        # spaces, tabs, newlines and backslashes in a mount point are written as octal escapes
+        point = re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), fields[4])
+        if point.startswith(base.rstrip("/") + "/"):
+            inside.append(os.path.relpath(point, base))
+    return sorted(inside)
 
 
 def remove_directory(path: str | os.PathLike) -> None:

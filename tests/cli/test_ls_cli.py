@@ -38,11 +38,11 @@ def test_json_shape(run_cli, tmp_path):
     payload = json.loads(run_cli("ls", tmp_path, "--json").output)
     assert set(payload) == {"run_dir", "checkpoints", "ignored", "tracked_step"}
     (entry,) = payload["checkpoints"]
-    assert set(entry) == {"name", "path", "step", "complete", "size_bytes", "modified_at",
-                          "age_seconds", "sha256sums", "compression", "problem", "in_use", "parts",
-                          "linked_by", "doubt", "trainers_best"}
-    assert (entry["step"], entry["complete"], entry["problem"], entry["in_use"]) == (
-        10, True, None, None)
+    assert set(entry) == {"name", "path", "step", "complete", "state", "size_bytes",
+                          "modified_at", "age_seconds", "sha256sums", "compression", "problem",
+                          "in_use", "parts", "linked_by", "doubt", "trainers_best"}
+    assert (entry["step"], entry["complete"], entry["state"], entry["problem"],
+            entry["in_use"]) == (10, True, "complete", None, None)
     assert (entry["parts"], payload["tracked_step"]) == ([], None)
     assert 3500 < entry["age_seconds"] < 3700 and entry["size_bytes"] > 0
 

@@ -45,8 +45,8 @@ def test_json_shape(run_cli, run_dir):
     assert payload["rules"] == {"keep_last": 3, "keep_every_steps": None,
                                 "keep_globs": ["step-1*"], "older_than_seconds": None,
                                 "incomplete_older_than_seconds": None}
-    assert {"delete", "reasons", "status", "error", "step", "size_bytes"} <= set(
-        payload["checkpoints"][0])
+    assert {"state", "delete", "reasons", "status", "error", "damage", "step",
+            "size_bytes"} <= set(payload["checkpoints"][0])
     assert payload["freed_bytes"] == 0 and payload["failed"] == 0  # every one kept
 
 

@@ -32,11 +32,11 @@ def test_prune_deletes_a_planted_symlink_not_what_it_points_to(run_cli, tmp_path
         add_checkpoint(run_dir, name)
     (run_dir / planted).unlink(missing_ok=True)
     (run_dir / planted).symlink_to(victim_directory if planted.endswith("data") else victim)
-    # a data file linked out makes step-1 damaged, which goes as an incomplete one does
     back_date(run_dir / "step-1", 3600)
     result = run_cli("prune", run_dir, "--keep-last", "1", "--incomplete-older-than", "1m")
     assert result.exit_code == 0, result.output
-    assert not (run_dir / "step-1").exists()
+    # a data file linked out makes step-1 damaged, and kept: torch would follow the link
+    assert (run_dir / "step-1").exists() == (planted == "step-1/__0_0.distcp")
     assert victim.read_text() == (victim_directory / "file").read_text() == "precious\n"
 
 

@@ -60,14 +60,22 @@ class Problem:
                 "fqns": list(self.fqns), "message": self.message}
 
 
-def problems_error(problems: list[Problem], where: Path) -> DataError:
+class ProblemsError(DataError):
+    """A checkpoint refused for the problems it has (problems_error)."""
+
+    def __init__(self, message: str, problems: list[Problem], **where) -> None:
+        super().__init__(message, **where)
+        self.problems = problems
+
+
+def problems_error(problems: list[Problem], where: Path) -> ProblemsError:
     """One error for the first of problems: its rule and message, its file (in the checkpoint
     directory `where`; `where` itself for a problem without a file name, as an item's own
     problems have), the fqn when it is one item's, the byte range, and how many more there
     are."""
     first = problems[0]
     more = f" (and {len(problems) - 1} more problems; see dcpctl verify)" if problems[1:] else ""
-    return DataError(f"{first.rule}: {first.message}{more}",
-                     path=where / first.file if first.file else where,
-                     fqn=first.fqns[0] if len(first.fqns) == 1 else None,
-                     start=first.start, end=first.end)
+    return ProblemsError(f"{first.rule}: {first.message}{more}", problems,
+                         path=where / first.file if first.file else where,
+                         fqn=first.fqns[0] if len(first.fqns) == 1 else None,
+                         start=first.start, end=first.end)

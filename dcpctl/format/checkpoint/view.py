@@ -11,13 +11,13 @@ from typing import Callable, Iterable
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
-                           UnsafePathError)
+                           UnsafePathError, UnsupportedLayoutError)
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
-                                      is_plain_file_name)
+                                      is_plain_file_name, rank_of_metadata_file_name)
 from dcpctl.format.checkpoint.hf_storage import (check_index, hf_storage_files,
                                                  hf_storage_metadata, refuse_unconsolidated_save)
 from dcpctl.format.metadata.reading import read_metadata
@@ -201,11 +201,18 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
     torch's HuggingFaceStorageWriter wrote it: then its safetensors files (hf_storage.py)."""
     if holds(METADATA_FILE_NAME):
         return []
+    listed = list(names())
+    rank_metadata = sorted((rank, name) for name in listed
+                           if (rank := rank_of_metadata_file_name(name)) is not None)
+    if rank_metadata:
+        raise UnsupportedLayoutError(
+            f"saved with use_collectives=False: each rank's own metadata ({rank_metadata[0][1]}"
+            f"{', ...' if len(rank_metadata) > 1 else ''}) and no {METADATA_FILE_NAME}, which "
+            "dcpctl does not read yet (torch's dcp.load reads each rank's own)", path=directory)
     if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():
         raise IncompleteCheckpointError(
             f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
             "running, or one that died before finishing)", path=directory)
-    listed = list(names())
     hf_files = hf_storage_files(listed)
     if hf_files:
         return hf_files

@@ -15,6 +15,10 @@
 - Megatron-Core's `iter_0000004/` is one DCP directory too, with `common.pt`, written first,
   and `metadata.json`, written after `.metadata`: complete once that is there (its loader
   refuses a directory without).
+- A torch save with `use_collectives=False`: each rank writes its own data files and then its
+  own `__<rank>.metadata`, and no `.metadata`: complete once every rank with data files has
+  written its metadata. (dcpctl does not read such checkpoints yet: ls calls them unreadable,
+  and prune never deletes a complete one.)
 - Megatron-Core names the iteration it resumes from in `latest_checkpointed_iteration.txt` in
   the run directory (written once a save is finished), which prune always keeps.
 - Lightning's ModelCheckpoint names a sharded checkpoint (a DCP directory) as it names a file,
@@ -32,7 +36,8 @@ from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.checkpoint.side_files import (LIGHTNING_STATE, MEGATRON_COMMON_STATE,
                                                  MEGATRON_CONFIG)
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
-                                      METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME)
+                                      METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
+                                      rank_of_file_name, rank_of_metadata_file_name)
 from dcpctl.format.state_dict_layouts import ACCELERATE_MODEL_PART, ACCELERATE_PART
 from dcpctl.storage.paths import StoragePath
 
@@ -116,6 +121,10 @@ def checkpoint_shape(names: Collection[str], directory_name: str) -> CheckpointS
                     and (ACCELERATE_LAST_WRITTEN in names or TRAINER_LAST_WRITTEN in names))
         custom_objects = sum(1 for name in names if ACCELERATE_CUSTOM_OBJECT.fullmatch(name))
         return CheckpointShape(tuple(parts), complete, custom_objects)
+    ranks_with_metadata = {rank_of_metadata_file_name(name) for name in names} - {None}
+    if ranks_with_metadata:  # saved without collectives
+        ranks_with_data = {rank_of_file_name(name) for name in names if "/" not in name} - {None}
+        return CheckpointShape((), complete=ranks_with_data <= ranks_with_metadata)
     # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
     if not names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names if "/" not in name):
         return CheckpointShape((), complete=False)

@@ -10,11 +10,14 @@ checkpoints of one step are kept together). An incomplete
 one (no `.metadata`) is deleted only when `incomplete_older_than_seconds` is given, nothing in
 it changed for longer than that, and no `keep_globs` pattern matches it.
 
-Complete means sound as far as `verify --quick` sees: a checkpoint whose `.metadata` is there
-but which that check calls damaged (a data file missing or short, as in one being copied in
-`.metadata` first; metadata that does not read) is not one to resume from, so it never counts
-as the newest or among the last; it is treated as incomplete, and kept unless that rule lets
-it go. Deciding this reads every complete checkpoint's `.metadata`, as `ls` does.
+Complete means sound as far as `verify --quick` sees (quick_check.py): a checkpoint whose
+`.metadata` is there but which that check calls damaged, or cannot read, is not one to resume
+from as far as dcpctl can tell, so it never counts as the newest or among the last. One whose
+damage is data files missing or short (as in one being copied `.metadata` first, or a save cut
+short) is treated as incomplete, and kept unless that rule lets it go; one damaged otherwise,
+or whose `.metadata` dcpctl cannot read (a class it does not know, a layout it does not read
+yet, a store that refuses it: torch may read it all the same), is never deleted. Deciding this
+reads every complete checkpoint's `.metadata`, as `ls` does.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dcpctl.errors import (DcpctlError, InvalidOptionError, UnsafePathError,
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
-from dcpctl.ops.runs.quick_check import quick_check
+from dcpctl.ops.runs.quick_check import QuickCheck, quick_check, state_of
 from dcpctl.ops.runs.scan import (EPOCHS, STEPS, CheckpointEntry, IgnoredEntry,
                                   changed_since_scanned, check_run_directory, numbered_by,
                                   scan_run_directory)
@@ -70,14 +73,23 @@ class PruneDecision:
     reasons: list[str]
     status: str = KEPT
     error: str | None = None
-    damage: str | None = None
-    """What the quick check found wrong with a complete checkpoint (it then counts as
-    incomplete), or None."""
+    check: QuickCheck | None = None
+    """The quick check of a complete checkpoint that did not pass it."""
+
+    @property
+    def state(self) -> str:
+        return state_of(self.checkpoint, self.check)
+
+    @property
+    def damage(self) -> str | None:
+        """What the quick check found wrong, or why it could not read the checkpoint."""
+        return self.check and (self.check.damage or self.check.unreadable)
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
-        return {**self.checkpoint.to_json(), "delete": self.delete, "reasons": self.reasons,
-                "status": self.status, "error": self.error, "damage": self.damage}
+        return {**self.checkpoint.to_json(), "state": self.state, "delete": self.delete,
+                "reasons": self.reasons, "status": self.status, "error": self.error,
+                "damage": self.damage}
 
 
 @dataclass
@@ -123,13 +135,16 @@ class PruneReport:
 
 
 def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
-               tracked_step: int | None = None, damaged: dict[str, str] | None = None
+               tracked_step: int | None = None, checks: dict[str, QuickCheck] | None = None
                ) -> list[PruneDecision]:
     """Decide for each checkpoint (sorted by step) whether to delete it, and why; the ones of
-    tracked_step (the step the trainer's tracker file names) are always kept. damaged: the
-    problem of each complete checkpoint (by name) that the quick check calls damaged."""
-    damaged = damaged or {}
-    sound = [entry for entry in checkpoints if entry.complete and entry.name not in damaged]
+    tracked_step (the step the trainer's tracker file names) are always kept. checks: the
+    quick check of complete checkpoints, by name (one not there passed it)."""
+    checks = checks or {}
+    passed = QuickCheck()
+    sound = [entry for entry in checkpoints if entry.complete
+             and checks.get(entry.name, passed).damage is None
+             and checks.get(entry.name, passed).unreadable is None]
     # by step: two checkpoints of one step (`step-400`, `checkpoint-400`) have no order
     sound_steps = sorted({entry.step for entry in sound})
     last_steps = set(sound_steps[-rules.keep_last:])
@@ -145,9 +160,15 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
             reasons.append(f"unsure: {entry.doubt}")
         if entry.trainers_best:
             reasons.append("the Trainer's best_model_checkpoint (trainer_state.json)")
-        problem = damaged.get(entry.name)
-        if problem is not None:
+        check = checks.get(entry.name, passed)
+        problem = check.damage
+        if check.unreadable is not None:
+            reasons.append(f"cannot be read ({check.unreadable}): never deleted")
+        elif problem is not None and check.lacks_bytes:
             reasons += _incomplete_keep_reasons(entry, rules, f"damaged ({problem})")
+        elif problem is not None:
+            reasons.append(f"damaged ({problem}): deleted only where data files are missing "
+                           "or short")
         elif entry.complete:
             reasons += _complete_keep_reasons(entry, rules, entry.step == sound_steps[-1],
                                               entry.step in last_steps)
@@ -155,19 +176,21 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
             reasons += _incomplete_keep_reasons(entry, rules, "incomplete")
         decisions.append(PruneDecision(entry, delete=not reasons,
                                        reasons=reasons or [_delete_reason(entry, problem)],
-                                       damage=problem))
+                                       check=checks.get(entry.name)))
     return decisions
 
 
-def damaged_checkpoints(checkpoints: list[CheckpointEntry]) -> dict[str, str]:
-    """The problem, by name, of each complete checkpoint that the quick check (the one ls
-    makes) calls damaged; one another dcpctl is changing is not called damaged."""
-    damaged = {}
-    for entry in checkpoints:  # one checkpoint's opened parts held at a time
-        damage = quick_check(entry).damage if entry.complete else None
-        if damage is not None:
-            damaged[entry.name] = damage
-    return damaged
+def checked_checkpoints(checkpoints: list[CheckpointEntry]) -> dict[str, QuickCheck]:
+    """The quick check (the one ls makes) of each complete checkpoint that does not pass it,
+    by name: one another dcpctl is changing passes."""
+    checks = {}
+    for entry in checkpoints:
+        if entry.complete:
+            check = quick_check(entry)
+            check.parts.clear()  # one checkpoint's opened parts held at a time
+            if check.damage is not None or check.unreadable is not None:
+                checks[entry.name] = check
+    return checks
 
 
 def _complete_keep_reasons(entry: CheckpointEntry, rules: RetentionRules, newest: bool,
@@ -240,7 +263,7 @@ def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> Pr
     _refuse_mixed_numbering(directory, scan.checkpoints)
     report = PruneReport(str(directory), rules, dry_run,
                          plan_prune(scan.checkpoints, rules, scan.tracked_step,
-                                    damaged_checkpoints(scan.checkpoints)), scan.ignored,
+                                    checked_checkpoints(scan.checkpoints)), scan.ignored,
                          scan.tracked_step)
     for decision in report.to_delete:
         decision.status = WOULD_DELETE

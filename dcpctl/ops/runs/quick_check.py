@@ -1,9 +1,13 @@
 """The quick check ls and prune both make of each complete checkpoint of a run directory: each
 of its parts opened as `verify --quick` opens it (short of hashing), under a shared lock.
 
-A checkpoint fails it as damaged (the first problem, with its place) or is found in use: another
-dcpctl holds it to change it (an in-place compress, SHA256SUMS being written), so what its files
-say now is no verdict; it is neither damaged nor checked.
+A checkpoint passes it; or fails it as damaged (the first problem, with its place), and then
+lacks bytes (data files missing or short, as a save or copy cut short leaves it: prune may
+delete it as it does an incomplete one) or not; or cannot be read (a `.metadata` that dcpctl
+does not read, which torch may: a class it does not know, a layout it does not read yet; a
+store that refuses it): no verdict, and prune never deletes it; or is found in use: another
+dcpctl holds it to change it (an in-place compress, SHA256SUMS being written), so what its
+files say now is no verdict either.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass, field
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import DcpctlError, LockHeldError, describe_os_error
+from dcpctl.format.checkpoint.problems import ProblemsError, Rule
 from dcpctl.format.checkpoint.structure import open_quickly_verified
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.ops.runs.scan import CheckpointEntry
@@ -24,12 +29,38 @@ class QuickCheck:
 
     parts: list[Checkpoint] = field(default_factory=list)
     damage: str | None = None
+    lacks_bytes: bool = False
+    """Of a damaged one: every problem is a data file missing or short."""
+    unreadable: str | None = None
     in_use: str | None = None
 
     @property
     def sound(self) -> bool:
         """Every part opened and passed."""
-        return self.damage is None and self.in_use is None
+        return self.damage is None and self.unreadable is None and self.in_use is None
+
+    @property
+    def state(self) -> str:
+        """What ls and prune call a complete checkpoint that had this check (STATES)."""
+        return ("damaged" if self.damage is not None else "unreadable"
+                if self.unreadable is not None else "in use" if self.in_use is not None
+                else "complete")
+
+
+STATES = ("complete", "incomplete", "damaged", "unreadable", "in use")
+"""A checkpoint's state as ls and prune show it (`state` in their JSON): complete and sound as
+far as the quick check sees; incomplete (no `.metadata`, or a trainer's last file missing);
+damaged; unreadable to dcpctl; in use by another dcpctl that changes it."""
+
+
+def state_of(entry: CheckpointEntry, check: QuickCheck | None) -> str:
+    """A checkpoint's state (STATES), given its quick check where it had one."""
+    if not entry.complete:
+        return "incomplete"
+    return check.state if check is not None else "complete"
+
+
+_BYTES_MISSING = frozenset({Rule.MISSING_FILE, Rule.TRUNCATED})
 
 
 def quick_check(entry: CheckpointEntry) -> QuickCheck:
@@ -41,8 +72,11 @@ def quick_check(entry: CheckpointEntry) -> QuickCheck:
                 parts.append(open_quickly_verified(directory))
         except LockHeldError as error:
             return QuickCheck(in_use=str(error))
+        except ProblemsError as error:
+            return QuickCheck(damage=str(error), lacks_bytes=all(
+                problem.rule in _BYTES_MISSING for problem in error.problems))
         except DcpctlError as error:
-            return QuickCheck(damage=str(error))
+            return QuickCheck(unreadable=str(error))
         except OSError as error:
-            return QuickCheck(damage=describe_os_error(error))
+            return QuickCheck(unreadable=describe_os_error(error))
     return QuickCheck(parts)

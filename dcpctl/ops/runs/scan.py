@@ -22,6 +22,7 @@ from dcpctl.ops.runs.layouts import (LIGHTNING_CHECKPOINT_NAME, MEGATRON_TRACKER
                                      TRAINER_LAST_WRITTEN, CheckpointShape, checkpoint_shape,
                                      parse_tracked_iteration,
                                      refuse_a_checkpoint_as_run_directory)
+from dcpctl.storage.local import mount_points_inside
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
 from dcpctl.storage.paths import StoragePath, file_names_in, read_whole, storage_path
 
@@ -171,7 +172,11 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
         path = scan.path / name
         try:
             shape = _checkpoint_shape(path)
-            if isinstance(shape, CheckpointShape):
+            mounted = mount_points_inside(path) if isinstance(shape, CheckpointShape) else []
+            if mounted:  # deleting it would delete what another file system holds
+                scan.ignored.append(IgnoredEntry(name, f"{mounted[0]} in it is a mount point "
+                                                 "(another file system): never deleted"))
+            elif isinstance(shape, CheckpointShape):
                 scan.checkpoints.append(_describe_checkpoint(path, step, shape, now))
             else:
                 scan.ignored.append(IgnoredEntry(name, shape))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import subprocess
+from typing import Iterator
 
 import pytest
 from conftest import add_checkpoint, back_date, fail_deletion_part_way, tree_listing
@@ -276,13 +280,117 @@ def test_a_damaged_newest_checkpoint_never_costs_the_last_sound_one_its_place(tm
         "damaged, unchanged for longer than --incomplete-older-than"]
 
 
-def test_a_metadata_that_does_not_read_is_damaged_too(tmp_path):
-    run_dir = _run_dir(tmp_path, [100])
-    broken = add_checkpoint(run_dir, "step-200")
-    (broken / ".metadata").write_bytes(b"not a pickle")
-    report = _prune(run_dir, keep_last=1)
-    assert _deleted(report) == [] and _remaining(run_dir) == ["step-100", "step-200"]
-    assert report.decisions[0].reasons[0] == "newest complete"
+def _with_a_fraction_in_planner_data(checkpoint) -> None:
+    """A custom planner's data in `.metadata`: a class dcpctl's allowlist refuses, which
+    torch's own loader unpickles."""
+    import fractions
+    import pickle
+
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())
+    metadata.planner_data = {**(metadata.planner_data or {}), "ratio": fractions.Fraction(1, 3)}
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _saved_without_collectives(rank: int, world_size: int, path: str) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.full((4,), float(rank))}, checkpoint_id=path, use_collectives=False)
+
+
+@pytest.mark.parametrize("unreadable", ["not a pickle", "a class dcpctl does not know",
+                                        "saved without collectives"])
+def test_a_checkpoint_dcpctl_cannot_read_is_never_deleted(tmp_path, unreadable):
+    """Taken for damaged, it went with --incomplete-older-than, newest and all: with a custom
+    planner's class in every `.metadata`, a prune deleted a whole run that torch loads. A save
+    with use_collectives=False writes each rank's own __<rank>.metadata and no .metadata: it
+    was taken for a save that died."""
+    from make_fixtures import run_gloo_job
+
+    run_dir = _run_dir(tmp_path, [100, 200, 300])
+    for step in (200, 300):
+        checkpoint = run_dir / f"step-{step}"
+        if unreadable == "not a pickle":
+            (checkpoint / ".metadata").write_bytes(b"not a pickle")
+        elif unreadable == "a class dcpctl does not know":
+            _with_a_fraction_in_planner_data(checkpoint)
+        else:
+            for path in checkpoint.iterdir():
+                path.unlink()
+            run_gloo_job(2, _saved_without_collectives, str(checkpoint))
+            assert {"__0.metadata", "__1.metadata"} <= set(os.listdir(checkpoint))
+        back_date(checkpoint, 30 * DAY)
+    report = _prune(run_dir, keep_last=1, incomplete_older_than_seconds=HOUR)
+    assert _deleted(report) == [] and _remaining(run_dir) == ["step-100", "step-200", "step-300"]
+    decisions = {decision.checkpoint.name: decision for decision in report.decisions}
+    assert decisions["step-100"].reasons[0] == "newest complete"
+    assert decisions["step-300"].state == "unreadable"
+    assert decisions["step-300"].reasons[0].startswith("cannot be read (")
+    assert decisions["step-300"].reasons[0].endswith("): never deleted")
+
+
+def test_a_checkpoint_damaged_but_not_lacking_bytes_is_never_deleted(tmp_path):
+    """Only data files missing or short (a save or copy cut short) make a checkpoint with
+    `.metadata` one to delete: a chunk the metadata lost is damage, not a sign of garbage."""
+    import pickle
+
+    run_dir = _run_dir(tmp_path, [100, 200])
+    checkpoint = run_dir / "step-200"
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())
+    tensor = next(entry for entry in metadata.state_dict_metadata.values()
+                  if hasattr(entry, "chunks") and len(entry.chunks) > 1)
+    tensor.chunks.pop()
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    back_date(checkpoint, 30 * DAY)
+    report = _prune(run_dir, keep_last=1, incomplete_older_than_seconds=HOUR)
+    assert _deleted(report) == []
+    decision = report.decisions[-1]
+    assert decision.state == "damaged" and not decision.check.lacks_bytes
+    assert decision.reasons == [f"damaged ({decision.damage}): deleted only where data files "
+                                "are missing or short"]
+
+
+@contextlib.contextmanager
+def _mounted(arguments: list, target) -> Iterator[None]:
+    """`mount ARGUMENTS TARGET` for the block (skipped where this process may not mount)."""
+    done = subprocess.run(["mount", *map(str, arguments), str(target)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.parametrize("mount", ["bind", "tmpfs"])
+def test_a_checkpoint_with_a_mount_point_inside_is_never_deleted(tmp_path, mount):
+    """prune went down into a file system mounted inside a checkpoint and deleted what it
+    held (a bind mount of the same file system shares its device number)."""
+    run_dir = _run_dir(tmp_path, [1, 2])
+    (run_dir / "step-1" / "mnt").mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    arguments = ["--bind", outside] if mount == "bind" else ["-t", "tmpfs", "tmpfs"]
+    with _mounted(arguments, run_dir / "step-1" / "mnt"):
+        (run_dir / "step-1" / "mnt" / "precious").write_text("keep")
+        report = _prune(run_dir, keep_last=1)
+        assert _deleted(report) == [] and _remaining(run_dir) == ["step-1", "step-2"]
+        assert [(entry.name, entry.reason) for entry in report.ignored] == [
+            ("step-1", "mnt in it is a mount point (another file system): never deleted")]
+        assert (run_dir / "step-1" / "mnt" / "precious").read_text() == "keep"
+
+
+def test_emptying_a_directory_never_enters_another_file_system(tmp_path):
+    """What a mount made after prune looked (or any removal of dcpctl's) stops at it."""
+    from dcpctl.storage.local import remove_directory
+
+    (tmp_path / "doomed" / "mnt").mkdir(parents=True)
+    with _mounted(["-t", "tmpfs", "tmpfs"], tmp_path / "doomed" / "mnt"):
+        (tmp_path / "doomed" / "mnt" / "precious").write_text("keep")
+        with pytest.raises(OSError) as raised:
+            remove_directory(tmp_path / "doomed")
+        assert raised.value.errno == errno.EXDEV
+        assert (tmp_path / "doomed" / "mnt" / "precious").read_text() == "keep"
 
 
 def test_a_nested_run_named_like_a_step_is_never_deleted(tmp_path):
