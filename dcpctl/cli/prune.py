@@ -10,7 +10,8 @@ from dcpctl.cli.ls import CHECKPOINT_HEADERS, checkpoint_cells, render_ignored
 from dcpctl.cli.options import checkpoint_argument, dry_run_option, json_option
 from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.errors import PartialFailureError
-from dcpctl.ops.runs.prune import DELETED, FAILED, PruneReport, RetentionRules, prune_run_directory
+from dcpctl.ops.runs.prune import (DELETED, FAILED, GONE, PruneReport, RetentionRules,
+                                   prune_run_directory)
 from dcpctl.wording import counted
 
 _DURATION = re.compile(r"([0-9]+)([smhdw])")
@@ -133,6 +134,8 @@ def render_prune(report: PruneReport) -> list[str]:
         lines.append(f"dry run: would delete {counted(planned, 'checkpoint')}, freeing "
                      f"{format_bytes(report.delete_bytes)}; nothing was changed")
     else:
+        gone = len(report.with_status(GONE))
         lines.append(f"deleted {len(report.with_status(DELETED))} of "
-                     f"{counted(planned, 'checkpoint')}, freed {format_bytes(report.freed_bytes)}")
+                     f"{counted(planned, 'checkpoint')}, freed {format_bytes(report.freed_bytes)}"
+                     + (f"; {gone} deleted meanwhile by another process" if gone else ""))
     return lines

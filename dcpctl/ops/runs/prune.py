@@ -46,6 +46,8 @@ from dcpctl.storage.paths import StoragePath, storage_path
 from dcpctl.storage.staging import delete_checkpoint_objects
 
 KEPT, WOULD_DELETE, DELETED, FAILED = "kept", "would delete", "deleted", "failed"
+GONE = "gone"
+"""The status of a checkpoint deleted meanwhile by another process (a trainer's own rotation)."""
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,8 @@ def prune_run_directory(run_dir: str | os.PathLike, rules: RetentionRules,
         report = _planned(directory, rules, dry_run=False)
         for decision in report.to_delete:
             _carry_out(decision, functools.partial(delete_checkpoint_directory, run_descriptor,
-                                                   decision.checkpoint))
+                                                   decision.checkpoint),
+                       gone=functools.partial(_gone_from, run_descriptor, decision.checkpoint))
     return report
 
 
@@ -287,15 +290,31 @@ def _refuse_mixed_numbering(directory: StoragePath, checkpoints: list[Checkpoint
             path=directory)
 
 
-def _carry_out(decision: PruneDecision, delete: Callable[[], None]) -> None:
+def _carry_out(decision: PruneDecision, delete: Callable[[], None],
+               gone: Callable[[], bool] = lambda: False) -> None:
+    """Delete as planned; a deletion that failed because another process deleted the
+    checkpoint meanwhile (gone()) is no failure."""
     try:
         delete()
-    except OSError as error:
-        decision.status, decision.error = FAILED, describe_os_error(error)
-    except DcpctlError as error:
-        decision.status, decision.error = FAILED, str(error)
+    except (OSError, DcpctlError) as error:
+        if gone():
+            decision.status = GONE
+            decision.reasons.append("deleted meanwhile by another process")
+        else:
+            decision.status = FAILED
+            decision.error = (describe_os_error(error) if isinstance(error, OSError)
+                              else str(error))
     else:
         decision.status = DELETED
+
+
+def _gone_from(run_descriptor: int, entry: CheckpointEntry) -> bool:
+    """Whether nothing is left in the run directory under the checkpoint's name."""
+    try:
+        os.stat(entry.name, dir_fd=run_descriptor, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    return False
 
 
 def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> None:

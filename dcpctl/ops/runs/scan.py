@@ -38,7 +38,7 @@ _STEP_WORDS = ("step", "steps", "global_step", "checkpoint", "checkpoints", "ckp
 _EPOCH_WORDS = ("epoch", "dist_epoch")
 _CHECKPOINT_NAME = re.compile(
     rf"(?:(?P<word>{'|'.join(_STEP_WORDS + _EPOCH_WORDS)})[-_]?)?(?P<number>[0-9]+)",
-    re.IGNORECASE)
+    re.IGNORECASE | re.ASCII)  # ASCII: Unicode case folding takes `ſtep-3` (long s) for step
 STEPS, EPOCHS = "steps", "epochs"
 
 

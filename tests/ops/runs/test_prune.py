@@ -409,7 +409,8 @@ def test_a_nested_run_named_like_a_step_is_never_deleted(tmp_path):
     assert "not the parts of an accelerate checkpoint" in report.ignored[0].reason
 
 
-@pytest.mark.parametrize("name", ["llama3", "gpt2", "ckpt_v2", "seed_1"])
+@pytest.mark.parametrize("name", ["llama3", "gpt2", "ckpt_v2", "seed_1",
+                                  "\u017ftep-3", "\u0130ter_5"])  # long s, dotted capital I
 def test_a_users_checkpoint_whose_name_ends_in_a_number_is_never_deleted(tmp_path, name):
     """llama3/, a DCP checkpoint of the base weights beside the run's step-100/ and step-200/,
     was taken for step 3 and deleted by --keep-last 1, as were gpt2/, ckpt_v2/ and seed_1/."""
@@ -551,3 +552,25 @@ def test_a_checkpoint_written_since_the_scan_is_not_deleted(tmp_path):
     assert "step-4: was written since prune looked at it" in output, output
     assert _remaining(run_dir) == ["step-2", "step-3", "step-4"]
     assert (run_dir / "step-4" / ".metadata").exists()
+
+
+def test_a_checkpoint_the_trainer_deletes_meanwhile_is_gone_not_failed(tmp_path, monkeypatch):
+    """A trainer rotating out its own old checkpoints (torchtitan's keep_latest_k) deleted one
+    while prune did: prune said it failed, and exited 1, every few runs from cron."""
+    import shutil
+
+    from dcpctl.ops.runs import prune
+
+    run_dir = _run_dir(tmp_path, [1, 2, 3])
+    looked = prune.changed_since_scanned
+
+    def trainer_deletes_it_first(entry):
+        shutil.rmtree(entry.path)
+        return looked(entry)
+
+    monkeypatch.setattr(prune, "changed_since_scanned", trainer_deletes_it_first)
+    report = _prune(run_dir, keep_last=1)
+    assert [(decision.checkpoint.name, decision.status) for decision in report.decisions] == [
+        ("step-1", prune.GONE), ("step-2", prune.GONE), ("step-3", prune.KEPT)]
+    assert report.with_status(prune.FAILED) == [] and _remaining(run_dir) == ["step-3"]
+    assert report.decisions[0].reasons[-1] == "deleted meanwhile by another process"
