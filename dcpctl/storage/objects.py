@@ -198,6 +198,12 @@ class ObjectStore:
         that nothing added to since; their names. Only S3 has them: here, none."""
         return []
 
+    def unfinished_uploads(self, prefix: str) -> dict[str, float | None]:
+        """The unfinished uploads under prefix/ (objects being written, in no listing yet), by
+        name relative to prefix: when each was started or last given a part (seconds since the
+        epoch), or None where the store does not say. Only S3 has them: here, none."""
+        return {}
+
     def abort_open_uploads(self, prefix: str) -> None:
         """Abort the uploads this process started under prefix (or of the object prefix names;
         every one for "") that were neither completed nor aborted: a writer still held by a

@@ -242,6 +242,15 @@ class S3Store(ObjectStore):
             pass
         return aborted
 
+    def unfinished_uploads(self, prefix: str) -> dict[str, float | None]:
+        bucket, key, _ = self.fs.split_path(prefix)
+        key_prefix = key.rstrip("/") + "/" if key else ""
+        try:
+            return {upload["Key"][len(key_prefix):]: self._last_written(bucket, upload)
+                    for upload in self._uploads_under(bucket, key_prefix)}
+        except Exception:  # noqa: BLE001 - a store that lists none (rclone's) has none to say
+            return {}
+
     def _uploads_under(self, bucket: str, key_prefix: str) -> Iterator[dict]:
         for page in self._pages("list_multipart_uploads", lambda page: {
                 "KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]},

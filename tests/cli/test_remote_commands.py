@@ -277,6 +277,34 @@ def test_prune_deletes_a_key_holding_a_double_slash_itself_never_what_it_reads_a
     assert json.loads(ok("verify", f"s3://{bucket}/run/step-2", "--json"))["status"] == "ok"
 
 
+def test_a_save_still_uploading_into_a_checkpoint_is_not_deleted(moto_s3, monkeypatch):
+    """An object being uploaded is in no listing: a rank's data file still going up left its
+    step looking unchanged since its other files, and prune deleted them from under the save,
+    which then wrote `.metadata` over a damaged checkpoint."""
+    import time
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    for step in (1, 2):
+        upload_directory(moto_s3, fixture_path(SOURCE), bucket, f"run/step-{step}")
+    client = moto_s3.client()
+    client.put_object(Bucket=bucket, Key="run/step-3/__0_0.distcp", Body=b"rank 0, done")
+    client.put_object(Bucket=bucket, Key="run/step-4/__0_0.distcp", Body=b"a save that died")
+    time.sleep(2.5)
+    upload = client.create_multipart_upload(Bucket=bucket, Key="run/step-3/__1_0.distcp")
+    client.upload_part(Bucket=bucket, Key="run/step-3/__1_0.distcp", PartNumber=1,
+                       UploadId=upload["UploadId"], Body=b"rank 1, going up")
+    report = json.loads(ok("prune", f"s3://{bucket}/run", "--keep-last", "1",
+                           "--incomplete-older-than", "2s", "--json"))
+    statuses = {entry["name"]: entry["status"] for entry in report["checkpoints"]}
+    assert statuses == {"step-1": "deleted", "step-2": "kept", "step-3": "kept",
+                        "step-4": "deleted"}
+    assert keys_under(moto_s3, bucket, "run/step-3/") == {"run/step-3/__0_0.distcp"}
+    assert client.list_multipart_uploads(Bucket=bucket)["Uploads"][0]["Key"] == (
+        "run/step-3/__1_0.distcp")
+
+
 def test_an_object_written_since_prunes_scan_stays_and_the_run_says_so(moto_s3, monkeypatch,
                                                                        tmp_path):
     """A trainer back at an old step writes into the incomplete checkpoint prune is deleting:

@@ -237,13 +237,18 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
         name, slash, rest = key.partition("/")
         if slash and parse_step(name) is not None:
             by_checkpoint.setdefault(name, {})[rest] = info
+    # what a save in progress is writing is in no listing yet: its unfinished uploads tell it
+    uploading: dict[str, list[float | None]] = {}
+    if by_checkpoint:
+        for name, written in scan.path.store.unfinished_uploads(scan.path.key).items():
+            uploading.setdefault(name.partition("/")[0], []).append(written)
     for name, objects in sorted(by_checkpoint.items()):
         shape = checkpoint_shape(objects.keys(), name)
         if not isinstance(shape, CheckpointShape):
             scan.ignored.append(IgnoredEntry(name, shape))
             continue
-        times = [info.modified for info in objects.values()]
-        modified_at = max(times) if all(times) else None  # 0: the store does not say
+        times = [info.modified for info in objects.values()] + uploading.get(name, [])
+        modified_at = max(times) if all(times) else None  # 0, None: the store does not say
         scan.checkpoints.append(CheckpointEntry(
             name=name, path=scan.path / name, step=parse_step(name), complete=shape.complete,
             size_bytes=sum(info.size for info in objects.values()), modified_at=modified_at,
