@@ -144,9 +144,8 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
     quick check of complete checkpoints, by name (one not there passed it)."""
     checks = checks or {}
     passed = QuickCheck()
-    sound = [entry for entry in checkpoints if entry.complete
-             and checks.get(entry.name, passed).damage is None
-             and checks.get(entry.name, passed).unreadable is None]
+    sound = [entry for entry in checkpoints
+             if entry.complete and checks.get(entry.name, passed).sound]
     # by step: two checkpoints of one step (`step-400`, `checkpoint-400`) have no order
     sound_steps = sorted({entry.step for entry in sound})
     last_steps = set(sound_steps[-rules.keep_last:])
