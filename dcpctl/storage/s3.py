@@ -186,6 +186,28 @@ class S3Store(ObjectStore):
 
     def _delete_batch(self, bucket: str, batch: list[tuple[str, str]],
                       if_etags: Mapping[str, str | None]) -> None:
+        try:
+            response = self._delete_objects(bucket, batch, if_etags)
+        except StorageError:
+            # The store may have deleted them and its answer been lost on the way (a connection
+            # reset, a timeout): a deletion failed only where an object is still there.
+            if any(self.info_now(key) is not None for key, _ in batch):
+                raise
+            return
+        failed = [error for error in response.get("Errors") or ()
+                  if error.get("Code") != "NoSuchKey"]
+        if failed:
+            first = failed[0]
+            code = first.get("Code")
+            reason = ("it changed since dcpctl first saw it"
+                      if code in ("PreconditionFailed", "412")
+                      else f"S3 error {code}: {first.get('Message')}")
+            raise StorageError(f"was not deleted ({reason})"
+                               + (f"; nor were {len(failed) - 1} more" if len(failed) > 1 else ""),
+                               path=self.url(f"{bucket}/{first.get('Key')}"))
+
+    def _delete_objects(self, bucket: str, batch: list[tuple[str, str]],
+                        if_etags: Mapping[str, str | None]) -> dict:
         objects = []
         for key, object_key in batch:
             self.forget(key)
@@ -204,17 +226,7 @@ class S3Store(ObjectStore):
             finally:
                 for key, _ in batch:
                     self.note_written(key)
-        failed = [error for error in response.get("Errors") or ()
-                  if error.get("Code") != "NoSuchKey"]
-        if failed:
-            first = failed[0]
-            code = first.get("Code")
-            reason = ("it changed since dcpctl first saw it"
-                      if code in ("PreconditionFailed", "412")
-                      else f"S3 error {code}: {first.get('Message')}")
-            raise StorageError(f"was not deleted ({reason})"
-                               + (f"; nor were {len(failed) - 1} more" if len(failed) > 1 else ""),
-                               path=self.url(f"{bucket}/{first.get('Key')}"))
+        return response
 
     def open_writer(self, key: str, if_absent: bool = False) -> ObjectWriter:
         return MultipartWriter(self, key, if_absent)

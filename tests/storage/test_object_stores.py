@@ -556,3 +556,35 @@ def test_a_store_client_failing_in_its_own_way_is_named_with_the_url():
         open_checkpoint("unreachable://bucket/run/step-1")
     assert str(raised.value) == ("unreachable://bucket/run/step-1: ConnectError: [Errno 111] "
                                  "Connection refused")
+
+
+@pytest.mark.parametrize("deleted", [True, False])
+def test_a_deletion_whose_answer_was_lost_failed_only_if_the_object_is_still_there(
+        moto_s3, monkeypatch, deleted):
+    """The store deleted the objects and its answer was lost (a connection reset, every retry
+    too): a failed run's output giving up its claim stopped there, and left its objects under
+    a prefix that a plain rerun then refused as not empty."""
+    from dcpctl.storage.s3 import S3Store
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    directory = storage_path(f"s3://{bucket}/out")
+    for name in ("a", "b"):
+        directory.store.put((directory / name).key, b"data")
+    real = S3Store._delete_objects
+
+    def answer_lost(store, *args):
+        if deleted:
+            real(store, *args)
+        raise StorageError("cannot connect to the S3 endpoint (connection reset)",
+                           path=str(directory))
+
+    monkeypatch.setattr(S3Store, "_delete_objects", answer_lost)
+    keys = [(directory / name).key for name in ("a", "b")]
+    if deleted:
+        directory.store.delete(keys)
+    else:
+        with pytest.raises(StorageError, match="connection reset"):
+            directory.store.delete(keys)
+    assert sorted(directory.store.list_tree(directory.key)) == ([] if deleted else ["a", "b"])
