@@ -9,6 +9,7 @@ role; `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` for an S3-compatible store. St
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import hashlib
@@ -35,6 +36,11 @@ _CONDITION_NOT_TAKEN = ("MalformedXML", "NotImplemented", "InvalidArgument", "In
 """What an S3-compatible store that does not know DeleteObjects' ETag condition may answer."""
 
 
+_READ_ATTEMPTS = 3
+"""GETs of a ranged read whose answer was cut short (botocore retries each until its answer
+begins)."""
+
+
 def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
     """An S3 store configured from the environment and the storage options."""
     try:
@@ -54,6 +60,9 @@ def new_s3_store(protocol: str, options: dict[str, object]) -> S3Store:
         filesystem = s3fs.S3FileSystem(config_kwargs=config, skip_instance_cache=True,
                                        **options)
         _check_session_options(filesystem.kwargs)
+        # botocore retries each request (throttling, 5xx, dropped connections, timeouts):
+        # s3fs's own loop around it, 5 tries, would multiply its attempts
+        filesystem.retries = 1
         filesystem.connect()  # the client, made of the options (no request sent yet)
     except (TypeError, ValueError) as error:
         raise DcpctlError(f"cannot open {protocol}:// URLs with these storage options: "
@@ -113,32 +122,36 @@ class S3Store(ObjectStore):
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """One ranged GET, If-Match on the ETag first seen (and the answer's ETag compared,
-        for servers that ignore If-Match), retried by s3fs where the transfer is cut short."""
+        for servers that ignore If-Match), made again (at most _READ_ATTEMPTS in all) where
+        its transfer is cut short: botocore retries a request until its answer begins."""
         if end <= start:
             return b""
-        from s3fs.core import _error_wrapper
+        from s3fs.core import S3_RETRYABLE_ERRORS
         bucket, object_key, _ = self.fs.split_path(key)
         etag = self.remembered_etag(key)
         condition = {"IfMatch": f'"{etag}"'} if etag else {}
 
-        async def call_and_read() -> bytes:
-            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=object_key,
-                                              Range=f"bytes={start}-{end - 1}", **condition)
-            try:
-                returned = str(response.get("ETag") or "").strip('"')
-                if etag and returned and returned != etag:
-                    raise _changed_error()
-                return await response["Body"].read()
-            finally:
-                response["Body"].close()
-
         async def get() -> bytes:
-            try:
-                return await _error_wrapper(call_and_read, retries=self.fs.retries)
-            except Exception as error:  # noqa: BLE001 - worded below, or re-raised
-                if _code_of(error) == "InvalidRange":
-                    return b""  # starts at or past the end: the caller sees a short read
-                raise
+            for attempt in range(_READ_ATTEMPTS):
+                try:  # the request, retried by botocore until its answer begins
+                    response = await self.fs._call_s3(
+                        "get_object", Bucket=bucket, Key=object_key,
+                        Range=f"bytes={start}-{end - 1}", **condition)
+                except Exception as error:  # noqa: BLE001 - worded below, or re-raised
+                    if _code_of(error) == "InvalidRange":
+                        return b""  # starts at or past the end: the caller sees a short read
+                    raise
+                try:
+                    returned = str(response.get("ETag") or "").strip('"')
+                    if etag and returned and returned != etag:
+                        raise _changed_error()
+                    return await response["Body"].read()
+                except (*S3_RETRYABLE_ERRORS, asyncio.TimeoutError):  # the answer cut short
+                    if attempt + 1 == _READ_ATTEMPTS:
+                        raise
+                    await asyncio.sleep(0.1 * 2 ** attempt)
+                finally:
+                    response["Body"].close()
 
         with self.translated_errors(key):
             return self._run(get())
@@ -303,7 +316,8 @@ class S3Store(ObjectStore):
             return ("no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                     "or AWS_PROFILE, or run where an instance role gives them)")
         if isinstance(error, botocore_exceptions.EndpointConnectionError):
-            return f"cannot connect to the S3 endpoint: {error}"
+            # what botocore raises for a connection refused, and for one dropped mid-request
+            return f"cannot connect to the S3 endpoint, or it kept dropping the connection: {error}"
         aiohttp = importlib.import_module("aiohttp")  # what a body cut short raises
         if isinstance(error, (botocore_exceptions.ConnectionError,
                               botocore_exceptions.HTTPClientError,

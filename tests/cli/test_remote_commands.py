@@ -1064,3 +1064,57 @@ def test_a_checkpoint_rewritten_in_place_while_read_is_said_so_not_called_damage
     monkeypatch.setattr(paths.ObjectRangedFile, "__init__", real_init)
     assert json.loads(ok("verify", url, "--json"))["status"] == "ok"
     assert not keys_under(moto_s3, bucket, "out")
+
+
+def test_a_server_that_never_answers_is_tried_as_often_as_the_retries_say(monkeypatch):
+    """s3fs retries every call itself (5 times by default) around botocore's own attempts,
+    and dcpctl's ranged reads retried around both again: against a server that stalled, a
+    command went on for tens of minutes before it said anything."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    requests = []
+
+    def accept_and_stall():  # reads each request and never answers it
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            requests.append(connection)
+            connection.recv(65536)
+
+    threading.Thread(target=accept_and_stall, daemon=True).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        message = failure("--storage-option", 'config_kwargs={"read_timeout": 1, "retries": '
+                          '{"max_attempts": 2, "mode": "standard"}}',
+                          "verify", "s3://bucket/run/step-1")
+    finally:
+        listener.close()
+        for connection in requests:
+            connection.close()
+    assert "the connection kept failing after retries" in message, message
+    # the listing's 2 attempts, and one more that s3fs's listing makes of its own (15 before)
+    assert len(requests) <= 3
+
+
+def test_a_connection_refused_or_dropped_is_said_as_either(monkeypatch):
+    """botocore raises one error for a connection refused and for one the server reset after
+    taking the request: "cannot connect" alone misled where every other request went through."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as unused:
+        port = unused.getsockname()[1]  # closed again: connections to it are refused
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    message = failure("--storage-option", 'config_kwargs={"retries": {"max_attempts": 1}}',
+                      "inspect", "s3://bucket/run/step-1")
+    assert ("cannot connect to the S3 endpoint, or it kept dropping the connection: Could not "
+            f"connect to the endpoint URL: \"http://127.0.0.1:{port}/bucket") in message, message

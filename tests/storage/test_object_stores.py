@@ -588,3 +588,45 @@ def test_a_deletion_whose_answer_was_lost_failed_only_if_the_object_is_still_the
         with pytest.raises(StorageError, match="connection reset"):
             directory.store.delete(keys)
     assert sorted(directory.store.list_tree(directory.key)) == ([] if deleted else ["a", "b"])
+
+
+@pytest.mark.parametrize("cut_short", [1, 3])
+def test_a_read_cut_short_is_made_again_three_times_at_most(moto_s3, monkeypatch, cut_short):
+    """botocore retries a request until its answer begins; an answer cut short after that is
+    asked for again here (3 GETs in all), and nothing more: retries around retries made a
+    store that stalled keep a command waiting for tens of minutes."""
+    import aiohttp
+
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    directory = storage_path(f"s3://{moto_s3.new_bucket()}/out")
+    key = (directory / "data").key
+    directory.store.put(key, bytes(range(256)) * 4)
+    real_call, gets = directory.store.fs._call_s3, []
+
+    class CutShort:
+        def __init__(self, body):
+            self.body = body
+
+        async def read(self):
+            raise aiohttp.ClientPayloadError("Response payload is not completed")
+
+        def close(self):
+            self.body.close()
+
+    async def call(method, *args, **kwargs):
+        response = await real_call(method, *args, **kwargs)
+        if method == "get_object":
+            gets.append(kwargs["Range"])
+            if len(gets) <= cut_short:
+                response["Body"] = CutShort(response["Body"])
+        return response
+
+    monkeypatch.setattr(directory.store.fs, "_call_s3", call)
+    if cut_short < 3:
+        assert directory.store.read_range(key, 10, 20) == bytes(range(10, 20))
+        assert gets == ["bytes=10-19"] * (cut_short + 1)
+    else:
+        with pytest.raises(StorageError, match="the connection kept failing after retries"):
+            directory.store.read_range(key, 10, 20)
+        assert gets == ["bytes=10-19"] * 3
