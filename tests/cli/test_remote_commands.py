@@ -277,18 +277,24 @@ def test_prune_deletes_a_key_holding_a_double_slash_itself_never_what_it_reads_a
     assert json.loads(ok("verify", f"s3://{bucket}/run/step-2", "--json"))["status"] == "ok"
 
 
+def _run_of_two_steps(moto_s3, monkeypatch) -> tuple:
+    """A bucket holding run/step-1 and run/step-2, complete; its moto client and name, with
+    dcpctl's processes pointed at moto."""
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    for step in (1, 2):
+        upload_directory(moto_s3, fixture_path(SOURCE), bucket, f"run/step-{step}")
+    return moto_s3.client(), bucket
+
+
 def test_a_save_still_uploading_into_a_checkpoint_is_not_deleted(moto_s3, monkeypatch):
     """An object being uploaded is in no listing: a rank's data file still going up left its
     step looking unchanged since its other files, and prune deleted them from under the save,
     which then wrote `.metadata` over a damaged checkpoint."""
     import time
 
-    for name, value in moto_s3.environment().items():
-        monkeypatch.setenv(name, value)
-    bucket = moto_s3.new_bucket()
-    for step in (1, 2):
-        upload_directory(moto_s3, fixture_path(SOURCE), bucket, f"run/step-{step}")
-    client = moto_s3.client()
+    client, bucket = _run_of_two_steps(moto_s3, monkeypatch)
     client.put_object(Bucket=bucket, Key="run/step-3/__0_0.distcp", Body=b"rank 0, done")
     client.put_object(Bucket=bucket, Key="run/step-4/__0_0.distcp", Body=b"a save that died")
     time.sleep(2.5)
@@ -312,12 +318,7 @@ def test_an_object_written_since_prunes_scan_stays_and_the_run_says_so(moto_s3, 
     import signal
     import time
 
-    for name, value in moto_s3.environment().items():
-        monkeypatch.setenv(name, value)
-    bucket = moto_s3.new_bucket()
-    for step in (1, 2):
-        upload_directory(moto_s3, fixture_path(SOURCE), bucket, f"run/step-{step}")
-    client = moto_s3.client()
+    client, bucket = _run_of_two_steps(moto_s3, monkeypatch)
     client.put_object(Bucket=bucket, Key="run/step-3/__0_0.distcp", Body=b"old")
     time.sleep(1.5)  # a crashed save's leftovers, unchanged for over a second
     process = dcpctl_stopped_at(  # once its first deletion took a `.metadata`

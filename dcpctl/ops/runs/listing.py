@@ -27,8 +27,7 @@ class ListedCheckpoint:
 
     @property
     def problem(self) -> str | None:
-        """What makes it damaged or unreadable."""
-        return self.check and (self.check.damage or self.check.unreadable)
+        return self.check and self.check.problem
 
     @property
     def in_use(self) -> str | None:

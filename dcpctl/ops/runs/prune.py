@@ -85,7 +85,7 @@ class PruneDecision:
     @property
     def damage(self) -> str | None:
         """What the quick check found wrong, or why it could not read the checkpoint."""
-        return self.check and (self.check.damage or self.check.unreadable)
+        return self.check and self.check.problem
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""

@@ -40,6 +40,11 @@ class QuickCheck:
         return self.damage is None and self.unreadable is None and self.in_use is None
 
     @property
+    def problem(self) -> str | None:
+        """What makes the checkpoint damaged, or unreadable."""
+        return self.damage or self.unreadable
+
+    @property
     def state(self) -> str:
         """What ls and prune call a complete checkpoint that had this check (STATES)."""
         return ("damaged" if self.damage is not None else "unreadable"
