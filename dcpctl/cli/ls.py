@@ -8,7 +8,7 @@ from dcpctl.cli.options import checkpoint_argument, json_option
 from dcpctl.cli.render import format_age, format_bytes, format_table, print_report
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.listing import ListReport, list_run_directory
-from dcpctl.ops.runs.scan import CheckpointEntry, IgnoredEntry
+from dcpctl.ops.runs.scan import CheckpointEntry, IgnoredEntry, no_checkpoints_said
 
 CHECKPOINT_HEADERS = ("STEP", "CHECKPOINT", "STATE", "SIZE", "AGE")
 
@@ -80,7 +80,7 @@ def render_ignored(ignored: list[IgnoredEntry]) -> list[str]:
 def render_listing(report: ListReport) -> list[str]:
     """The ls table, then damaged checkpoints' problems and the ignored look-alikes."""
     if not report.checkpoints:
-        lines = [f"{report.scan.path}: no checkpoint directories"]
+        lines = [no_checkpoints_said(report.scan.path, report.scan.runs_below)]
     else:
         rows = [[*checkpoint_cells(listed.entry, listed.state),
                  "?" if listed.compression is None and listed.entry.complete

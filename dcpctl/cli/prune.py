@@ -12,6 +12,7 @@ from dcpctl.cli.render import format_bytes, format_table, print_report
 from dcpctl.errors import PartialFailureError
 from dcpctl.ops.runs.prune import (DELETED, FAILED, GONE, PruneReport, RetentionRules,
                                    prune_run_directory)
+from dcpctl.ops.runs.scan import no_checkpoints_said
 from dcpctl.wording import counted
 
 _DURATION = re.compile(r"([0-9]+)([smhdw])")
@@ -127,7 +128,7 @@ def render_prune(report: PruneReport) -> list[str]:
              "; ".join(decision.reasons + ([decision.error] if decision.error else []))]
             for decision in report.decisions]
     lines = (format_table((*CHECKPOINT_HEADERS, "ACTION", "WHY"), rows, right_aligned=(0, 3, 4))
-             if rows else [f"{report.run_dir}: no checkpoint directories"])
+             if rows else [no_checkpoints_said(report.run_dir, report.runs_below)])
     lines += render_ignored(report.ignored)
     planned = len(report.to_delete)
     if report.dry_run:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import add_checkpoint, back_date
 
 from dcpctl.storage.locks import locked_checkpoint
@@ -36,7 +37,7 @@ def test_table_has_one_row_per_checkpoint_sorted_by_step(run_cli, tmp_path):
 def test_json_shape(run_cli, tmp_path):
     add_checkpoint(tmp_path, "global_step10")
     payload = json.loads(run_cli("ls", tmp_path, "--json").output)
-    assert set(payload) == {"run_dir", "checkpoints", "ignored", "tracked_step"}
+    assert set(payload) == {"run_dir", "checkpoints", "ignored", "tracked_step", "runs_below"}
     (entry,) = payload["checkpoints"]
     assert set(entry) == {"name", "path", "step", "complete", "state", "size_bytes",
                           "modified_at", "age_seconds", "sha256sums", "compression", "problem",
@@ -45,6 +46,21 @@ def test_json_shape(run_cli, tmp_path):
             entry["in_use"]) == (10, True, "complete", None, None)
     assert (entry["parts"], payload["tracked_step"]) == ([], None)
     assert 3500 < entry["age_seconds"] < 3700 and entry["size_bytes"] > 0
+
+
+@pytest.mark.parametrize("command", [["ls"], ["prune", "--keep-last", "1"]])
+def test_a_run_directory_given_one_level_too_high_is_said_so(run_cli, tmp_path, command):
+    """torchtitan's dump folder holds checkpoint/, the run directory: given the dump folder,
+    ls said "no checkpoint directories", and a prune from cron did nothing, for ever, unsaid."""
+    add_checkpoint(tmp_path / "dump" / "checkpoint", "step-10")
+    (tmp_path / "dump" / "tb").mkdir()
+    result = run_cli(command[0], tmp_path / "dump", *command[1:])
+    assert result.exit_code == 0
+    assert result.output.splitlines()[0] == (
+        f"{tmp_path / 'dump'}: no checkpoint directories; checkpoint/ below it holds some: "
+        "give it as the run directory")
+    payload = json.loads(run_cli(command[0], tmp_path / "dump", *command[1:], "--json").stdout)
+    assert payload["runs_below"] == ["checkpoint"]
 
 
 def test_empty_run_directory_and_errors(run_cli, tmp_path):

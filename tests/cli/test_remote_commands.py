@@ -288,6 +288,16 @@ def _run_of_two_steps(moto_s3, monkeypatch) -> tuple:
     return moto_s3.client(), bucket
 
 
+def test_a_run_prefix_given_one_level_too_high_is_said_so(moto_s3, monkeypatch):
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    upload_directory(moto_s3, fixture_path(SOURCE), bucket, "dump/checkpoint/step-10")
+    assert ok("ls", f"s3://{bucket}/dump").splitlines()[0] == (
+        f"s3://{bucket}/dump: no checkpoint directories; checkpoint/ below it holds some: give "
+        "it as the run directory")
+
+
 def test_a_save_still_uploading_into_a_checkpoint_is_not_deleted(moto_s3, monkeypatch):
     """An object being uploaded is in no listing: a rank's data file still going up left its
     step looking unchanged since its other files, and prune deleted them from under the save,

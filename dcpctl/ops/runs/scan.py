@@ -130,13 +130,26 @@ class RunDirectoryScan:
     checkpoints: list[CheckpointEntry] = field(default_factory=list)
     ignored: list[IgnoredEntry] = field(default_factory=list)
     tracked_step: int | None = None
+    runs_below: list[str] = field(default_factory=list)
+    """Where it holds no checkpoint: its directories that do (torchtitan's dump folder holds
+    `checkpoint/`, the run directory), which were likely meant."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
         return {"run_dir": str(self.path),
                 "checkpoints": [entry.to_json() for entry in self.checkpoints],
                 "ignored": [asdict(entry) for entry in self.ignored],
-                "tracked_step": self.tracked_step}
+                "tracked_step": self.tracked_step, "runs_below": self.runs_below}
+
+
+def no_checkpoints_said(run_dir: str | StoragePath, runs_below: list[str]) -> str:
+    """What ls and prune say of a run directory without checkpoints (RunDirectoryScan)."""
+    if not runs_below:
+        return f"{run_dir}: no checkpoint directories"
+    shown = ", ".join(f"{name}/" for name in runs_below[:3])
+    one = len(runs_below) == 1
+    return (f"{run_dir}: no checkpoint directories; {shown} below it {'holds' if one else 'hold'}"
+            f" some: give {'it' if one else 'one'} as the run directory")
 
 
 def check_run_directory(directory: StoragePath) -> None:
@@ -190,7 +203,20 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     _doubt_those_short_of_custom_objects(scan.checkpoints)
     _mark_the_trainers_best(scan.checkpoints)
+    if not scan.checkpoints:
+        scan.runs_below = [name for name in names if _holds_checkpoints(scan.path / name)]
     return scan
+
+
+def _holds_checkpoints(path: Path) -> bool:
+    """Whether path is a directory (not a link) holding a complete checkpoint directory."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        return any(parse_step(name) is not None and (path / name / METADATA_FILE_NAME).is_file()
+                   for name in os.listdir(path))
+    except OSError:
+        return False
 
 
 def _symlinks_by_target(run_dir: Path, names: list[str]) -> dict[str, list[str]]:
@@ -259,6 +285,10 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     _doubt_those_short_of_custom_objects(scan.checkpoints)
     _mark_the_trainers_best(scan.checkpoints)
+    if not scan.checkpoints:
+        scan.runs_below = sorted({key.split("/")[0] for key in listing
+                                  if key.count("/") == 2 and key.endswith(f"/{METADATA_FILE_NAME}")
+                                  and parse_step(key.split("/")[1]) is not None})
 
 
 TRAINER_STATE_MAX_BYTES = 256 << 20
