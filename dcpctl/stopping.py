@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 
 class Terminated(BaseException):
@@ -28,12 +28,18 @@ _STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _state = threading.local()  # signal handlers run in the main thread, between its bytecodes
 
 
-def stop_on_signals() -> None:
-    """Install the handlers (call once, in the main thread of a dcpctl process). A signal
-    someone chose to ignore (nohup ignores SIGHUP) stays ignored."""
-    for signal_number in _STOPPING_SIGNALS:
+def handle_stops(handler: Callable[[int, object], None],
+                 signal_numbers: Iterable[int] = _STOPPING_SIGNALS) -> None:
+    """Handle the stopping signals (or these of them) with handler, in the main thread. A
+    signal someone chose to ignore (nohup ignores SIGHUP) stays ignored."""
+    for signal_number in signal_numbers:
         if signal.getsignal(signal_number) is not signal.SIG_IGN:
-            signal.signal(signal_number, _request_stop)
+            signal.signal(signal_number, handler)
+
+
+def stop_on_signals() -> None:
+    """Install the handlers (call once, in the main thread of a dcpctl process)."""
+    handle_stops(_request_stop)
 
 
 def stop_once_on_signals() -> None:
@@ -42,9 +48,7 @@ def stop_once_on_signals() -> None:
     worker stops (a signal to the whole process group is followed by the coordinator's own
     SIGTERM), so that it aborts what it wrote; its coordinator kills it if that takes too
     long. A signal someone chose to ignore stays ignored."""
-    for signal_number in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signal_number) is not signal.SIG_IGN:
-            signal.signal(signal_number, _stop_once)
+    handle_stops(_stop_once, (signal.SIGTERM, signal.SIGHUP))
 
 
 _stop_raised = False

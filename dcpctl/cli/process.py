@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 import click
+
+from dcpctl.stopping import handle_stops
 
 # Set in the context object by the console-script entry point only: commands called from
 # Python (tests through click's CliRunner) never end the process.
@@ -26,11 +27,8 @@ def end_at_once_if_stopped(exit_code: int) -> None:
     """For the dcpctl process whose command has ended, its result said: a stop from now on
     (Ctrl-C, SIGTERM, SIGHUP while the interpreter tears down, joining threads and running
     exit handlers) ends it at once with the command's own status, where the stop raised into
-    the teardown would print `Exception ignored in ...` or end the process by the signal. A
-    signal someone chose to ignore stays ignored."""
-    for signal_number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signal_number) is not signal.SIG_IGN:
-            signal.signal(signal_number, lambda number, frame: _exit_now(exit_code))
+    the teardown would print `Exception ignored in ...` or end the process by the signal."""
+    handle_stops(lambda number, frame: _exit_now(exit_code))
 
 
 def _exit_now(exit_code: int) -> None:

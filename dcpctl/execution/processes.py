@@ -30,7 +30,7 @@ from typing import Any, Callable
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
 from dcpctl.execution.parent_death import die_with_parent
-from dcpctl.stopping import Terminated, stop_once_on_signals
+from dcpctl.stopping import Terminated, describe_stop, stop_once_on_signals
 from dcpctl.storage.stores import abort_open_uploads
 
 _PROGRESS_INTERVAL_SECONDS = 0.2
@@ -236,7 +236,7 @@ def _serve(index: int, count: int, connection: Connection) -> None:
         except Terminated as stop:
             abort_open_uploads()
             with contextlib.suppress(OSError):  # the coordinator may have stopped reading
-                connection.send(("failed", f"stopped by {stop}"))
+                connection.send(("failed", describe_stop(stop)))
             os._exit(128 + stop.signal_number)  # not waiting for threads stuck on a store
 
 

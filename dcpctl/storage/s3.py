@@ -251,13 +251,9 @@ class S3Store(ObjectStore):
         process's, whose parts S3 keeps (and bills, out of every listing) until they are
         aborted. Best effort: a store that will not list or abort them (rclone's) leaves them,
         and says nothing."""
-        bucket, key, _ = self.fs.split_path(prefix)
-        # its own `/`: s3fs before 2026.2 drops one given, which would take in step-100/ too
-        key_prefix = key.rstrip("/") + "/" if key else ""
         aborted = []
         try:
-            for upload in self._uploads_under(bucket, key_prefix):
-                name = upload["Key"][len(key_prefix):]
+            for bucket, name, upload in self._uploads_under(prefix):
                 if wanted(name) and (written_before is None
                                      or self._last_written(bucket, upload) < written_before):
                     self._run(self.fs._call_s3("abort_multipart_upload", Bucket=bucket,
@@ -268,19 +264,22 @@ class S3Store(ObjectStore):
         return aborted
 
     def unfinished_uploads(self, prefix: str) -> dict[str, float | None]:
-        bucket, key, _ = self.fs.split_path(prefix)
-        key_prefix = key.rstrip("/") + "/" if key else ""
         try:
-            return {upload["Key"][len(key_prefix):]: self._last_written(bucket, upload)
-                    for upload in self._uploads_under(bucket, key_prefix)}
+            return {name: self._last_written(bucket, upload)
+                    for bucket, name, upload in self._uploads_under(prefix)}
         except Exception:  # noqa: BLE001 - a store that lists none (rclone's) has none to say
             return {}
 
-    def _uploads_under(self, bucket: str, key_prefix: str) -> Iterator[dict]:
+    def _uploads_under(self, prefix: str) -> Iterator[tuple[str, str, dict]]:
+        """The unfinished uploads under prefix/: (bucket, name relative to prefix, upload)."""
+        bucket, key, _ = self.fs.split_path(prefix)
+        # its own `/`: s3fs before 2026.2 drops one given, which would take in step-100/ too
+        key_prefix = key.rstrip("/") + "/" if key else ""
         for page in self._pages("list_multipart_uploads", lambda page: {
                 "KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]},
                 Bucket=bucket, Prefix=key_prefix):
-            yield from page.get("Uploads") or ()
+            for upload in page.get("Uploads") or ():
+                yield bucket, upload["Key"][len(key_prefix):], upload
 
     def _last_written(self, bucket: str, upload: dict) -> float:
         """When the upload was started or last given a part, in seconds since the epoch."""
