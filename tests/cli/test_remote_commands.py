@@ -298,6 +298,19 @@ def test_a_run_prefix_given_one_level_too_high_is_said_so(moto_s3, monkeypatch):
         "it as the run directory")
 
 
+def test_an_object_named_like_a_step_is_listed_as_ignored_as_a_file_is_locally(moto_s3,
+                                                                               monkeypatch):
+    client, bucket = _run_of_two_steps(moto_s3, monkeypatch)
+    client.put_object(Bucket=bucket, Key="run/step-7", Body=b"a file, not a checkpoint")
+    client.put_object(Bucket=bucket, Key="run/step-2", Body=b"beside the checkpoint's prefix")
+    listing = json.loads(ok("ls", f"s3://{bucket}/run", "--json"))
+    assert [entry["name"] for entry in listing["checkpoints"]] == ["step-1", "step-2"]
+    assert listing["ignored"] == [{"name": "step-7", "reason": "not a directory"}]
+    report = json.loads(ok("prune", f"s3://{bucket}/run", "--keep-last", "1", "--json"))
+    assert report["ignored"] == [{"name": "step-7", "reason": "not a directory"}]
+    assert {"run/step-7", "run/step-2"} <= keys_under(moto_s3, bucket, "run/")
+
+
 def test_a_save_still_uploading_into_a_checkpoint_is_not_deleted(moto_s3, monkeypatch):
     """An object being uploaded is in no listing: a rank's data file still going up left its
     step looking unchanged since its other files, and prune deleted them from under the save,

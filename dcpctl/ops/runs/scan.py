@@ -259,10 +259,18 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
         with contextlib.suppress(FileNotFoundError):  # replaced since it was listed
             data = (scan.path / MEGATRON_TRACKER).read_bytes()[:MEGATRON_TRACKER_MAX_BYTES]
             scan.tracked_step = parse_tracked_iteration(data)
+    step_named_objects = []
     for key, info in listing.items():
         name, slash, rest = key.partition("/")
-        if slash and parse_step(name) is not None:
+        if parse_step(name) is None:
+            continue
+        if slash:
             by_checkpoint.setdefault(name, {})[rest] = info
+        else:
+            step_named_objects.append(name)
+    # an object named like a step is no checkpoint, as a file is none locally
+    scan.ignored += [IgnoredEntry(name, "not a directory") for name in sorted(step_named_objects)
+                     if name not in by_checkpoint]
     # what a save in progress is writing is in no listing yet: its unfinished uploads tell it
     uploading: dict[str, list[float | None]] = {}
     if by_checkpoint:
