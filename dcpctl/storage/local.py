@@ -232,10 +232,10 @@ def empty_directory(descriptor: int) -> None:
 _MOUNT_INFO = "/proc/self/mountinfo"
 
 
-def mount_points_inside(directory: str | os.PathLike) -> list[str]:
-    """The mount points strictly inside directory (bind mounts of its own file system too,
-    which share its device number), relative to it, from the kernel's mount table; none where
-    this system has no such table."""
+def mount_points_at_or_inside(directory: str | os.PathLike) -> list[str]:
+    """The mount points at directory (`.`: it is one itself) or inside it, bind mounts of its
+    own file system too (which share its device number), relative to it, from the kernel's
+    mount table; none where this system has no such table."""
     base = os.path.realpath(directory)
     try:
         with open(_MOUNT_INFO, encoding="utf-8", errors="surrogateescape") as table:
@@ -249,7 +249,7 @@ def mount_points_inside(directory: str | os.PathLike) -> list[str]:
             continue
         # spaces, tabs, newlines and backslashes in a mount point are written as octal escapes
         point = re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), fields[4])
-        if point.startswith(base.rstrip("/") + "/"):
+        if point == base or point.startswith(base.rstrip("/") + "/"):
             inside.append(os.path.relpath(point, base))
     return sorted(inside)
 

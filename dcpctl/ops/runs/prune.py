@@ -37,9 +37,10 @@ from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.ops.runs.layouts import MEGATRON_TRACKER
 from dcpctl.ops.runs.quick_check import QuickCheck, quick_check, state_of
 from dcpctl.ops.runs.scan import (EPOCHS, STEPS, CheckpointEntry, IgnoredEntry,
-                                  changed_since_scanned, check_run_directory, numbered_by,
-                                  scan_run_directory)
-from dcpctl.storage.local import empty_directory, open_directory_at
+                                  changed_since_scanned, check_run_directory, mounted_reason,
+                                  numbered_by, scan_run_directory)
+from dcpctl.storage.local import (empty_directory, mount_points_at_or_inside,
+                                  open_directory_at)
 from dcpctl.storage.locks import lock_descriptor, locked_directory
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, storage_path
@@ -331,6 +332,11 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
         if (status.st_dev, status.st_ino) != entry.identity:
             raise UnsafePathError("is no longer the directory that was scanned; not deleted",
                                   path=entry.path)
+        # mounted since the scan: a file system of its own, or a bind mount (same device)
+        mounted = ([os.curdir] if status.st_dev != os.fstat(run_descriptor).st_dev
+                   else mount_points_at_or_inside(entry.path))
+        if mounted:
+            raise UnsafePathError(mounted_reason(mounted[0]), path=entry.path)
         lock_descriptor(descriptor, exclusive=True, path=entry.path,
                         what="another dcpctl is using this checkpoint; not deleted")
         with contextlib.ExitStack() as parts_held:

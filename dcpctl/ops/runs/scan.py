@@ -22,7 +22,7 @@ from dcpctl.ops.runs.layouts import (LIGHTNING_CHECKPOINT_NAME, MEGATRON_TRACKER
                                      TRAINER_LAST_WRITTEN, CheckpointShape, checkpoint_shape,
                                      parse_tracked_iteration,
                                      refuse_a_checkpoint_as_run_directory)
-from dcpctl.storage.local import mount_points_inside
+from dcpctl.storage.local import mount_points_at_or_inside
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
 from dcpctl.storage.paths import StoragePath, file_names_in, read_whole, storage_path
 
@@ -185,10 +185,10 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
         path = scan.path / name
         try:
             shape = _checkpoint_shape(path)
-            mounted = mount_points_inside(path) if isinstance(shape, CheckpointShape) else []
+            mounted = (mount_points_at_or_inside(path) if isinstance(shape, CheckpointShape)
+                       else [])
             if mounted:  # deleting it would delete what another file system holds
-                scan.ignored.append(IgnoredEntry(name, f"{mounted[0]} in it is a mount point "
-                                                 "(another file system): never deleted"))
+                scan.ignored.append(IgnoredEntry(name, mounted_reason(mounted[0])))
             elif isinstance(shape, CheckpointShape):
                 scan.checkpoints.append(_describe_checkpoint(path, step, shape, now))
             else:
@@ -206,6 +206,13 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
     if not scan.checkpoints:
         scan.runs_below = [name for name in names if _holds_checkpoints(scan.path / name)]
     return scan
+
+
+def mounted_reason(mount_point: str) -> str:
+    """Why a checkpoint with this mount point (relative to it, `.` for itself) is never
+    deleted."""
+    where = "it is" if mount_point == os.curdir else f"{mount_point} in it is"
+    return f"{where} a mount point (another file system): never deleted"
 
 
 def _holds_checkpoints(path: Path) -> bool:

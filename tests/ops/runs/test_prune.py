@@ -5,14 +5,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import subprocess
 from typing import Iterator
 
 import pytest
-from conftest import add_checkpoint, back_date, fail_deletion_part_way, tree_listing
+from conftest import (add_checkpoint, back_date, fail_deletion_part_way, fixture_path,
+                      tree_listing)
 
 from dcpctl.errors import (InvalidOptionError, LockHeldError, UnsafePathError,
                            UnsupportedLayoutError)
+from dcpctl.ops.runs import prune
 from dcpctl.ops.runs.prune import RetentionRules, delete_checkpoint_directory, prune_run_directory
 from dcpctl.ops.runs.scan import scan_run_directory
 
@@ -378,6 +381,61 @@ def test_a_checkpoint_with_a_mount_point_inside_is_never_deleted(tmp_path, mount
         assert [(entry.name, entry.reason) for entry in report.ignored] == [
             ("step-1", "mnt in it is a mount point (another file system): never deleted")]
         assert (run_dir / "step-1" / "mnt" / "precious").read_text() == "keep"
+
+
+@pytest.mark.parametrize("mount", ["bind", "tmpfs"])
+def test_a_checkpoint_that_is_a_mount_point_itself_is_never_deleted(tmp_path, mount):
+    """A checkpoint directory that is a bind mount of a checkpoint elsewhere (or a file system
+    of its own) was taken for a plain one: prune emptied it, deleting what the mount shows
+    from outside the run directory, then failed to remove the mount point (EBUSY)."""
+    run_dir = _run_dir(tmp_path, [2])
+    (run_dir / "step-1").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    add_checkpoint(elsewhere, "precious")
+    arguments = (["--bind", elsewhere / "precious"] if mount == "bind"
+                 else ["-t", "tmpfs", "tmpfs"])
+    with _mounted(arguments, run_dir / "step-1"):
+        if mount == "tmpfs":
+            shutil.copytree(fixture_path("mesh2d_4ranks"), run_dir / "step-1",
+                            dirs_exist_ok=True)
+        before = tree_listing(run_dir / "step-1")
+        report = _prune(run_dir, keep_last=1)
+        assert _deleted(report) == [] and tree_listing(run_dir / "step-1") == before
+        assert [(entry.name, entry.reason) for entry in report.ignored] == [
+            ("step-1", "it is a mount point (another file system): never deleted")]
+
+
+def test_a_mount_made_after_the_scan_stops_the_deletion(tmp_path, monkeypatch):
+    """A checkpoint mounted over between prune's scan and its deletion is not deleted."""
+    run_dir = _run_dir(tmp_path, [1, 2])
+    elsewhere = tmp_path / "elsewhere"
+    add_checkpoint(elsewhere, "precious")
+    before = tree_listing(elsewhere)
+    real_scan = prune.scan_run_directory
+
+    def scan_then_mount(path):
+        scan = real_scan(path)
+        mount = subprocess.run(["mount", "--bind", str(elsewhere / "precious"),
+                                str(run_dir / "step-1")], capture_output=True)
+        if mount.returncode != 0:
+            pytest.skip(f"cannot mount here: {mount.stderr.decode(errors='replace').strip()}")
+        # the same directory as scanned, as far as its identity and contents tell
+        entry = next(entry for entry in scan.checkpoints if entry.name == "step-1")
+        status = os.stat(run_dir / "step-1")
+        entry.identity = (status.st_dev, status.st_ino)
+        return scan
+
+    monkeypatch.setattr(prune, "scan_run_directory", scan_then_mount)
+    monkeypatch.setattr(prune, "changed_since_scanned", lambda entry: False)
+    try:
+        report = _prune(run_dir, keep_last=1)
+    finally:
+        subprocess.run(["umount", str(run_dir / "step-1")])
+    assert tree_listing(elsewhere) == before
+    assert [(decision.checkpoint.name, decision.status) for decision in report.decisions] == [
+        ("step-1", "failed"), ("step-2", "kept")]
+    assert "it is a mount point (another file system): never deleted" in (
+        report.decisions[0].error)
 
 
 def test_emptying_a_directory_never_enters_another_file_system(tmp_path):
