@@ -25,7 +25,7 @@ from dcpctl.format.checkpoint.items import (DEFAULT_PIECE_BYTES, StoredSpan,
 from dcpctl.format.checkpoint.locations import ExpectedTensor, ItemLocation, locate_item
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares, storage_with)
-from dcpctl.format.checkpoint.side_files import side_files_of
+from dcpctl.format.checkpoint.side_files import carried_side_files
 from dcpctl.format.checkpoint.view import SAFETENSORS, Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.names import ZSTD
@@ -323,7 +323,7 @@ def _transcode(checkpoint: Checkpoint, planning: TranscodePlanning, output_path:
         report.stored_bytes_after = plan.stored_bytes
         return report
     output = CheckpointOutput(storage_path(report.output), in_place, checkpoint.path,
-                              overwrite=overwrite, side_files=side_files_of(checkpoint))
+                              overwrite=overwrite, side_files=carried_side_files(checkpoint))
     try:
         report.stored_bytes_after = execute_transcode(planning, plan, checkpoint, output,
                                                       threads, on_progress, workers=workers)

@@ -24,7 +24,7 @@ from typing import Iterable
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
-from dcpctl.format.checkpoint.problems import Problem, Rule
+from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import check_archive
@@ -46,6 +46,37 @@ def side_files_of(checkpoint: Checkpoint) -> list[str]:
     its directory that its metadata does not name as data files."""
     names = [name for name in SIDE_FILE_NAMES if name not in checkpoint.files]
     return list(_regular_file_sizes(checkpoint, names))
+
+
+def misplaced_side_files(checkpoint: Checkpoint) -> list[Problem]:
+    """A problem for each side file's name that something other than a regular file holds in
+    the checkpoint's directory (a symlink, a FIFO, a directory): the trainer would read what a
+    link leads to, or wait on a FIFO for ever, where dcpctl reads, checks and carries neither,
+    so the checkpoint is not the trainer's as saved."""
+    if isinstance(checkpoint.path, ObjectPath):
+        return []  # an object is a file
+    problems = []
+    for name in SIDE_FILE_NAMES:
+        if name in checkpoint.files:
+            continue
+        try:
+            mode = os.lstat(os.path.join(checkpoint.path, name)).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            problems.append(Problem(Rule.NOT_REGULAR_FILE, f"{_SAVER_OF_SIDE_FILE[name]}'s "
+                                    f"{name} is not a regular file here (a symlink, a FIFO or "
+                                    "a directory)", name))
+    return problems
+
+
+def carried_side_files(checkpoint: Checkpoint) -> list[str]:
+    """The side files a new checkpoint written from this one carries (side_files_of), refused
+    (ProblemsError) where a side file's name holds something that is no regular file."""
+    misplaced = misplaced_side_files(checkpoint)
+    if misplaced:
+        raise problems_error(misplaced, checkpoint.path)
+    return side_files_of(checkpoint)
 
 
 def saver_of_side_files(side_files: Iterable[str]) -> str | None:

@@ -22,6 +22,7 @@ from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256
 from dcpctl.format.checkpoint.locations import ExpectedTensor
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.rewrites import rewrite_named
+from dcpctl.format.checkpoint.side_files import misplaced_side_files
 from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry, find_file_problems,
                                            open_checkpoint)
 from dcpctl.format.codecs.base import max_decoded_bytes
@@ -116,12 +117,15 @@ def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def open_quickly_verified(path: str | os.PathLike) -> Checkpoint:
-    """open_checked_checkpoint, refused also where its SHA256SUMS lists a file that is gone:
-    all that `verify --quick` reports short of hashing (what ls and prune call damage)."""
+    """open_checked_checkpoint, refused also where its SHA256SUMS lists a file that is gone,
+    or a side file's name holds no regular file (a trainer's meta.pt a FIFO, say): all that
+    `verify --quick` reports short of hashing and of files no one knows (what ls and prune
+    call damage)."""
     checkpoint = open_checked_checkpoint(path)
-    absent = absent_listed_files(checkpoint.path, read_sha256sums(checkpoint.path) or {})
-    if absent:
-        raise problems_error(absent, checkpoint.path)
+    problems = absent_listed_files(checkpoint.path, read_sha256sums(checkpoint.path) or {})
+    problems += misplaced_side_files(checkpoint)
+    if problems:
+        raise problems_error(problems, checkpoint.path)
     return checkpoint
 
 

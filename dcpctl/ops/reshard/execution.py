@@ -22,7 +22,7 @@ from dcpctl.execution.running import (checked_job_source, run_job, threads_per_w
                                       workers_started)
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
-from dcpctl.format.checkpoint.side_files import side_files_of
+from dcpctl.format.checkpoint.side_files import carried_side_files
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
 from dcpctl.format.codecs.registry import CODEC_NAMES, Codec, codec_by_name
@@ -262,7 +262,7 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
         # worker need not wait while this process locates the other shares' sources.
         plan = planning.plan_for(checkpoint)
         output = CheckpointOutput(destination, in_place=False, source=checkpoint.path,
-                                  overwrite=overwrite, side_files=side_files_of(checkpoint))
+                                  overwrite=overwrite, side_files=carried_side_files(checkpoint))
         try:
             stored = execute_reshard(planning, plan, checkpoint, output, threads, on_progress,
                                      piece_bytes, workers)

@@ -249,11 +249,13 @@ def _read_tracker(path: Path) -> int | None:
         descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    with os.fdopen(descriptor, "rb") as file:
+    try:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode) or status.st_size > MEGATRON_TRACKER_MAX_BYTES:
-            return None
-        return parse_tracked_iteration(file.read(MEGATRON_TRACKER_MAX_BYTES))
+            return None  # a directory is opened too, and then no file to read
+        return parse_tracked_iteration(os.read(descriptor, MEGATRON_TRACKER_MAX_BYTES))
+    finally:
+        os.close(descriptor)
 
 
 def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:

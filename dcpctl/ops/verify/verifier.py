@@ -15,7 +15,8 @@ from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.rewrites import rewrite_error, rewrite_named, rewritten_since_read
 from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_beside_data,
-                                                 side_file_problems, side_files_of)
+                                                 misplaced_side_files, side_file_problems,
+                                                 side_files_of)
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.file_names import (METADATA_FILE_NAME, SHA256SUMS_FILE_NAME,
@@ -143,18 +144,20 @@ def _name_below(directory: StoragePath, path: str | None) -> str | None:
 def unknown_file_problems(checkpoint: Checkpoint, present: set[str] | None = None
                           ) -> list[Problem]:
     """Files in the checkpoint directory (present: its listing, read when None) that neither
-    the metadata nor the trainer's layout knows (side_files.py)."""
+    the metadata nor the trainer's layout knows (side_files.py), and the side files' names that
+    no regular file holds (misplaced_side_files)."""
     if present is None:
         present = _present_files(checkpoint.path, checkpoint)
-    known = _known_files(checkpoint)
+    misplaced = misplaced_side_files(checkpoint)
+    known = _known_files(checkpoint) | {problem.file for problem in misplaced}
     # Beside safetensors files, a Hugging Face directory holds config.json, tokenizer files and
     # the like: only a stray safetensors file is unknown there.
     candidates = ({name for name in present if name.endswith(SAFETENSORS_SUFFIX)}
                   if checkpoint.hf_storage else present)
     unknown = candidates - known - {SHA256SUMS_FILE_NAME} - set(
         leftover_temporaries(checkpoint, present))
-    return [Problem(Rule.UNKNOWN_FILE, _unknown_file_message(name), name)
-            for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown)))]
+    return misplaced + [Problem(Rule.UNKNOWN_FILE, _unknown_file_message(name), name)
+                        for name in sorted(unknown - set(empty_writer_files(checkpoint, unknown)))]
 
 
 def _unknown_file_message(name: str) -> str:

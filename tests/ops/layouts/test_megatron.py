@@ -16,6 +16,7 @@ from megatron_saves import MCORE_DATA, save_megatron_like
 
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.checksums import read_sha256sums
+from dcpctl.format.checkpoint.problems import ProblemsError
 from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.ops.checksum import checksum_checkpoint
 from dcpctl.ops.inspection.report import inspect_checkpoint
@@ -169,7 +170,9 @@ def test_a_cut_megatron_config_is_found_without_checksums(megatron_saves, tmp_pa
     assert not (tmp_path / "out").exists() and not (checkpoint / "SHA256SUMS").exists()
 
 
-def test_a_linked_side_file_is_neither_carried_nor_trusted(megatron_saves, tmp_path):
+def test_a_linked_side_file_is_neither_followed_nor_left_out(megatron_saves, tmp_path):
+    """A link in common.pt's place is damage, not a file of no one's: compress -o left it out
+    of its output, exit 0, where verify of the source called it an unknown file."""
     import shutil
 
     checkpoint = tmp_path / "ckpt"
@@ -177,9 +180,10 @@ def test_a_linked_side_file_is_neither_carried_nor_trusted(megatron_saves, tmp_p
     outside = tmp_path / "outside.pt"
     (checkpoint / "common.pt").rename(outside)
     (checkpoint / "common.pt").symlink_to(outside)
+    before = outside.read_bytes()
     problems = verify_checkpoint(checkpoint).problems
     assert [(problem.rule, problem.file) for problem in problems] == [
-        ("unknown-file", "common.pt")]
-    compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
-    assert not (tmp_path / "out" / "common.pt").exists()
-    assert (tmp_path / "out" / "metadata.json").is_file()
+        ("not-regular-file", "common.pt")]
+    with pytest.raises(ProblemsError, match="common.pt is not a regular file here"):
+        compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists() and outside.read_bytes() == before

@@ -12,6 +12,7 @@ from conftest import (ACCELERATE_PARTS, add_accelerate_checkpoint, add_checkpoin
                       tree_listing)
 
 from dcpctl.errors import CheckpointNotFoundError
+from dcpctl.format.checkpoint.problems import ProblemsError
 from dcpctl.ops.inspection.report import inspect_checkpoint
 from dcpctl.ops.runs import prune
 from dcpctl.ops.runs.listing import list_run_directory
@@ -345,6 +346,64 @@ def test_a_tracker_that_is_a_symlink_or_huge_is_not_read(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").unlink()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1" + " " * 10_000)
     assert scan_run_directory(tmp_path).tracked_step is None
+
+
+def test_a_tracker_that_is_a_directory_is_not_read(tmp_path):
+    """`ls` and `prune` of the whole run failed on it: `Error: 3: Is a directory`."""
+    add_checkpoint(tmp_path, "iter_0000001")
+    (tmp_path / "latest_checkpointed_iteration.txt").mkdir()
+    assert scan_run_directory(tmp_path).tracked_step is None
+
+
+@pytest.mark.parametrize("layout", ["Lightning", "Megatron-Core torch_dist"])
+@pytest.mark.parametrize("impostor", ["fifo", "symlink", "directory"])
+def test_a_side_file_that_is_no_regular_file_makes_the_checkpoint_damaged(tmp_path, layout,
+                                                                          impostor):
+    """Lightning's meta.pt (or Megatron's metadata.json) a FIFO or a symlink in the newest
+    checkpoint: ls called it complete, the newest, and prune --keep-last 1 deleted the two sound
+    ones before it, though the trainer cannot load it as saved; compress -o left it out of its
+    output, exit 0."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    side_file = "meta.pt" if layout == "Lightning" else "metadata.json"
+    names = ([f"epoch=0-step={step}.ckpt" for step in (1, 2, 3)] if layout == "Lightning"
+             else [f"iter_{step:07d}" for step in (1, 2, 3)])
+    for name in names:
+        checkpoint = add_checkpoint(run_dir, name, age_seconds=30 * DAY)
+        if layout == "Megatron-Core torch_dist":
+            torch.save({"iteration": 1}, checkpoint / "common.pt")
+        if name != names[-1]:
+            if layout == "Lightning":
+                torch.save({"global_step": 1}, checkpoint / side_file)
+            else:
+                (checkpoint / side_file).write_text(MEGATRON_CONFIG)
+    newest = run_dir / names[-1]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if impostor == "fifo":
+        os.mkfifo(newest / side_file)
+    elif impostor == "symlink":
+        (elsewhere / side_file).write_bytes((run_dir / names[0] / side_file).read_bytes())
+        (newest / side_file).symlink_to(elsewhere / side_file)
+    else:
+        (newest / side_file).mkdir()
+        (newest / side_file / "x").write_text("x")
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    # a directory in its place lists no file of that name: the trainer's last file is missing
+    state = "incomplete" if impostor == "directory" else "damaged"
+    assert [(decision.checkpoint.name, decision.state, decision.status)
+            for decision in report.decisions] == [
+        (names[0], "complete", "deleted"), (names[1], "complete", "kept"),
+        (names[2], state, "kept")]
+    expected = (f"{newest / side_file}: not-regular-file: {layout}'s {side_file} is not a "
+                "regular file here (a symlink, a FIFO or a directory)")
+    if state == "damaged":
+        assert report.decisions[2].damage == expected
+    with pytest.raises(ProblemsError) as refused:
+        compress_checkpoint(newest, "zstd", output_path=str(tmp_path / "out"))
+    assert str(refused.value) == expected
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_part_in_use_stops_the_whole_deletion_before_any_metadata_goes(accelerate_run):
