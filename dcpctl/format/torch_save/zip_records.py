@@ -52,6 +52,11 @@ _FIRST_TAIL_BYTES = 1024
 _UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000
 _UNSET_32 = 0xFFFFFFFF  # "see the zip64 record"
 _DOS_DIRECTORY_ATTRIBUTE = 0x10  # in an entry's external attributes: it is a directory
+MAX_ARCHIVE_RECORDS = 1 << 20
+"""The most records of an archive dcpctl reads: torch.save writes one for each storage and
+four more, and a million storages in one file is past any state dict saved whole; each record
+read costs a few hundred bytes of memory."""
+_MAX_DIRECTORY_BYTES = 128 << 20
 
 
 class CentralEntry(NamedTuple):
@@ -86,9 +91,24 @@ class ZipRecord:
 
 
 def read_zip_records(read_range: ReadRange, archive_length: int) -> list[ZipRecord]:
-    """Every record of the archive, in central directory order, with its data offset."""
+    """Every record of the archive, in central directory order, with its data offset; refused
+    where two share bytes."""
     directory = read_central_directory(read_range, archive_length)
-    return [locate_record(read_range, entry, directory.offset) for entry in directory.entries]
+    records = [locate_record(read_range, entry, directory.offset) for entry in directory.entries]
+    _refuse_shared_bytes(records)
+    return records
+
+
+def _refuse_shared_bytes(records: list[ZipRecord]) -> None:
+    """torch.save writes each record (local header, data, data descriptor) past the one before,
+    so no two share a byte. Records that do are no archive of its: a few KiB of directory can
+    name one large record thousands of times, each checked at the cost of reading it whole."""
+    ordered = sorted(records, key=lambda record: record.header_offset)
+    for before, after in zip(ordered, ordered[1:]):
+        if before.data_end > after.header_offset:
+            raise DataError(f"zip records {before.name!r} and {after.name!r} share bytes "
+                            f"{after.header_offset}..{min(before.data_end, after.data_end)}: "
+                            "not an archive torch.save writes")
 
 
 class CentralDirectory(NamedTuple):
@@ -121,6 +141,10 @@ def read_central_directory(read_range: ReadRange, archive_length: int) -> Centra
         raise DataError(f"zip end record says disk {disk}, central directory on disk "
                         f"{directory_disk}, {count_here} of {count} entries on this disk: not "
                         "the one-disk archive torch.save writes")
+    if count > MAX_ARCHIVE_RECORDS or size_bytes > _MAX_DIRECTORY_BYTES:
+        raise DataError(f"zip central directory of {count} entries in {size_bytes} bytes: past "
+                        f"the {MAX_ARCHIVE_RECORDS} entries or {_MAX_DIRECTORY_BYTES >> 20} MiB "
+                        "dcpctl reads (torch.save writes an entry of about 60 bytes per storage)")
     if size_bytes < count * _CENTRAL.size or offset + size_bytes > directory_end:
         raise DataError(f"zip central directory of {count} entries at bytes {offset}.."
                         f"{offset + size_bytes} cannot hold them before byte {directory_end}")
@@ -149,6 +173,7 @@ class _DirectoryTemplate(NamedTuple):
 # whose directory is a template's but for them has the template's entries with its own CRC-32s.
 _directory_templates: dict[tuple[int, int, int, int], _DirectoryTemplate] = {}
 _MAX_DIRECTORY_TEMPLATES = 1024
+_MAX_TEMPLATE_ENTRIES = 64
 _CRC_FIELD = struct.Struct("<I")
 _CRC_FIELD_OFFSET = 16  # in a central directory entry (_CENTRAL)
 
@@ -167,10 +192,11 @@ def _central_entries(data: bytes, count: int, directory_offset: int, archive_len
                 ], template.crc_positions
     entries, starts = _parse_central_entries(data, count, directory_offset, archive_length)
     crc_positions = tuple(start + _CRC_FIELD_OFFSET for start in starts)
-    if len(_directory_templates) >= _MAX_DIRECTORY_TEMPLATES:
-        _directory_templates.clear()
-    _directory_templates[key] = _DirectoryTemplate(
-        with_fields_zeroed(data, crc_positions), crc_positions, tuple(entries))
+    if count <= _MAX_TEMPLATE_ENTRIES:  # an item's few records, not a whole state dict's
+        if len(_directory_templates) >= _MAX_DIRECTORY_TEMPLATES:
+            _directory_templates.clear()
+        _directory_templates[key] = _DirectoryTemplate(
+            with_fields_zeroed(data, crc_positions), crc_positions, tuple(entries))
     return entries, crc_positions
 
 

@@ -196,3 +196,43 @@ def test_a_record_name_holding_a_nul_is_refused():
     damaged = good.replace(prefix, prefix[:4] + b"\x00" + prefix[5:])
     with pytest.raises(DataError, match="holds a NUL, which torch's reader cannot take"):
         read_zip_records(reader_of(damaged), len(damaged))
+
+
+def _with_second_entry_at_first_header(data: bytes) -> bytes:
+    """The archive with its second central directory entry pointing at the first record's
+    local header (both names of one length, so that header names the second as well)."""
+    damaged = bytearray(data)
+    second = damaged.index(b"PK\x01\x02", damaged.index(b"PK\x01\x02") + 4)
+    damaged[second + 42:second + 46] = (0).to_bytes(4, "little")  # local header offset
+    return bytes(damaged)
+
+
+def test_records_that_share_bytes_are_refused():
+    """A directory naming one large record thousands of times had every command that checks
+    an archive's CRC-32s read it again for each (a meta.pt of 268 MB: about a terabyte)."""
+    data = _with_second_entry_at_first_header(_zip_bytes({"a/x": b"1" * 100, "a/y": b"2"}))
+    with pytest.raises(DataError, match="zip records 'a/x' and 'a/y' share bytes 0..34: not an archive"):
+        read_zip_records(reader_of(data), len(data))
+
+
+def test_a_central_directory_past_what_dcpctl_reads_is_refused_before_it_is_read(monkeypatch):
+    """A 1.5 GB meta.pt whose end record called all of it the central directory was read
+    into memory whole; 3 million empty records took 1.4 GB to check."""
+    from dcpctl.format.torch_save import zip_records
+
+    data = _zip_bytes(MEMBERS)
+    reads = []
+
+    def read_range(start: int, count: int) -> bytes:
+        reads.append(count)
+        return data[start:start + count]
+
+    monkeypatch.setattr(zip_records, "MAX_ARCHIVE_RECORDS", 2)
+    with pytest.raises(DataError, match="zip central directory of 3 entries in [0-9]+ bytes: "
+                                        "past the 2 entries or 128 MiB dcpctl reads"):
+        read_zip_records(read_range, len(data))
+    assert max(reads) <= 1024  # the end records only
+    monkeypatch.setattr(zip_records, "MAX_ARCHIVE_RECORDS", 3)
+    monkeypatch.setattr(zip_records, "_MAX_DIRECTORY_BYTES", 100)
+    with pytest.raises(DataError, match="past the 3 entries or 0 MiB"):
+        read_zip_records(reader_of(data), len(data))
