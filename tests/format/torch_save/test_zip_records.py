@@ -211,7 +211,8 @@ def test_records_that_share_bytes_are_refused():
     """A directory naming one large record thousands of times had every command that checks
     an archive's CRC-32s read it again for each (a meta.pt of 268 MB: about a terabyte)."""
     data = _with_second_entry_at_first_header(_zip_bytes({"a/x": b"1" * 100, "a/y": b"2"}))
-    with pytest.raises(DataError, match="zip records 'a/x' and 'a/y' share bytes 0..34: not an archive"):
+    with pytest.raises(DataError, match="zip records 'a/x' and 'a/y' share bytes 0..34: not "
+                                        "an archive"):
         read_zip_records(reader_of(data), len(data))
 
 
