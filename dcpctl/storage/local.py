@@ -118,10 +118,18 @@ class OutputFile:
             self.discard()
 
 
-def open_regular_file(path: str | os.PathLike) -> int:
-    """A descriptor for reading a regular file; anything else (a FIFO, a device, a directory)
-    is refused with an OSError naming it, before a read could block forever."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+def open_regular_file(path: str | os.PathLike, follow_symlinks: bool = True) -> int:
+    """A descriptor for reading a regular file; anything else (a FIFO, a device, a directory,
+    and without follow_symlinks a symlink) is refused with an OSError naming it, before a read
+    could block forever."""
+    no_follow = 0 if follow_symlinks else os.O_NOFOLLOW
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | no_follow)
+    except OSError as error:
+        if error.errno == errno.ELOOP and not follow_symlinks:
+            raise OSError(errno.ELOOP, "a symlink, which is never followed here",
+                          os.fspath(path)) from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))

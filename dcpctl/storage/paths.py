@@ -150,8 +150,8 @@ class RangedFile(Protocol):
 class LocalRangedFile:
     """A regular local file, read with pread."""
 
-    def __init__(self, path: Path) -> None:
-        self.descriptor = open_regular_file(path)
+    def __init__(self, path: Path, follow_symlinks: bool = True) -> None:
+        self.descriptor = open_regular_file(path, follow_symlinks)
 
     def read(self, start: int, count: int) -> bytes:
         return os.pread(self.descriptor, count, start)
@@ -275,12 +275,13 @@ class ObjectRangedFile:
         pass
 
 
-def open_ranged(path: StoragePath) -> LocalRangedFile | ObjectRangedFile:
+def open_ranged(path: StoragePath, follow_symlinks: bool = True
+                ) -> LocalRangedFile | ObjectRangedFile:
     """A reader of the file's byte ranges; a local path that is missing, or not a regular
-    file, fails here, an object at its first read."""
+    file (without follow_symlinks: or a symlink), fails here, an object at its first read."""
     if isinstance(path, ObjectPath):
         return ObjectRangedFile(path)
-    return LocalRangedFile(path)
+    return LocalRangedFile(path, follow_symlinks)
 
 
 def read_whole(path: StoragePath) -> bytes:

@@ -76,3 +76,30 @@ def test_an_output_where_nothing_can_be_made_is_named_as_given(run_cli, command)
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: {args[-1]}: "), result.output
     assert ".dcpctl-" not in result.output
+
+
+def test_a_side_file_swapped_for_a_symlink_after_its_check_is_never_copied(tmp_path,
+                                                                           monkeypatch):
+    """meta.pt was checked when the output was set up and copied at publishing through a path
+    that followed symlinks: swapped meanwhile for a link to a file outside the checkpoint, that
+    file's bytes became the output's meta.pt, certified by its SHA256SUMS, exit 0."""
+    import torch
+
+    from dcpctl.ops import transcode
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(fixture_path("fsdp2_adamw_3ranks"), checkpoint)
+    torch.save({"step": 1}, checkpoint / "meta.pt")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside the checkpoint")
+    real_execute = transcode.execute_transcode
+
+    def swapped_meanwhile(*args, **kwargs):
+        (checkpoint / "meta.pt").unlink()
+        (checkpoint / "meta.pt").symlink_to(secret)
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(transcode, "execute_transcode", swapped_meanwhile)
+    with pytest.raises(OSError, match="a symlink, which is never followed here"):
+        transcode.compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -33,7 +33,7 @@ from dcpctl.errors import DataError, DcpctlError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import write_sha256sums
 from dcpctl.format.checkpoint.problems import problems_error
-from dcpctl.format.checkpoint.side_files import side_file_problems
+from dcpctl.format.checkpoint.side_files import open_side_file, side_file_problems
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
@@ -41,7 +41,7 @@ from dcpctl.stopping import finishing_first
 from dcpctl.storage.local import fsync_directory, new_token, temporary_name
 from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError, run_within
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
-                                  open_ranged, write_whole)
+                                  write_whole)
 from dcpctl.storage.claims import OutputClaim
 from dcpctl.storage.file_digests import HASH_PIECE_BYTES, sha256_of_file
 from dcpctl.storage.staging import staged_output
@@ -236,7 +236,7 @@ class CheckpointOutput:
                                ) -> None:
         claim = self._staged.claim  # each file checks it as it is started and completed
         for name in self._side_files:
-            digests[name] = _copy_file(self._source / name, self.directory / name, claim)
+            digests[name] = _copy_side_file(self._source, name, self.directory / name, claim)
         metadata_bytes = serialize_metadata(metadata)
         written = [*digests, SHA256SUMS_FILE_NAME]
         digests[METADATA_FILE_NAME] = hashlib.sha256(metadata_bytes).hexdigest()
@@ -327,13 +327,13 @@ def _data_file_sizes(metadata: CheckpointMetadata) -> dict[str, int]:
     return sizes
 
 
-def _copy_file(source: StoragePath, destination: StoragePath,
-               claim: OutputClaim | None = None) -> str:
-    """Copy a file in pieces (claim: its object store output's); the hex SHA-256 of what was
-    copied."""
+def _copy_side_file(source: StoragePath, name: str, destination: StoragePath,
+                    claim: OutputClaim | None = None) -> str:
+    """Copy a side file of the checkpoint in source in pieces (claim: its object store
+    output's); the hex SHA-256 of what was copied."""
     writer = DataFileWriter(destination, claim)
     try:
-        with open_ranged(source) as reader:
+        with open_side_file(source, name) as reader:
             for piece in reader.iter_pieces(0, reader.size(), HASH_PIECE_BYTES):
                 writer.write(piece)
     except BaseException:

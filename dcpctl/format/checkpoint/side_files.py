@@ -30,7 +30,8 @@ from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.storage.local import is_temporary_name
 from dcpctl.storage.objects import ObjectPath
-from dcpctl.storage.paths import StoragePath, file_names_in, open_ranged
+from dcpctl.storage.paths import (LocalRangedFile, ObjectRangedFile, StoragePath,
+                                  file_names_in, open_ranged)
 
 MEGATRON_COMMON_STATE = "common.pt"
 MEGATRON_CONFIG = "metadata.json"
@@ -77,6 +78,12 @@ def carried_side_files(checkpoint: Checkpoint) -> list[str]:
     if misplaced:
         raise problems_error(misplaced, checkpoint.path)
     return side_files_of(checkpoint)
+
+
+def open_side_file(directory: StoragePath, name: str) -> LocalRangedFile | ObjectRangedFile:
+    """A reader of a side file of the checkpoint in directory, never through a symlink (an
+    OSError instead), whatever was put in its place since it was checked."""
+    return open_ranged(directory / name, follow_symlinks=False)
 
 
 def saver_of_side_files(side_files: Iterable[str]) -> str | None:
@@ -148,7 +155,7 @@ backend is required; other keys a later Megatron may add are let be."""
 
 def _config_problems(directory: StoragePath) -> list[Problem]:
     name = MEGATRON_CONFIG
-    with open_ranged(directory / name) as file:
+    with open_side_file(directory, name) as file:
         size = file.size()
         data = file.read(0, min(size, _MAX_CONFIG_BYTES + 1))
     try:
@@ -166,7 +173,7 @@ def _config_problems(directory: StoragePath) -> list[Problem]:
 
 def _archive_problems(directory: StoragePath, name: str) -> list[Problem]:
     try:
-        with open_ranged(directory / name) as file:
+        with open_side_file(directory, name) as file:
             checked = check_archive(file.read, file.size(), expect_tensor=False)
     except DataError as error:
         return [Problem(Rule.ARCHIVE, f"not a torch.save archive: {error.message}", name)]
