@@ -41,9 +41,12 @@ def parse_json(data: bytes | str):
     """A JSON document read from a file (a header, an index): ValueError where it is not one
     as JSON (and the safetensors library) defines it: a byte order mark first, NaN or
     Infinity, a string that is no Unicode (a lone surrogate such as "\\ud800"); or where it
-    nests deeper than Python's parser can follow (RecursionError otherwise)."""
+    nests deeper than Python's parser can follow (RecursionError otherwise); or bytes that are
+    not UTF-8 (Python's parser would take UTF-16 and UTF-32 too)."""
     if data[:3] == b"\xef\xbb\xbf" or data[:1] == "\ufeff":
         raise ValueError("starts with a byte order mark")
+    if isinstance(data, bytes):
+        data = data.decode("utf-8")  # a UnicodeDecodeError is a ValueError
     try:
         document = json.loads(data, parse_constant=_refuse_constant)
         json.dumps(document, ensure_ascii=False).encode()  # a lone surrogate cannot be
@@ -303,14 +306,23 @@ def read_safetensors_model(source: Path) -> list[tuple[Path, SafetensorsTensor]]
     return tensors
 
 
+MAX_INDEX_BYTES = 128 << 20
+"""An index names each tensor once in a few dozen bytes: the largest models' take a few MiB."""
+
+
 def read_weight_map(index_path: Path) -> dict:
     """The weight_map of a `model.safetensors.index.json`: tensor name to file name."""
+    size = index_path.stat().st_size
+    if size > MAX_INDEX_BYTES:
+        raise DataError(f"is {size} bytes, past the {MAX_INDEX_BYTES >> 20} MiB a safetensors "
+                        "index of any model takes", path=index_path)
     try:
-        weight_map = parse_json(read_whole(index_path))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise DataError("not a safetensors index (no weight_map)", path=index_path) from None
+        document = parse_json(read_whole(index_path))
+    except ValueError as error:
+        raise DataError(f"not a safetensors index: not JSON ({error})", path=index_path) from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise DataError("not a safetensors index (no weight_map object)", path=index_path)
     wrong = next((name for name, file_name in weight_map.items()
                   if not isinstance(file_name, str)), None)
     if wrong is not None:

@@ -158,6 +158,9 @@ ENTRY = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
      "__metadata__ that is not a map of strings"),
     (json.dumps({"a": ENTRY, "__metadata__": ["pt"]}).encode(),
      "__metadata__ that is not a map of strings"),
+    # Python's parser takes UTF-16 and UTF-32 bytes too; the library reads UTF-8 only
+    (json.dumps({"a": ENTRY}).encode("utf-16-le"), "not JSON"),
+    (json.dumps({"a": ENTRY}).encode("utf-32"), "not JSON"),
 ])
 def test_hostile_headers_are_refused_in_a_line(tmp_path, header, message):
     """A dtype that is a list crashed on a dict lookup, and a header nested 100,000 deep with
@@ -191,10 +194,19 @@ def test_a_null_metadata_is_none_as_the_library_reads_it(tmp_path):
 
 @pytest.mark.parametrize("index, message", [
     ('{"weight_map": {"a": ["model.safetensors"]}}', "gives 'a' the file \\['model"),
-    ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}", "not a safetensors index"),
+    ('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "not a safetensors index: not JSON \\(nested deeper than any real one\\)"),
     ('{"weight_map": {}}', "its weight_map names no tensors"),  # converted to 0 tensors
+    ('{"weight_map": {"a": "model.safetensors"}}' + " " * 250_000,
+     "is 250042 bytes, past the 0 MiB"),
+    ('["weight_map"]', "not a safetensors index \\(no weight_map object\\)"),
 ])
-def test_hostile_indexes_are_refused_in_a_line(tmp_path, index, message):
+def test_hostile_indexes_are_refused_in_a_line(tmp_path, monkeypatch, index, message):
+    """A 3 GB index (a real one and NUL bytes after it) was read whole, into 6 GB of memory,
+    to be called `not a safetensors index (no weight_map)`."""
+    from dcpctl.format import safetensors
+
+    monkeypatch.setattr(safetensors, "MAX_INDEX_BYTES", 250_000)
     _with_header(tmp_path / "model.safetensors", json.dumps({"a": ENTRY}).encode())
     (tmp_path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(DataError, match=message):
