@@ -146,9 +146,14 @@ def refuse_a_checkpoint_as_run_directory(directory: StoragePath, names: Iterable
     """Refuse a run directory that is an accelerate checkpoint, from the names in it (an
     object's key names its directory first): it holds accelerate's RNG states or model parts.
     Its `optimizer_0` and `pytorch_model_fsdp_0` would read as checkpoints of step 0, and
-    pruning them would delete part of one checkpoint."""
+    pruning them would delete part of one checkpoint. Refuse one that is a checkpoint saved
+    with use_collectives=False too (`__0.metadata`), as one holding `.metadata` is."""
     for name in sorted(names):
         entry = name.partition("/")[0]
+        if entry == name and rank_of_metadata_file_name(name) is not None:
+            raise CheckpointNotFoundError(
+                f"is a checkpoint itself (holds {name}: saved with use_collectives=False); "
+                "give the run directory above it", path=directory)
         part = ACCELERATE_PART.fullmatch(entry)
         model_part = part is not None and part.group(1) == ACCELERATE_MODEL_PART
         if model_part or _ACCELERATE_RNG_STATE.fullmatch(entry):

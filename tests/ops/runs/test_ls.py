@@ -106,6 +106,12 @@ def test_run_directory_must_exist_and_not_be_a_checkpoint(tmp_path):
         scan_run_directory(tmp_path / "absent")
     with pytest.raises(CheckpointNotFoundError, match="is a checkpoint itself"):
         scan_run_directory(fixture_path("mesh2d_4ranks"))
+    # saved with use_collectives=False: each rank's own metadata, no .metadata (it listed none)
+    (tmp_path / "__0_0.distcp").write_bytes(b"rank 0's data")
+    (tmp_path / "__0.metadata").write_bytes(b"rank 0's metadata")
+    with pytest.raises(CheckpointNotFoundError, match=r"is a checkpoint itself \(holds "
+                       r"__0.metadata: saved with use_collectives=False\)"):
+        scan_run_directory(tmp_path)
 
 
 def test_a_checkpoint_directory_that_cannot_be_read_is_ignored_not_fatal(tmp_path, monkeypatch):
