@@ -81,14 +81,18 @@ def model_prefix_of(model_fqns: Collection[str]) -> str:
     return ""
 
 
-def describe_layout(fqns: Iterable[str], directory_name: str, saver: str | None = None) -> str:
-    """Which trainer's state dict this is, and where its model weights are, in words; saver,
-    where the files already tell who wrote them (Megatron-Core's side files, torch's HF
-    writer), names it."""
-    fqns = list(fqns)
+def describe_layout(tensor_fqns: Iterable[str], object_fqns: Iterable[str], directory_name: str,
+                    saver: str | None = None) -> str:
+    """Which trainer's state dict this is, and where its model weights (tensors) are, in
+    words; saver, where the files already tell who wrote them (Megatron-Core's side files,
+    torch's HF writer), names it."""
+    tensor_fqns = list(tensor_fqns)
+    fqns = tensor_fqns + list(object_fqns)
     first_names = [fqn.partition(".")[0] for fqn in fqns]  # root_of, once per fqn, inline
     roots = set(first_names)
-    model = [fqn for fqn, root in zip(fqns, first_names) if not _is_trainer_state_root(root)]
+    # objects beside the weights (`extra.epoch`, `consumed_samples`) tell no weights' place
+    model = [fqn for fqn, root in zip(tensor_fqns, first_names)
+             if not _is_trainer_state_root(root)]
     state = sorted(filter(_is_trainer_state_root, roots))
     part = ACCELERATE_PART.fullmatch(directory_name)
     if saver:

@@ -128,8 +128,8 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
         tensors=_matching(checkpoint.tensors, fqn_glob),
         objects=_matching(checkpoint.objects, fqn_glob),
         files=sorted(checkpoint.files.values(), key=lambda f: natural_order(f.name)),
-        layout=describe_layout(chain((tensor.fqn for tensor in checkpoint.tensors),
-                                     (entry.fqn for entry in checkpoint.objects)),
+        layout=describe_layout((tensor.fqn for tensor in checkpoint.tensors),
+                               (entry.fqn for entry in checkpoint.objects),
                                checkpoint.path.name, _saver(checkpoint))
         + _sharding_api(checkpoint),
     )

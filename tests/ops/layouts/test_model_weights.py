@@ -95,6 +95,11 @@ def test_convert_to_safetensors_takes_exactly_the_models_state_dict(trained, tmp
                                    'state: optim; optimizer state nested)'),
     (model_and_rng_state, "step-10", "plain state dict (model weights under model.; trainer "
                                      "state: rng_state)"),
+    # objects beside the weights tell nothing of where they are (before: "at the top level")
+    (lambda model, optimizer: {**model_optim_state(model, optimizer), "consumed_samples": 5,
+                               "extra": {"epoch": 1, "tag": "a"}}, "step-10",
+     '{"model", "optim"} (model weights under model.; trainer state: optim; optimizer state '
+     'nested)'),
     (lambda model, optimizer: {"model": model.state_dict()}, "pytorch_model_fsdp_0",
      "accelerate model part (model weights under model.)"),
     (lambda model, optimizer: {"optimizer": get_optimizer_state_dict(model, optimizer)},
