@@ -33,8 +33,9 @@ def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json
     matches its CRC-32, and every tensor's dtype and shape match the metadata.
 
     Every problem is reported, each with its file, byte range and fqns. A directory with
-    data files but no `.metadata` (a save still running, or one that died) is incomplete.
-    Files are read once each, in parallel, in bounded memory.
+    data files but no `.metadata` (a save still running, or one that died) is incomplete; one
+    whose `.metadata` names a class outside DCP's (which dcpctl never unpickles), with no other
+    problem, is unreadable. Files are read once each, in parallel, in bounded memory.
 
     \b
     Examples:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.errors import DataError, IncompleteCheckpointError, MetadataError, UnsafePathError
+from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnsafeMetadataError,
+                           UnsafePathError)
 from dcpctl.format.checkpoint.checksums import absent_listed_files, read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
@@ -29,7 +30,7 @@ from dcpctl.storage.local import is_temporary_name
 from dcpctl.storage.locks import locked_checkpoint
 from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
 
-OK, DAMAGED, INCOMPLETE = "ok", "damaged", "incomplete"
+OK, DAMAGED, INCOMPLETE, UNREADABLE = "ok", "damaged", "incomplete", "unreadable"
 
 
 @dataclass
@@ -87,6 +88,7 @@ def verify_checkpoint(path: str | os.PathLike, deep: bool = True, threads: int |
 def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
             on_progress: Callable[[int, int], None] | None) -> VerifyReport:
     report = VerifyReport(str(directory), deep)
+    unreadable = False
     try:
         checkpoint = report.checkpoint = open_checkpoint(directory, check_files=False)
     except IncompleteCheckpointError as error:
@@ -95,6 +97,7 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         return report
     except (MetadataError, UnsafePathError, DataError) as error:
         checkpoint = None  # .metadata, or the safetensors headers it is read from (hf_storage.py)
+        unreadable = isinstance(error, UnsafeMetadataError)
         report.problems.append(Problem(Rule.METADATA, error.message,
                                        _name_below(directory, error.path) or (
                                            METADATA_FILE_NAME if (directory / METADATA_FILE_NAME
@@ -131,7 +134,9 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         report.bytes_read += read
     report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))
     if report.problems:
-        report.status = DAMAGED
+        # a class outside DCP's in .metadata, and nothing else found: no sign of damage, only a
+        # checkpoint dcpctl will not unpickle (torch may: a custom planner's, a quantized dtype)
+        report.status = UNREADABLE if unreadable and len(report.problems) == 1 else DAMAGED
     return report
 
 

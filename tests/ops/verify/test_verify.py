@@ -227,8 +227,28 @@ def test_hostile_metadata_runs_no_code(copy_fixture, tmp_path):
             return (open, (str(marker), "w"))
 
     (checkpoint / ".metadata").write_bytes(pickle.dumps(Hostile()))
-    problem = only_problem(verify_checkpoint(checkpoint), "metadata")
+    report = verify_checkpoint(checkpoint)
+    problem = only_problem(report, "metadata")
     assert "io.open" in problem.message and not marker.exists()
+    assert report.status == "unreadable" and report.exit_code == 1
+
+
+def test_a_class_outside_dcp_s_is_unreadable_not_damage_unless_more_is_wrong(tmp_path):
+    """A quantized tensor's dtype in .metadata (torch.qint8), which torch's dcp.load reads:
+    verify called the checkpoint damaged, where ls and prune call it unreadable."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2), "q": torch.quantize_per_tensor(torch.randn(4), 0.1, 0,
+                                                                 torch.qint8)},
+             checkpoint_id=tmp_path / "q", no_dist=True)
+    report = verify_checkpoint(tmp_path / "q")
+    assert report.status == "unreadable" and report.exit_code == 1
+    assert "torch.qint8, which is not a DCP metadata class" in only_problem(
+        report, "metadata").message
+    (tmp_path / "q" / "SHA256SUMS").write_text(f"{'0' * 64}  .metadata\n")
+    report = verify_checkpoint(tmp_path / "q")
+    assert report.status == "damaged" and only_problem(report, "checksum-mismatch")
 
 
 def test_incomplete_checkpoint(copy_fixture):
