@@ -17,7 +17,8 @@ from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
-                                      is_plain_file_name, rank_of_metadata_file_name)
+                                      is_plain_file_name, rank_of_file_name,
+                                      rank_of_metadata_file_name)
 from dcpctl.format.checkpoint.hf_storage import (check_index, hf_storage_files,
                                                  hf_storage_metadata, refuse_unconsolidated_save)
 from dcpctl.format.metadata.reading import read_metadata
@@ -205,6 +206,13 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
     rank_metadata = sorted((rank, name) for name in listed
                            if (rank := rank_of_metadata_file_name(name)) is not None)
     if rank_metadata:
+        ranks_with_data = {rank_of_file_name(name) for name in listed if "/" not in name} - {None}
+        lacking = sorted(ranks_with_data - {rank for rank, _ in rank_metadata})
+        if lacking:  # as ls and prune (ops/runs/layouts.py) tell it
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint saved with use_collectives=False: rank {lacking[0]} has "
+                f"data files but no __{lacking[0]}{METADATA_FILE_NAME} (a save still running, "
+                "or one that died before finishing)", path=directory)
         raise UnsupportedLayoutError(
             f"saved with use_collectives=False: each rank's own metadata ({rank_metadata[0][1]}"
             f"{', ...' if len(rank_metadata) > 1 else ''}) and no {METADATA_FILE_NAME}, which "

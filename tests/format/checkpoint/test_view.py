@@ -95,6 +95,13 @@ def test_a_save_without_collectives_is_said_so_not_incomplete(tmp_path):
     assert raised.value.message == (
         "saved with use_collectives=False: each rank's own metadata (__0.metadata, ...) and no "
         ".metadata, which dcpctl does not read yet (torch's dcp.load reads each rank's own)")
+    # rank 1 still writing: incomplete, as ls and prune call it (verify said: not read yet)
+    (tmp_path / "ck" / "__1.metadata").unlink()
+    with pytest.raises(IncompleteCheckpointError) as raised:
+        open_checkpoint(tmp_path / "ck")
+    assert raised.value.message == (
+        "incomplete checkpoint saved with use_collectives=False: rank 1 has data files but no "
+        "__1.metadata (a save still running, or one that died before finishing)")
 
 
 def test_a_directory_that_is_no_checkpoint_is_said_so_not_incomplete(copy_fixture, tmp_path):
