@@ -17,15 +17,17 @@ carried.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
+from pathlib import Path
 from typing import Iterable
 
-from dcpctl.errors import DataError
+from dcpctl.errors import DataError, UnsafePathError
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
-from dcpctl.format.checkpoint.view import Checkpoint
+from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.storage.local import is_temporary_name
@@ -43,32 +45,59 @@ _ARCHIVES = (MEGATRON_COMMON_STATE, LIGHTNING_STATE)  # torch.save files
 
 
 def side_files_of(checkpoint: Checkpoint) -> list[str]:
-    """The side files this checkpoint holds: regular files (a link is never one) directly in
-    its directory that its metadata does not name as data files."""
-    names = [name for name in SIDE_FILE_NAMES if name not in checkpoint.files]
-    return list(_regular_file_sizes(checkpoint, names))
+    """The side files this checkpoint holds directly in its directory, that its metadata does
+    not name as data files: regular files, or links to one that a data file's link may be
+    (view.resolve_inside: inside the directory, or in its hub cache repository's blobs)."""
+    if isinstance(checkpoint.path, ObjectPath):
+        return [name for name in SIDE_FILE_NAMES
+                if name not in checkpoint.files and name in (checkpoint.listing or {})]
+    return [name for name in SIDE_FILE_NAMES if name not in checkpoint.files
+            and _held_by(checkpoint.path, name) == _A_FILE]
 
 
 def misplaced_side_files(checkpoint: Checkpoint) -> list[Problem]:
-    """A problem for each side file's name that something other than a regular file holds in
-    the checkpoint's directory (a symlink, a FIFO, a directory): the trainer would read what a
-    link leads to, or wait on a FIFO for ever, where dcpctl reads, checks and carries neither,
-    so the checkpoint is not the trainer's as saved."""
+    """A problem for each side file's name that something else holds in the checkpoint's
+    directory (a FIFO, a directory, a link out of it): the trainer would read what a link
+    leads to, or wait on a FIFO for ever, where dcpctl reads, checks and carries neither, so
+    the checkpoint is not the trainer's as saved."""
     if isinstance(checkpoint.path, ObjectPath):
         return []  # an object is a file
-    problems = []
-    for name in SIDE_FILE_NAMES:
-        if name in checkpoint.files:
-            continue
-        try:
-            mode = os.lstat(os.path.join(checkpoint.path, name)).st_mode
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(mode):
-            problems.append(Problem(Rule.NOT_REGULAR_FILE, f"{_SAVER_OF_SIDE_FILE[name]}'s "
-                                    f"{name} is not a regular file here (a symlink, a FIFO or "
-                                    "a directory)", name))
-    return problems
+    return [Problem(Rule.NOT_REGULAR_FILE, f"{_SAVER_OF_SIDE_FILE[name]}'s {name} is not a "
+                    "regular file here (a FIFO, a directory, or a symlink out of the "
+                    "checkpoint)", name)
+            for name in SIDE_FILE_NAMES
+            if name not in checkpoint.files and _held_by(checkpoint.path, name) == _SOMETHING_ELSE]
+
+
+_NOTHING, _A_FILE, _SOMETHING_ELSE = "nothing", "a file", "something else"
+
+
+def _held_by(directory: Path, name: str) -> str:
+    """What holds a side file's name in a local checkpoint directory (_NOTHING, _A_FILE,
+    _SOMETHING_ELSE): a link counts as the file it leads to where a data file's link may lead
+    there (view.resolve_inside)."""
+    try:
+        os.lstat(directory / name)
+    except FileNotFoundError:
+        return _NOTHING
+    try:
+        _side_file_target(directory, name)
+    except (OSError, UnsafePathError):  # a dangling link too
+        return _SOMETHING_ELSE
+    return _A_FILE
+
+
+def _side_file_target(directory: Path, name: str) -> Path:
+    """The regular file holding a local side file: its own path, or the real path of the
+    file its link leads to where a data file's link may lead (view.resolve_inside); else
+    FileNotFoundError (nothing there), UnsafePathError (a link out) or another OSError."""
+    path = directory / name
+    if stat.S_ISLNK(os.lstat(path).st_mode):
+        resolve_inside(directory, name)
+        path = Path(os.path.realpath(path))
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(directory / name))
+    return path
 
 
 def carried_side_files(checkpoint: Checkpoint) -> list[str]:
@@ -81,9 +110,12 @@ def carried_side_files(checkpoint: Checkpoint) -> list[str]:
 
 
 def open_side_file(directory: StoragePath, name: str) -> LocalRangedFile | ObjectRangedFile:
-    """A reader of a side file of the checkpoint in directory, never through a symlink (an
-    OSError instead), whatever was put in its place since it was checked."""
-    return open_ranged(directory / name, follow_symlinks=False)
+    """A reader of a side file of the checkpoint in directory, whatever was put in its place
+    since it was checked: a link is followed only where it leads inside the checkpoint or to
+    its hub cache blobs (_side_file_target), and the file it leads to is opened as no link."""
+    if isinstance(directory, ObjectPath):
+        return open_ranged(directory / name)
+    return open_ranged(_side_file_target(directory, name), follow_symlinks=False)
 
 
 def saver_of_side_files(side_files: Iterable[str]) -> str | None:

@@ -187,3 +187,27 @@ def test_a_linked_side_file_is_neither_followed_nor_left_out(megatron_saves, tmp
     with pytest.raises(ProblemsError, match="common.pt is not a regular file here"):
         compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists() and outside.read_bytes() == before
+
+
+def test_side_files_in_the_hugging_face_hub_cache_are_its_blobs(megatron_saves, tmp_path):
+    """huggingface_hub's cache makes every file of a download a link to its repository's
+    blobs, as data files may be: a Megatron checkpoint downloaded there had its common.pt and
+    metadata.json called not regular files, and no command would write a new checkpoint of
+    it."""
+    import os
+    import shutil
+
+    repository = tmp_path / "hub" / "models--org--run"
+    snapshot = repository / "snapshots" / "0123abcd" / "iter_0000010"
+    snapshot.mkdir(parents=True)
+    (repository / "blobs").mkdir()
+    for source in megatron_saves["0.16"].iterdir():
+        blob = repository / "blobs" / f"blob-{source.name.strip('.')}"
+        shutil.copyfile(source, blob)
+        (snapshot / source.name).symlink_to(os.path.relpath(blob, snapshot))
+    assert verify_checkpoint(snapshot).status == "ok"
+    compress_checkpoint(snapshot, output_path=str(tmp_path / "out"))
+    for name in ("common.pt", "metadata.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (snapshot / name).read_bytes()
+        assert not (tmp_path / "out" / name).is_symlink()
+    assert inspect_checkpoint(snapshot).layout.startswith("Megatron-Core torch_dist")

@@ -397,7 +397,7 @@ def test_a_side_file_that_is_no_regular_file_makes_the_checkpoint_damaged(tmp_pa
         (names[0], "complete", "deleted"), (names[1], "complete", "kept"),
         (names[2], state, "kept")]
     expected = (f"{newest / side_file}: not-regular-file: {layout}'s {side_file} is not a "
-                "regular file here (a symlink, a FIFO or a directory)")
+                "regular file here (a FIFO, a directory, or a symlink out of the checkpoint)")
     if state == "damaged":
         assert report.decisions[2].damage == expected
     with pytest.raises(ProblemsError) as refused:
