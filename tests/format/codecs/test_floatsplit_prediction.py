@@ -304,3 +304,12 @@ def test_a_tail_block_without_the_archive_it_ends_is_refused():
     with pytest.raises(DataError, match="a tail block that follows no torch.save archive"):
         decode(stream[:tail_start] + too_few_digits + stream[len(stream) - END_HEADER.size:],
                1 << 20)
+    # a bit flipped in the version record's data, which no CRC-32 covers in the stream: the
+    # record rebuilt with it (and a CRC-32 of its own) decoded, exit 0, as torch never wrote it
+    version_at = tail_start + TAIL_HEADER.size
+    assert stream[version_at:version_at + version_bytes] == b"3\n"
+    for flipped in (b"\x13\n", b"3\x0b", b"#\n"):  # 0x33 ^ 0x20, 0x0a ^ 0x01, 0x33 ^ 0x10
+        damaged = stream[:version_at] + flipped + stream[version_at + version_bytes:]
+        with pytest.raises(DataError, match="or with a version record torch.save does not "
+                                            "write"):
+            decode(damaged, 1 << 20)

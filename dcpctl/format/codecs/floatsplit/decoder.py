@@ -209,7 +209,8 @@ class FloatSplitDecoder:
                                  self._decoded_bytes - len(self._head))
         if tail is None:
             raise self._damage(position, "a tail block that follows no torch.save archive's "
-                                         "head and payload it can end")
+                                         "head and payload it can end, or with a version "
+                                         "record torch.save does not write")
         payload_crc = TAIL_HEADER.unpack_from(view, position)[1]
         return _Block(len(tail), decoded=tail, payload_crc=payload_crc), position + size
 

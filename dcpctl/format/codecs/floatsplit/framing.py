@@ -9,6 +9,8 @@ serialization id: a TAIL block holds just those, and the tail is rebuilt from th
 
 from __future__ import annotations
 
+import re
+
 import zstandard
 
 from dcpctl.format.codecs.floatsplit.framing_dictionary_v2 import DICTIONARY
@@ -44,6 +46,11 @@ def framing_decompressor() -> zstandard.ZstdDecompressor:
     return _decompressors.get()
 
 
+TORCH_VERSION_RECORD = re.compile(rb"[0-9]+\n")
+"""The data of the `version` record torch.save writes (`3\n`): a TAIL block holds no other,
+so that the rebuilt record, whose CRC-32 is worked out anew, cannot carry a damaged one."""
+
+
 def tail_block(head: bytes, payload_bytes: int, tail: bytes) -> bytes | None:
     """The TAIL block that stands for `tail`, the bytes after the payload of a torch.save archive
     whose head (its first block) is `head`, where torch's layout lets the tail be rebuilt from
@@ -52,7 +59,8 @@ def tail_block(head: bytes, payload_bytes: int, tail: bytes) -> bytes | None:
     if fields is None:
         return None
     digits = fields.serialization_id
-    if not (digits.isdigit() and digits.isascii()) or max(len(digits), len(fields.version)) > 255:
+    if (not (digits.isdigit() and digits.isascii()) or max(len(digits), len(fields.version)) > 255
+            or not TORCH_VERSION_RECORD.fullmatch(fields.version)):
         return None
     value = int(digits)
     value_bytes = value.to_bytes((value.bit_length() + 7) // 8, "little")
@@ -75,6 +83,6 @@ def tail_of_block(block, head: bytes, payload_bytes: int) -> bytes | None:
     version = bytes(block[TAIL_HEADER.size:TAIL_HEADER.size + version_bytes])
     value = int.from_bytes(block[TAIL_HEADER.size + version_bytes:], "little")
     serialization_id = str(value).zfill(digits).encode()
-    if len(serialization_id) != digits:
+    if len(serialization_id) != digits or not TORCH_VERSION_RECORD.fullmatch(version):
         return None
     return rebuilt_tail(head, payload_bytes, ArchiveTail(payload_crc, version, serialization_id))
