@@ -89,6 +89,11 @@ class UnsafeMetadataError(MetadataError):
     """`.metadata` names something outside the allowlist of DCP metadata classes."""
 
 
+class UnknownClassError(UnsafeMetadataError):
+    """`.metadata` names a class outside DCP's (a custom planner's, a quantized dtype; or a
+    damaged name): no sign of damage alone, as torch may read it."""
+
+
 class UnsafePathError(DcpctlError):
     """A path recorded in the metadata escapes the checkpoint directory."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Callable
 
-from dcpctl.storage.paths import StoragePath, open_ranged
+from dcpctl.storage.paths import RangedFile, StoragePath, open_ranged
 
 HASH_PIECE_BYTES = 4 << 20
 """The bytes read at a time to hash a file."""
@@ -13,14 +13,20 @@ HASH_PIECE_BYTES = 4 << 20
 
 def sha256_of_file(path: StoragePath, on_progress: Callable[[int], None] | None = None) -> str:
     """The hex SHA-256 of a file, read in pieces; on_progress gets the size of each piece."""
-    digest = hashlib.sha256()
     with open_ranged(path) as reader:
-        position = 0
-        while piece := reader.read(position, HASH_PIECE_BYTES):
-            position += len(piece)
-            digest.update(piece)
-            if on_progress is not None:
-                on_progress(len(piece))
+        return sha256_of_opened(reader, on_progress)
+
+
+def sha256_of_opened(reader: RangedFile, on_progress: Callable[[int], None] | None = None
+                     ) -> str:
+    """The hex SHA-256 of a file opened for ranged reads, read in pieces."""
+    digest = hashlib.sha256()
+    position = 0
+    while piece := reader.read(position, HASH_PIECE_BYTES):
+        position += len(piece)
+        digest.update(piece)
+        if on_progress is not None:
+            on_progress(len(piece))
     return digest.hexdigest()
 
 

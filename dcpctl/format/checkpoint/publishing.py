@@ -43,7 +43,7 @@ from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError, run_wit
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   write_whole)
 from dcpctl.storage.claims import OutputClaim
-from dcpctl.storage.file_digests import HASH_PIECE_BYTES, sha256_of_file
+from dcpctl.storage.file_digests import HASH_PIECE_BYTES, sha256_of_opened
 from dcpctl.storage.staging import staged_output
 
 
@@ -305,7 +305,8 @@ class CheckpointOutput:
             removal_error = None
         digests[METADATA_FILE_NAME] = metadata_digest
         for name in self._side_files:
-            digests[name] = sha256_of_file(directory / name)
+            with open_side_file(directory, name) as reader:
+                digests[name] = sha256_of_opened(reader)
         write_sha256sums(directory, digests)
         _sync(directory, [*digests, *replaced_files])
         if removal_error is not None:

@@ -27,7 +27,7 @@ from typing import Iterable
 from dcpctl.errors import DataError, UnsafePathError
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
-from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
+from dcpctl.format.checkpoint.view import Checkpoint, real_path_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.storage.local import is_temporary_name
@@ -47,7 +47,7 @@ _ARCHIVES = (MEGATRON_COMMON_STATE, LIGHTNING_STATE)  # torch.save files
 def side_files_of(checkpoint: Checkpoint) -> list[str]:
     """The side files this checkpoint holds directly in its directory, that its metadata does
     not name as data files: regular files, or links to one that a data file's link may be
-    (view.resolve_inside: inside the directory, or in its hub cache repository's blobs)."""
+    (view.real_path_inside: inside the directory, or in its hub cache repository's blobs)."""
     if isinstance(checkpoint.path, ObjectPath):
         return [name for name in SIDE_FILE_NAMES
                 if name not in checkpoint.files and name in (checkpoint.listing or {})]
@@ -75,7 +75,7 @@ _NOTHING, _A_FILE, _SOMETHING_ELSE = "nothing", "a file", "something else"
 def _held_by(directory: Path, name: str) -> str:
     """What holds a side file's name in a local checkpoint directory (_NOTHING, _A_FILE,
     _SOMETHING_ELSE): a link counts as the file it leads to where a data file's link may lead
-    there (view.resolve_inside)."""
+    there (view.real_path_inside)."""
     try:
         os.lstat(directory / name)
     except FileNotFoundError:
@@ -89,12 +89,11 @@ def _held_by(directory: Path, name: str) -> str:
 
 def _side_file_target(directory: Path, name: str) -> Path:
     """The regular file holding a local side file: its own path, or the real path of the
-    file its link leads to where a data file's link may lead (view.resolve_inside); else
+    file its link leads to where a data file's link may lead (view.real_path_inside); else
     FileNotFoundError (nothing there), UnsafePathError (a link out) or another OSError."""
     path = directory / name
     if stat.S_ISLNK(os.lstat(path).st_mode):
-        resolve_inside(directory, name)
-        path = Path(os.path.realpath(path))
+        path = real_path_inside(directory, name)  # resolved once: what is checked is opened
     if not stat.S_ISREG(os.lstat(path).st_mode):
         raise OSError(errno.EINVAL, "not a regular file", os.fspath(directory / name))
     return path

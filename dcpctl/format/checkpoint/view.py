@@ -125,13 +125,21 @@ def resolve_inside(directory: StoragePath, relative_path: str) -> StoragePath:
     candidate = directory / relative_path
     if isinstance(directory, ObjectPath):
         return candidate  # no links in an object store: the name is the whole story
+    real_path_inside(directory, relative_path)
+    return candidate
+
+
+def real_path_inside(directory: Path, relative_path: str) -> Path:
+    """Where `directory/relative_path` really is, through any links, refused (UnsafePathError)
+    unless inside the directory or in its hub cache repository's blobs: open this path, not
+    the name, to read what was checked."""
     real_directory = os.path.realpath(directory)
-    real_candidate = os.path.realpath(candidate)
+    real_candidate = os.path.realpath(directory / relative_path)
     if (os.path.commonpath([real_directory, real_candidate]) != real_directory
             and not _in_its_hub_cache_blobs(real_directory, real_candidate)):
         raise UnsafePathError(f"{relative_path!r} resolves to {real_candidate}, outside the "
                               "checkpoint directory (a symlink out?)", path=directory)
-    return candidate
+    return Path(real_candidate)
 
 
 def _in_its_hub_cache_blobs(real_directory: str, real_candidate: str) -> bool:

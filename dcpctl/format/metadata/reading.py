@@ -17,7 +17,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO, Callable, Iterator
 
 from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.errors import MetadataError, UnsafeMetadataError
+from dcpctl.errors import MetadataError, UnknownClassError, UnsafeMetadataError
 from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.format.metadata.records import (MEMORY_FORMAT_CODES, TORCH_LAYOUTS, BytesMetadata,
@@ -143,7 +143,7 @@ class _AllowlistUnpickler(pickle.Unpickler):
         try:
             return _ALLOWED_CLASSES[(module, name)]
         except KeyError:
-            raise UnsafeMetadataError(
+            raise UnknownClassError(
                 f"refers to {module}.{name}, which is not a DCP metadata class; "
                 "refusing to unpickle it"
             ) from None

@@ -144,7 +144,8 @@ def read_central_directory(read_range: ReadRange, archive_length: int) -> Centra
     if count > MAX_ARCHIVE_RECORDS or size_bytes > _MAX_DIRECTORY_BYTES:
         raise DataError(f"zip central directory of {count} entries in {size_bytes} bytes: past "
                         f"the {MAX_ARCHIVE_RECORDS} entries or {_MAX_DIRECTORY_BYTES >> 20} MiB "
-                        "dcpctl reads (torch.save writes an entry of about 60 bytes per storage)")
+                        "dcpctl reads (torch.save writes an entry of about 60 bytes per "
+                        "storage, more with a long archive name)")
     if size_bytes < count * _CENTRAL.size or offset + size_bytes > directory_end:
         raise DataError(f"zip central directory of {count} entries at bytes {offset}.."
                         f"{offset + size_bytes} cannot hold them before byte {directory_end}")

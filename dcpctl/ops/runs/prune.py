@@ -332,9 +332,9 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
         if (status.st_dev, status.st_ino) != entry.identity:
             raise UnsafePathError("is no longer the directory that was scanned; not deleted",
                                   path=entry.path)
-        # mounted since the scan: a file system of its own, or a bind mount (same device)
-        mounted = ([os.curdir] if status.st_dev != os.fstat(run_descriptor).st_dev
-                   else mount_points_at_or_inside(entry.path))
+        # mounted since the scan, as the scan tells it (a btrfs subvolume has a device of its
+        # own and is no mount); what is mounted below after this, empty_directory stops at
+        mounted = mount_points_at_or_inside(entry.path)
         if mounted:
             raise UnsafePathError(mounted_reason(mounted[0]), path=entry.path)
         lock_descriptor(descriptor, exclusive=True, path=entry.path,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnsafeMetadataError,
+from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnknownClassError,
                            UnsafePathError)
 from dcpctl.format.checkpoint.checksums import absent_listed_files, read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
@@ -97,7 +97,7 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         return report
     except (MetadataError, UnsafePathError, DataError) as error:
         checkpoint = None  # .metadata, or the safetensors headers it is read from (hf_storage.py)
-        unreadable = isinstance(error, UnsafeMetadataError)
+        unreadable = isinstance(error, UnknownClassError)
         report.problems.append(Problem(Rule.METADATA, error.message,
                                        _name_below(directory, error.path) or (
                                            METADATA_FILE_NAME if (directory / METADATA_FILE_NAME
@@ -134,8 +134,9 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         report.bytes_read += read
     report.problems.sort(key=lambda problem: (problem.file or "", problem.start or 0))
     if report.problems:
-        # a class outside DCP's in .metadata, and nothing else found: no sign of damage, only a
-        # checkpoint dcpctl will not unpickle (torch may: a custom planner's, a quantized dtype)
+        # a class outside DCP's in .metadata, and nothing else found: a checkpoint dcpctl will
+        # not unpickle, which torch may read (a custom planner's class, a quantized dtype), or
+        # a class name damaged: nothing tells which
         report.status = UNREADABLE if unreadable and len(report.problems) == 1 else DAMAGED
     return report
 

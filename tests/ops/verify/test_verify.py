@@ -251,6 +251,24 @@ def test_a_class_outside_dcp_s_is_unreadable_not_damage_unless_more_is_wrong(tmp
     assert report.status == "damaged" and only_problem(report, "checksum-mismatch")
 
 
+def test_metadata_refused_for_anything_but_a_class_name_is_damaged(copy_fixture):
+    """Only a class outside DCP's makes a checkpoint unreadable: a pickle of persistent ids,
+    which neither torch's metadata nor any writer's holds, is damage."""
+    import io
+
+    class WithPersistentIds(pickle.Pickler):
+        def persistent_id(self, value):
+            return "id" if value == "x" else None
+
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    buffer = io.BytesIO()
+    WithPersistentIds(buffer).dump(["x"])
+    (checkpoint / ".metadata").write_bytes(buffer.getvalue())
+    report = verify_checkpoint(checkpoint)
+    assert report.status == "damaged"
+    assert "persistent ids" in only_problem(report, "metadata").message
+
+
 def test_incomplete_checkpoint(copy_fixture):
     checkpoint = copy_fixture("fsdp2_adamw_3ranks")
     (checkpoint / ".metadata").unlink()
