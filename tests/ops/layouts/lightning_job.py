@@ -119,5 +119,17 @@ def main(action: str, path: str, values_file: str) -> None:
     _write_values(fabric, model, optimizer, rest, values_file)
 
 
+def _end_process_group() -> None:
+    """Every rank past its work, then the group torn down: a rank that exits while another's
+    gloo threads still serve the group can take that one down with it (SIGABRT, `terminate
+    called without an active exception`), as it did once in CI."""
+    import torch.distributed as distributed
+
+    if distributed.is_initialized():
+        distributed.barrier()
+        distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    _end_process_group()
