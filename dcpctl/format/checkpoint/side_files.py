@@ -17,6 +17,7 @@ carried.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -97,6 +98,18 @@ def _side_file_target(directory: Path, name: str) -> Path:
     if not stat.S_ISREG(os.lstat(path).st_mode):
         raise OSError(errno.EINVAL, "not a regular file", os.fspath(directory / name))
     return path
+
+
+def side_file_bytes(checkpoint: Checkpoint, side_files: Iterable[str]) -> int:
+    """The bytes of these side files (side_files_of): about what side_file_problems reads."""
+    if isinstance(checkpoint.path, ObjectPath):
+        listing = checkpoint.listing or {}
+        return sum(listing[name].size for name in side_files if name in listing)
+    total = 0
+    for name in side_files:
+        with contextlib.suppress(OSError, UnsafePathError):  # gone or changed: not read either
+            total += os.stat(_side_file_target(checkpoint.path, name)).st_size
+    return total
 
 
 def carried_side_files(checkpoint: Checkpoint) -> list[str]:

@@ -16,8 +16,8 @@ from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.rewrites import rewrite_error, rewrite_named, rewritten_since_read
 from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_beside_data,
-                                                 misplaced_side_files, side_file_problems,
-                                                 side_files_of)
+                                                 misplaced_side_files, side_file_bytes,
+                                                 side_file_problems, side_files_of)
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.file_names import (METADATA_FILE_NAME, SHA256SUMS_FILE_NAME,
@@ -121,13 +121,16 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         report.leftover_temporaries = leftover_temporaries(checkpoint, present)
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
+    side_bytes = 0
     if deep and checkpoint is not None:
-        report.problems += side_file_problems(directory, side_files_of(checkpoint))
+        side_files = side_files_of(checkpoint)
+        report.problems += side_file_problems(directory, side_files)
+        side_bytes = side_file_bytes(checkpoint, side_files)
     units = planning.units(checkpoint, archive_items, safetensors_items)
     job = ScanJob(planning, threads)
     report.problems += run_scan(job, units, workers, on_progress)
     report.items_checked = len(archive_items) + len(safetensors_items) + len(undecodable)
-    report.bytes_read = sum(unit.read_bytes for unit in units)
+    report.bytes_read = sum(unit.read_bytes for unit in units) + side_bytes
     if checkpoint is not None:
         found, read = consolidation_problems(checkpoint, deep)
         report.problems += found

@@ -53,6 +53,10 @@ def test_inspect_and_verify_read_megatron_checkpoints(megatron_saves, version):
     assert report.layout.startswith("Megatron-Core torch_dist (model weights at the top level")
     verified = verify_checkpoint(source)
     assert verified.status == "ok", verified.problems
+    # what it read: the items, and the side files it checked (left out of the figure before)
+    items = sum(path.stat().st_size for path in source.glob("*.distcp"))
+    side_files = sum((source / name).stat().st_size for name in ("common.pt", "metadata.json"))
+    assert verified.bytes_read == items + side_files
     expected_mcore_data = MCORE_DATA if version == "0.14" else None
     assert read_metadata(source).mcore_data == expected_mcore_data
 
