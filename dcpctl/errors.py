@@ -94,6 +94,15 @@ class UnknownClassError(UnsafeMetadataError):
     damaged name): no sign of damage alone, as torch may read it."""
 
 
+class MetadataReadError(MetadataError):
+    """`.metadata` could not be read at all (the file system failed it): nothing is judged."""
+
+
+NO_SIGN_OF_DAMAGE = (UnknownClassError, MetadataReadError)
+"""The refusals of a `.metadata` that say nothing of the checkpoint's soundness: verify calls
+it unreadable where one is all it found, as ls and prune do."""
+
+
 class UnsafePathError(DcpctlError):
     """A path recorded in the metadata escapes the checkpoint directory."""
 

@@ -35,7 +35,8 @@ def verify_command(context: click.Context, checkpoint: str, quick: bool, as_json
     Every problem is reported, each with its file, byte range and fqns. A directory with
     data files but no `.metadata` (a save still running, or one that died) is incomplete; one
     whose `.metadata` names a class outside DCP's (which dcpctl never unpickles: a custom
-    planner's, a quantized dtype, or a damaged name), with no other problem, is unreadable.
+    planner's, a quantized dtype, or a damaged name), or that the file system fails to read,
+    with no other problem, is unreadable.
     Files are read once each, in parallel, in bounded memory.
 
     \b

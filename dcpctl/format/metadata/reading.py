@@ -17,7 +17,8 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO, Callable, Iterator
 
 from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.errors import MetadataError, UnknownClassError, UnsafeMetadataError
+from dcpctl.errors import (MetadataError, MetadataReadError, UnknownClassError,
+                           UnsafeMetadataError)
 from dcpctl.format.dtypes import DTYPE_ALIASES, DTYPES_BY_NAME, DType
 from dcpctl.format.file_names import METADATA_FILE_NAME
 from dcpctl.format.metadata.records import (MEMORY_FORMAT_CODES, TORCH_LAYOUTS, BytesMetadata,
@@ -187,7 +188,7 @@ def _load_with_allowlist(stream: BinaryIO, size: int, source: str) -> Any:
                             f"honestly take (over {memory_budget_bytes(size) >> 20} MiB)",
                             path=source) from None
     except OSError as error:  # the file, not the pickle
-        raise MetadataError(f"cannot read ({error.strerror or error})", path=source) from None
+        raise MetadataReadError(f"cannot read ({error.strerror or error})", path=source) from None
     except Exception as error:  # a damaged pickle fails in many ways; all mean the same
         raise MetadataError(f"not a readable DCP metadata pickle ({type(error).__name__}: "
                             f"{error})", path=source) from None
@@ -288,7 +289,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike | StoragePath) -> Checkpoint
             return parse_metadata(read_whole(path), str(path))
         raw = open_for_reading(path)
     except OSError as error:
-        raise MetadataError(f"cannot read ({error.strerror})", path=path) from None
+        raise MetadataReadError(f"cannot read ({error.strerror})", path=path) from None
     with io.BufferedReader(raw, _READ_BUFFER_BYTES) as stream:
         return _parse_stream(stream, os.fstat(raw.fileno()).st_size, str(path))
 

@@ -5,7 +5,7 @@ A checkpoint passes it; or fails it as damaged (the first problem, with its plac
 lacks bytes (data files missing or short, as a save or copy cut short leaves it: prune may
 delete it as it does an incomplete one) or not; or cannot be read (a `.metadata` that dcpctl
 does not read, which torch may: a class it does not know, a layout it does not read yet; a
-store that refuses it): no verdict, and prune never deletes it; or is found in use: another
+file system or store that fails it): no verdict, and prune never deletes it; or is found in use: another
 dcpctl holds it to change it (an in-place compress, SHA256SUMS being written), so what its
 files say now is no verdict either.
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.errors import DcpctlError, LockHeldError, describe_os_error
+from dcpctl.errors import (NO_SIGN_OF_DAMAGE, DataError, DcpctlError, LockHeldError, MetadataError,
+                           UnsafePathError, describe_os_error)
 from dcpctl.format.checkpoint.problems import ProblemsError, Rule
 from dcpctl.format.checkpoint.structure import open_quickly_verified
 from dcpctl.format.checkpoint.view import Checkpoint
@@ -80,7 +81,11 @@ def quick_check(entry: CheckpointEntry) -> QuickCheck:
         except ProblemsError as error:
             return QuickCheck(damage=str(error), lacks_bytes=all(
                 problem.rule in _BYTES_MISSING for problem in error.problems))
-        except DcpctlError as error:
+        except NO_SIGN_OF_DAMAGE as error:
+            return QuickCheck(unreadable=str(error))
+        except (MetadataError, UnsafePathError, DataError) as error:  # as verify calls them
+            return QuickCheck(damage=str(error))
+        except DcpctlError as error:  # a layout dcpctl does not read yet, a store refusing it
             return QuickCheck(unreadable=str(error))
         except OSError as error:
             return QuickCheck(unreadable=describe_os_error(error))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcpctl.cycle_collector import paused_cycle_collector
-from dcpctl.errors import (DataError, IncompleteCheckpointError, MetadataError, UnknownClassError,
+from dcpctl.errors import (NO_SIGN_OF_DAMAGE, DataError, IncompleteCheckpointError, MetadataError,
                            UnsafePathError)
 from dcpctl.format.checkpoint.checksums import absent_listed_files, read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
@@ -97,7 +97,7 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         return report
     except (MetadataError, UnsafePathError, DataError) as error:
         checkpoint = None  # .metadata, or the safetensors headers it is read from (hf_storage.py)
-        unreadable = isinstance(error, UnknownClassError)
+        unreadable = isinstance(error, NO_SIGN_OF_DAMAGE)
         report.problems.append(Problem(Rule.METADATA, error.message,
                                        _name_below(directory, error.path) or (
                                            METADATA_FILE_NAME if (directory / METADATA_FILE_NAME
@@ -139,7 +139,7 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
     if report.problems:
         # a class outside DCP's in .metadata, and nothing else found: a checkpoint dcpctl will
         # not unpickle, which torch may read (a custom planner's class, a quantized dtype), or
-        # a class name damaged: nothing tells which
+        # a class name damaged: nothing tells which; or a .metadata the file system failed
         report.status = UNREADABLE if unreadable and len(report.problems) == 1 else DAMAGED
     return report
 

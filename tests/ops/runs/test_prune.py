@@ -301,9 +301,9 @@ def _saved_without_collectives(rank: int, world_size: int, path: str) -> None:
     dcp.save({"w": torch.full((4,), float(rank))}, checkpoint_id=path, use_collectives=False)
 
 
-@pytest.mark.parametrize("unreadable", ["not a pickle", "a class dcpctl does not know",
-                                        "saved without collectives"])
-def test_a_checkpoint_dcpctl_cannot_read_is_never_deleted(tmp_path, unreadable):
+@pytest.mark.parametrize("unreadable", ["a class dcpctl does not know",
+                                        "saved without collectives", "failing to be read"])
+def test_a_checkpoint_dcpctl_cannot_read_is_never_deleted(tmp_path, monkeypatch, unreadable):
     """Taken for damaged, it went with --incomplete-older-than, newest and all: with a custom
     planner's class in every `.metadata`, a prune deleted a whole run that torch loads. A save
     with use_collectives=False writes each rank's own __<rank>.metadata and no .metadata: it
@@ -313,8 +313,8 @@ def test_a_checkpoint_dcpctl_cannot_read_is_never_deleted(tmp_path, unreadable):
     run_dir = _run_dir(tmp_path, [100, 200, 300])
     for step in (200, 300):
         checkpoint = run_dir / f"step-{step}"
-        if unreadable == "not a pickle":
-            (checkpoint / ".metadata").write_bytes(b"not a pickle")
+        if unreadable == "failing to be read":
+            _failing_to_read(monkeypatch, checkpoint / ".metadata")
         elif unreadable == "a class dcpctl does not know":
             _with_a_fraction_in_planner_data(checkpoint)
         else:
@@ -330,6 +330,42 @@ def test_a_checkpoint_dcpctl_cannot_read_is_never_deleted(tmp_path, unreadable):
     assert decisions["step-300"].state == "unreadable"
     assert decisions["step-300"].reasons[0].startswith("cannot be read (")
     assert decisions["step-300"].reasons[0].endswith("): never deleted")
+
+
+def _failing_to_read(monkeypatch, path) -> None:
+    """Make path fail to be opened with EIO, as a failing disk does."""
+    from dcpctl.format.metadata import reading
+
+    opened = reading.open_for_reading
+
+    def failing(target, *args, **kwargs):
+        if os.fspath(target) == os.fspath(path):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return opened(target, *args, **kwargs)
+
+    monkeypatch.setattr(reading, "open_for_reading", failing)
+
+
+def test_a_metadata_that_is_no_pickle_is_damage_to_ls_prune_and_verify(tmp_path):
+    """ls and prune called a checkpoint whose `.metadata` is no pickle unreadable, where verify
+    called it damaged; a class outside DCP's is what neither can judge."""
+    from dcpctl.ops.runs.listing import list_run_directory
+    from dcpctl.ops.verify.verifier import verify_checkpoint
+
+    run_dir = _run_dir(tmp_path, [100, 200])
+    (run_dir / "step-200" / ".metadata").write_bytes(b"not a pickle")
+    assert verify_checkpoint(run_dir / "step-200").status == "damaged"
+    listed = {row.entry.name: row for row in list_run_directory(run_dir).checkpoints}
+    assert listed["step-200"].state == "damaged"
+    report = _prune(run_dir, keep_last=1)
+    assert _deleted(report) == [] and _remaining(run_dir) == ["step-100", "step-200"]
+    decisions = {decision.checkpoint.name: decision for decision in report.decisions}
+    assert decisions["step-100"].reasons[0] == "newest complete"
+    assert decisions["step-200"].state == "damaged"
+    assert decisions["step-200"].reasons == [
+        f"damaged ({run_dir / 'step-200' / '.metadata'}: not a readable DCP metadata pickle "
+        "(UnpicklingError: invalid load key, 'n'.)): deleted only where data files are missing "
+        "or short"]
 
 
 def test_a_checkpoint_damaged_but_not_lacking_bytes_is_never_deleted(tmp_path):

@@ -251,6 +251,28 @@ def test_a_class_outside_dcp_s_is_unreadable_not_damage_unless_more_is_wrong(tmp
     assert report.status == "damaged" and only_problem(report, "checksum-mismatch")
 
 
+def test_a_metadata_the_file_system_fails_to_read_is_no_damage(copy_fixture, monkeypatch):
+    """EIO reading `.metadata` (a failing disk) made the checkpoint damaged to verify, where ls
+    and prune call it unreadable: nothing was judged."""
+    import errno
+    import os
+
+    from dcpctl.format.metadata import reading
+
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    opened = reading.open_for_reading
+
+    def failing(path, *args, **kwargs):
+        if os.fspath(path) == os.fspath(checkpoint / ".metadata"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(reading, "open_for_reading", failing)
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert report.status == "unreadable" and report.exit_code == 1
+    assert only_problem(report, "metadata").message == "cannot read (Input/output error)"
+
+
 def test_metadata_refused_for_anything_but_a_class_name_is_damaged(copy_fixture):
     """Only a class outside DCP's makes a checkpoint unreadable: a pickle of persistent ids,
     which neither torch's metadata nor any writer's holds, is damage."""
