@@ -5,9 +5,9 @@ A checkpoint passes it; or fails it as damaged (the first problem, with its plac
 lacks bytes (data files missing or short, as a save or copy cut short leaves it: prune may
 delete it as it does an incomplete one) or not; or cannot be read (a `.metadata` that dcpctl
 does not read, which torch may: a class it does not know, a layout it does not read yet; a
-file system or store that fails it): no verdict, and prune never deletes it; or is found in use: another
-dcpctl holds it to change it (an in-place compress, SHA256SUMS being written), so what its
-files say now is no verdict either.
+file system or store that fails it): no verdict, and prune never deletes it; or is found in
+use: another dcpctl holds it to change it (an in-place compress, SHA256SUMS being written), so
+what its files say now is no verdict either.
 """
 
 from __future__ import annotations
