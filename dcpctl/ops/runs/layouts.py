@@ -143,13 +143,16 @@ def _dcp_subdirectories(names: Iterable[str]) -> set[str]:
 
 
 def refuse_a_checkpoint_as_run_directory(directory: StoragePath, names: Iterable[str]) -> None:
-    """Refuse a run directory that is an accelerate checkpoint, from the names in it (an
-    object's key names its directory first): it holds accelerate's RNG states or model parts.
-    Its `optimizer_0` and `pytorch_model_fsdp_0` would read as checkpoints of step 0, and
-    pruning them would delete part of one checkpoint. Refuse one that is a checkpoint saved
-    with use_collectives=False too (`__0.metadata`), as one holding `.metadata` is."""
+    """Refuse a run directory that is a checkpoint itself, from the names in it (an object's
+    key names its directory first): one holding `.metadata`, or a checkpoint saved with
+    use_collectives=False (`__0.metadata`), or an accelerate checkpoint, which holds
+    accelerate's RNG states or model parts. Its `optimizer_0` and `pytorch_model_fsdp_0` would
+    read as checkpoints of step 0, and pruning them would delete part of one checkpoint."""
     for name in sorted(names):
         entry = name.partition("/")[0]
+        if name == METADATA_FILE_NAME:
+            raise CheckpointNotFoundError(f"is a checkpoint itself (holds {METADATA_FILE_NAME}); "
+                                          "give the run directory above it", path=directory)
         if entry == name and rank_of_metadata_file_name(name) is not None:
             raise CheckpointNotFoundError(
                 f"is a checkpoint itself (holds {name}: saved with use_collectives=False); "

@@ -153,16 +153,14 @@ def no_checkpoints_said(run_dir: str | StoragePath, runs_below: list[str]) -> st
 
 
 def check_run_directory(directory: StoragePath) -> None:
-    """Refuse a run directory that is missing, not a directory, or itself a checkpoint."""
+    """Refuse a run directory that is missing or not a directory (one that is a checkpoint
+    itself is refused from its listing: refuse_a_checkpoint_as_run_directory)."""
     if not directory.is_dir():
         if isinstance(directory, ObjectPath):
             directory.store.list_tree(directory.key)  # says where the bucket itself is missing
         what = "not a directory" if directory.exists() else "no such directory"
         raise CheckpointNotFoundError(f"{what}; give the run directory that holds the "
                                       "checkpoint directories", path=directory)
-    if (directory / METADATA_FILE_NAME).exists():
-        raise CheckpointNotFoundError(f"is a checkpoint itself (holds {METADATA_FILE_NAME}); "
-                                      "give the run directory above it", path=directory)
 
 
 def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
