@@ -49,11 +49,7 @@ def side_files_of(checkpoint: Checkpoint) -> list[str]:
     """The side files this checkpoint holds directly in its directory, that its metadata does
     not name as data files: regular files, or links to one that a data file's link may be
     (view.real_path_inside: inside the directory, or in its hub cache repository's blobs)."""
-    if isinstance(checkpoint.path, ObjectPath):
-        return [name for name in SIDE_FILE_NAMES
-                if name not in checkpoint.files and name in (checkpoint.listing or {})]
-    return [name for name in SIDE_FILE_NAMES if name not in checkpoint.files
-            and _held_by(checkpoint.path, name) == _A_FILE]
+    return _names_held_by(checkpoint, _A_FILE)
 
 
 def misplaced_side_files(checkpoint: Checkpoint) -> list[Problem]:
@@ -61,16 +57,31 @@ def misplaced_side_files(checkpoint: Checkpoint) -> list[Problem]:
     directory (a FIFO, a directory, a link out of it): the trainer would read what a link
     leads to, or wait on a FIFO for ever, where dcpctl reads, checks and carries neither, so
     the checkpoint is not the trainer's as saved."""
-    if isinstance(checkpoint.path, ObjectPath):
-        return []  # an object is a file
+    return _misplaced(_names_held_by(checkpoint, _SOMETHING_ELSE))
+
+
+def _misplaced(names: list[str]) -> list[Problem]:
     return [Problem(Rule.NOT_REGULAR_FILE, f"{_SAVER_OF_SIDE_FILE[name]}'s {name} is not a "
                     "regular file here (a FIFO, a directory, or a symlink out of the "
                     "checkpoint)", name)
-            for name in SIDE_FILE_NAMES
-            if name not in checkpoint.files and _held_by(checkpoint.path, name) == _SOMETHING_ELSE]
+            for name in names]
 
 
 _NOTHING, _A_FILE, _SOMETHING_ELSE = "nothing", "a file", "something else"
+
+
+def _holders(checkpoint: Checkpoint) -> dict[str, str]:
+    """What holds each side file's name that the metadata does not name as a data file
+    (_NOTHING, _A_FILE, _SOMETHING_ELSE), each name looked at once."""
+    names = [name for name in SIDE_FILE_NAMES if name not in checkpoint.files]
+    if isinstance(checkpoint.path, ObjectPath):  # an object is a file
+        listing = checkpoint.listing or {}
+        return {name: _A_FILE if name in listing else _NOTHING for name in names}
+    return {name: _held_by(checkpoint.path, name) for name in names}
+
+
+def _names_held_by(checkpoint: Checkpoint, holder: str) -> list[str]:
+    return [name for name, held_by in _holders(checkpoint).items() if held_by == holder]
 
 
 def _held_by(directory: Path, name: str) -> str:
@@ -115,10 +126,11 @@ def side_file_bytes(checkpoint: Checkpoint, side_files: Iterable[str]) -> int:
 def carried_side_files(checkpoint: Checkpoint) -> list[str]:
     """The side files a new checkpoint written from this one carries (side_files_of), refused
     (ProblemsError) where a side file's name holds something that is no regular file."""
-    misplaced = misplaced_side_files(checkpoint)
+    holders = _holders(checkpoint)
+    misplaced = [name for name, held_by in holders.items() if held_by == _SOMETHING_ELSE]
     if misplaced:
-        raise problems_error(misplaced, checkpoint.path)
-    return side_files_of(checkpoint)
+        raise problems_error(_misplaced(misplaced), checkpoint.path)
+    return [name for name, held_by in holders.items() if held_by == _A_FILE]
 
 
 def open_side_file(directory: StoragePath, name: str) -> LocalRangedFile | ObjectRangedFile:
