@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from dcpctl.execution import torchrun
-from dcpctl.format.file_names import METADATA_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_metadata_file_name
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.paths import StoragePath, is_remote
 
@@ -43,7 +43,8 @@ def automatic_workers(source: StoragePath, output: StoragePath | None = None) ->
 
 def _local_sizes(source: StoragePath) -> tuple[int, int]:
     """The bytes of the files of a local checkpoint directory (or of a file), and of its
-    `.metadata`; (0, 0) where there is nothing to read (the command says so)."""
+    metadata (`.metadata`, or its ranks' own); (0, 0) where there is nothing to read (the
+    command says so)."""
     try:
         if not os.path.isdir(source):
             return os.path.getsize(source), 0
@@ -53,8 +54,9 @@ def _local_sizes(source: StoragePath) -> tuple[int, int]:
                 if entry.is_file(follow_symlinks=False):
                     size = entry.stat(follow_symlinks=False).st_size
                     data_bytes += size
-                    if entry.name == METADATA_FILE_NAME:
-                        metadata_bytes = size
+                    if (entry.name == METADATA_FILE_NAME
+                            or rank_of_metadata_file_name(entry.name) is not None):
+                        metadata_bytes += size  # a rank's own, of use_collectives=False
         return data_bytes, metadata_bytes
     except OSError:
         return 0, 0

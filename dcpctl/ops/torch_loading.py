@@ -211,7 +211,9 @@ class ObjectStoreReader(FileSystemReader):
         return "://" in str(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self.location / METADATA_FILE_NAME
+        rank = kwargs.get("rank")  # a save with use_collectives=False: each rank reads its own
+        path = self.location / (METADATA_FILE_NAME if rank is None
+                                else f"__{rank}{METADATA_FILE_NAME}")
         path.store.list_tree(self.location.key, pin_current=True)  # this load reads them now
         return torch_metadata(read_whole(path), path, self.load_id)
 

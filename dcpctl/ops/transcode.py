@@ -135,6 +135,14 @@ class TranscodeReport:
 def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool) -> TranscodePlan:
     """Plan carrying every item into `codec`; items already in it are copied unless
     recode_same_codec (for instance to change the zstd level)."""
+    if checkpoint.rank_metadata:
+        raise UnsupportedLayoutError(
+            f"saved with use_collectives=False ({checkpoint.rank_metadata[0]}, ...: each "
+            "rank's own metadata, and no .metadata); compress and decompress keep a "
+            "checkpoint's layout and do not rewrite this one. reshard reads it and writes it "
+            "with one .metadata, which torch loads at any world size, in any codec: "
+            f"`dcpctl reshard {checkpoint.path} --ranks N -o OUT --codec zstd`",
+            path=checkpoint.path)
     for data_file in checkpoint.files.values():
         if data_file.serialization == SAFETENSORS:
             raise UnsupportedLayoutError(

@@ -150,12 +150,13 @@ def saver_of_side_files(side_files: Iterable[str]) -> str | None:
 def files_beside_data(checkpoint: Checkpoint) -> list[str]:
     """The checkpoint's own files besides its data files: what `verify` knows and SHA256SUMS
     covers. `.metadata` and the side files; for one torch's HuggingFaceStorageWriter wrote,
-    which has no `.metadata`, its index and the rank files consolidation left (hf_storage.py)."""
+    which has no `.metadata`, its index and the rank files consolidation left (hf_storage.py);
+    for one saved with use_collectives=False, its ranks' own metadata in place of `.metadata`."""
     if checkpoint.hf_storage:
         names = (checkpoint.listing if checkpoint.listing is not None
                  else file_names_in(checkpoint.path))
         return hf_storage_extra_files(names)
-    return [METADATA_FILE_NAME, *side_files_of(checkpoint)]
+    return [*(checkpoint.rank_metadata or [METADATA_FILE_NAME]), *side_files_of(checkpoint)]
 
 
 def empty_writer_files(checkpoint: Checkpoint, names: set[str]) -> list[str]:

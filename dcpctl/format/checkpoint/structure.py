@@ -61,12 +61,17 @@ class StoredItem:
 
 
 def list_stored_items(checkpoint: Checkpoint) -> list[StoredItem]:
-    """Every item the metadata locates: tensor chunks and objects with storage."""
+    """Every item the metadata locates: tensor chunks and objects with storage, and the
+    replicas of a checkpoint read from its ranks' own metadata (rank_metadata.py)."""
     items = [StoredItem(tensor.fqn, chunk.storage, tensor, chunk)
              for tensor in checkpoint.tensors for chunk in tensor.chunks
              if chunk.storage is not None]
     items += [StoredItem(entry.fqn, entry.storage) for entry in checkpoint.objects
               if entry.storage is not None]
+    if checkpoint.replicas:
+        tensors = {tensor.fqn: tensor for tensor in checkpoint.tensors}
+        items += [StoredItem(replica.key.fqn, replica.storage, tensors.get(replica.key.fqn),
+                             replica.chunk) for replica in checkpoint.replicas]
     return items
 
 

@@ -6,21 +6,23 @@ import math
 import os
 import stat
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable
 
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
-                           UnsafePathError, UnsupportedLayoutError)
+                           UnsafePathError)
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
-                                      is_plain_file_name, rank_of_file_name,
-                                      rank_of_metadata_file_name)
+                                      is_plain_file_name)
 from dcpctl.format.checkpoint.hf_storage import (check_index, hf_storage_files,
                                                  hf_storage_metadata, refuse_unconsolidated_save)
+from dcpctl.format.checkpoint.rank_metadata import (Replica, merged_rank_metadata,
+                                                    rank_metadata_names, ranks_lacking_metadata)
 from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
@@ -90,6 +92,12 @@ class Checkpoint:
     hf_storage: bool = False
     """Whether torch's HuggingFaceStorageWriter wrote it (hf_storage.py): its metadata is read
     from its safetensors files, and it has no `.metadata`."""
+    rank_metadata: list[str] = field(default_factory=list)
+    """The ranks' own metadata files it is read from where it was saved with
+    use_collectives=False and has no `.metadata` (rank_metadata.py), lowest rank first."""
+    replicas: list[Replica] = field(default_factory=list, repr=False)
+    """Of one read from its ranks' own metadata: the items a rank saved that a lower rank saved
+    too (rank_metadata.py), which no data is read from but verify and checksum check."""
     joined_one_to_one: bool = False
     """Whether every chunk and object was joined with a storage entry of its key, and every
     storage entry with one of them (_collect_entries): then none lacks storage and no entry is
@@ -161,19 +169,24 @@ def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = T
     directory = storage_path(path)
     if isinstance(directory, ObjectPath):
         listing = directory.store.list_tree(directory.key, pin_current=True)  # read anew
-        hf_files = _check_is_checkpoint_prefix(directory, listing)
+        hf_files, rank_files = _check_is_checkpoint_prefix(directory, listing)
     else:
         listing = None
-        hf_files = _check_is_checkpoint_directory(directory)
+        hf_files, rank_files = _check_is_checkpoint_directory(directory)
+    replicas: list[Replica] = []
     with paused_cycle_collector():
         if hf_files:
             metadata = hf_storage_metadata(directory, hf_files,
                                            _file_sizes(directory, listing, hf_files))
             check_index(directory, metadata)
+        elif rank_files:
+            _file_sizes(directory, listing, rank_files)  # like every file of it, inside it
+            metadata, replicas = merged_rank_metadata(directory, rank_files)
         else:
             resolve_inside(directory, METADATA_FILE_NAME)  # like every file of it, inside it
             metadata = read_metadata(directory)
-        checkpoint = Checkpoint(directory, metadata, listing=listing, hf_storage=bool(hf_files))
+        checkpoint = Checkpoint(directory, metadata, listing=listing, hf_storage=bool(hf_files),
+                                rank_metadata=rank_files, replicas=replicas)
         _collect_entries(checkpoint)
     if check_files:
         problems = find_file_problems(checkpoint)
@@ -182,8 +195,9 @@ def open_checkpoint(path: str | os.PathLike | StoragePath, check_files: bool = T
     return checkpoint
 
 
-def _check_is_checkpoint_directory(directory: Path) -> list[str]:
-    """Refuse what is no checkpoint; the safetensors files of one without `.metadata`."""
+def _check_is_checkpoint_directory(directory: Path) -> tuple[list[str], list[str]]:
+    """Refuse what is no checkpoint; the files the metadata of one without `.metadata` is
+    read from (_refuse_unless_checkpoint)."""
     if not directory.exists():
         raise CheckpointNotFoundError("no such file or directory", path=directory)
     if not directory.is_dir():
@@ -195,7 +209,7 @@ def _check_is_checkpoint_directory(directory: Path) -> list[str]:
 
 
 def _check_is_checkpoint_prefix(directory: ObjectPath, listing: dict[str, ObjectInfo]
-                                ) -> list[str]:
+                                ) -> tuple[list[str], list[str]]:
     if not listing:
         raise CheckpointNotFoundError("no objects under this prefix", path=directory)
     return _refuse_unless_checkpoint(
@@ -205,33 +219,31 @@ def _check_is_checkpoint_prefix(directory: ObjectPath, listing: dict[str, Object
 
 def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], bool],
                               holds_data_files: Callable[[], bool],
-                              names: Callable[[], Iterable[str]]) -> list[str]:
+                              names: Callable[[], Iterable[str]]
+                              ) -> tuple[list[str], list[str]]:
     """Refuse a directory (or prefix) without `.metadata`, saying what it looks like, unless
-    torch's HuggingFaceStorageWriter wrote it: then its safetensors files (hf_storage.py)."""
+    torch's HuggingFaceStorageWriter wrote it, or a save with use_collectives=False: then the
+    files its metadata is read from, (its safetensors files (hf_storage.py), []) or ([], its
+    ranks' own metadata files (rank_metadata.py)); ([], []) with `.metadata`."""
     if holds(METADATA_FILE_NAME):
-        return []
+        return [], []
     listed = list(names())
-    rank_metadata = sorted((rank, name) for name in listed
-                           if (rank := rank_of_metadata_file_name(name)) is not None)
-    if rank_metadata:
-        ranks_with_data = {rank_of_file_name(name) for name in listed if "/" not in name} - {None}
-        lacking = sorted(ranks_with_data - {rank for rank, _ in rank_metadata})
+    rank_files = rank_metadata_names(listed)
+    if rank_files:
+        lacking = ranks_lacking_metadata(listed, rank_files)
         if lacking:  # as ls and prune (ops/runs/layouts.py) tell it
             raise IncompleteCheckpointError(
                 f"incomplete checkpoint saved with use_collectives=False: rank {lacking[0]} has "
-                f"data files but no __{lacking[0]}{METADATA_FILE_NAME} (a save still running, "
-                "or one that died before finishing)", path=directory)
-        raise UnsupportedLayoutError(
-            f"saved with use_collectives=False: each rank's own metadata ({rank_metadata[0][1]}"
-            f"{', ...' if len(rank_metadata) > 1 else ''}) and no {METADATA_FILE_NAME}, which "
-            "dcpctl does not read yet (torch's dcp.load reads each rank's own)", path=directory)
+                f"not written its __{lacking[0]}{METADATA_FILE_NAME} (a save still running, or "
+                "one that died before finishing)", path=directory)
+        return [], rank_files
     if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():
         raise IncompleteCheckpointError(
             f"incomplete checkpoint: data files but no {METADATA_FILE_NAME} (a save still "
             "running, or one that died before finishing)", path=directory)
     hf_files = hf_storage_files(listed)
     if hf_files:
-        return hf_files
+        return hf_files, []
     if holds(HF_INDEX_FILE_NAME):
         raise DataError(f"holds {HF_INDEX_FILE_NAME} of a Hugging Face safetensors checkpoint "
                         "but no .safetensors file beside it", path=directory)
@@ -320,27 +332,35 @@ def _scan_storage(checkpoint: Checkpoint
     items are serialized."""
     stored_by_fqn: dict[str, list[tuple[tuple | None, StorageInfo]]] = {}
     first_tensor_items: dict[str, tuple[str, StorageInfo]] = {}
-    files = checkpoint.files
     for key, info in (checkpoint.metadata.storage_data or {}).items():
         fqn = key.fqn
         stored = stored_by_fqn.get(fqn)
         if stored is None:
             stored = stored_by_fqn[fqn] = []
         stored.append((key.offset, info))
-        data_file = files.get(info.relative_path)
-        if data_file is None:
-            checkpoint.data_path(info.relative_path)  # refuses a path that escapes
-            data_file = files[info.relative_path] = DataFile(
-                info.relative_path, *_file_status(checkpoint, info.relative_path))
+        _count_item(checkpoint, fqn, info)
         if key.offset is not None and info.relative_path not in first_tensor_items:
             first_tensor_items[info.relative_path] = (fqn, info)
-        data_file.item_count += 1
-        if info.offset < data_file.end_bytes:
-            data_file.items_apart = False
-        end = info.offset + info.length
-        if end > data_file.end_bytes:
-            data_file.end_bytes, data_file.last_fqn = end, fqn
+    for replica in checkpoint.replicas:
+        # listed after the file's other items: the overlap check sorts its items
+        _count_item(checkpoint, replica.key.fqn, replica.storage).items_apart = False
     return stored_by_fqn, first_tensor_items
+
+
+def _count_item(checkpoint: Checkpoint, fqn: str, info: StorageInfo) -> DataFile:
+    """Count an item into the data file that holds it (checkpoint.files), which it adds."""
+    data_file = checkpoint.files.get(info.relative_path)
+    if data_file is None:
+        checkpoint.data_path(info.relative_path)  # refuses a path that escapes
+        data_file = checkpoint.files[info.relative_path] = DataFile(
+            info.relative_path, *_file_status(checkpoint, info.relative_path))
+    data_file.item_count += 1
+    if info.offset < data_file.end_bytes:
+        data_file.items_apart = False
+    end = info.offset + info.length
+    if end > data_file.end_bytes:
+        data_file.end_bytes, data_file.last_fqn = end, fqn
+    return data_file
 
 
 def _join_in_order(chunks: list[ChunkMetadata], stored: list) -> int | None:
@@ -453,7 +473,8 @@ def _fqns_past(checkpoint: Checkpoint, past_by_file: dict[str, int]) -> dict[str
     given, in storage order: one pass over the items, however many files are wrong (a
     checkpoint of a thousand ranks whose files are all missing has a million items)."""
     fqns: dict[str, list[str]] = {name: [] for name in past_by_file}
-    for key, info in checkpoint.metadata.storage_data.items():
+    replicas = ((replica.key, replica.storage) for replica in checkpoint.replicas)
+    for key, info in chain(checkpoint.metadata.storage_data.items(), replicas):
         past = past_by_file.get(info.relative_path)
         if past is not None and info.offset + info.length > past:
             fqns[info.relative_path].append(key.fqn)

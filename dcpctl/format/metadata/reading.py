@@ -278,11 +278,12 @@ def _started_with_stack(run: Callable[[], None], stack_bytes: int) -> threading.
     return thread
 
 
-def read_metadata(checkpoint_dir: str | os.PathLike | StoragePath) -> CheckpointMetadata:
-    """Read and check `checkpoint_dir/.metadata` without importing torch. A local file is
-    unpickled as it is read, never whole in memory beside what it unpickles to (142 MB at a
-    million chunks)."""
-    path = storage_path(checkpoint_dir) / METADATA_FILE_NAME
+def read_metadata(checkpoint_dir: str | os.PathLike | StoragePath,
+                  name: str = METADATA_FILE_NAME) -> CheckpointMetadata:
+    """Read and check `checkpoint_dir/.metadata` (or another file of DCP metadata there: a
+    rank's own, `__<rank>.metadata`) without importing torch. A local file is unpickled as it
+    is read, never whole in memory beside what it unpickles to (142 MB at a million chunks)."""
+    path = storage_path(checkpoint_dir) / name
     note_planned_from(path, whole=True)
     try:
         if isinstance(path, ObjectPath):

@@ -14,6 +14,7 @@ from typing import Iterable
 from dcpctl.cycle_collector import paused_cycle_collector
 from dcpctl.format.checkpoint.hf_storage import describe_hf_storage
 from dcpctl.format.checkpoint.problems import Problem
+from dcpctl.format.checkpoint.rank_metadata import describe_rank_metadata
 from dcpctl.format.checkpoint.side_files import saver_of_side_files, side_files_of
 from dcpctl.format.checkpoint.view import (Checkpoint, DataFile, ObjectEntry, TensorEntry,
                                            find_file_problems, open_checkpoint)
@@ -170,6 +171,8 @@ def _saver(checkpoint: Checkpoint) -> str | None:
     """Who wrote the checkpoint, where its files tell."""
     if checkpoint.hf_storage:
         return describe_hf_storage(checkpoint.files)
+    if checkpoint.rank_metadata:
+        return describe_rank_metadata(checkpoint.rank_metadata)
     saver = saver_of_side_files(side_files_of(checkpoint))
     if saver is None and checkpoint.metadata.mcore_data is not None:
         return "Megatron-Core torch_dist"

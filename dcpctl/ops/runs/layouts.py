@@ -16,9 +16,9 @@
   and `metadata.json`, written after `.metadata`: complete once that is there (its loader
   refuses a directory without).
 - A torch save with `use_collectives=False`: each rank writes its own data files and then its
-  own `__<rank>.metadata`, and no `.metadata`: complete once every rank with data files has
-  written its metadata. (dcpctl does not read such checkpoints yet: ls calls them unreadable,
-  and prune never deletes a complete one.)
+  own `__<rank>.metadata`, and no `.metadata`: complete once every rank with data files, and
+  every rank below the highest with metadata, has written its metadata
+  (format/checkpoint/rank_metadata.py).
 - Megatron-Core names the iteration it resumes from in `latest_checkpointed_iteration.txt` in
   the run directory (written once a save is finished), which prune always keeps.
 - Lightning's ModelCheckpoint names a sharded checkpoint (a DCP directory) as it names a file,
@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from typing import Collection, Iterable
 
 from dcpctl.errors import CheckpointNotFoundError
+from dcpctl.format.checkpoint.rank_metadata import rank_metadata_names, ranks_lacking_metadata
 from dcpctl.format.checkpoint.side_files import (LIGHTNING_STATE, MEGATRON_COMMON_STATE,
                                                  MEGATRON_CONFIG)
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
-                                      rank_of_file_name, rank_of_metadata_file_name)
+                                      rank_of_metadata_file_name)
 from dcpctl.format.state_dict_layouts import ACCELERATE_MODEL_PART, ACCELERATE_PART
 from dcpctl.storage.paths import StoragePath
 
@@ -68,12 +69,16 @@ class CheckpointShape:
     complete: bool
     custom_objects: int = 0
     """Of an accelerate checkpoint: the objects registered for checkpointing it holds."""
+    rank_metadata: tuple[str, ...] = ()
+    """Of a save with use_collectives=False: its ranks' own metadata files, in place of
+    `.metadata`."""
 
     @property
     def metadata_files(self) -> list[str]:
-        """The `.metadata` files that make it complete, relative to it: what a deletion
-        removes first, so that a deletion cut short leaves it looking incomplete."""
-        return self._in_each_part(METADATA_FILE_NAME)
+        """The `.metadata` files that make it complete (its ranks' own, of a save with
+        use_collectives=False), relative to it: what a deletion removes first, so that a
+        deletion cut short leaves it looking incomplete."""
+        return list(self.rank_metadata) or self._in_each_part(METADATA_FILE_NAME)
 
     @property
     def sha256sums_files(self) -> list[str]:
@@ -121,10 +126,10 @@ def checkpoint_shape(names: Collection[str], directory_name: str) -> CheckpointS
                     and (ACCELERATE_LAST_WRITTEN in names or TRAINER_LAST_WRITTEN in names))
         custom_objects = sum(1 for name in names if ACCELERATE_CUSTOM_OBJECT.fullmatch(name))
         return CheckpointShape(tuple(parts), complete, custom_objects)
-    ranks_with_metadata = {rank_of_metadata_file_name(name) for name in names} - {None}
-    if ranks_with_metadata:  # saved without collectives
-        ranks_with_data = {rank_of_file_name(name) for name in names if "/" not in name} - {None}
-        return CheckpointShape((), complete=ranks_with_data <= ranks_with_metadata)
+    rank_files = rank_metadata_names(names)
+    if rank_files:  # saved without collectives
+        return CheckpointShape((), complete=not ranks_lacking_metadata(names, rank_files),
+                               rank_metadata=tuple(rank_files))
     # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
     if not names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names if "/" not in name):
         return CheckpointShape((), complete=False)

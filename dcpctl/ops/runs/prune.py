@@ -322,7 +322,8 @@ def _gone_from(run_descriptor: int, entry: CheckpointEntry) -> bool:
 
 def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> None:
     """Delete a checkpoint directory of the run directory open as run_descriptor, its
-    `.metadata` files first (each part's, where it has parts), so that a deletion cut short
+    `.metadata` files first (each part's, where it has parts; each rank's own, of a save with
+    use_collectives=False), so that a deletion cut short
     leaves an incomplete checkpoint rather than one that looks complete. Everything goes
     through descriptors: the entry must still be the directory the scan saw (not a symlink,
     not another directory swapped in), and no other dcpctl may be using it or its parts."""
@@ -346,9 +347,11 @@ def delete_checkpoint_directory(run_descriptor: int, entry: CheckpointEntry) -> 
             if changed_since_scanned(entry):
                 raise DcpctlError("was written since prune looked at it (a save at work "
                                   "there?); not deleted", path=entry.path)
+            first = [METADATA_FILE_NAME] if entry.parts else entry.metadata_files
             for holder in (holder for holder in holders if holder is not None):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(METADATA_FILE_NAME, dir_fd=holder)
+                for name in first:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=holder)
         failpoint(Failpoint.AFTER_METADATA_REMOVED)
         empty_directory(descriptor)
     finally:

@@ -89,6 +89,8 @@ class CheckpointEntry:
     objects: Mapping[str, ObjectInfo] = field(default_factory=dict, repr=False, compare=False)
     """In an object store, the objects the scan listed under it, by name relative to it: all
     that a deletion may remove, and only as they were then."""
+    rank_metadata: tuple[str, ...] = ()
+    """Of a save with use_collectives=False: its ranks' own metadata files (layouts.py)."""
 
     @property
     def dcp_directories(self) -> list[StoragePath]:
@@ -98,7 +100,8 @@ class CheckpointEntry:
     @property
     def metadata_files(self) -> list[str]:
         """The `.metadata` files that make it complete (what a deletion removes first)."""
-        return CheckpointShape(self.parts, self.complete).metadata_files
+        return CheckpointShape(self.parts, self.complete,
+                               rank_metadata=self.rank_metadata).metadata_files
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
@@ -296,7 +299,7 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
             age_seconds=None if modified_at is None else max(0.0, now - modified_at),
             has_sha256sums=all(file in objects for file in shape.sha256sums_files),
             identity=(0, 0), parts=shape.parts, custom_objects=shape.custom_objects,
-            objects=objects))
+            objects=objects, rank_metadata=shape.rank_metadata))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     _doubt_those_short_of_custom_objects(scan.checkpoints)
     _mark_the_trainers_best(scan.checkpoints)
@@ -379,7 +382,7 @@ def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: flo
         modified_at=modified_at, age_seconds=max(0.0, now - modified_at),
         has_sha256sums=all((path / name).is_file() for name in shape.sha256sums_files),
         identity=(status.st_dev, status.st_ino), parts=shape.parts,
-        custom_objects=shape.custom_objects)
+        custom_objects=shape.custom_objects, rank_metadata=shape.rank_metadata)
 
 
 def changed_since_scanned(entry: CheckpointEntry) -> bool:

@@ -10,7 +10,7 @@ import torch
 from conftest import FIXTURE_NAMES, fixture_path, item_locations, load_with_torch
 
 from dcpctl.errors import (CheckpointNotFoundError, DataError, IncompleteCheckpointError,
-                           MetadataError, UnsafePathError, UnsupportedLayoutError)
+                           MetadataError, UnsafePathError)
 from dcpctl.format.checkpoint.items import StoredSpan, iter_item_pieces, read_item
 from dcpctl.format.checkpoint.locations import locate_chunk, locate_object
 from dcpctl.format.checkpoint.view import SAFETENSORS, find_file_problems, open_checkpoint
@@ -76,32 +76,6 @@ def test_directory_without_metadata_is_incomplete(copy_fixture, tmp_path):
     (checkpoint / ".metadata").unlink()
     with pytest.raises(IncompleteCheckpointError, match="incomplete"):
         open_checkpoint(checkpoint)
-
-
-def _saved_without_collectives(rank: int, world_size: int, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"w": torch.full((4,), float(rank))}, checkpoint_id=path, use_collectives=False)
-
-
-def test_a_save_without_collectives_is_said_so_not_incomplete(tmp_path):
-    """torch's save with use_collectives=False writes each rank's own __<rank>.metadata and no
-    .metadata: every command called it a save that died."""
-    from make_fixtures import run_gloo_job
-
-    run_gloo_job(2, _saved_without_collectives, str(tmp_path / "ck"))
-    with pytest.raises(UnsupportedLayoutError) as raised:
-        open_checkpoint(tmp_path / "ck")
-    assert raised.value.message == (
-        "saved with use_collectives=False: each rank's own metadata (__0.metadata, ...) and no "
-        ".metadata, which dcpctl does not read yet (torch's dcp.load reads each rank's own)")
-    # rank 1 still writing: incomplete, as ls and prune call it (verify said: not read yet)
-    (tmp_path / "ck" / "__1.metadata").unlink()
-    with pytest.raises(IncompleteCheckpointError) as raised:
-        open_checkpoint(tmp_path / "ck")
-    assert raised.value.message == (
-        "incomplete checkpoint saved with use_collectives=False: rank 1 has data files but no "
-        "__1.metadata (a save still running, or one that died before finishing)")
 
 
 def test_a_directory_that_is_no_checkpoint_is_said_so_not_incomplete(copy_fixture, tmp_path):

@@ -1,0 +1,137 @@
+"""A checkpoint saved with `use_collectives=False`: no `.metadata`, but each rank's own.
+
+torch's `dcp.save(..., use_collectives=False)` (and `no_dist=True` with it, one process) plans
+and writes each rank alone: rank r writes its data files `__<r>_<n>.distcp` and then
+`__<r>.metadata`, DCP metadata of its own items only (a sharded tensor's entry gives its full
+size and the chunks of that rank), and no `.metadata`. `dcp.load` reads it back rank by rank,
+each rank its own file, so only the world size that saved it can load it.
+
+dcpctl reads it as one checkpoint: the ranks' metadata merged (merged_rank_metadata). Each
+tensor's chunks are those of every rank; a chunk several ranks saved whole (a replicated
+tensor: nothing told the ranks apart) is taken once, from the lowest rank, as is an object
+several saved (torch's own deduplication of a collective save keeps one copy as well). The
+other ranks' copies are its replicas: verify and checksum check their bytes too, as each rank
+loads its own, and the structure checks look at them, but nothing reads them to move data.
+Commands that write a new checkpoint (reshard, convert) write it with one `.metadata`, which
+any world size loads; compress and decompress, which keep a checkpoint's layout, refuse it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from dcpctl.errors import MetadataError
+from dcpctl.format.file_names import rank_of_file_name, rank_of_metadata_file_name
+from dcpctl.format.metadata.reading import read_metadata
+from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, MetadataIndex,
+                                            StorageInfo, TensorMetadata)
+from dcpctl.storage.paths import StoragePath
+from dcpctl.wording import counted
+
+
+@dataclass(slots=True)
+class Replica:
+    """A rank's copy of an item a lower rank saved as well: its key, its chunk (None for an
+    object) and where its bytes are."""
+
+    key: MetadataIndex
+    chunk: ChunkMetadata | None
+    storage: StorageInfo
+
+
+def rank_metadata_names(names: Iterable[str]) -> list[str]:
+    """The ranks' own metadata files among the names in a checkpoint directory, by rank."""
+    ranked = ((rank_of_metadata_file_name(name), name) for name in names)
+    return [name for _, name in sorted(
+        (rank, name) for rank, name in ranked if rank is not None)]
+
+
+def ranks_lacking_metadata(names: Iterable[str], rank_files: list[str]) -> list[int]:
+    """The ranks of a save with use_collectives=False (whose own metadata files of the names
+    in its directory are rank_files) that have not written their metadata: those with data
+    files, and those below the highest rank that has (every rank writes its own). A save still
+    running, or one that died; the ranks above the highest that wrote anything no name tells."""
+    names = [name for name in names if "/" not in name]
+    have = {rank_of_metadata_file_name(name) for name in rank_files}
+    ranks_with_data = {rank_of_file_name(name) for name in names} - {None}
+    return sorted((ranks_with_data | set(range(max(have)))) - have)
+
+
+def describe_rank_metadata(rank_files: list[str]) -> str:
+    """Who wrote a checkpoint read from these ranks' own metadata files, in words."""
+    return f"torch dcp.save with use_collectives=False, {counted(len(rank_files), 'rank')}"
+
+
+def merged_rank_metadata(directory: StoragePath, names: list[str]
+                         ) -> tuple[CheckpointMetadata, list[Replica]]:
+    """The metadata of a checkpoint saved with use_collectives=False, from its ranks' own
+    files (rank_metadata_names, lowest rank first), and the replicas that merging set aside.
+    Each rank's metadata is looked at once, each of its chunks once: linear in all of them."""
+    merger = _Merger(read_metadata(directory, names[0]))
+    for name in names[1:]:
+        merger.add(read_metadata(directory, name), str(directory / name))
+    return merger.merged, merger.replicas
+
+
+@dataclass
+class _Merger:
+    """The ranks' metadata merged so far (lowest rank first), and its replicas."""
+
+    merged: CheckpointMetadata
+    replicas: list[Replica] = field(default_factory=list)
+    chunk_keys: dict[str, set[tuple]] = field(default_factory=dict)
+    """(offsets, sizes) of the chunks of each tensor two ranks saved so far."""
+
+    def add(self, rank: CheckpointMetadata, source: str) -> None:
+        """Add a rank's metadata: new entries and chunks join the merged metadata, the items
+        a lower rank saved too are set aside as replicas."""
+        entries = self.merged.state_dict_metadata
+        shared_chunks: dict[tuple[str, tuple[int, ...]], ChunkMetadata] = {}
+        for fqn, entry in rank.state_dict_metadata.items():
+            known = entries.get(fqn)
+            if known is None:
+                entries[fqn] = entry
+                continue
+            if isinstance(entry, TensorMetadata) != isinstance(known, TensorMetadata):
+                raise MetadataError(f"holds {fqn!r} as {_kind(entry)} where a lower rank's "
+                                    f"metadata holds {_kind(known)}", path=source)
+            if isinstance(entry, TensorMetadata):
+                _refuse_disagreement(fqn, entry, known, source)
+                keys = self.chunk_keys.get(fqn)
+                if keys is None:
+                    keys = self.chunk_keys[fqn] = {
+                        (tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in known.chunks}
+                for chunk in entry.chunks:
+                    offsets = tuple(chunk.offsets)
+                    shared_chunks[(fqn, offsets)] = chunk
+                    if (offsets, tuple(chunk.sizes)) not in keys:
+                        keys.add((offsets, tuple(chunk.sizes)))
+                        known.chunks.append(chunk)  # its own; one overlapping is damage
+        storage_data = self.merged.storage_data
+        for key, info in rank.storage_data.items():
+            if key in storage_data:
+                chunk = None if key.offset is None else shared_chunks.get(
+                    (key.fqn, tuple(key.offset)))
+                self.replicas.append(Replica(key, chunk, info))
+            else:
+                storage_data[key] = info
+        for name in ("planner_data", "mcore_data"):  # fqns' own data: the lowest rank's
+            mine, theirs = getattr(self.merged, name), getattr(rank, name)
+            if isinstance(mine, dict) and isinstance(theirs, dict):
+                for fqn, value in theirs.items():
+                    mine.setdefault(fqn, value)
+
+
+def _refuse_disagreement(fqn: str, entry: TensorMetadata, known: TensorMetadata,
+                         source: str) -> None:
+    if (entry.properties.dtype, tuple(entry.size)) != (known.properties.dtype,
+                                                       tuple(known.size)):
+        raise MetadataError(
+            f"gives tensor {fqn!r} dtype {entry.properties.dtype.name} and size "
+            f"{list(entry.size)} where a lower rank's metadata gives "
+            f"{known.properties.dtype.name} and {list(known.size)}", path=source)
+
+
+def _kind(entry: object) -> str:
+    return "a tensor" if isinstance(entry, TensorMetadata) else "an object"

@@ -1,0 +1,236 @@
+"""Checkpoints saved with use_collectives=False: no `.metadata`, each rank's own, read as one
+checkpoint (format/checkpoint/rank_metadata.py), from real 3-rank gloo saves."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+
+import pytest
+import torch
+from conftest import directory_state, flip_bit, load_with_torch, run_dcpctl
+
+from dcpctl.errors import IncompleteCheckpointError
+from dcpctl.format.checkpoint.view import open_checkpoint
+from dcpctl.ops.verify.verifier import verify_checkpoint
+
+WORLD_SIZE = 3
+
+
+def _full_tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return {"model.w": torch.randn(9, 4, generator=generator),
+            "model.b": torch.randn(4, generator=generator),
+            "model.e": torch.arange(10, dtype=torch.bfloat16)}
+
+
+def _saved_without_collectives(rank: int, world_size: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = _full_tensors()
+    state = {"model": {"w": distribute_tensor(full["model.w"], mesh, [Shard(0)]),
+                       "b": distribute_tensor(full["model.b"], mesh, [Replicate()]),
+                       "e": full["model.e"]},
+             "step": 7, "rank_state": {"rank": rank}}
+    dcp.save(state, checkpoint_id=path, use_collectives=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from make_fixtures import run_gloo_job
+
+    path = tmp_path_factory.mktemp("saved") / "ck"
+    run_gloo_job(WORLD_SIZE, _saved_without_collectives, str(path))
+    return path
+
+
+@pytest.fixture
+def checkpoint(saved, tmp_path):
+    copy = tmp_path / "ck"
+    shutil.copytree(saved, copy)
+    return copy
+
+
+def test_it_is_read_as_one_checkpoint_whose_replicas_are_checked_too(checkpoint):
+    """It was refused: `dcpctl does not read yet`. Each rank saved the replicated tensor, the
+    plain one and both objects: one copy is read, all are checked."""
+    opened = open_checkpoint(checkpoint)
+    assert opened.rank_metadata == ["__0.metadata", "__1.metadata", "__2.metadata"]
+    chunks = {tensor.fqn: [tuple(chunk.offsets) for chunk in tensor.chunks]
+              for tensor in opened.tensors}
+    assert chunks == {"model.w": [(0, 0), (3, 0), (6, 0)], "model.b": [(0,)], "model.e": [(0,)]}
+    assert all(chunk.storage.relative_path == f"__{offsets[0] // 3}_0.distcp"
+               for chunk, offsets in zip(opened.tensors[0].chunks, chunks["model.w"]))
+    # the lowest rank's copy is the one read
+    assert opened.tensors[1].chunks[0].storage.relative_path == "__0_0.distcp"
+    assert sorted((replica.key.fqn, replica.storage.relative_path)
+                  for replica in opened.replicas) == sorted(
+        (fqn, f"__{rank}_0.distcp") for rank in (1, 2)
+        for fqn in ("model.b", "model.e", "step", "rank_state.rank"))
+    report = verify_checkpoint(checkpoint)
+    assert report.status == "ok" and report.items_checked == 5 + 2 + 8
+    assert report.bytes_read == sum(path.stat().st_size for path in checkpoint.glob("*.distcp"))
+
+
+def test_reshard_and_convert_write_it_with_one_metadata_that_torch_loads(checkpoint, tmp_path):
+    full = _full_tensors()
+    outputs = {workers: tmp_path / f"resharded-{workers}" for workers in (1, 2)}
+    for workers, output in outputs.items():
+        result = run_dcpctl("reshard", checkpoint, "--ranks", 2, "-o", output,
+                            "--workers", workers)
+        assert result.returncode == 0, result.stderr
+    assert directory_state(outputs[1]) == directory_state(outputs[2])
+    loaded = load_with_torch(outputs[1])
+    assert sorted(loaded) == sorted([*full, "step", "rank_state.rank"])
+    assert all(torch.equal(loaded[fqn], value) for fqn, value in full.items())
+    assert (loaded["step"], loaded["rank_state.rank"]) == (7, 0)  # the lowest rank's
+    assert verify_checkpoint(outputs[1]).status == "ok"
+    result = run_dcpctl("convert", checkpoint, "--to", "safetensors", "-o", tmp_path / "st")
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+
+    converted = load_file(tmp_path / "st" / "model.safetensors")
+    assert converted.keys() == {"w", "b", "e"}
+    assert all(torch.equal(converted[fqn.removeprefix("model.")], value)
+               for fqn, value in full.items())
+
+
+def test_compress_and_decompress_refuse_it_naming_reshard(checkpoint, tmp_path):
+    before = directory_state(checkpoint)
+    for args in (["compress", checkpoint], ["compress", checkpoint, "-o", tmp_path / "z"],
+                 ["decompress", checkpoint, "-o", tmp_path / "d"]):
+        result = run_dcpctl(*args)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stderr == (
+            f"Error: {checkpoint}: saved with use_collectives=False (__0.metadata, ...: each "
+            "rank's own metadata, and no .metadata); compress and decompress keep a "
+            "checkpoint's layout and do not rewrite this one. reshard reads it and writes it "
+            "with one .metadata, which torch loads at any world size, in any codec: "
+            f"`dcpctl reshard {checkpoint} --ranks N -o OUT --codec zstd`\n")
+    assert directory_state(checkpoint) == before
+    assert not (tmp_path / "z").exists() and not (tmp_path / "d").exists()
+
+
+def test_a_damaged_replica_is_damage_though_no_command_reads_it(checkpoint):
+    """Rank 2 loads its own copy of the replicated tensor: a flipped bit there is damage."""
+    from dcpctl.format.torch_save.layout import find_payload_start
+
+    replica = next(replica for replica in open_checkpoint(checkpoint).replicas
+                   if replica.key.fqn == "model.b" and replica.storage.relative_path
+                   == "__2_0.distcp")
+    data = (checkpoint / "__2_0.distcp").read_bytes()
+    start = replica.storage.offset
+    flip_bit(checkpoint / "__2_0.distcp",
+             start + find_payload_start(data[start:start + replica.storage.length]))
+    report = verify_checkpoint(checkpoint)
+    assert report.status == "damaged"
+    assert [(problem.rule, problem.file, problem.fqns) for problem in report.problems] == [
+        ("crc-mismatch", "__2_0.distcp", ("model.b",))]
+
+
+def _rewrite_rank_metadata(checkpoint, rank: int, change) -> None:
+    import torch.distributed.checkpoint  # noqa: F401  registers torch's classes
+
+    path = checkpoint / f"__{rank}.metadata"
+    metadata = pickle.loads(path.read_bytes())
+    change(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def test_ranks_whose_metadata_disagree_are_damage(checkpoint):
+    _rewrite_rank_metadata(checkpoint, 1, lambda metadata: setattr(
+        metadata.state_dict_metadata["model.b"], "size", torch.Size([5])))
+    report = verify_checkpoint(checkpoint)
+    assert report.status == "damaged"
+    assert [(problem.file, problem.message) for problem in report.problems] == [
+        ("__1.metadata", "gives tensor 'model.b' dtype float32 and size [5] where a lower "
+         "rank's metadata gives float32 and [4]")]
+
+
+def test_a_chunk_only_one_rank_lost_is_a_gap(checkpoint):
+    _rewrite_rank_metadata(checkpoint, 2, lambda metadata: metadata.state_dict_metadata[
+        "model.w"].chunks.clear())
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert report.status == "damaged"
+    assert any(problem.rule == "chunk-gap" and problem.fqns == ("model.w",)
+               for problem in report.problems), report.problems
+
+
+@pytest.mark.parametrize("missing", ["metadata of rank 1", "every file of rank 1"])
+def test_a_rank_that_has_not_written_its_metadata_makes_it_incomplete(checkpoint, missing):
+    """A rank with data files but no metadata is still saving; so is one below the highest
+    that wrote its metadata, which has written nothing yet."""
+    for path in checkpoint.glob("__1*" if missing.startswith("every") else "__1.metadata"):
+        path.unlink()
+    with pytest.raises(IncompleteCheckpointError) as raised:
+        open_checkpoint(checkpoint)
+    assert raised.value.message == (
+        "incomplete checkpoint saved with use_collectives=False: rank 1 has not written its "
+        "__1.metadata (a save still running, or one that died before finishing)")
+    assert verify_checkpoint(checkpoint).status == "incomplete"
+
+
+def test_checksum_covers_each_rank_s_metadata(checkpoint):
+    result = run_dcpctl("checksum", checkpoint)
+    assert result.returncode == 0, result.stderr
+    listed = [line.split()[1] for line in (checkpoint / "SHA256SUMS").read_text().splitlines()]
+    assert listed == ["__0.metadata", "__0_0.distcp", "__1.metadata", "__1_0.distcp",
+                      "__2.metadata", "__2_0.distcp"]
+    assert verify_checkpoint(checkpoint).status == "ok"
+    flip_bit(checkpoint / "__2.metadata", (checkpoint / "__2.metadata").stat().st_size - 2)
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert report.status == "damaged"
+    assert "__2.metadata" in {problem.file for problem in report.problems}
+
+
+def test_prune_keeps_and_deletes_them_as_any_and_takes_each_rank_s_metadata_first(
+        saved, tmp_path, monkeypatch):
+    """ls called them unreadable and prune never deleted one; a deletion cut short must leave
+    one incomplete, so every rank's metadata goes before its data."""
+    from conftest import fail_deletion_part_way
+
+    from dcpctl.ops.runs.listing import list_run_directory
+    from dcpctl.ops.runs.prune import RetentionRules, prune_run_directory
+
+    run_dir = tmp_path / "run"
+    for step in (1, 2, 3):
+        shutil.copytree(saved, run_dir / f"step-{step}")
+    assert [row.state for row in list_run_directory(run_dir).checkpoints] == ["complete"] * 3
+    fail_deletion_part_way(monkeypatch, "step-2")
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert [(decision.checkpoint.name, decision.status) for decision in report.decisions] == [
+        ("step-1", "deleted"), ("step-2", "failed"), ("step-3", "kept")]
+    assert sorted(path.name for path in run_dir.iterdir()) == ["step-2", "step-3"]
+    assert sorted(path.name for path in (run_dir / "step-2").iterdir()) == [
+        "__1_0.distcp", "__2_0.distcp"]
+    assert [row.state for row in list_run_directory(run_dir).checkpoints] == [
+        "incomplete", "complete"]
+
+
+def test_in_a_bucket_it_is_read_resharded_and_loaded_as_one(saved, s3_server, tmp_path):
+    """On S3 (moto and rclone), every rank's metadata comes from the one listing; the reshard
+    loads through dcpctl.storage_reader, which also gives torch a rank's own metadata."""
+    from conftest import load_with_dcpctl_reader, upload_directory
+
+    bucket = s3_server.new_bucket()
+    url = upload_directory(s3_server, saved, bucket, "run/step-1")
+    result = run_dcpctl("verify", url, "--json")
+    assert result.returncode == 0, result.stderr
+    assert '"items_checked":15' in result.stdout
+    result = run_dcpctl("reshard", url, "--ranks", 2, "-o", f"s3://{bucket}/out")
+    assert result.returncode == 0, result.stderr
+    loaded = load_with_dcpctl_reader(f"s3://{bucket}/out")
+    assert all(torch.equal(loaded[fqn], value) for fqn, value in _full_tensors().items())
+    result = run_dcpctl("compress", url)
+    assert result.returncode == 1 and "use_collectives=False" in result.stderr
+    upload_directory(s3_server, saved, bucket, "one-rank")
+    client = s3_server.client()
+    for rank in (1, 2):
+        for name in (f"__{rank}.metadata", f"__{rank}_0.distcp"):
+            client.delete_object(Bucket=bucket, Key=f"one-rank/{name}")
+    # torch's load in one process reads rank 0's own metadata: its rows of the sharded tensor
+    loaded = load_with_dcpctl_reader(f"s3://{bucket}/one-rank")
+    assert torch.equal(loaded["model.b"], _full_tensors()["model.b"])
