@@ -11,8 +11,8 @@ from typing import Callable
 from dcpctl.errors import DataError
 from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256sums,
                                                 write_sha256sums)
-from dcpctl.format.checkpoint.problems import Problem, problems_error
-from dcpctl.format.checkpoint.side_files import side_file_problems, side_files_of
+from dcpctl.format.checkpoint.problems import Problem, ProblemsError, problems_error
+from dcpctl.format.checkpoint.side_files import checked_side_file_digest, side_files_of
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.execution.running import (plan_ahead, sharing_processes, threads_per_worker,
                                       workers_started)
@@ -67,10 +67,19 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
         units = planning.units(checkpoint, archive_items, safetensors_items)
         job = ScanJob(planning, threads_per_worker(threads, checkpoint.path, workers))
         problems += run_scan(job, units, workers, on_progress)
-        problems += side_file_problems(checkpoint.path, side_files_of(checkpoint))
+        side_digests = {}
+        for name in side_files_of(checkpoint):
+            try:  # hashed again as checked: what is certified is what was checked
+                side_digests[name] = checked_side_file_digest(checkpoint.path, name)
+            except ProblemsError as error:
+                problems += error.problems
         if problems:
             raise problems_error(sorted(problems, key=_problem_order), checkpoint.path)
         digests = {unit.name: unit.sha256 for unit in units if unit.hashing}
+        changed = [name for name, digest in side_digests.items() if digests.get(name) != digest]
+        if changed:
+            raise DataError(f"{changed[0]} changed while dcpctl read it (a trainer writing "
+                            "it?): run the command again", path=checkpoint.path)
         sums_path = write_sha256sums(checkpoint.path, digests)
     return ChecksumReport(str(checkpoint.path), str(sums_path), dict(sorted(digests.items())),
                           sum(unit.read_bytes for unit in units if unit.hashing))

@@ -107,6 +107,122 @@ def test_a_side_file_swapped_for_a_symlink_after_its_check_is_never_copied(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def _with_meta_pt(tmp_path):
+    import torch
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(fixture_path(SOURCE), checkpoint)
+    torch.save({"global_step": 1}, checkpoint / "meta.pt")
+    return checkpoint
+
+
+def _damage_meta_pt(checkpoint) -> None:
+    """Replace meta.pt with a copy of it whose pickle has a bit flipped (its CRC-32 fails)."""
+    data = bytearray((checkpoint / "meta.pt").read_bytes())
+    data[data.find(b"global_step")] ^= 0x10
+    (checkpoint / "meta.pt").unlink()
+    (checkpoint / "meta.pt").write_bytes(bytes(data))
+
+
+def test_a_side_file_damaged_after_its_check_is_never_copied(tmp_path, monkeypatch):
+    """meta.pt was checked when the output was set up and copied at publishing unchecked:
+    damaged meanwhile, the damaged copy was published and certified by SHA256SUMS, exit 0
+    (`verify` then found its CRC-32 wrong)."""
+    from dcpctl.format.checkpoint.problems import ProblemsError
+    from dcpctl.ops import transcode
+
+    checkpoint = _with_meta_pt(tmp_path)
+    real_execute = transcode.execute_transcode
+
+    def damaged_meanwhile(*args, **kwargs):
+        _damage_meta_pt(checkpoint)
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(transcode, "execute_transcode", damaged_meanwhile)
+    with pytest.raises(ProblemsError, match="meta.pt: .*crc-mismatch: record 'meta/data.pkl'"):
+        transcode.compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    before = directory_state(checkpoint)
+    with pytest.raises(ProblemsError, match="meta.pt: .*crc-mismatch"):
+        transcode.compress_checkpoint(checkpoint)  # in place: refused before anything changes
+    assert directory_state(checkpoint) == before
+
+
+def test_a_side_file_changed_while_it_is_copied_is_refused(tmp_path, monkeypatch):
+    """The bytes copied or certified must be the bytes checked: a side file written to while
+    dcpctl reads it (its change time moves) is refused, nothing published."""
+    from dcpctl.errors import DataError
+    from dcpctl.format.checkpoint import publishing
+    from dcpctl.ops import transcode
+
+    checkpoint = _with_meta_pt(tmp_path)
+    real_copy = publishing.DataFileWriter.write
+
+    def written_to_meanwhile(self, piece):
+        with open(checkpoint / "meta.pt", "r+b") as stream:
+            first = stream.read(1)
+            stream.seek(0)
+            stream.write(first)  # the same byte: only its change time tells
+        return real_copy(self, piece)
+
+    monkeypatch.setattr(publishing.DataFileWriter, "write", written_to_meanwhile)
+    with pytest.raises(DataError, match="meta.pt changed while dcpctl read it"):
+        transcode.compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_checksum_certifies_only_the_side_file_it_checked(tmp_path, monkeypatch):
+    """checksum hashed meta.pt in its scan and checked it in another read: replaced between
+    the two by a sound archive of other contents, the new file was checked and the old one's
+    digest certified."""
+    import torch
+
+    from dcpctl.errors import DataError
+    from dcpctl.ops import checksum
+
+    checkpoint = _with_meta_pt(tmp_path)
+    real_scan = checksum.run_scan
+
+    def replaced_after_the_scan(*args, **kwargs):
+        problems = real_scan(*args, **kwargs)
+        torch.save({"global_step": 2}, checkpoint / "meta.pt")
+        return problems
+
+    monkeypatch.setattr(checksum, "run_scan", replaced_after_the_scan)
+    with pytest.raises(DataError, match="meta.pt changed while dcpctl read it"):
+        checksum.checksum_checkpoint(checkpoint)
+    assert not (checkpoint / "SHA256SUMS").exists()
+
+
+def test_in_place_side_files_are_hashed_before_the_switch(tmp_path, monkeypatch):
+    """An in-place compress hashed the side files after `.metadata` named the new files: meta.pt
+    swapped for a link out then failed the run with the checkpoint rewritten whole and its
+    SHA256SUMS gone. Now they are hashed (and checked) first, and SHA256SUMS lists what was."""
+    import hashlib
+
+    from dcpctl.format.checkpoint import publishing
+    from dcpctl.ops import transcode
+    from dcpctl.ops.checksum import checksum_checkpoint
+
+    checkpoint = _with_meta_pt(tmp_path)
+    checksum_checkpoint(checkpoint)
+    digest = hashlib.sha256((checkpoint / "meta.pt").read_bytes()).hexdigest()
+    (tmp_path / "secret.txt").write_text("outside")
+    real_failpoint = publishing.failpoint
+
+    def swapped_after_the_switch(name):
+        if name == publishing.Failpoint.AFTER_FIRST_METADATA_SWITCH:
+            (checkpoint / "meta.pt").rename(tmp_path / "meta.pt")
+            (checkpoint / "meta.pt").symlink_to(tmp_path / "secret.txt")
+        return real_failpoint(name)
+
+    monkeypatch.setattr(publishing, "failpoint", swapped_after_the_switch)
+    transcode.compress_checkpoint(checkpoint)
+    sums = dict(reversed(line.split()) for line in
+                (checkpoint / "SHA256SUMS").read_text().splitlines())
+    assert sums["meta.pt"] == digest
+
+
 def test_a_side_file_link_is_opened_where_it_was_checked_to_lead(tmp_path, monkeypatch):
     """A link inside the checkpoint was resolved to be checked and then again to be opened:
     swapped between the two for a link out, the file outside was read."""

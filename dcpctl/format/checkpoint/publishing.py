@@ -33,7 +33,8 @@ from dcpctl.errors import DataError, DcpctlError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import write_sha256sums
 from dcpctl.format.checkpoint.problems import problems_error
-from dcpctl.format.checkpoint.side_files import open_side_file, side_file_problems
+from dcpctl.format.checkpoint.side_files import (checked_side_file, checked_side_file_digest,
+                                                 side_file_problems)
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
@@ -43,7 +44,7 @@ from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError, run_wit
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   write_whole)
 from dcpctl.storage.claims import OutputClaim
-from dcpctl.storage.file_digests import HASH_PIECE_BYTES, sha256_of_opened
+from dcpctl.storage.file_digests import HASH_PIECE_BYTES
 from dcpctl.storage.staging import staged_output
 
 
@@ -251,6 +252,10 @@ class CheckpointOutput:
     def _publish_in_place(self, metadata: CheckpointMetadata, digests: dict[str, str],
                           replaced_files: frozenset[str]) -> None:
         directory = self.directory
+        # hashed as they are checked, before the switch: a failure after it cannot leave the
+        # checkpoint rewritten without its SHA256SUMS
+        side_digests = {name: checked_side_file_digest(directory, name)
+                        for name in self._side_files}
         temporary_names = {name: temporary_name(name, self._token) for name in digests}
         switched_metadata = serialize_metadata(_renamed(metadata, temporary_names))
         if is_remote(directory):  # no locks there: another run may have taken them for stale
@@ -275,14 +280,14 @@ class CheckpointOutput:
                     "the command again", path=error.path) from None
             self._metadata_switched = True
             self._finish_in_place(metadata, digests, temporary_names, replaced_files,
-                                  switched_digest)
+                                  switched_digest, side_digests)
 
     def _finish_in_place(self, metadata: CheckpointMetadata, digests: dict[str, str],
                          temporary_names: dict[str, str], replaced_files: frozenset[str],
-                         switched_digest: str) -> None:
+                         switched_digest: str, side_digests: dict[str, str]) -> None:
         """From `.metadata` naming the new files by their temporary names (its SHA-256:
         switched_digest): their final names, the second switch, the old files gone,
-        SHA256SUMS."""
+        SHA256SUMS (listing the side files by side_digests)."""
         directory = self.directory
         _sync(directory, temporary_names.values())
         failpoint(Failpoint.AFTER_FIRST_METADATA_SWITCH)
@@ -304,10 +309,7 @@ class CheckpointOutput:
         else:
             removal_error = None
         digests[METADATA_FILE_NAME] = metadata_digest
-        for name in self._side_files:
-            with open_side_file(directory, name) as reader:
-                digests[name] = sha256_of_opened(reader)
-        write_sha256sums(directory, digests)
+        write_sha256sums(directory, {**digests, **side_digests})
         _sync(directory, [*digests, *replaced_files])
         if removal_error is not None:
             reason = (describe_os_error(removal_error) if isinstance(removal_error, OSError)
@@ -334,7 +336,7 @@ def _copy_side_file(source: StoragePath, name: str, destination: StoragePath,
     output's); the hex SHA-256 of what was copied."""
     writer = DataFileWriter(destination, claim)
     try:
-        with open_side_file(source, name) as reader:
+        with checked_side_file(source, name) as reader:  # what was copied is what was checked
             for piece in reader.iter_pieces(0, reader.size(), HASH_PIECE_BYTES):
                 writer.write(piece)
     except BaseException:

@@ -23,7 +23,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from dcpctl.errors import DataError, UnsafePathError
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
@@ -31,6 +31,7 @@ from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.view import Checkpoint, real_path_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import check_archive
+from dcpctl.storage.file_digests import sha256_of_opened
 from dcpctl.storage.local import is_temporary_name
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import (LocalRangedFile, ObjectRangedFile, StoragePath,
@@ -42,7 +43,6 @@ LIGHTNING_STATE = "meta.pt"
 _SAVER_OF_SIDE_FILE = {MEGATRON_COMMON_STATE: "Megatron-Core torch_dist",
                        MEGATRON_CONFIG: "Megatron-Core torch_dist", LIGHTNING_STATE: "Lightning"}
 SIDE_FILE_NAMES = tuple(_SAVER_OF_SIDE_FILE)
-_ARCHIVES = (MEGATRON_COMMON_STATE, LIGHTNING_STATE)  # torch.save files
 
 
 def side_files_of(checkpoint: Checkpoint) -> list[str]:
@@ -191,14 +191,50 @@ def side_file_problems(directory: StoragePath, side_files: Iterable[str]) -> lis
     """What is wrong with a checkpoint's side files (side_files_of): `common.pt` and `meta.pt`
     must be torch.save archives whose records match their CRC-32s (torch.load does not check
     them), `metadata.json` the UTF-8 JSON object of Megatron's fields its loader reads."""
-    side_files = list(side_files)
     problems = []
-    if MEGATRON_CONFIG in side_files:
-        problems += _config_problems(directory)
-    for name in _ARCHIVES:
-        if name in side_files:
-            problems += _archive_problems(directory, name)
+    for name in sorted(side_files, key=SIDE_FILE_NAMES.index):
+        with open_side_file(directory, name) as file:
+            problems += _problems_of(file, name)
     return problems
+
+
+@contextlib.contextmanager
+def checked_side_file(directory: StoragePath, name: str
+                      ) -> Iterator[LocalRangedFile | ObjectRangedFile]:
+    """A side file opened as open_side_file opens it, for the block to read whole (to copy or
+    hash it). Once the block has, the bytes it read are checked as side_file_problems checks
+    them, from the same opened file: refused (ProblemsError) where damaged, and where the file
+    changed since it was opened (an object's reads are held to the object first listed), so
+    that no bytes are copied or certified but those checked."""
+    with open_side_file(directory, name) as file:
+        opened = _state_of(file)
+        yield file
+        problems = _problems_of(file, name)
+        if problems:
+            raise problems_error(problems, directory)
+        if _state_of(file) != opened:
+            raise DataError(f"{name} changed while dcpctl read it (a trainer writing it?): "
+                            "run the command again", path=directory)
+
+
+def checked_side_file_digest(directory: StoragePath, name: str) -> str:
+    """The hex SHA-256 of a side file of the checkpoint in directory, of the bytes checked
+    (checked_side_file)."""
+    with checked_side_file(directory, name) as file:
+        return sha256_of_opened(file)
+
+
+def _state_of(file: LocalRangedFile | ObjectRangedFile) -> tuple | None:
+    """What changes with a local file's bytes (its change time among them); None for an
+    object."""
+    if isinstance(file, ObjectRangedFile):
+        return None
+    status = os.fstat(file.descriptor)
+    return status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+
+def _problems_of(file: LocalRangedFile | ObjectRangedFile, name: str) -> list[Problem]:
+    return _config_problems(file) if name == MEGATRON_CONFIG else _archive_problems(file, name)
 
 
 _MAX_CONFIG_BYTES = 1 << 20  # Megatron's is a few lines
@@ -210,11 +246,10 @@ _CONFIG_FIELDS = {"sharded_backend": str, "sharded_backend_version": int,
 backend is required; other keys a later Megatron may add are let be."""
 
 
-def _config_problems(directory: StoragePath) -> list[Problem]:
+def _config_problems(file: LocalRangedFile | ObjectRangedFile) -> list[Problem]:
     name = MEGATRON_CONFIG
-    with open_side_file(directory, name) as file:
-        size = file.size()
-        data = file.read(0, min(size, _MAX_CONFIG_BYTES + 1))
+    size = file.size()
+    data = file.read(0, min(size, _MAX_CONFIG_BYTES + 1))
     try:
         if size > _MAX_CONFIG_BYTES:
             raise ValueError("over 1 MiB")
@@ -228,10 +263,9 @@ def _config_problems(directory: StoragePath) -> list[Problem]:
     return []
 
 
-def _archive_problems(directory: StoragePath, name: str) -> list[Problem]:
+def _archive_problems(file: LocalRangedFile | ObjectRangedFile, name: str) -> list[Problem]:
     try:
-        with open_side_file(directory, name) as file:
-            checked = check_archive(file.read, file.size(), expect_tensor=False)
+        checked = check_archive(file.read, file.size(), expect_tensor=False)
     except DataError as error:
         return [Problem(Rule.ARCHIVE, f"not a torch.save archive: {error.message}", name)]
     return [Problem(Rule.CRC_MISMATCH, f"record {record.name!r} has CRC-32 {actual_crc:08x}, "
