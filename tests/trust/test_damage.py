@@ -130,8 +130,8 @@ def test_a_file_sha256sums_lists_that_is_gone_stops_the_command(saved, tmp_path,
     assert result.returncode == 1, result.stdout
     assert result.stderr == (f"Error: {checkpoint}/common.pt: " + (
         "missing-file: listed in SHA256SUMS but absent\n" if loss == "gone" else
-        "not-regular-file: listed in SHA256SUMS but not a regular file here (a symlink, "
-        "say)\n"))
+        "not-regular-file: listed in SHA256SUMS but not a regular file here (a FIFO, a "
+        "directory, or a symlink out of the checkpoint)\n"))
     assert directory_state(checkpoint) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt", "elsewhere.pt"]
 

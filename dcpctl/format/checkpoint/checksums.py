@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from typing import Callable, Iterable
 
-from dcpctl.errors import DataError
+from dcpctl.errors import DataError, UnsafePathError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.side_files import files_beside_data
-from dcpctl.format.checkpoint.view import Checkpoint
+from dcpctl.format.checkpoint.view import Checkpoint, regular_file_inside
 from dcpctl.format.file_names import SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.claims import OutputClaim
@@ -72,16 +70,27 @@ def refuse_sha256sums_mismatch(checkpoint: Checkpoint, threads: int | None = Non
 
 
 def absent_listed_files(directory: StoragePath, sums: dict[str, str]) -> list[Problem]:
-    """A problem for each file SHA256SUMS lists that is not in directory as a regular file (a
-    symlink put in its place is not it: no command reads or carries one)."""
+    """A problem for each file SHA256SUMS lists that is not in directory as a regular file, or
+    a link to one where a data file's link may lead (view.regular_file_inside: inside it, or
+    into its hub cache blobs); a FIFO, or a link out put in its place, is not it: no command
+    reads or carries one."""
     problems = [Problem(Rule.MISSING_FILE, "listed in SHA256SUMS but absent", name)
                 for name in missing_files(directory, sums)]
     if not isinstance(directory, ObjectPath):
         problems += [Problem(Rule.NOT_REGULAR_FILE, "listed in SHA256SUMS but not a regular "
-                             "file here (a symlink, say)", name)
+                             "file here (a FIFO, a directory, or a symlink out of the "
+                             "checkpoint)", name)
                      for name in sorted(set(sums) - {problem.file for problem in problems})
-                     if not stat.S_ISREG(os.lstat(directory / name).st_mode)]
+                     if not _holds_a_file(directory, name)]
     return problems
+
+
+def _holds_a_file(directory: StoragePath, name: str) -> bool:
+    try:
+        regular_file_inside(directory, name)
+    except (OSError, UnsafePathError):
+        return False
+    return True
 
 
 def checksummed_files(checkpoint: Checkpoint) -> list[str]:

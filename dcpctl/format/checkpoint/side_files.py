@@ -18,7 +18,6 @@ carried.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import stat
@@ -28,7 +27,7 @@ from typing import Iterable, Iterator
 from dcpctl.errors import DataError, UnsafePathError
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
-from dcpctl.format.checkpoint.view import Checkpoint, real_path_inside
+from dcpctl.format.checkpoint.view import Checkpoint, regular_file_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import check_archive
 from dcpctl.storage.file_digests import sha256_of_opened
@@ -93,22 +92,10 @@ def _held_by(directory: Path, name: str) -> str:
     except FileNotFoundError:
         return _NOTHING
     try:
-        _side_file_target(directory, name)
+        regular_file_inside(directory, name)
     except (OSError, UnsafePathError):  # a dangling link too
         return _SOMETHING_ELSE
     return _A_FILE
-
-
-def _side_file_target(directory: Path, name: str) -> Path:
-    """The regular file holding a local side file: its own path, or the real path of the
-    file its link leads to where a data file's link may lead (view.real_path_inside); else
-    FileNotFoundError (nothing there), UnsafePathError (a link out) or another OSError."""
-    path = directory / name
-    if stat.S_ISLNK(os.lstat(path).st_mode):
-        path = real_path_inside(directory, name)  # resolved once: what is checked is opened
-    if not stat.S_ISREG(os.lstat(path).st_mode):
-        raise OSError(errno.EINVAL, "not a regular file", os.fspath(directory / name))
-    return path
 
 
 def side_file_bytes(checkpoint: Checkpoint, side_files: Iterable[str]) -> int:
@@ -119,7 +106,7 @@ def side_file_bytes(checkpoint: Checkpoint, side_files: Iterable[str]) -> int:
     total = 0
     for name in side_files:
         with contextlib.suppress(OSError, UnsafePathError):  # gone or changed: not read either
-            total += os.stat(_side_file_target(checkpoint.path, name)).st_size
+            total += os.stat(regular_file_inside(checkpoint.path, name)).st_size
     return total
 
 
@@ -136,10 +123,11 @@ def carried_side_files(checkpoint: Checkpoint) -> list[str]:
 def open_side_file(directory: StoragePath, name: str) -> LocalRangedFile | ObjectRangedFile:
     """A reader of a side file of the checkpoint in directory, whatever was put in its place
     since it was checked: a link is followed only where it leads inside the checkpoint or to
-    its hub cache blobs (_side_file_target), and the file it leads to is opened as no link."""
+    its hub cache blobs (view.regular_file_inside), and the file it leads to is opened as no
+    link."""
     if isinstance(directory, ObjectPath):
         return open_ranged(directory / name)
-    return open_ranged(_side_file_target(directory, name), follow_symlinks=False)
+    return open_ranged(regular_file_inside(directory, name), follow_symlinks=False)
 
 
 def saver_of_side_files(side_files: Iterable[str]) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import stat
@@ -148,6 +149,19 @@ def real_path_inside(directory: Path, relative_path: str) -> Path:
         raise UnsafePathError(f"{relative_path!r} resolves to {real_candidate}, outside the "
                               "checkpoint directory (a symlink out?)", path=directory)
     return Path(real_candidate)
+
+
+def regular_file_inside(directory: Path, name: str) -> Path:
+    """The regular file a name of a local checkpoint directory holds: its own path, or the
+    real path of the file its link leads to where a data file's link may lead
+    (real_path_inside: open this path, as no link, to read what was checked); else
+    FileNotFoundError (nothing there), UnsafePathError (a link out) or another OSError."""
+    path = directory / name
+    if stat.S_ISLNK(os.lstat(path).st_mode):
+        path = real_path_inside(directory, name)  # resolved once: what is checked is opened
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(directory / name))
+    return path
 
 
 def _in_its_hub_cache_blobs(real_directory: str, real_candidate: str) -> bool:

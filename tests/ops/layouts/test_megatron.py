@@ -215,3 +215,37 @@ def test_side_files_in_the_hugging_face_hub_cache_are_its_blobs(megatron_saves, 
         assert (tmp_path / "out" / name).read_bytes() == (snapshot / name).read_bytes()
         assert not (tmp_path / "out" / name).is_symlink()
     assert inspect_checkpoint(snapshot).layout.startswith("Megatron-Core torch_dist")
+
+
+def test_a_hub_cache_checkpoint_with_sha256sums_is_sound_and_rewritten_in_place(megatron_saves,
+                                                                              tmp_path):
+    """SHA256SUMS listing a file that is a link into the repository's blobs (every file of a
+    download) was damage: a checkpoint uploaded with its SHA256SUMS was refused by every
+    command, and so was one after `dcpctl checksum` or an in-place compress there."""
+    import os
+    import shutil
+
+    from conftest import directory_state
+
+    from dcpctl.ops.transcode import decompress_checkpoint
+
+    repository = tmp_path / "hub" / "models--org--run"
+    snapshot = repository / "snapshots" / "0123abcd" / "iter_0000010"
+    snapshot.mkdir(parents=True)
+    (repository / "blobs").mkdir()
+    for source in megatron_saves["0.16"].iterdir():
+        blob = repository / "blobs" / f"blob-{source.name.strip('.')}"
+        shutil.copyfile(source, blob)
+        (snapshot / source.name).symlink_to(os.path.relpath(blob, snapshot))
+    blobs = directory_state(repository / "blobs")
+    checksum_checkpoint(snapshot)
+    assert sorted(read_sha256sums(snapshot)) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
+    assert verify_checkpoint(snapshot).status == "ok"
+    compress_checkpoint(snapshot)
+    assert verify_checkpoint(snapshot).status == "ok"
+    decompress_checkpoint(snapshot)
+    assert verify_checkpoint(snapshot).status == "ok"
+    assert (snapshot / "common.pt").is_symlink()  # side files are left as they are
+    assert directory_state(repository / "blobs") == blobs
+    assert load_with_torch(snapshot).keys() == load_with_torch(megatron_saves["0.16"]).keys()
