@@ -217,8 +217,8 @@ def test_side_files_in_the_hugging_face_hub_cache_are_its_blobs(megatron_saves, 
     assert inspect_checkpoint(snapshot).layout.startswith("Megatron-Core torch_dist")
 
 
-def test_a_hub_cache_checkpoint_with_sha256sums_is_sound_and_rewritten_in_place(megatron_saves,
-                                                                              tmp_path):
+def test_a_hub_cache_checkpoint_with_sha256sums_is_sound_and_rewritten_in_place(
+        megatron_saves, tmp_path):
     """SHA256SUMS listing a file that is a link into the repository's blobs (every file of a
     download) was damage: a checkpoint uploaded with its SHA256SUMS was refused by every
     command, and so was one after `dcpctl checksum` or an in-place compress there."""
