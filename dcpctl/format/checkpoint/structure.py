@@ -112,23 +112,23 @@ def checked_checkpoint(path: str | os.PathLike, exclusive: bool = False, check_s
 
 def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Open a checkpoint to move its data, refusing it if the metadata and file sizes already
-    show it damaged (what `verify --quick` reports, SHA256SUMS aside)."""
+    show it damaged, or a side file's name holds no regular file (what `verify --quick`
+    reports, SHA256SUMS aside)."""
     checkpoint = open_checkpoint(path, check_files=False)  # check_structure words those too
     with paused_cycle_collector():
         problems = check_structure(checkpoint)
+    problems += misplaced_side_files(checkpoint)
     if problems:
         raise problems_error(problems, checkpoint.path)
     return checkpoint
 
 
 def open_quickly_verified(path: str | os.PathLike) -> Checkpoint:
-    """open_checked_checkpoint, refused also where its SHA256SUMS lists a file that is gone,
-    or a side file's name holds no regular file (a trainer's meta.pt a FIFO, say): all that
-    `verify --quick` reports short of hashing and of files no one knows (what ls and prune
-    call damage)."""
+    """open_checked_checkpoint, refused also where its SHA256SUMS lists a file that is gone:
+    all that `verify --quick` reports short of hashing and of files no one knows (what ls and
+    prune call damage)."""
     checkpoint = open_checked_checkpoint(path)
     problems = absent_listed_files(checkpoint.path, read_sha256sums(checkpoint.path) or {})
-    problems += misplaced_side_files(checkpoint)
     if problems:
         raise problems_error(problems, checkpoint.path)
     return checkpoint

@@ -13,6 +13,7 @@ from conftest import (ACCELERATE_PARTS, add_accelerate_checkpoint, add_checkpoin
 
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.checkpoint.problems import ProblemsError
+from dcpctl.ops.convert.targets import convert_checkpoint
 from dcpctl.ops.inspection.report import inspect_checkpoint
 from dcpctl.ops.runs import prune
 from dcpctl.ops.runs.listing import list_run_directory
@@ -404,6 +405,12 @@ def test_a_side_file_that_is_no_regular_file_makes_the_checkpoint_damaged(tmp_pa
         compress_checkpoint(newest, "zstd", output_path=str(tmp_path / "out"))
     assert str(refused.value) == expected
     assert not (tmp_path / "out").exists()
+    # convert carries no side file, and refuses what verify --quick calls damaged all the same
+    for target in ("safetensors", "torch"):
+        with pytest.raises(ProblemsError) as refused:
+            convert_checkpoint(newest, target, tmp_path / f"out.{target}")
+        assert str(refused.value) == expected
+        assert not (tmp_path / f"out.{target}").exists()
 
 
 def test_a_part_in_use_stops_the_whole_deletion_before_any_metadata_goes(accelerate_run):
