@@ -70,9 +70,9 @@ class DcpctlGroup(click.Group):
                 raise  # `dcpctl inspect CKPT --json | head`: click ends quietly, as `cat` does
             self._fail(context, describe_os_error(error), 1)
         except KeyboardInterrupt as stop:
-            self._fail(context, describe_stop(stop), 128 + signal.SIGINT)
+            self._fail(context, _said_of_stop(stop), 128 + signal.SIGINT)
         except Terminated as stop:
-            self._fail(context, describe_stop(stop), 128 + stop.signal_number)
+            self._fail(context, _said_of_stop(stop), 128 + stop.signal_number)
         except Exception as error:  # a bug: say so briefly, traceback with --debug
             self._fail(context, f"internal error: {name_and_message(error)} "
                                 "(run with --debug for the traceback)", 1)
@@ -174,6 +174,16 @@ def main() -> None:
         raise
 
 
+def _said_of_stop(stop: KeyboardInterrupt | Terminated) -> str:
+    """describe_stop; under torchrun, whose agent stops every rank with SIGTERM once one has
+    failed or been killed (which rank 0 then never hears of), where to find which one."""
+    said = describe_stop(stop)
+    if isinstance(stop, Terminated) and launched_by_torchrun():
+        said += (" (torchrun stops every rank once one fails or is killed: the root cause in "
+                 "its summary below names that rank)")
+    return said
+
+
 def _run_as_torchrun_rank() -> int:
     """Rank 0 runs the command, handing each job's shares to every rank; the other ranks do
     their shares and exit with rank 0's status (execution/torchrun.py)."""
@@ -191,10 +201,10 @@ def _run_as_torchrun_rank() -> int:
                    err=True)
         return error.exit_code
     except KeyboardInterrupt as stop:  # said as rank 0's command says it (DcpctlGroup.invoke)
-        click.echo(f"Error: {describe_stop(stop)}", err=True)
+        click.echo(f"Error: {_said_of_stop(stop)}", err=True)
         return 128 + signal.SIGINT
     except Terminated as stop:
-        click.echo(f"Error: {describe_stop(stop)}", err=True)
+        click.echo(f"Error: {_said_of_stop(stop)}", err=True)
         return 128 + stop.signal_number
     exit_code = 1
     try:

@@ -271,8 +271,9 @@ def test_memory_urls_are_refused_with_workers(run_cli):
     assert result.exit_code == 1
 
 
-def torchrun(*args, ranks: int = 2) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+def torchrun(*args, ranks: int = 2, environment: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(environment or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={ranks}", "-m", "dcpctl", *map(str, args)],
                           capture_output=True, text=True, env=environment, timeout=300)
@@ -333,6 +334,21 @@ def test_a_failing_rank_fails_the_torchrun_job_naming_it(copy_fixture, tmp_path,
     assert result.returncode != 0
     assert f"Error: rank {rank} of 2: " in result.stderr and damaged in result.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == [SOURCE]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_under_torchrun_is_said_where_to_find(copy_fixture, tmp_path):
+    """torchrun's agent stops every rank with SIGTERM once one is killed, before rank 0 hears
+    of it: rank 0 said `stopped by SIGTERM` alone, and the README promised the rank named."""
+    environment = {"DCPCTL_FAILPOINT": "after-data-write", "DCPCTL_FAILPOINT_SCOPE": "workers"}
+    result = torchrun("compress", fixture_path(SOURCE), "-o", tmp_path / "out", ranks=2,
+                      environment=environment)
+    assert result.returncode != 0
+    said = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert said == ["Error: stopped by SIGTERM (torchrun stops every rank once one fails or is "
+                    "killed: the root cause in its summary below names that rank)"], result.stderr
+    assert "rank      : 1 (local_rank: 1)\n  exitcode  : -9" in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def _start_ranks(commands: list[tuple[list[str], Path]], run_id: str) -> list:
