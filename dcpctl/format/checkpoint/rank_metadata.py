@@ -47,15 +47,19 @@ def rank_metadata_names(names: Iterable[str]) -> list[str]:
         (rank, name) for rank, name in ranked if rank is not None)]
 
 
-def ranks_lacking_metadata(names: Iterable[str], rank_files: list[str]) -> list[int]:
-    """The ranks of a save with use_collectives=False (whose own metadata files of the names
-    in its directory are rank_files) that have not written their metadata: those with data
-    files, and those below the highest rank that has (every rank writes its own). A save still
-    running, or one that died; the ranks above the highest that wrote anything no name tells."""
-    names = [name for name in names if "/" not in name]
-    have = {rank_of_metadata_file_name(name) for name in rank_files}
-    ranks_with_data = {rank_of_file_name(name) for name in names} - {None}
-    return sorted((ranks_with_data | set(range(max(have)))) - have)
+def first_rank_lacking_metadata(names: Iterable[str], rank_files: list[str]) -> int | None:
+    """The lowest rank of a save with use_collectives=False (whose own metadata files of the
+    names in its directory are rank_files) that has not written its metadata, of those with
+    data files and those below the highest rank that has (every rank writes its own); None
+    where none has not. A save still running, or one that died; the ranks above the highest
+    that wrote anything no name tells. Linear in the names, whatever ranks they give."""
+    have = sorted({rank_of_metadata_file_name(name) for name in rank_files})
+    below_highest = next((rank for rank, held in enumerate(have) if held != rank), None)
+    with_data = {rank_of_file_name(name) for name in names if "/" not in name} - {None}
+    lacking = list(with_data - set(have))
+    if below_highest is not None:
+        lacking.append(below_highest)
+    return min(lacking, default=None)
 
 
 def describe_rank_metadata(rank_files: list[str]) -> str:

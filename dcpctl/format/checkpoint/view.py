@@ -22,8 +22,8 @@ from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, META
                                       is_plain_file_name)
 from dcpctl.format.checkpoint.hf_storage import (check_index, hf_storage_files,
                                                  hf_storage_metadata, refuse_unconsolidated_save)
-from dcpctl.format.checkpoint.rank_metadata import (Replica, merged_rank_metadata,
-                                                    rank_metadata_names, ranks_lacking_metadata)
+from dcpctl.format.checkpoint.rank_metadata import (Replica, first_rank_lacking_metadata,
+                                                    merged_rank_metadata, rank_metadata_names)
 from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
@@ -244,11 +244,11 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
     listed = list(names())
     rank_files = rank_metadata_names(listed)
     if rank_files:
-        lacking = ranks_lacking_metadata(listed, rank_files)
-        if lacking:  # as ls and prune (ops/runs/layouts.py) tell it
+        lacking = first_rank_lacking_metadata(listed, rank_files)
+        if lacking is not None:  # as ls and prune (ops/runs/layouts.py) tell it
             raise IncompleteCheckpointError(
-                f"incomplete checkpoint saved with use_collectives=False: rank {lacking[0]} has "
-                f"not written its __{lacking[0]}{METADATA_FILE_NAME} (a save still running, or "
+                f"incomplete checkpoint saved with use_collectives=False: rank {lacking} has "
+                f"not written its __{lacking}{METADATA_FILE_NAME} (a save still running, or "
                 "one that died before finishing)", path=directory)
         return [], rank_files
     if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():

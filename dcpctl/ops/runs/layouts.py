@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Collection, Iterable
 
 from dcpctl.errors import CheckpointNotFoundError
-from dcpctl.format.checkpoint.rank_metadata import rank_metadata_names, ranks_lacking_metadata
+from dcpctl.format.checkpoint.rank_metadata import (first_rank_lacking_metadata,
+                                                    rank_metadata_names)
 from dcpctl.format.checkpoint.side_files import (LIGHTNING_STATE, MEGATRON_COMMON_STATE,
                                                  MEGATRON_CONFIG)
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
@@ -128,8 +129,8 @@ def checkpoint_shape(names: Collection[str], directory_name: str) -> CheckpointS
         return CheckpointShape(tuple(parts), complete, custom_objects)
     rank_files = rank_metadata_names(names)
     if rank_files:  # saved without collectives
-        return CheckpointShape((), complete=not ranks_lacking_metadata(names, rank_files),
-                               rank_metadata=tuple(rank_files))
+        complete = first_rank_lacking_metadata(names, rank_files) is None
+        return CheckpointShape((), complete, rank_metadata=tuple(rank_files))
     # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
     if not names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names if "/" not in name):
         return CheckpointShape((), complete=False)

@@ -159,10 +159,16 @@ def test_a_chunk_only_one_rank_lost_is_a_gap(checkpoint):
                for problem in report.problems), report.problems
 
 
-@pytest.mark.parametrize("missing", ["metadata of rank 1", "every file of rank 1"])
+@pytest.mark.parametrize("missing", ["metadata of rank 1", "every file of rank 1",
+                                     "rank 1 named a rank far past the others"])
 def test_a_rank_that_has_not_written_its_metadata_makes_it_incomplete(checkpoint, missing):
     """A rank with data files but no metadata is still saving; so is one below the highest
-    that wrote its metadata, which has written nothing yet."""
+    that wrote its metadata, which has written nothing yet. (A rank number of 12 digits is
+    told at once, as any: no range of the ranks below it is made.)"""
+    from dcpctl.ops.runs.listing import list_run_directory
+
+    if missing.startswith("rank 1 named"):
+        (checkpoint / "__1.metadata").rename(checkpoint / "__999999999999.metadata")
     for path in checkpoint.glob("__1*" if missing.startswith("every") else "__1.metadata"):
         path.unlink()
     with pytest.raises(IncompleteCheckpointError) as raised:
@@ -171,6 +177,9 @@ def test_a_rank_that_has_not_written_its_metadata_makes_it_incomplete(checkpoint
         "incomplete checkpoint saved with use_collectives=False: rank 1 has not written its "
         "__1.metadata (a save still running, or one that died before finishing)")
     assert verify_checkpoint(checkpoint).status == "incomplete"
+    checkpoint.rename(checkpoint.parent / "step-1")
+    assert [row.state for row in list_run_directory(checkpoint.parent).checkpoints] == [
+        "incomplete"]
 
 
 def test_checksum_covers_each_rank_s_metadata(checkpoint):
