@@ -30,6 +30,7 @@ from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.view import Checkpoint, regular_file_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import check_archive
+from dcpctl.format.torch_save.zip_records import read_central_directory
 from dcpctl.storage.file_digests import sha256_of_opened
 from dcpctl.storage.local import is_temporary_name
 from dcpctl.storage.objects import ObjectPath
@@ -99,15 +100,18 @@ def _held_by(directory: Path, name: str) -> str:
 
 
 def side_file_bytes(checkpoint: Checkpoint, side_files: Iterable[str]) -> int:
-    """The bytes of these side files (side_files_of): about what side_file_problems reads."""
+    """The bytes of these side files (side_files_of) that side_file_problems reads, deep:
+    the archives whole, at most a MiB of `metadata.json`."""
+    sizes = {}
     if isinstance(checkpoint.path, ObjectPath):
         listing = checkpoint.listing or {}
-        return sum(listing[name].size for name in side_files if name in listing)
-    total = 0
-    for name in side_files:
-        with contextlib.suppress(OSError, UnsafePathError):  # gone or changed: not read either
-            total += os.stat(regular_file_inside(checkpoint.path, name)).st_size
-    return total
+        sizes = {name: listing[name].size for name in side_files if name in listing}
+    else:
+        for name in side_files:
+            with contextlib.suppress(OSError, UnsafePathError):  # gone or changed: not read
+                sizes[name] = os.stat(regular_file_inside(checkpoint.path, name)).st_size
+    return sum(min(size, _MAX_CONFIG_BYTES + 1) if name == MEGATRON_CONFIG else size
+               for name, size in sizes.items())
 
 
 def carried_side_files(checkpoint: Checkpoint) -> list[str]:
@@ -175,14 +179,18 @@ def _regular_file_sizes(checkpoint: Checkpoint, names: list[str]) -> dict[str, i
     return sizes
 
 
-def side_file_problems(directory: StoragePath, side_files: Iterable[str]) -> list[Problem]:
+def side_file_problems(directory: StoragePath, side_files: Iterable[str], deep: bool = True
+                       ) -> list[Problem]:
     """What is wrong with a checkpoint's side files (side_files_of): `common.pt` and `meta.pt`
     must be torch.save archives whose records match their CRC-32s (torch.load does not check
-    them), `metadata.json` the UTF-8 JSON object of Megatron's fields its loader reads."""
+    them), `metadata.json` the UTF-8 JSON object of Megatron's fields its loader reads. Not
+    deep (the quick check of verify --quick, ls and prune), an archive's end record and
+    central directory alone are read, no CRC-32: a few reads, which find a side file cut short
+    (a save killed while writing it, Lightning's last file)."""
     problems = []
     for name in sorted(side_files, key=SIDE_FILE_NAMES.index):
         with open_side_file(directory, name) as file:
-            problems += _problems_of(file, name)
+            problems += _problems_of(file, name, deep)
     return problems
 
 
@@ -221,8 +229,11 @@ def _state_of(file: LocalRangedFile | ObjectRangedFile) -> tuple | None:
     return status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
-def _problems_of(file: LocalRangedFile | ObjectRangedFile, name: str) -> list[Problem]:
-    return _config_problems(file) if name == MEGATRON_CONFIG else _archive_problems(file, name)
+def _problems_of(file: LocalRangedFile | ObjectRangedFile, name: str, deep: bool = True
+                 ) -> list[Problem]:
+    if name == MEGATRON_CONFIG:
+        return _config_problems(file)
+    return _archive_problems(file, name) if deep else _archive_structure_problems(file, name)
 
 
 _MAX_CONFIG_BYTES = 1 << 20  # Megatron's is a few lines
@@ -248,6 +259,15 @@ def _config_problems(file: LocalRangedFile | ObjectRangedFile) -> list[Problem]:
             raise ValueError("not an object of Megatron's fields (sharded_backend, ...)")
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         return [Problem(Rule.DECODE, f"not the JSON object Megatron reads ({error})", name)]
+    return []
+
+
+def _archive_structure_problems(file: LocalRangedFile | ObjectRangedFile, name: str
+                                ) -> list[Problem]:
+    try:
+        read_central_directory(file.read, file.size())
+    except DataError as error:
+        return [Problem(Rule.ARCHIVE, f"not a torch.save archive: {error.message}", name)]
     return []
 
 

@@ -22,7 +22,8 @@ from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256
 from dcpctl.format.checkpoint.locations import ExpectedTensor
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.rewrites import rewrite_named
-from dcpctl.format.checkpoint.side_files import misplaced_side_files
+from dcpctl.format.checkpoint.side_files import (misplaced_side_files, side_file_problems,
+                                                 side_files_of)
 from dcpctl.format.checkpoint.view import (SAFETENSORS, Checkpoint, TensorEntry, find_file_problems,
                                            open_checkpoint)
 from dcpctl.format.codecs.base import max_decoded_bytes
@@ -124,11 +125,12 @@ def open_checked_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def open_quickly_verified(path: str | os.PathLike) -> Checkpoint:
-    """open_checked_checkpoint, refused also where its SHA256SUMS lists a file that is gone:
-    all that `verify --quick` reports short of hashing and of files no one knows (what ls and
-    prune call damage)."""
+    """open_checked_checkpoint, refused also where its SHA256SUMS lists a file that is gone, or
+    a side file is cut short (side_file_problems, not deep): all that `verify --quick` reports
+    short of hashing and of files no one knows (what ls and prune call damage)."""
     checkpoint = open_checked_checkpoint(path)
     problems = absent_listed_files(checkpoint.path, read_sha256sums(checkpoint.path) or {})
+    problems += side_file_problems(checkpoint.path, side_files_of(checkpoint), deep=False)
     if problems:
         raise problems_error(problems, checkpoint.path)
     return checkpoint

@@ -122,10 +122,10 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
     archive_items, safetensors_items, undecodable = items_to_check(checkpoint, items, deep)
     report.problems += undecodable
     side_bytes = 0
-    if deep and checkpoint is not None:
+    if checkpoint is not None:
         side_files = side_files_of(checkpoint)
-        report.problems += side_file_problems(directory, side_files)
-        side_bytes = side_file_bytes(checkpoint, side_files)
+        report.problems += side_file_problems(directory, side_files, deep)
+        side_bytes = side_file_bytes(checkpoint, side_files) if deep else 0
     units = planning.units(checkpoint, archive_items, safetensors_items)
     job = ScanJob(planning, threads)
     report.problems += run_scan(job, units, workers, on_progress)

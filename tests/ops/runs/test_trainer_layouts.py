@@ -426,3 +426,40 @@ def test_a_part_in_use_stops_the_whole_deletion_before_any_metadata_goes(acceler
         failed["checkpoint_0"]
     assert all((accelerate_run / "checkpoint_0" / part / ".metadata").exists()
                for part in ACCELERATE_PARTS)
+
+
+@pytest.mark.parametrize("damage", ["meta.pt cut short", "meta.pt empty",
+                                    "common.pt cut short", "metadata.json not JSON"])
+def test_a_side_file_cut_short_keeps_the_checkpoint_from_being_the_newest(tmp_path, damage):
+    """Lightning writes meta.pt last, with torch.save, not atomically: a save killed while
+    writing it left a meta.pt cut short that ls called complete and sound, and prune
+    --keep-last 1 deleted the two checkpoints before it, leaving one torch.load cannot read."""
+    import torch
+
+    from dcpctl.ops.verify.verifier import verify_checkpoint
+
+    run_dir = tmp_path / "run"
+    lightning = damage.startswith("meta.pt")
+    names = ([f"epoch=0-step={step}.ckpt" for step in (1, 2, 3)] if lightning
+             else [f"iter_{step:07d}" for step in (1, 2, 3)])
+    for name in names:
+        checkpoint = add_checkpoint(run_dir, name, age_seconds=30 * DAY)
+        if lightning:
+            torch.save({"global_step": 1, "loops": list(range(100))}, checkpoint / "meta.pt")
+        else:
+            torch.save({"iteration": 1}, checkpoint / "common.pt")
+            (checkpoint / "metadata.json").write_text(MEGATRON_CONFIG)
+    newest = run_dir / names[-1]
+    side_file = damage.split()[0]
+    data = (newest / side_file).read_bytes()
+    (newest / side_file).write_bytes(data[:len(data) // 2] if "cut short" in damage
+                                     else b"" if "empty" in damage else b"{not json")
+    states = [row.state for row in list_run_directory(run_dir).checkpoints]
+    assert states == ["complete", "complete", "damaged"]
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert [(decision.checkpoint.name, decision.status) for decision in report.decisions] == [
+        (names[0], "deleted"), (names[1], "kept"), (names[2], "kept")]
+    assert report.decisions[1].reasons[0] == "newest complete"
+    quick = verify_checkpoint(newest, deep=False)
+    assert quick.status == "damaged"
+    assert [problem.file for problem in quick.problems] == [side_file]
