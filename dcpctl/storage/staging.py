@@ -223,7 +223,9 @@ def remove_dead_stagings(destination: Path) -> list[str]:
 
 def _remove_unlocked(parent: int, name: str, lock: bool) -> bool:
     """Remove directory name of the open parent, with all in it, unless (with lock) another
-    process holds its lock; whether it was removed."""
+    process holds its lock; whether it was removed. A live run renames its staging directory
+    into place before it lets go of its lock: one locked here is removed only while it still
+    has its name, else it is that run's published output."""
     try:
         descriptor = open_directory_at(parent, name)
     except OSError:
@@ -231,6 +233,10 @@ def _remove_unlocked(parent: int, name: str, lock: bool) -> bool:
     try:
         if lock:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            opened = os.fstat(descriptor)
+            named = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino):
+                return False  # published (or replaced) since it was opened
         empty_directory(descriptor)
         os.rmdir(name, dir_fd=parent)
         return True

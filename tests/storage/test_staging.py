@@ -171,6 +171,33 @@ def test_only_this_outputs_unlocked_staging_directories_are_removed(tmp_path):
     assert (outside / "precious").read_text() == "x"
 
 
+def test_a_staging_published_as_it_is_looked_at_is_never_emptied(tmp_path, monkeypatch):
+    """A run starting for the same output opened a live run's staging directory, which that
+    run then renamed into place and let go of: locked next, the published output (whose run
+    had exited 0) was emptied."""
+    import fcntl
+    import os
+
+    from dcpctl.storage import staging
+
+    live_staging = tmp_path / ".out.dcpctl-0123456789ab.tmp"
+    live_staging.mkdir()
+    (live_staging / ".metadata").write_bytes(b"published")
+    held = os.open(live_staging, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # the live run's lock
+    opened = staging.open_directory_at
+
+    def published_meanwhile(parent, name):
+        descriptor = opened(parent, name)
+        live_staging.rename(tmp_path / "out")  # the live run publishes, then lets go
+        os.close(held)
+        return descriptor
+
+    monkeypatch.setattr(staging, "open_directory_at", published_meanwhile)
+    assert staging.remove_dead_stagings(tmp_path / "out") == []
+    assert (tmp_path / "out" / ".metadata").read_bytes() == b"published"
+
+
 @pytest.mark.parametrize("given", [".", "new/sub/.."])
 def test_an_output_named_by_dot_or_dotdot_is_the_directory_it_means(tmp_path, monkeypatch, given):
     """`-o .` failed at publish, after all the work (rename of "." is EBUSY), and
