@@ -166,9 +166,10 @@ class StagedOutput:
         except OSError as error:
             if error.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise
-            raise OutputError("was filled while dcpctl wrote the output (it was empty or absent "
-                              "when the run started): nothing was replaced; run again with "
-                              "--overwrite to replace it", path=self.destination) from None
+            raise OutputTakenError("was filled while dcpctl wrote the output (it was empty or "
+                                   "absent when the run started): nothing was replaced; run "
+                                   "again with --overwrite to replace it",
+                                   path=self.destination) from None
 
     def abort(self, upload_names: Collection[str] = ()) -> None:
         """Remove the unfinished output, and the directories made for it where nothing else

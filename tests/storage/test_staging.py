@@ -57,8 +57,9 @@ def test_an_empty_directory_filled_while_the_output_was_written_is_not_replaced(
     (staged.path / "data").write_text("new")
     (tmp_path / "out" / "important.txt").write_text("theirs")
     with pytest.raises(OutputError, match="was filled while dcpctl wrote the output.*"
-                                          "--overwrite"):
+                                          "--overwrite") as refused:
         staged.publish()
+    assert refused.value.exit_code == 75  # another run's, likely: try again (with --overwrite)
     staged.abort()
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["important.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
@@ -75,8 +76,9 @@ def test_a_file_written_where_the_output_goes_while_it_was_written_is_not_replac
     staged = StagedOutput(target, overwrite=False, source=SOURCE, is_directory=False)
     staged.path.write_bytes(b"mine")
     target.write_bytes(b"theirs")
-    with pytest.raises(OutputError, match="was filled while"):
+    with pytest.raises(OutputError, match="was filled while") as refused:
         staged.publish()
+    assert refused.value.exit_code == 75
     staged.abort()
     assert target.read_bytes() == b"theirs"
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
