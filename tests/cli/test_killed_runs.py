@@ -85,10 +85,16 @@ def copy_source_compressed(work: Path) -> None:
 
 
 def in_place_checkpoint_loads(work: Path, before: dict) -> None:
-    """Loads and its SHA256SUMS holds; until `.metadata` switched, the source is as it was
-    (SHA256SUMS included), but for hidden temporaries a killed run leaves."""
+    """Loads and its SHA256SUMS holds, and verify calls it sound (once `.metadata` named the
+    new files, the old ones beside them were unknown files: damage); until `.metadata`
+    switched, the source is as it was (SHA256SUMS included), but for hidden temporaries a
+    killed run leaves."""
+    from dcpctl.ops.verify.verifier import verify_checkpoint
+
     assert loaded_tensors(work / "ckpt") == expected_tensors()
     assert_checksums_hold(work / "ckpt")
+    report = verify_checkpoint(work / "ckpt", deep=False)
+    assert report.status == "ok", report.problems
     state = {name: digest for name, digest in directory_state(work / "ckpt").items()
              if not is_temporary_name(name)}
     if state[".metadata"] == before["ckpt"][".metadata"]:

@@ -26,7 +26,7 @@ from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_sta
 from dcpctl.ops.verify.consolidation import consolidation_problems
 from dcpctl.ops.verify.scan import items_to_check
 from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
-from dcpctl.storage.local import is_temporary_name
+from dcpctl.storage.local import final_name_of, is_temporary_name
 from dcpctl.storage.locks import locked_checkpoint
 from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
 
@@ -184,10 +184,16 @@ def leftover_temporaries(checkpoint: Checkpoint, present: set[str]) -> list[str]
     """The files in the checkpoint directory (present: its listing) under dcpctl's temporary
     names that the metadata does not name: a stopped run's, which the next run rewriting the
     checkpoint in place removes (in an object store, where no lock tells a running one's
-    apart, once a day old: storage/paths.py remove_stale_temporaries), or a running one's."""
+    apart, once a day old: storage/paths.py remove_stale_temporaries), or a running one's.
+    And the old data files of an in-place rewrite stopped once `.metadata` named the new ones
+    by their temporary names (`__0_0.distcp` beside the `__0_0.distcp.dcpctl-<token>.tmp` it
+    names), which the next run in place removes as well."""
     known = _known_files(checkpoint)
-    return sorted(name for name in present
-                  if name not in known and is_temporary_name(posixpath.basename(name)))
+    replaced = {posixpath.join(posixpath.dirname(name), final_name_of(base))
+                for name in checkpoint.files
+                if is_temporary_name(base := posixpath.basename(name))}
+    return sorted(name for name in present if name not in known and (
+        is_temporary_name(posixpath.basename(name)) or name in replaced))
 
 
 def _known_files(checkpoint: Checkpoint) -> set[str]:
