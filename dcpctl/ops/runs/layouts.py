@@ -49,8 +49,9 @@ ACCELERATE_LAST_WRITTEN = "random_states_0.pkl"
 ACCELERATE_CUSTOM_OBJECT = re.compile(r"custom_checkpoint_[0-9]+\.pkl")
 TRAINER_LAST_WRITTEN = "trainer_state.json"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
-MEGATRON_TRACKER_MAX_BYTES = 64
-"""Megatron writes the iteration as decimal digits (or `release`); anything longer is not it."""
+MEGATRON_TRACKER_MAX_BYTES = 1 << 20
+"""Megatron writes the iteration as decimal digits (or `release`) and reads the file whole,
+stripped of white space around it; a tracker longer than this is not read."""
 
 
 METADATA_IS_A_DIRECTORY = f"its {METADATA_FILE_NAME} is a directory: not a DCP checkpoint"

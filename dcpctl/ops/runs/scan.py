@@ -254,7 +254,8 @@ def _read_tracker(path: Path) -> int | None:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode) or status.st_size > MEGATRON_TRACKER_MAX_BYTES:
             return None  # a directory is opened too, and then no file to read
-        return parse_tracked_iteration(os.read(descriptor, MEGATRON_TRACKER_MAX_BYTES))
+        with open(descriptor, "rb", closefd=False) as stream:
+            return parse_tracked_iteration(stream.read(MEGATRON_TRACKER_MAX_BYTES))
     finally:
         os.close(descriptor)
 

@@ -345,8 +345,20 @@ def test_a_tracker_that_is_a_symlink_or_huge_is_not_read(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").symlink_to(secret)
     assert scan_run_directory(tmp_path).tracked_step is None
     (tmp_path / "latest_checkpointed_iteration.txt").unlink()
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1" + " " * 10_000)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1" + " " * (1 << 20))
     assert scan_run_directory(tmp_path).tracked_step is None
+
+
+def test_a_tracker_padded_with_white_space_names_its_iteration(tmp_path):
+    """Megatron reads the tracker whole and strips it: `200` and a hundred spaces was not
+    read (over 64 bytes), and prune --keep-last 1 deleted the iteration Megatron resumes from."""
+    for iteration in (100, 200, 300):
+        add_checkpoint(tmp_path, f"iter_{iteration:07d}", age_seconds=30 * DAY)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("200" + " " * 100 + "\n")
+    assert scan_run_directory(tmp_path).tracked_step == 200
+    prune_run_directory(tmp_path, RetentionRules(keep_last=1))
+    assert sorted(name for name in os.listdir(tmp_path) if name.startswith("iter_")) == [
+        "iter_0000200", "iter_0000300"]
 
 
 def test_a_tracker_that_is_a_directory_is_not_read(tmp_path):
