@@ -9,7 +9,7 @@ import click
 from dcpctl.cli.ls import CHECKPOINT_HEADERS, checkpoint_cells, render_ignored
 from dcpctl.cli.options import checkpoint_argument, dry_run_option, json_option
 from dcpctl.cli.render import format_bytes, format_table, print_report
-from dcpctl.errors import PartialFailureError
+from dcpctl.errors import TRY_AGAIN_EXIT_CODE, PartialFailureError
 from dcpctl.ops.runs.prune import (DELETED, FAILED, GONE, PruneReport, RetentionRules,
                                    prune_run_directory)
 from dcpctl.ops.runs.scan import no_checkpoints_said
@@ -101,8 +101,8 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
 
     Exit status: 0 done (or nothing to delete); 1 when RUN_DIR cannot be read, or some
     deletions failed (the others are still done, and the report says which were deleted and
-    which were not); 2 for usage errors; 75 when another prune holds the lock (try again
-    later).
+    which were not); 2 for usage errors; 75 when another prune holds the lock, or every
+    deletion that failed was of a checkpoint another dcpctl was using (try again later).
 
     \b
     Examples:
@@ -116,9 +116,12 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     print_report(report, as_json, render_prune)
     failed = report.with_status(FAILED)
     if failed:
-        raise PartialFailureError(f"{len(failed)} of {len(report.to_delete)} checkpoint "
-                                  f"deletions failed; first, {failed[0].checkpoint.name}: "
-                                  f"{failed[0].error}", path=run_dir)
+        error = PartialFailureError(f"{len(failed)} of {len(report.to_delete)} checkpoint "
+                                    f"deletions failed; first, {failed[0].checkpoint.name}: "
+                                    f"{failed[0].error}", path=run_dir)
+        if all(decision.try_again for decision in failed):  # each in use by another dcpctl
+            error.exit_code = TRY_AGAIN_EXIT_CODE
+        raise error
 
 
 def render_prune(report: PruneReport) -> list[str]:

@@ -30,7 +30,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
-from dcpctl.errors import (DcpctlError, InvalidOptionError, UnsafePathError,
+from dcpctl.errors import (TRY_AGAIN_EXIT_CODE, DcpctlError, InvalidOptionError, UnsafePathError,
                            UnsupportedLayoutError, describe_os_error)
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.file_names import METADATA_FILE_NAME
@@ -76,6 +76,9 @@ class PruneDecision:
     reasons: list[str]
     status: str = KEPT
     error: str | None = None
+    try_again: bool = False
+    """Of a failed deletion: whether it failed as another process was at the checkpoint (a
+    dcpctl using it, a save writing into it), which a later prune may well not meet."""
     check: QuickCheck | None = None
     """The quick check of a complete checkpoint that did not pass it."""
 
@@ -307,6 +310,7 @@ def _carry_out(decision: PruneDecision, delete: Callable[[], None],
             decision.status = FAILED
             decision.error = (describe_os_error(error) if isinstance(error, OSError)
                               else str(error))
+            decision.try_again = getattr(error, "exit_code", 1) == TRY_AGAIN_EXIT_CODE
     else:
         decision.status = DELETED
 
