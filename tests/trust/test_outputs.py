@@ -226,14 +226,14 @@ def test_in_place_side_files_are_hashed_before_the_switch(tmp_path, monkeypatch)
 def test_a_side_file_link_is_opened_where_it_was_checked_to_lead(tmp_path, monkeypatch):
     """A link inside the checkpoint was resolved to be checked and then again to be opened:
     swapped between the two for a link out, the file outside was read."""
-    from dcpctl.format.checkpoint import side_files
+    from dcpctl.format.checkpoint import side_files, view
 
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     (checkpoint / "real_meta.pt").write_bytes(b"inside")
     (checkpoint / "meta.pt").symlink_to("real_meta.pt")
     (tmp_path / "secret.txt").write_bytes(b"outside")
-    checked = side_files.real_path_inside
+    checked = view.real_path_inside
 
     def checked_then_swapped(directory, name):
         real = checked(directory, name)
@@ -241,6 +241,6 @@ def test_a_side_file_link_is_opened_where_it_was_checked_to_lead(tmp_path, monke
         (checkpoint / "meta.pt").symlink_to(tmp_path / "secret.txt")
         return real
 
-    monkeypatch.setattr(side_files, "real_path_inside", checked_then_swapped)
+    monkeypatch.setattr(view, "real_path_inside", checked_then_swapped)
     with side_files.open_side_file(checkpoint, "meta.pt") as reader:
         assert reader.read(0, 100) == b"inside"
