@@ -93,6 +93,16 @@ class ObjectStore:
                 self._remember(base + relative, info, replace=pin_current)
         return tree
 
+    def folder_markers(self, prefix: str) -> list[str]:
+        """The keys of the empty folder markers under prefix (`sub/`, and `prefix/` itself),
+        which S3 consoles and some tools put for folders: no listing of list_tree's shows
+        them, and they hold nothing."""
+        base = prefix.rstrip("/") + "/"
+        with self.translated_errors(prefix):
+            found = self.fs.find(prefix, detail=True, withdirs=False)
+        return sorted(key for key, details in found.items()
+                      if key.startswith(base) and key.endswith("/") and not details.get("size"))
+
     def list_children(self, prefix: str) -> dict[str, bool]:
         """The names directly under prefix, each with whether it is a prefix (a directory)."""
         with self.translated_errors(prefix):

@@ -457,7 +457,8 @@ def delete_checkpoint_objects(directory: ObjectPath,
     before the data goes, it stops the deletion there; found once the data is gone (its save
     wrote no object the scan had not seen), it is named in the error. Other objects written
     since stay, and StorageError names them once the rest is gone. Uploads a killed run left
-    unfinished under the prefix go too, once a day old (abort_stale_uploads)."""
+    unfinished under the prefix go too, once a day old (abort_stale_uploads), and the empty
+    folder markers under it, which would still show the prefix."""
     store = directory.store
 
     def keys(names: Iterable[str]) -> list[str]:
@@ -486,6 +487,7 @@ def delete_checkpoint_objects(directory: ObjectPath,
     names = sorted(name for name, info in standing.items()
                    if seen is None or seen.get(name) == info)
     store.delete(keys(names), if_etags=as_seen(names))
+    store.delete(store.folder_markers(directory.key))  # they hold nothing, and show the prefix
     abort_stale_uploads(directory)
     if seen is not None:  # a `.metadata` that came as the data went stands over nothing
         refuse_new_metadata(store.list_tree(directory.key),

@@ -216,11 +216,19 @@ def test_ls_and_prune_a_run_in_a_bucket(bucket_checkpoint, s3_server):
     listing = json.loads(ok("ls", run, "--json"))
     assert [entry["step"] for entry in listing["checkpoints"]] == [100, 200, 300]
     assert all(entry["complete"] for entry in listing["checkpoints"])
+    client = s3_server.client()
+    markers = s3_server.name == "moto"  # rclone keeps folders as directories, no objects
+    if markers:  # as S3 consoles make them: prune left them, and the steps' prefixes showed
+        for marker in ("run/step-100/", "run/step-100/sub/", "run/step-200/meta.pt/",
+                       "run/step-300/kept/"):
+            client.put_object(Bucket=bucket, Key=marker, Body=b"")
     ok("prune", run, "--keep-last", "1")
     listing = json.loads(ok("ls", run, "--json"))
     assert [entry["step"] for entry in listing["checkpoints"]] == [300]
-    client = s3_server.client()
     assert not client.list_objects_v2(Bucket=bucket, Prefix="run/step-100/").get("Contents")
+    assert not client.list_objects_v2(Bucket=bucket, Prefix="run/step-200/").get("Contents")
+    if markers:
+        assert "run/step-300/kept/" in keys_under(s3_server, bucket, "run/step-300/")
 
 
 def keys_under(server, bucket: str, prefix: str = "") -> set[str]:
