@@ -12,6 +12,8 @@ tensor: nothing told the ranks apart) is taken once, from the lowest rank, as is
 several saved (torch's own deduplication of a collective save keeps one copy as well). The
 other ranks' copies are its replicas: verify and checksum check their bytes too, as each rank
 loads its own, and the structure checks look at them, but nothing reads them to move data.
+Each rank's metadata must hold together on its own first (every chunk and object with its
+storage entry, every entry with one of them), as torch loads each rank from it alone.
 Commands that write a new checkpoint (reshard, convert) write it with one `.metadata`, which
 any world size loads; compress and decompress, which keep a checkpoint's layout, refuse it.
 """
@@ -72,10 +74,40 @@ def merged_rank_metadata(directory: StoragePath, names: list[str]
     """The metadata of a checkpoint saved with use_collectives=False, from its ranks' own
     files (rank_metadata_names, lowest rank first), and the replicas that merging set aside.
     Each rank's metadata is looked at once, each of its chunks once: linear in all of them."""
-    merger = _Merger(read_metadata(directory, names[0]))
-    for name in names[1:]:
-        merger.add(read_metadata(directory, name), str(directory / name))
+    merger = None
+    for name in names:
+        rank = read_metadata(directory, name)
+        _refuse_unjoined_entries(rank, str(directory / name))
+        if merger is None:
+            merger = _Merger(rank)
+        else:
+            merger.add(rank, str(directory / name))
     return merger.merged, merger.replicas
+
+
+def _refuse_unjoined_entries(rank: CheckpointMetadata, source: str) -> None:
+    """Refuse a rank's metadata where a chunk or object lacks a storage entry, or an entry
+    names none of them: torch loads each rank from its own metadata alone, and such a rank
+    loads a tensor left unset, or fails; merged with the others', its entry could pass for
+    another rank's."""
+    entries = {(fqn, tuple(chunk.offsets)) for fqn, entry in rank.state_dict_metadata.items()
+               if isinstance(entry, TensorMetadata) for chunk in entry.chunks}
+    entries.update((fqn, None) for fqn, entry in rank.state_dict_metadata.items()
+                   if not isinstance(entry, TensorMetadata))
+    stored = {(key.fqn, None if key.offset is None else tuple(key.offset))
+              for key in rank.storage_data}
+    lacking = entries - stored
+    if lacking:
+        raise MetadataError(f"gives {_item(*min(lacking, key=str))} no storage entry",
+                            path=source)
+    orphans = stored - entries
+    if orphans:
+        raise MetadataError(f"has a storage entry for {_item(*min(orphans, key=str))}, which it "
+                            "does not hold", path=source)
+
+
+def _item(fqn: str, offsets: tuple[int, ...] | None) -> str:
+    return f"object {fqn!r}" if offsets is None else f"the chunk of {fqn!r} at {list(offsets)}"
 
 
 @dataclass

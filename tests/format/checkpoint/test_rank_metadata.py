@@ -243,3 +243,25 @@ def test_in_a_bucket_it_is_read_resharded_and_loaded_as_one(saved, s3_server, tm
     # torch's load in one process reads rank 0's own metadata: its rows of the sharded tensor
     loaded = load_with_dcpctl_reader(f"s3://{bucket}/one-rank")
     assert torch.equal(loaded["model.b"], _full_tensors()["model.b"])
+
+
+@pytest.mark.parametrize("damage", ["chunks cleared", "key renamed"])
+def test_a_rank_whose_own_metadata_does_not_join_is_damage(checkpoint, damage):
+    """Merged with the others', rank 1's metadata passed: its replicated tensor's chunk gone
+    (torch's load left that rank's copy unset) or its key named for another tensor (torch's
+    load failed with a KeyError) were taken for replicas, and verify said ok."""
+    def change(metadata):
+        if damage == "chunks cleared":
+            metadata.state_dict_metadata["model.b"].chunks.clear()
+            return
+        key = next(key for key in metadata.storage_data if key.fqn == "model.b")
+        info = metadata.storage_data.pop(key)
+        metadata.storage_data[type(key)("model.w", torch.Size([3, 0]), 0)] = info
+
+    _rewrite_rank_metadata(checkpoint, 1, change)
+    report = verify_checkpoint(checkpoint)
+    assert report.status == "damaged"
+    messages = [(problem.file, problem.message) for problem in report.problems]
+    assert messages == [("__1.metadata", "has a storage entry for the chunk of 'model.b' at [0], "
+                         "which it does not hold") if damage == "chunks cleared" else
+                        ("__1.metadata", "gives the chunk of 'model.b' at [0] no storage entry")]
