@@ -1150,3 +1150,14 @@ def test_a_connection_refused_or_dropped_is_said_as_either(monkeypatch):
                       "inspect", "s3://bucket/run/step-1")
     assert ("cannot connect to the S3 endpoint, or it kept dropping the connection: Could not "
             f"connect to the endpoint URL: \"http://127.0.0.1:{port}/bucket") in message, message
+
+
+def test_prune_in_a_bucket_keeps_the_iteration_megatrons_tracker_names(s3_server):
+    bucket = s3_server.new_bucket()
+    for iteration in (1, 2, 3):
+        upload_directory(s3_server, fixture_path(SOURCE), bucket, f"run/iter_{iteration:07d}")
+    s3_server.client().put_object(Bucket=bucket, Key="run/latest_checkpointed_iteration.txt",
+                                  Body=b"2" + b" " * 100 + b"\n")
+    ok("prune", f"s3://{bucket}/run", "--keep-last", "1")
+    assert {key.split("/")[1] for key in keys_under(s3_server, bucket, "run/iter_")} == {
+        "iter_0000002", "iter_0000003"}

@@ -173,6 +173,12 @@ def refuse_a_checkpoint_as_run_directory(directory: StoragePath, names: Iterable
 
 
 def parse_tracked_iteration(data: bytes) -> int | None:
-    """The iteration Megatron's tracker file names; None for `release` or anything else."""
+    """The iteration Megatron's tracker file names; None for `release` or anything else (a
+    number of more digits than any step has, too: Python's int refuses past 4,300)."""
     text = data.decode("ascii", errors="replace").strip()
-    return int(text) if text.isdecimal() and text.isascii() else None
+    if not (text.isdecimal() and text.isascii()) or len(text) > _MAX_STEP_DIGITS:
+        return None
+    return int(text)
+
+
+_MAX_STEP_DIGITS = 20  # 2**64 has 20 digits

@@ -24,7 +24,7 @@ from dcpctl.ops.runs.layouts import (LIGHTNING_CHECKPOINT_NAME, MEGATRON_TRACKER
                                      refuse_a_checkpoint_as_run_directory)
 from dcpctl.storage.local import mount_points_at_or_inside
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
-from dcpctl.storage.paths import StoragePath, file_names_in, read_whole, storage_path
+from dcpctl.storage.paths import StoragePath, file_names_in, open_ranged, read_whole, storage_path
 
 # A checkpoint directory is named by a word trainers name one by (torchtitan's step-1000,
 # step_2000, the HF Trainer's checkpoint-3000, accelerate's checkpoint_3, DeepSpeed's
@@ -267,9 +267,11 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
     refuse_a_checkpoint_as_run_directory(scan.path, listing)
     tracker = listing.get(MEGATRON_TRACKER)
     if tracker is not None and tracker.size <= MEGATRON_TRACKER_MAX_BYTES:
-        with contextlib.suppress(FileNotFoundError):  # replaced since it was listed
-            data = (scan.path / MEGATRON_TRACKER).read_bytes()[:MEGATRON_TRACKER_MAX_BYTES]
-            scan.tracked_step = parse_tracked_iteration(data)
+        with contextlib.suppress(FileNotFoundError), \
+                open_ranged(scan.path / MEGATRON_TRACKER) as tracker_file:
+            # one ranged read, of the object listed: never more than the cap, whatever came
+            scan.tracked_step = parse_tracked_iteration(
+                tracker_file.read(0, MEGATRON_TRACKER_MAX_BYTES))
     step_named_objects = []
     for key, info in listing.items():
         name, slash, rest = key.partition("/")

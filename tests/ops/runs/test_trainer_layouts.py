@@ -349,6 +349,14 @@ def test_a_tracker_that_is_a_symlink_or_huge_is_not_read(tmp_path):
     assert scan_run_directory(tmp_path).tracked_step is None
 
 
+def test_a_tracker_of_more_digits_than_python_reads_names_no_iteration(tmp_path):
+    """Read whole, 5,000 digits reached int(), which refuses past 4,300: ls and prune of the
+    run failed with an internal error."""
+    add_checkpoint(tmp_path, "iter_0000001")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("9" * 5000)
+    assert scan_run_directory(tmp_path).tracked_step is None
+
+
 def test_a_tracker_padded_with_white_space_names_its_iteration(tmp_path):
     """Megatron reads the tracker whole and strips it: `200` and a hundred spaces was not
     read (over 64 bytes), and prune --keep-last 1 deleted the iteration Megatron resumes from."""
