@@ -118,6 +118,14 @@ class OutputFile:
             self.discard()
 
 
+class NotARegularFileError(OSError):
+    """A path that holds something other than a regular file where one is read: a FIFO, a
+    device, a directory. Not a failure of the file system: what stands there is wrong."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(errno.EINVAL, "not a regular file", os.fspath(path))
+
+
 def open_regular_file(path: str | os.PathLike, follow_symlinks: bool = True) -> int:
     """A descriptor for reading a regular file; anything else (a FIFO, a device, a directory,
     and without follow_symlinks a symlink) is refused with an OSError naming it, before a read
@@ -132,7 +140,7 @@ def open_regular_file(path: str | os.PathLike, follow_symlinks: bool = True) -> 
         raise
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+            raise NotARegularFileError(path)
         os.set_blocking(descriptor, True)
         return descriptor
     except BaseException:

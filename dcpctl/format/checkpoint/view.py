@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import stat
@@ -28,6 +27,7 @@ from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
 from dcpctl.format.torch_save.zip_records import LOCAL_SIGNATURE
+from dcpctl.storage.local import NotARegularFileError
 from dcpctl.storage.objects import ObjectInfo, ObjectPath
 from dcpctl.storage.paths import StoragePath, open_ranged, storage_path
 from dcpctl.wording import counted
@@ -160,7 +160,7 @@ def regular_file_inside(directory: Path, name: str) -> Path:
     if stat.S_ISLNK(os.lstat(path).st_mode):
         path = real_path_inside(directory, name)  # resolved once: what is checked is opened
     if not stat.S_ISREG(os.lstat(path).st_mode):
-        raise OSError(errno.EINVAL, "not a regular file", os.fspath(directory / name))
+        raise NotARegularFileError(directory / name)
     return path
 
 

@@ -26,7 +26,7 @@ from dcpctl.format.metadata.records import (MEMORY_FORMAT_CODES, TORCH_LAYOUTS, 
                                             StorageInfo, StorageMeta, TensorMetadata,
                                             TensorProperties)
 from dcpctl.format.metadata.structure import check_metadata_structure
-from dcpctl.storage.local import open_for_reading
+from dcpctl.storage.local import NotARegularFileError, open_for_reading
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import StoragePath, read_whole, storage_path
 from dcpctl.storage.planned_from import note_planned_from
@@ -188,7 +188,7 @@ def _load_with_allowlist(stream: BinaryIO, size: int, source: str) -> Any:
                             f"honestly take (over {memory_budget_bytes(size) >> 20} MiB)",
                             path=source) from None
     except OSError as error:  # the file, not the pickle
-        raise MetadataReadError(f"cannot read ({error.strerror or error})", path=source) from None
+        raise _unread(error, source) from None
     except Exception as error:  # a damaged pickle fails in many ways; all mean the same
         raise MetadataError(f"not a readable DCP metadata pickle ({type(error).__name__}: "
                             f"{error})", path=source) from None
@@ -290,9 +290,16 @@ def read_metadata(checkpoint_dir: str | os.PathLike | StoragePath,
             return parse_metadata(read_whole(path), str(path))
         raw = open_for_reading(path)
     except OSError as error:
-        raise MetadataReadError(f"cannot read ({error.strerror})", path=path) from None
+        raise _unread(error, path) from None
     with io.BufferedReader(raw, _READ_BUFFER_BYTES) as stream:
         return _parse_stream(stream, os.fstat(raw.fileno()).st_size, str(path))
+
+
+def _unread(error: OSError, path: str | StoragePath) -> MetadataError:
+    """What a metadata file that could not be read is: no verdict where the file system failed
+    (MetadataReadError), damage where something other than a file stands in its place."""
+    kind = MetadataError if isinstance(error, NotARegularFileError) else MetadataReadError
+    return kind(f"cannot read ({error.strerror or error})", path=path)
 
 
 _READ_BUFFER_BYTES = 1 << 20

@@ -273,6 +273,22 @@ def test_a_metadata_the_file_system_fails_to_read_is_no_damage(copy_fixture, mon
     assert only_problem(report, "metadata").message == "cannot read (Input/output error)"
 
 
+@pytest.mark.parametrize("impostor", ["fifo", "directory"])
+def test_a_metadata_that_is_no_regular_file_is_damage(copy_fixture, impostor):
+    """Not a failure of the file system to read it: something else stands there."""
+    import os
+
+    checkpoint = copy_fixture("mesh2d_4ranks")
+    (checkpoint / ".metadata").unlink()
+    if impostor == "fifo":
+        os.mkfifo(checkpoint / ".metadata")
+    else:
+        (checkpoint / ".metadata").mkdir()
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert report.status == "damaged"
+    assert only_problem(report, "metadata").message == "cannot read (not a regular file)"
+
+
 def test_metadata_refused_for_anything_but_a_class_name_is_damaged(copy_fixture):
     """Only a class outside DCP's makes a checkpoint unreadable: a pickle of persistent ids,
     which neither torch's metadata nor any writer's holds, is damage."""
