@@ -130,6 +130,13 @@ class LockHeldError(DcpctlError):
     exit_code = TRY_AGAIN_EXIT_CODE
 
 
+class ChangedWhileReadError(DataError):
+    """A file changed while dcpctl read it (another process writing it): nothing was done
+    with what was read; run the command again."""
+
+    exit_code = TRY_AGAIN_EXIT_CODE
+
+
 class OutputTakenError(OutputError):
     """Another run is writing the output, or took it over or changed it while this one wrote
     it; nothing was published."""

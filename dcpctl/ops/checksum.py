@@ -8,11 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from dcpctl.errors import DataError
+from dcpctl.errors import ChangedWhileReadError, DataError
 from dcpctl.format.checkpoint.checksums import (absent_listed_files, read_sha256sums,
                                                 write_sha256sums)
 from dcpctl.format.checkpoint.problems import Problem, ProblemsError, problems_error
-from dcpctl.format.checkpoint.side_files import checked_side_file_digest, side_files_of
+from dcpctl.format.checkpoint.side_files import read_checked_side_file, side_files_of
 from dcpctl.format.checkpoint.structure import checked_checkpoint, list_stored_items
 from dcpctl.execution.running import (plan_ahead, sharing_processes, threads_per_worker,
                                       workers_started)
@@ -70,7 +70,7 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
         side_digests = {}
         for name in side_files_of(checkpoint):
             try:  # hashed again as checked: what is certified is what was checked
-                side_digests[name] = checked_side_file_digest(checkpoint.path, name)
+                side_digests[name] = read_checked_side_file(checkpoint.path, name)
             except ProblemsError as error:
                 problems += error.problems
         if problems:
@@ -78,8 +78,9 @@ def checksum_checkpoint(path: str | os.PathLike, threads: int | None = None,
         digests = {unit.name: unit.sha256 for unit in units if unit.hashing}
         changed = [name for name, digest in side_digests.items() if digests.get(name) != digest]
         if changed:
-            raise DataError(f"{changed[0]} changed while dcpctl read it (a trainer writing "
-                            "it?): run the command again", path=checkpoint.path)
+            raise ChangedWhileReadError(f"{changed[0]} changed while dcpctl read it (a trainer "
+                                        "writing it?): run the command again",
+                                        path=checkpoint.path)
         sums_path = write_sha256sums(checkpoint.path, digests)
     return ChecksumReport(str(checkpoint.path), str(sums_path), dict(sorted(digests.items())),
                           sum(unit.read_bytes for unit in units if unit.hashing))

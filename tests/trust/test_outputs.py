@@ -142,33 +142,90 @@ def test_a_side_file_damaged_after_its_check_is_never_copied(tmp_path, monkeypat
     with pytest.raises(ProblemsError, match="meta.pt: .*crc-mismatch: record 'meta/data.pkl'"):
         transcode.compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
-    before = directory_state(checkpoint)
-    with pytest.raises(ProblemsError, match="meta.pt: .*crc-mismatch"):
-        transcode.compress_checkpoint(checkpoint)  # in place: refused before anything changes
-    assert directory_state(checkpoint) == before
 
 
-def test_a_side_file_changed_while_it_is_copied_is_refused(tmp_path, monkeypatch):
-    """The bytes copied or certified must be the bytes checked: a side file written to while
-    dcpctl reads it (its change time moves) is refused, nothing published."""
-    from dcpctl.errors import DataError
+def test_a_side_file_written_to_as_it_is_copied_is_checked_as_copied(tmp_path, monkeypatch):
+    """The bytes copied must be the bytes checked, whatever writes the file meanwhile: a bit
+    flipped in the part of meta.pt not yet read when its first piece was copied is in the
+    copy, so the copy is refused, nothing published (a check of its own read passed the file
+    as it was before, or as it was after)."""
+    import torch
+
     from dcpctl.format.checkpoint import publishing
+    from dcpctl.format.checkpoint.problems import ProblemsError
+    from dcpctl.ops import transcode
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(fixture_path(SOURCE), checkpoint)
+    torch.save({"global_step": 1, "buffer": torch.zeros(6 << 20, dtype=torch.uint8)},
+               checkpoint / "meta.pt")  # two pieces of 4 MiB
+    real_write = publishing.DataFileWriter.write
+    pieces = []
+
+    def flipped_after_the_first_piece(self, piece):
+        if self.path.name == "meta.pt":
+            pieces.append(len(piece))
+            if len(pieces) == 1:
+                with open(checkpoint / "meta.pt", "r+b") as stream:
+                    stream.seek(5 << 20)
+                    stream.write(b"\x01")
+        return real_write(self, piece)
+
+    monkeypatch.setattr(publishing.DataFileWriter, "write", flipped_after_the_first_piece)
+    with pytest.raises(ProblemsError, match="meta.pt: .*crc-mismatch: record 'meta/data/"):
+        transcode.compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+    assert len(pieces) == 2 and not (tmp_path / "out").exists()
+
+
+def test_a_side_file_changed_before_its_second_read_is_refused(tmp_path, monkeypatch):
+    """An archive whose records the streamed check cannot hold is checked from a second read:
+    one that differs from the bytes copied fails the run, exit status 75 (run again)."""
+    import torch
+
+    from dcpctl.errors import ChangedWhileReadError
+    from dcpctl.format.checkpoint import side_files
+    from dcpctl.ops import transcode
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(fixture_path(SOURCE), checkpoint)
+    torch.save({name: torch.ones(1 << 19) for name in "abcd"} | {"step": 1},
+               checkpoint / "meta.pt")  # 8 MiB: records past the stream check's windows
+    spooled = side_files.spooled_read_range
+
+    def changed_first(pieces):
+        data = bytearray((checkpoint / "meta.pt").read_bytes())
+        data[len(data) // 2] ^= 1
+        (checkpoint / "meta.pt").write_bytes(bytes(data))
+        return spooled(pieces)
+
+    monkeypatch.setattr(side_files, "spooled_read_range", changed_first)
+    with pytest.raises(ChangedWhileReadError, match="meta.pt changed while dcpctl read it") as \
+            refused:
+        transcode.compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
+    assert refused.value.exit_code == 75 and not (tmp_path / "out").exists()
+
+
+def test_in_place_a_side_file_damaged_as_the_run_goes_is_refused_before_the_switch(
+        tmp_path, monkeypatch):
+    """In place, side files are checked on the bytes hashed for SHA256SUMS, before
+    `.metadata` names the new data files: damaged as the run went, the checkpoint is left as
+    it was (a hash unchecked would certify the damage)."""
+    from dcpctl.format.checkpoint.problems import ProblemsError
     from dcpctl.ops import transcode
 
     checkpoint = _with_meta_pt(tmp_path)
-    real_copy = publishing.DataFileWriter.write
+    before = directory_state(checkpoint)
+    real_execute = transcode.execute_transcode
 
-    def written_to_meanwhile(self, piece):
-        with open(checkpoint / "meta.pt", "r+b") as stream:
-            first = stream.read(1)
-            stream.seek(0)
-            stream.write(first)  # the same byte: only its change time tells
-        return real_copy(self, piece)
+    def damaged_meanwhile(*args, **kwargs):
+        _damage_meta_pt(checkpoint)
+        return real_execute(*args, **kwargs)
 
-    monkeypatch.setattr(publishing.DataFileWriter, "write", written_to_meanwhile)
-    with pytest.raises(DataError, match="meta.pt changed while dcpctl read it"):
-        transcode.compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
-    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(transcode, "execute_transcode", damaged_meanwhile)
+    with pytest.raises(ProblemsError, match="meta.pt: .*crc-mismatch"):
+        transcode.compress_checkpoint(checkpoint)
+    after = directory_state(checkpoint)
+    assert after.pop("meta.pt") != before.pop("meta.pt") and after == before
 
 
 def test_checksum_certifies_only_the_side_file_it_checked(tmp_path, monkeypatch):

@@ -33,8 +33,7 @@ from dcpctl.errors import DataError, DcpctlError, describe_os_error
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.checksums import write_sha256sums
 from dcpctl.format.checkpoint.problems import problems_error
-from dcpctl.format.checkpoint.side_files import (checked_side_file, checked_side_file_digest,
-                                                 side_file_problems)
+from dcpctl.format.checkpoint.side_files import read_checked_side_file, side_file_problems
 from dcpctl.format.file_names import METADATA_FILE_NAME, SHA256SUMS_FILE_NAME
 from dcpctl.format.metadata.records import CheckpointMetadata, StorageInfo
 from dcpctl.format.metadata.writing import serialize_metadata
@@ -44,7 +43,6 @@ from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError, run_wit
 from dcpctl.storage.paths import (StoragePath, is_remote, missing_files, new_output_file,
                                   write_whole)
 from dcpctl.storage.claims import OutputClaim
-from dcpctl.storage.file_digests import HASH_PIECE_BYTES
 from dcpctl.storage.staging import staged_output
 
 
@@ -254,7 +252,7 @@ class CheckpointOutput:
         directory = self.directory
         # hashed as they are checked, before the switch: a failure after it cannot leave the
         # checkpoint rewritten without its SHA256SUMS
-        side_digests = {name: checked_side_file_digest(directory, name)
+        side_digests = {name: read_checked_side_file(directory, name)
                         for name in self._side_files}
         temporary_names = {name: temporary_name(name, self._token) for name in digests}
         switched_metadata = serialize_metadata(_renamed(metadata, temporary_names))
@@ -336,9 +334,7 @@ def _copy_side_file(source: StoragePath, name: str, destination: StoragePath,
     output's); the hex SHA-256 of what was copied."""
     writer = DataFileWriter(destination, claim)
     try:
-        with checked_side_file(source, name) as reader:  # what was copied is what was checked
-            for piece in reader.iter_pieces(0, reader.size(), HASH_PIECE_BYTES):
-                writer.write(piece)
+        read_checked_side_file(source, name, writer.write)  # what is copied is what is checked
     except BaseException:
         writer.discard()
         raise

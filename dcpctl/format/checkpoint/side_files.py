@@ -18,20 +18,22 @@ carried.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import stat
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
-from dcpctl.errors import DataError, UnsafePathError
+from dcpctl.errors import ChangedWhileReadError, DataError, UnsafePathError
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.view import Checkpoint, regular_file_inside
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
-from dcpctl.format.torch_save.archive_check import check_archive
-from dcpctl.format.torch_save.zip_records import read_central_directory
-from dcpctl.storage.file_digests import sha256_of_opened
+from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
+                                                    check_archive, spooled_read_range)
+from dcpctl.format.torch_save.zip_records import ReadRange, read_central_directory
+from dcpctl.storage.file_digests import HASH_PIECE_BYTES
 from dcpctl.storage.local import is_temporary_name
 from dcpctl.storage.objects import ObjectPath
 from dcpctl.storage.paths import (LocalRangedFile, ObjectRangedFile, StoragePath,
@@ -194,39 +196,56 @@ def side_file_problems(directory: StoragePath, side_files: Iterable[str], deep: 
     return problems
 
 
-@contextlib.contextmanager
-def checked_side_file(directory: StoragePath, name: str
-                      ) -> Iterator[LocalRangedFile | ObjectRangedFile]:
-    """A side file opened as open_side_file opens it, for the block to read whole (to copy or
-    hash it). Once the block has, the bytes it read are checked as side_file_problems checks
-    them, from the same opened file: refused (ProblemsError) where damaged, and where the file
-    changed since it was opened (an object's reads are held to the object first listed), so
-    that no bytes are copied or certified but those checked."""
+def read_checked_side_file(directory: StoragePath, name: str,
+                           take: Callable[[bytes], None] = lambda piece: None) -> str:
+    """Read a side file of the checkpoint in directory once, front to back, giving each piece
+    to take (to copy it), and check those very bytes as side_file_problems checks them (an
+    archive streamed through ArchiveStreamCheck): refused (ProblemsError) where damaged, so
+    that no bytes are copied or certified but those checked, whatever writes the file
+    meanwhile. The hex SHA-256 of what was read. An archive whose records its two windows do
+    not hold is checked from a second read, taken only where it hashes the same (else
+    ChangedWhileReadError)."""
+    digest = hashlib.sha256()
+    config = bytearray()
+    stream = None if name == MEGATRON_CONFIG else ArchiveStreamCheck()
     with open_side_file(directory, name) as file:
-        opened = _state_of(file)
-        yield file
-        problems = _problems_of(file, name)
-        if problems:
-            raise problems_error(problems, directory)
-        if _state_of(file) != opened:
-            raise DataError(f"{name} changed while dcpctl read it (a trainer writing it?): "
-                            "run the command again", path=directory)
+        length = 0
+        for piece in file.iter_pieces(0, file.size(), HASH_PIECE_BYTES):
+            take(piece)
+            digest.update(piece)
+            length += len(piece)
+            if stream is not None:
+                stream.update(piece)
+            elif len(config) <= _MAX_CONFIG_BYTES:
+                config += piece[:_MAX_CONFIG_BYTES + 1 - len(config)]
+        if stream is None:
+            problems = _config_problems_of(bytes(config), length)
+        else:
+            problems = _archive_check_problems(name, lambda: stream.finish(
+                expect_tensor=False, open_random_access=lambda: _read_again(
+                    file, length, digest.hexdigest(), directory, name)))
+    if problems:
+        raise problems_error(problems, directory)
+    return digest.hexdigest()
 
 
-def checked_side_file_digest(directory: StoragePath, name: str) -> str:
-    """The hex SHA-256 of a side file of the checkpoint in directory, of the bytes checked
-    (checked_side_file)."""
-    with checked_side_file(directory, name) as file:
-        return sha256_of_opened(file)
+@contextlib.contextmanager
+def _read_again(file: LocalRangedFile | ObjectRangedFile, length: int, first_digest: str,
+                directory: StoragePath, name: str) -> Iterator[ReadRange]:
+    """Random reads of a second read of the first length bytes of file, spooled, refused
+    unless they hash as the first read did."""
+    digest = hashlib.sha256()
 
+    def pieces() -> Iterator[bytes]:
+        for piece in file.iter_pieces(0, length, HASH_PIECE_BYTES):
+            digest.update(piece)
+            yield piece
 
-def _state_of(file: LocalRangedFile | ObjectRangedFile) -> tuple | None:
-    """What changes with a local file's bytes (its change time among them); None for an
-    object."""
-    if isinstance(file, ObjectRangedFile):
-        return None
-    status = os.fstat(file.descriptor)
-    return status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+    with spooled_read_range(pieces()) as read_range:
+        if digest.hexdigest() != first_digest:
+            raise ChangedWhileReadError(f"{name} changed while dcpctl read it (a trainer "
+                                        "writing it?): run the command again", path=directory)
+        yield read_range
 
 
 def _problems_of(file: LocalRangedFile | ObjectRangedFile, name: str, deep: bool = True
@@ -246,9 +265,14 @@ backend is required; other keys a later Megatron may add are let be."""
 
 
 def _config_problems(file: LocalRangedFile | ObjectRangedFile) -> list[Problem]:
-    name = MEGATRON_CONFIG
     size = file.size()
-    data = file.read(0, min(size, _MAX_CONFIG_BYTES + 1))
+    return _config_problems_of(file.read(0, min(size, _MAX_CONFIG_BYTES + 1)), size)
+
+
+def _config_problems_of(data: bytes, size: int) -> list[Problem]:
+    """What is wrong with a `metadata.json` of size bytes that starts with data (its first
+    MiB and a byte)."""
+    name = MEGATRON_CONFIG
     try:
         if size > _MAX_CONFIG_BYTES:
             raise ValueError("over 1 MiB")
@@ -272,8 +296,16 @@ def _archive_structure_problems(file: LocalRangedFile | ObjectRangedFile, name: 
 
 
 def _archive_problems(file: LocalRangedFile | ObjectRangedFile, name: str) -> list[Problem]:
+    return _archive_check_problems(name, lambda: check_archive(file.read, file.size(),
+                                                               expect_tensor=False))
+
+
+def _archive_check_problems(name: str, check: Callable[[], ArchiveCheck]) -> list[Problem]:
+    """What check() of a side file's archive found wrong: its structure, its CRC-32s."""
     try:
-        checked = check_archive(file.read, file.size(), expect_tensor=False)
+        checked = check()
+    except ChangedWhileReadError:
+        raise
     except DataError as error:
         return [Problem(Rule.ARCHIVE, f"not a torch.save archive: {error.message}", name)]
     return [Problem(Rule.CRC_MISMATCH, f"record {record.name!r} has CRC-32 {actual_crc:08x}, "
