@@ -176,11 +176,12 @@ def main() -> None:
 
 def _said_of_stop(stop: KeyboardInterrupt | Terminated) -> str:
     """describe_stop; under torchrun, whose agent stops every rank with SIGTERM once one has
-    failed or been killed (which rank 0 then never hears of), where to find which one."""
+    failed or been killed (which rank 0 then never hears of), where to find which one, if
+    one did (a scheduler's SIGTERM stops them all as well)."""
     said = describe_stop(stop)
     if isinstance(stop, Terminated) and launched_by_torchrun():
-        said += (" (torchrun stops every rank once one fails or is killed: the root cause in "
-                 "its summary below names that rank)")
+        said += (" (torchrun stops every rank once one fails or is killed: where one did, the "
+                 "root cause in its summary below names it)")
     return said
 
 

@@ -17,13 +17,18 @@ HF_INDEX_FILE_NAME = "model.safetensors.index.json"
 """The index of sharded safetensors files (Hugging Face's layout, also torch's HF writer)."""
 
 
-_RANK_METADATA_FILE_NAME = re.compile(rf"__([0-9]+){re.escape(METADATA_FILE_NAME)}")
+# as torch writes the rank: no leading zero (`__01.metadata` is no rank's: torch never reads it)
+_RANK_METADATA_FILE_NAME = re.compile(rf"__(0|[1-9][0-9]*){re.escape(METADATA_FILE_NAME)}")
+
+
+def rank_metadata_file_name(rank: int) -> str:
+    """The file of a rank's own metadata, as torch's save with use_collectives=False names it
+    (each rank plans and writes alone, and no `.metadata` is written)."""
+    return f"__{rank}{METADATA_FILE_NAME}"
 
 
 def rank_of_metadata_file_name(name: str) -> int | None:
-    """The rank whose own metadata a file holds (`__<rank>.metadata`: torch's save with
-    use_collectives=False, where each rank plans and writes alone and no `.metadata` is
-    written), or None."""
+    """The rank whose own metadata a file holds (rank_metadata_file_name), or None."""
     match = _RANK_METADATA_FILE_NAME.fullmatch(name)
     return int(match.group(1)) if match else None
 

@@ -35,7 +35,7 @@ from dcpctl.errors import DataError, DcpctlError
 from dcpctl.format.checkpoint.view import resolve_inside
 from dcpctl.format.codecs.base import PieceStream
 from dcpctl.format.codecs.torch_extension import extension_registry
-from dcpctl.format.file_names import METADATA_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, rank_metadata_file_name
 from dcpctl.format.metadata.reading import parse_metadata
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     check_archive, spooled_read_range)
@@ -213,7 +213,7 @@ class ObjectStoreReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")  # a save with use_collectives=False: each rank reads its own
         path = self.location / (METADATA_FILE_NAME if rank is None
-                                else f"__{rank}{METADATA_FILE_NAME}")
+                                else rank_metadata_file_name(rank))
         path.store.list_tree(self.location.key, pin_current=True)  # this load reads them now
         return torch_metadata(read_whole(path), path, self.load_id)
 

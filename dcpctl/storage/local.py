@@ -12,7 +12,7 @@ import secrets
 import stat
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.storage.writeback import Writeback
@@ -42,6 +42,13 @@ def final_name_of(name: str) -> str:
     maps back to the name it was standing in for."""
     match = _TEMPORARY_NAME.match(name)
     return match.group("final") if match else name
+
+
+def names_stood_in_for(names: Iterable[str]) -> set[str]:
+    """The final names of those of names that are temporary names: where a checkpoint's
+    `.metadata` names a temporary (an in-place rewrite stopped after its first switch), the
+    file of its final name is the old data it replaced."""
+    return {final_name_of(name) for name in names if is_temporary_name(name)}
 
 
 @contextlib.contextmanager

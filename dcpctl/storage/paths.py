@@ -24,8 +24,8 @@ from dcpctl.errors import InvalidOptionError, OutputTakenError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.claims import OutputClaim
-from dcpctl.storage.local import (OutputFile, final_name_of, is_temporary_name, open_regular_file,
-                                  read_file, write_file_atomically)
+from dcpctl.storage.local import (OutputFile, is_temporary_name, names_stood_in_for,
+                                  open_regular_file, read_file, write_file_atomically)
 from dcpctl.storage.objects import ObjectPath, WriteOutcomeUnknownError
 from dcpctl.storage.stores import holds_user_info, store_for, without_user_info
 from dcpctl.thread_pools import DaemonThreadPool
@@ -387,7 +387,7 @@ def remove_stale_temporaries(directory: StoragePath, keep: set[str]) -> list[str
     An object store has no locks: another run's live temporaries look the same there, so only
     what nothing wrote to for STALE_OBJECT_SECONDS goes, unfinished uploads too (S3 keeps, and
     bills, their parts until they are aborted)."""
-    replaced = {final_name_of(name) for name in keep if is_temporary_name(name)} - keep
+    replaced = names_stood_in_for(keep) - keep
     aborted = []
     if isinstance(directory, ObjectPath):
         oldest_live = time.time() - STALE_OBJECT_SECONDS

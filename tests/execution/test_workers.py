@@ -346,7 +346,8 @@ def test_a_rank_killed_under_torchrun_is_said_where_to_find(copy_fixture, tmp_pa
     assert result.returncode != 0
     said = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
     assert said == ["Error: stopped by SIGTERM (torchrun stops every rank once one fails or is "
-                    "killed: the root cause in its summary below names that rank)"], result.stderr
+                    "killed: where one did, the root cause in its summary below names it)"], \
+        result.stderr
     assert "rank      : 1 (local_rank: 1)\n  exitcode  : -9" in result.stderr
     assert not (tmp_path / "out").exists()
 

@@ -18,7 +18,7 @@ from dcpctl.format.codecs.zstd_blocks import ZSTD_MAGIC
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
-                                      is_plain_file_name)
+                                      is_plain_file_name, rank_metadata_file_name)
 from dcpctl.format.checkpoint.hf_storage import (check_index, hf_storage_files,
                                                  hf_storage_metadata, refuse_unconsolidated_save)
 from dcpctl.format.checkpoint.rank_metadata import (Replica, first_rank_lacking_metadata,
@@ -248,7 +248,7 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
         if lacking is not None:  # as ls and prune (ops/runs/layouts.py) tell it
             raise IncompleteCheckpointError(
                 f"incomplete checkpoint saved with use_collectives=False: rank {lacking} has "
-                f"not written its __{lacking}{METADATA_FILE_NAME} (a save still running, or "
+                f"not written its {rank_metadata_file_name(lacking)} (a save still running, or "
                 "one that died before finishing)", path=directory)
         return [], rank_files
     if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():

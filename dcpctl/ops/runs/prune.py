@@ -77,8 +77,8 @@ class PruneDecision:
     status: str = KEPT
     error: str | None = None
     try_again: bool = False
-    """Of a failed deletion: whether it failed as another process was at the checkpoint (a
-    dcpctl using it, a save writing into it), which a later prune may well not meet."""
+    """Of a failed deletion: whether it failed as another dcpctl was using the checkpoint,
+    which a later prune may well not meet."""
     check: QuickCheck | None = None
     """The quick check of a complete checkpoint that did not pass it."""
 

@@ -26,7 +26,7 @@ from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_sta
 from dcpctl.ops.verify.consolidation import consolidation_problems
 from dcpctl.ops.verify.scan import items_to_check
 from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
-from dcpctl.storage.local import final_name_of, is_temporary_name
+from dcpctl.storage.local import is_temporary_name, names_stood_in_for
 from dcpctl.storage.locks import locked_checkpoint
 from dcpctl.storage.paths import StoragePath, file_names_in, storage_path
 
@@ -189,9 +189,7 @@ def leftover_temporaries(checkpoint: Checkpoint, present: set[str]) -> list[str]
     by their temporary names (`__0_0.distcp` beside the `__0_0.distcp.dcpctl-<token>.tmp` it
     names), which the next run in place removes as well."""
     known = _known_files(checkpoint)
-    replaced = {posixpath.join(posixpath.dirname(name), final_name_of(base))
-                for name in checkpoint.files
-                if is_temporary_name(base := posixpath.basename(name))}
+    replaced = names_stood_in_for(checkpoint.files)
     return sorted(name for name in present if name not in known and (
         is_temporary_name(posixpath.basename(name)) or name in replaced))
 

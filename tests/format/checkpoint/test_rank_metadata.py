@@ -265,3 +265,15 @@ def test_a_rank_whose_own_metadata_does_not_join_is_damage(checkpoint, damage):
     assert messages == [("__1.metadata", "has a storage entry for the chunk of 'model.b' at [0], "
                          "which it does not hold") if damage == "chunks cleared" else
                         ("__1.metadata", "gives the chunk of 'model.b' at [0] no storage entry")]
+
+
+def test_a_rank_written_with_a_leading_zero_is_no_rank_s_metadata(checkpoint):
+    """`__00.metadata` beside `__0.metadata` was merged as a second rank 0 (inspect said 4
+    ranks, verify found items sharing bytes); torch names rank 0's file `__0.metadata` and
+    reads no other, so it is a stray file."""
+    shutil.copyfile(checkpoint / "__0.metadata", checkpoint / "__00.metadata")
+    assert open_checkpoint(checkpoint).rank_metadata == [
+        "__0.metadata", "__1.metadata", "__2.metadata"]
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert [(problem.rule, problem.file) for problem in report.problems] == [
+        ("unknown-file", "__00.metadata")]
