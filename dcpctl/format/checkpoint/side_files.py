@@ -289,10 +289,29 @@ def _config_problems_of(data: bytes, size: int) -> list[Problem]:
 def _archive_structure_problems(file: LocalRangedFile | ObjectRangedFile, name: str
                                 ) -> list[Problem]:
     try:
-        read_central_directory(file.read, file.size())
+        size = file.size()
+        read_central_directory(_with_tail_read_once(file, size), size)
     except DataError as error:
         return [Problem(Rule.ARCHIVE, f"not a torch.save archive: {error.message}", name)]
     return []
+
+
+_TAIL_READ_ONCE_BYTES = 64 << 10
+"""Where a side file's zip end record, zip64 records and central directory lie, at most, in
+the archives trainers write (a few records): one read, not four requests to a store."""
+
+
+def _with_tail_read_once(file: LocalRangedFile | ObjectRangedFile, size: int) -> ReadRange:
+    """Ranged reads of file, those within its last _TAIL_READ_ONCE_BYTES from one read."""
+    tail_start = max(0, size - _TAIL_READ_ONCE_BYTES)
+    tail = file.read(tail_start, size - tail_start)
+
+    def read_range(start: int, count: int) -> bytes:
+        if tail_start <= start and start + count <= tail_start + len(tail):
+            return tail[start - tail_start:start - tail_start + count]
+        return file.read(start, count)
+
+    return read_range
 
 
 def _archive_problems(file: LocalRangedFile | ObjectRangedFile, name: str) -> list[Problem]:
