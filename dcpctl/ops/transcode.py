@@ -141,8 +141,8 @@ def plan_transcode(checkpoint: Checkpoint, codec: Codec, recode_same_codec: bool
             "rank's own metadata, and no .metadata); compress and decompress keep a "
             "checkpoint's layout and do not rewrite this one. reshard reads it and writes it "
             "with one .metadata, which torch loads at any world size, in any codec: "
-            f"`dcpctl reshard {checkpoint.path} --ranks N -o OUT --codec zstd`",
-            path=checkpoint.path)
+            f"`dcpctl reshard {checkpoint.path} --ranks {len(checkpoint.rank_metadata)} -o OUT "
+            f"--codec {codec.name}`", path=checkpoint.path)
     for data_file in checkpoint.files.values():
         if data_file.serialization == SAFETENSORS:
             raise UnsupportedLayoutError(

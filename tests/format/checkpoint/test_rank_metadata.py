@@ -100,8 +100,10 @@ def test_reshard_and_convert_write_it_with_one_metadata_that_torch_loads(checkpo
 
 def test_compress_and_decompress_refuse_it_naming_reshard(checkpoint, tmp_path):
     before = directory_state(checkpoint)
-    for args in (["compress", checkpoint], ["compress", checkpoint, "-o", tmp_path / "z"],
-                 ["decompress", checkpoint, "-o", tmp_path / "d"]):
+    for args, codec in ((["compress", checkpoint], "zstd"),
+                        (["compress", checkpoint, "-o", tmp_path / "z", "--codec", "floatsplit"],
+                         "floatsplit"),
+                        (["decompress", checkpoint, "-o", tmp_path / "d"], "none")):
         result = run_dcpctl(*args)
         assert result.returncode == 1 and "Traceback" not in result.stderr
         assert result.stderr == (
@@ -109,7 +111,7 @@ def test_compress_and_decompress_refuse_it_naming_reshard(checkpoint, tmp_path):
             "rank's own metadata, and no .metadata); compress and decompress keep a "
             "checkpoint's layout and do not rewrite this one. reshard reads it and writes it "
             "with one .metadata, which torch loads at any world size, in any codec: "
-            f"`dcpctl reshard {checkpoint} --ranks N -o OUT --codec zstd`\n")
+            f"`dcpctl reshard {checkpoint} --ranks 3 -o OUT --codec {codec}`\n")
     assert directory_state(checkpoint) == before
     assert not (tmp_path / "z").exists() and not (tmp_path / "d").exists()
 
