@@ -10,7 +10,7 @@ from click.core import ParameterSource
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
                                 threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import format_bytes, format_table, print_report
+from dcpctl.cli.render import format_bytes, format_table, print_report, several_ranks_saved_said
 from dcpctl.ops.convert.report import ConvertReport
 from dcpctl.ops.convert.targets import (CAST_DTYPE_NAMES, DEFAULT_MAX_SHARD_BYTES,
                                         TARGET_OPTIONS, Rename, convert_checkpoint)
@@ -171,6 +171,7 @@ def render_convert_report(report: ConvertReport) -> list[str]:
         left_out.append(entries + why)
     if left_out:
         lines.append("left out: " + "; ".join(left_out))
+    lines += several_ranks_saved_said(report.items_several_ranks_saved, report.source)
     rows = [(written.name, written.tensors, format_bytes(written.size_bytes))
             for written in report.files]
     return lines + ["", *format_table(("file", "tensors", "size"), rows, right_aligned=(1, 2))]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import click
 
-from dcpctl.wording import listed
+from dcpctl.wording import counted, listed
 
 if TYPE_CHECKING:
     from dcpctl.ops.verify.verifier import Problem
@@ -129,6 +129,16 @@ def print_failure(context: click.Context, message: str, exit_code: int) -> None:
     if asked.get(JSON_ASKED) and not asked.get(REPORT_PRINTED):
         sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code}) + "\n")
         sys.stdout.flush()
+
+
+def several_ranks_saved_said(count: int, source: str) -> list[str]:
+    """The line a command that wrote a new checkpoint from a use_collectives=False save says
+    of the items several of its ranks saved (none where there are none)."""
+    if not count:
+        return []
+    return [f"{counted(count, 'item')} several ranks saved (use_collectives=False): each "
+            f"written from the lowest rank's copy; `dcpctl verify {source}` names any a rank "
+            "saved with other values"]
 
 
 def render_problem(problem: Problem) -> list[str]:

@@ -7,7 +7,7 @@ import click
 from dcpctl.cli.options import (checkpoint_argument, json_option, output_option, overwrite_option,
                                 threads_option, workers_for, workers_option)
 from dcpctl.cli.progress import byte_progress
-from dcpctl.cli.render import format_bytes, print_report
+from dcpctl.cli.render import format_bytes, print_report, several_ranks_saved_said
 from dcpctl.errors import InvalidOptionError
 from dcpctl.ops.reshard.execution import (CODEC_NAMES, PER_RANK_OBJECT_CHOICES, Mesh,
                                           ReshardReport, parse_mesh, reshard_checkpoint)
@@ -111,4 +111,4 @@ def render_reshard_report(report: ReshardReport) -> list[str]:
                    "must skip them on resume)" if per_rank.ranks_without else "")
         lines.append(f"per-rank objects ({per_rank.fqns[0]}, ...) "
                      f"of ranks {describe_ranks(per_rank.ranks)}: {what}{without}")
-    return lines
+    return lines + several_ranks_saved_said(report.items_several_ranks_saved, report.source)

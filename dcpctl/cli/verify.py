@@ -70,6 +70,13 @@ def render_report(report: VerifyReport) -> list[str]:
         lines.append(f"leftovers   {len(report.leftover_temporaries)} temporary files of a "
                      "stopped (or running) dcpctl, not the checkpoint's: the next in-place run "
                      "removes them (in an object store once a day old)")
+    if report.divergent_copies:
+        shown = ", ".join(report.divergent_copies[:3])
+        more = len(report.divergent_copies) - 3
+        lines.append(f"copies      {counted(len(report.divergent_copies), 'item')} a rank saved "
+                     "with other values under a key a lower rank saved too (each rank loads "
+                     "its own; reshard and convert write the lowest rank's): "
+                     f"{shown}{f', and {more} more' if more > 0 else ''}")
     for problem in report.problems:
         lines += ["", *render_problem(problem)]
     return lines

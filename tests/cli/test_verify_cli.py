@@ -78,7 +78,7 @@ def test_json_shape(run_cli, copy_fixture):
     assert result.exit_code == 1
     report = json.loads(result.output)
     assert set(report) == {"path", "status", "deep", "checksummed_files", "items_checked",
-                           "bytes_read", "problems", "leftover_temporaries"}
+                           "bytes_read", "problems", "leftover_temporaries", "divergent_copies"}
     assert (report["status"], report["deep"], report["checksummed_files"]) == ("damaged", True, 5)
     assert report["items_checked"] == 8
     assert report["problems"] == [{"rule": "unknown-file", "file": "stray.bin", "start": None,

@@ -37,6 +37,10 @@ class NotAnArchiveError(DataError):
         self.problem = problem
 
 
+_SERIALIZATION_ID = ".data/serialization_id"
+"""The record torch.save writes a new random id into each time."""
+
+
 class ItemCheck:
     """Fed an item's decoded bytes in order, finds what is wrong with them (see the module)."""
 
@@ -44,6 +48,8 @@ class ItemCheck:
         self.location = location
         self._archive = ArchiveStreamCheck()
         self._start_checked = location.raw  # a tensor's bare bytes have no archive to start
+        self.checked: ArchiveCheck | None = None
+        """The archive as checked, once problems() found it one."""
 
     def feed(self, piece: bytes) -> None:
         """Take the next decoded piece; raises NotAnArchiveError as soon as the item's first
@@ -66,14 +72,25 @@ class ItemCheck:
                                       f"bytes; the chunk has {location.expected.nbytes}")]
             return []
         try:
-            checked = self._archive.finish(location.expected is not None,
-                                           lambda: _random_access(location, reread))
+            checked = self.checked = self._archive.finish(
+                location.expected is not None, lambda: _random_access(location, reread))
         except StorageError:  # the store failed, not the item
             raise
         except DcpctlError as error:
             return [self._problem(Rule.ARCHIVE, "item is not an intact torch.save archive: "
                                   f"{error.message}")]
         return self._archive_problems(checked)
+
+    def content_crcs(self) -> tuple[tuple[str, int], ...] | None:
+        """What the item holds, told by its records' CRC-32s (the names below the archive's
+        own, but the id each torch.save draws anew): two items that hold the same tensor or
+        the same pickle give the same. None where it is no intact archive whose CRC-32s were
+        recorded and hold."""
+        checked = self.checked
+        if checked is None or not checked.crc_recorded or checked.crc_mismatches:
+            return None
+        return tuple(sorted((name, record.crc32) for record in checked.records
+                            if (name := record.name.partition("/")[2]) != _SERIALIZATION_ID))
 
     def raise_problems(self, reread: Reread) -> None:
         """Raise the first problem as a DataError naming the file, item and byte range."""

@@ -42,6 +42,13 @@ class Replica:
     storage: StorageInfo
 
 
+def replicated_keys(replicas: Iterable[Replica]) -> set[tuple[str, tuple[int, ...] | None]]:
+    """The items several ranks saved, by fqn and chunk offsets (None for an object): those
+    the replicas are copies of."""
+    return {(replica.key.fqn, None if replica.key.offset is None else tuple(replica.key.offset))
+            for replica in replicas}
+
+
 def rank_metadata_names(names: Iterable[str]) -> list[str]:
     """The ranks' own metadata files among the names in a checkpoint directory, by rank."""
     ranked = ((rank_of_metadata_file_name(name), name) for name in names)

@@ -43,6 +43,9 @@ class ConvertReport:
     tensors_left_out: int = 0
     objects_left_out: int = 0
     ranks: int | None = None
+    items_several_ranks_saved: int = 0
+    """Of a source saved with use_collectives=False: the items several of its ranks saved,
+    each written from the lowest rank's copy (rank_metadata.py)."""
     threads: int = 1
     """Threads of each worker."""
     workers: int = 1

@@ -17,6 +17,7 @@ from dcpctl.execution.running import checked_job_source, threads_per_worker
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import read_item
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_object
+from dcpctl.format.checkpoint.rank_metadata import replicated_keys
 from dcpctl.format.checkpoint.view import Checkpoint
 from dcpctl.format.dtypes import DType
 from dcpctl.format.file_names import HF_INDEX_FILE_NAME
@@ -138,6 +139,7 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
                            objects_left_out=plan.objects_left_out, threads=threads, workers=workers,
                            files=files)
     report.count_tensors(tensor.nbytes for tensor in plan.tensors)
+    report.items_several_ranks_saved = len(replicated_keys(checkpoint.replicas))
     report.seconds = time.perf_counter() - started
     return report
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from dcpctl.errors import UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import read_item
 from dcpctl.format.checkpoint.locations import locate_object
+from dcpctl.format.checkpoint.rank_metadata import replicated_keys
 from dcpctl.execution.running import checked_job_source, threads_per_worker
 from dcpctl.format.checkpoint.view import Checkpoint, ObjectEntry
 from dcpctl.format.dtypes import LEGACY_STORAGE_TYPES, DType
@@ -224,6 +225,7 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
                            workers=workers,
                            files=[WrittenFile(Path(output).name, size_bytes, len(plan.tensors))])
     report.count_tensors(tensor.nbytes for tensor in plan.tensors)
+    report.items_several_ranks_saved = len(replicated_keys(checkpoint.replicas))
     report.seconds = time.perf_counter() - started
     return report
 

@@ -22,6 +22,7 @@ from dcpctl.execution.running import (checked_job_source, run_job, threads_per_w
                                       workers_started)
 from dcpctl.format.checkpoint.publishing import (CheckpointOutput, DataFileSet, WrittenShare,
                                                  merge_shares)
+from dcpctl.format.checkpoint.rank_metadata import replicated_keys
 from dcpctl.format.checkpoint.side_files import carried_side_files
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.codecs.base import PayloadHint, iter_encoded
@@ -62,6 +63,9 @@ class ReshardReport:
     stored_bytes_after: int
     seconds: float
     per_rank_objects: PerRankObjects | None = None
+    items_several_ranks_saved: int = 0
+    """Of a source saved with use_collectives=False: the items several of its ranks saved,
+    each written from the lowest rank's copy (rank_metadata.py)."""
     mesh: str | None = None
     """For a 2-D target (`--mesh`): `DPxTP`."""
     placements: dict[str, int] | None = None
@@ -277,6 +281,7 @@ def reshard_checkpoint(path: str | os.PathLike, world_size: int, output_path: st
         files=len({task.output_file for task in plan.tasks}),
         logical_bytes=sum(task.nbytes for task in chunk_tasks), stored_bytes_after=stored,
         seconds=time.perf_counter() - started, per_rank_objects=plan.per_rank_objects,
+        items_several_ranks_saved=len(replicated_keys(checkpoint.replicas)),
         mesh=str(plan.mesh) if plan.mesh else None,
         placements=_count_placements(plan.placements))
 

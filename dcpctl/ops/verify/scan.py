@@ -27,6 +27,7 @@ from dcpctl.format.checkpoint.structure import (StoredItem, is_safetensors_tenso
 from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
 from dcpctl.storage.objects import StorageError
+from dcpctl.format.checkpoint.rank_metadata import replicated_keys
 from dcpctl.storage.paths import RangedFile, StoragePath, open_ranged
 from dcpctl.thread_pools import thread_pool
 
@@ -41,6 +42,13 @@ class ArchiveItem:
 
     item: StoredItem
     location: ItemLocation
+    compared: bool = False
+    """Whether what it holds is compared with another copy of it (a replica of a checkpoint
+    read from its ranks' own metadata, or the copy kept of one): its content_crcs are kept."""
+
+
+ItemPlace = tuple[str, int]
+"""Where an item is stored: its file and the offset it starts at."""
 
 
 @dataclass
@@ -56,6 +64,8 @@ class ScanUnit:
     safetensors_items: list[StoredItem] = field(default_factory=list)
     read_bytes: int = 0
     sha256: str | None = None
+    content_crcs: dict[ItemPlace, tuple | None] = field(default_factory=dict)
+    """The scan fills in each compared item's ItemCheck.content_crcs, by place."""
 
 
 def plan_scan(directory: StoragePath, archive_items: list[ArchiveItem],
@@ -98,6 +108,7 @@ def items_to_check(checkpoint: Checkpoint | None, items: list[StoredItem], deep:
     if not deep or checkpoint is None:
         return archive_items, safetensors_items, undecodable
     safetensors_names = safetensors_files(checkpoint)
+    compared = compared_items(checkpoint)
     for item in items:
         size_bytes = checkpoint.files[item.storage.relative_path].size_bytes
         if size_bytes is None:
@@ -112,8 +123,19 @@ def items_to_check(checkpoint: Checkpoint | None, items: list[StoredItem], deep:
                     Rule.UNSUPPORTED_TRANSFORM, f"item cannot be decoded: {error.message}",
                     item.storage.relative_path, item.storage.offset, item.end, (item.fqn,)))
                 continue
-            archive_items.append(ArchiveItem(item, location))
+            archive_items.append(ArchiveItem(item, location, item_key(item) in compared))
     return archive_items, safetensors_items, undecodable
+
+
+def item_key(item: StoredItem) -> tuple[str, tuple[int, ...] | None]:
+    """An item's fqn and its chunk's offsets (None for an object): what its copies share."""
+    return item.fqn, None if item.chunk is None else tuple(item.chunk.offsets)
+
+
+def compared_items(checkpoint: Checkpoint) -> set[tuple[str, tuple[int, ...] | None]]:
+    """The keys (item_key) of the items that several ranks of a checkpoint read from its
+    ranks' own metadata saved: each copy's content is compared with the kept one's."""
+    return replicated_keys(checkpoint.replicas)
 
 
 def _split_into_units(name: str, path: StoragePath, archives: list[ArchiveItem]) -> list[ScanUnit]:
@@ -142,7 +164,8 @@ def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
             cursor = _FileCursor(reader, unit, advance)
             try:
                 for archive in unit.archive_items:
-                    problems += check_archive_item(archive, unit.name, cursor)
+                    problems += check_archive_item(archive, unit.name, cursor,
+                                                   unit.content_crcs)
                 for item in unit.safetensors_items:
                     problems += check_safetensors_item(item, unit.name, unit.path)
                 if unit.hashing:
@@ -248,9 +271,10 @@ class _FileCursor:
             self.advance(len(piece))
 
 
-def check_archive_item(archive: ArchiveItem, file_name: str,
-                       cursor: _FileCursor) -> list[Problem]:
-    """Decode one torch.save item and check it as every command does (item_check.py)."""
+def check_archive_item(archive: ArchiveItem, file_name: str, cursor: _FileCursor,
+                       content_crcs: dict[ItemPlace, tuple | None]) -> list[Problem]:
+    """Decode one torch.save item and check it as every command does (item_check.py); a
+    compared item's content_crcs go into content_crcs."""
     item, location = archive.item, archive.location
     check = ItemCheck(location)
     try:
@@ -266,6 +290,8 @@ def check_archive_item(archive: ArchiveItem, file_name: str,
                         location.start, location.end, (item.fqn,))]
     problems = check.problems(lambda: iter_decoded_item(
         location, cursor.iter_range(location.start, location.length, again=True)))
+    if archive.compared:
+        content_crcs[(file_name, item.storage.offset)] = check.content_crcs()
     return [dataclasses.replace(problem, file=file_name) for problem in problems]
 
 

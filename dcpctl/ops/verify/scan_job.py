@@ -12,7 +12,7 @@ from dcpctl.format.checkpoint.checksums import checksummed_files
 from dcpctl.format.checkpoint.problems import Problem
 from dcpctl.format.checkpoint.structure import StoredItem, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
-from dcpctl.ops.verify.scan import ScanUnit, items_to_check, plan_scan, scan_units
+from dcpctl.ops.verify.scan import ItemPlace, ScanUnit, items_to_check, plan_scan, scan_units
 from dcpctl.storage.paths import StoragePath
 
 
@@ -65,24 +65,30 @@ class ScanJob:
     def run_share(self, units: list[ScanUnit], lanes: list[int],
                   advance: Callable[[int], None]) -> ScanShare:
         problems = scan_units([units[lane] for lane in lanes], self.threads, advance)
-        return ScanShare(problems, {lane: units[lane].sha256 for lane in lanes})
+        return ScanShare(problems, {lane: units[lane].sha256 for lane in lanes},
+                         {lane: units[lane].content_crcs for lane in lanes
+                          if units[lane].content_crcs})
 
 
 @dataclass
 class ScanShare:
-    """What a share of the scan found, and the SHA-256 of each unit it hashed (by index)."""
+    """What a share of the scan found, and the SHA-256 of each unit it hashed (by index), and
+    the content_crcs of the compared items of each unit that has some."""
 
     problems: list[Problem]
     sha256_by_unit: dict[int, str | None]
+    content_crcs_by_unit: dict[int, dict[ItemPlace, tuple | None]]
 
 
 def run_scan(job: ScanJob, units: list[ScanUnit], workers: int = 1,
              on_progress: Callable[[int, int], None] | None = None) -> list[Problem]:
     """Run the job's units (as its planning plans them) on `workers` processes; the problems
-    found. Each unit's sha256 is filled in. on_progress(done_bytes, total_bytes) follows the
-    reading."""
+    found. Each unit's sha256 and content_crcs are filled in. on_progress(done_bytes,
+    total_bytes) follows the reading."""
     shares = run_job(job, units, workers, on_progress)
     for share in shares:
         for lane, sha256 in share.sha256_by_unit.items():
             units[lane].sha256 = sha256
+        for lane, content_crcs in share.content_crcs_by_unit.items():
+            units[lane].content_crcs = content_crcs
     return [problem for share in shares for problem in share.problems]

@@ -24,7 +24,7 @@ from dcpctl.format.file_names import (METADATA_FILE_NAME, SHA256SUMS_FILE_NAME,
                                       rank_of_file_name)
 from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_started
 from dcpctl.ops.verify.consolidation import consolidation_problems
-from dcpctl.ops.verify.scan import items_to_check
+from dcpctl.ops.verify.scan import ScanUnit, compared_items, items_to_check
 from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
 from dcpctl.storage.local import is_temporary_name, names_stood_in_for
 from dcpctl.storage.locks import locked_checkpoint
@@ -48,6 +48,11 @@ class VerifyReport:
     leftover_temporaries: list[str] = field(default_factory=list)
     """Files under dcpctl's temporary names that the metadata does not name: what a stopped
     (or a running) dcpctl left; not the checkpoint's, and no damage to it."""
+    divergent_copies: list[str] = field(default_factory=list)
+    """Of a checkpoint saved with use_collectives=False, read deep: the items a rank saved
+    under a key a lower rank saved too, with other values (`fqn (file)`). No damage (each
+    rank loads its own), but one `.metadata` holds one copy: reshard and convert write the
+    lowest rank's."""
     checkpoint: Checkpoint | None = field(default=None, repr=False, compare=False)
     """The checkpoint as its metadata was read (None where it could not be): millions of
     records at a million chunks, held as long as the report is."""
@@ -65,6 +70,7 @@ class VerifyReport:
             "bytes_read": self.bytes_read,
             "problems": [problem.to_json() for problem in self.problems],
             "leftover_temporaries": self.leftover_temporaries,
+            "divergent_copies": self.divergent_copies,
         }
 
 
@@ -129,6 +135,8 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
     units = planning.units(checkpoint, archive_items, safetensors_items)
     job = ScanJob(planning, threads)
     report.problems += run_scan(job, units, workers, on_progress)
+    if checkpoint is not None and checkpoint.replicas:
+        report.divergent_copies = divergent_copies(checkpoint, units)
     report.items_checked = len(archive_items) + len(safetensors_items) + len(undecodable)
     report.bytes_read = sum(unit.read_bytes for unit in units) + side_bytes
     if checkpoint is not None:
@@ -142,6 +150,26 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
         # a class name damaged: nothing tells which; or a .metadata the file system failed
         report.status = UNREADABLE if unreadable and len(report.problems) == 1 else DAMAGED
     return report
+
+
+def divergent_copies(checkpoint: Checkpoint, units: list[ScanUnit]) -> list[str]:
+    """The replicas (rank_metadata.py) whose content, as the scan of units found it (their
+    content_crcs), is not the copy kept's: each as `fqn (file)`."""
+    found = {place: crcs for unit in units for place, crcs in unit.content_crcs.items()}
+    compared = compared_items(checkpoint)
+    kept = {(tensor.fqn, tuple(chunk.offsets)): chunk.storage for tensor in checkpoint.tensors
+            for chunk in tensor.chunks if (tensor.fqn, tuple(chunk.offsets)) in compared}
+    kept.update(((entry.fqn, None), entry.storage) for entry in checkpoint.objects
+                if (entry.fqn, None) in compared)
+    divergent = []
+    for replica in checkpoint.replicas:
+        key = (replica.key.fqn, None if replica.key.offset is None else tuple(replica.key.offset))
+        first, copy = kept.get(key), replica.storage
+        first_crcs = None if first is None else found.get((first.relative_path, first.offset))
+        copy_crcs = found.get((copy.relative_path, copy.offset))
+        if None not in (first_crcs, copy_crcs) and first_crcs != copy_crcs:
+            divergent.append(f"{replica.key.fqn} ({copy.relative_path})")
+    return divergent
 
 
 def _name_below(directory: StoragePath, path: str | None) -> str | None:

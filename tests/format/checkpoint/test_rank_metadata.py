@@ -34,7 +34,7 @@ def _saved_without_collectives(rank: int, world_size: int, path: str) -> None:
     state = {"model": {"w": distribute_tensor(full["model.w"], mesh, [Shard(0)]),
                        "b": distribute_tensor(full["model.b"], mesh, [Replicate()]),
                        "e": full["model.e"]},
-             "step": 7, "rank_state": {"rank": rank}}
+             "step": 7, "rank_state": {"rank": rank, "noise": torch.full((2,), float(rank))}}
     dcp.save(state, checkpoint_id=path, use_collectives=False)
 
 
@@ -61,7 +61,8 @@ def test_it_is_read_as_one_checkpoint_whose_replicas_are_checked_too(checkpoint)
     assert opened.rank_metadata == ["__0.metadata", "__1.metadata", "__2.metadata"]
     chunks = {tensor.fqn: [tuple(chunk.offsets) for chunk in tensor.chunks]
               for tensor in opened.tensors}
-    assert chunks == {"model.w": [(0, 0), (3, 0), (6, 0)], "model.b": [(0,)], "model.e": [(0,)]}
+    assert chunks == {"model.w": [(0, 0), (3, 0), (6, 0)], "model.b": [(0,)], "model.e": [(0,)],
+                      "rank_state.noise": [(0,)]}
     assert all(chunk.storage.relative_path == f"__{offsets[0] // 3}_0.distcp"
                for chunk, offsets in zip(opened.tensors[0].chunks, chunks["model.w"]))
     # the lowest rank's copy is the one read
@@ -69,9 +70,12 @@ def test_it_is_read_as_one_checkpoint_whose_replicas_are_checked_too(checkpoint)
     assert sorted((replica.key.fqn, replica.storage.relative_path)
                   for replica in opened.replicas) == sorted(
         (fqn, f"__{rank}_0.distcp") for rank in (1, 2)
-        for fqn in ("model.b", "model.e", "step", "rank_state.rank"))
+        for fqn in ("model.b", "model.e", "step", "rank_state.rank", "rank_state.noise"))
     report = verify_checkpoint(checkpoint)
-    assert report.status == "ok" and report.items_checked == 5 + 2 + 8
+    assert report.status == "ok" and report.items_checked == 6 + 2 + 10
+    # no damage, each rank loads its own: but reshard and convert keep rank 0's
+    assert report.divergent_copies == [
+        f"rank_state.{name} (__{rank}_0.distcp)" for rank in (1, 2) for name in ("rank", "noise")]
     assert report.bytes_read == sum(path.stat().st_size for path in checkpoint.glob("*.distcp"))
 
 
@@ -84,18 +88,20 @@ def test_reshard_and_convert_write_it_with_one_metadata_that_torch_loads(checkpo
         assert result.returncode == 0, result.stderr
     assert directory_state(outputs[1]) == directory_state(outputs[2])
     loaded = load_with_torch(outputs[1])
-    assert sorted(loaded) == sorted([*full, "step", "rank_state.rank"])
+    assert sorted(loaded) == sorted([*full, "step", "rank_state.rank", "rank_state.noise"])
     assert all(torch.equal(loaded[fqn], value) for fqn, value in full.items())
     assert (loaded["step"], loaded["rank_state.rank"]) == (7, 0)  # the lowest rank's
+    assert torch.equal(loaded["rank_state.noise"], torch.zeros(2))
+    assert "5 items several ranks saved (use_collectives=False): each written from the lowest " \
+        "rank's copy" in result.stdout
     assert verify_checkpoint(outputs[1]).status == "ok"
     result = run_dcpctl("convert", checkpoint, "--to", "safetensors", "-o", tmp_path / "st")
     assert result.returncode == 0, result.stderr
     from safetensors.torch import load_file
 
     converted = load_file(tmp_path / "st" / "model.safetensors")
-    assert converted.keys() == {"w", "b", "e"}
-    assert all(torch.equal(converted[fqn.removeprefix("model.")], value)
-               for fqn, value in full.items())
+    assert converted.keys() == {*full, "rank_state.noise"}
+    assert all(torch.equal(converted[fqn], value) for fqn, value in full.items())
 
 
 def test_compress_and_decompress_refuse_it_naming_reshard(checkpoint, tmp_path):
@@ -152,9 +158,16 @@ def test_ranks_whose_metadata_disagree_are_damage(checkpoint):
          "rank's metadata gives float32 and [4]")]
 
 
+def _without_its_chunk_of_w(metadata) -> None:
+    metadata.state_dict_metadata["model.w"].chunks.clear()
+    for key in [key for key in metadata.storage_data if key.fqn == "model.w"]:
+        del metadata.storage_data[key]
+
+
 def test_a_chunk_only_one_rank_lost_is_a_gap(checkpoint):
-    _rewrite_rank_metadata(checkpoint, 2, lambda metadata: metadata.state_dict_metadata[
-        "model.w"].chunks.clear())
+    """Rank 2's metadata lost its chunk of the sharded tensor, entry and all: it still holds
+    together, but the merged tensor has a gap."""
+    _rewrite_rank_metadata(checkpoint, 2, _without_its_chunk_of_w)
     report = verify_checkpoint(checkpoint, deep=False)
     assert report.status == "damaged"
     assert any(problem.rule == "chunk-gap" and problem.fqns == ("model.w",)
@@ -230,7 +243,7 @@ def test_in_a_bucket_it_is_read_resharded_and_loaded_as_one(saved, s3_server, tm
     url = upload_directory(s3_server, saved, bucket, "run/step-1")
     result = run_dcpctl("verify", url, "--json")
     assert result.returncode == 0, result.stderr
-    assert '"items_checked":15' in result.stdout
+    assert '"items_checked":18' in result.stdout
     result = run_dcpctl("reshard", url, "--ranks", 2, "-o", f"s3://{bucket}/out")
     assert result.returncode == 0, result.stderr
     loaded = load_with_dcpctl_reader(f"s3://{bucket}/out")
