@@ -9,9 +9,11 @@ each rank its own file, so only the world size that saved it can load it.
 dcpctl reads it as one checkpoint: the ranks' metadata merged (merged_rank_metadata). Each
 tensor's chunks are those of every rank; a chunk several ranks saved whole (a replicated
 tensor: nothing told the ranks apart) is taken once, from the lowest rank, as is an object
-several saved (torch's own deduplication of a collective save keeps one copy as well). The
+several saved (torch's own deduplication of a collective save keeps one copy as well), and
+as is a tensor each rank saved whole with a dtype or size of its own (a per-rank buffer). The
 other ranks' copies are its replicas: verify and checksum check their bytes too, as each rank
-loads its own, and the structure checks look at them, but nothing reads them to move data.
+loads its own, and the structure checks look at them, but nothing reads them to move data
+(deep verify names those that hold other values than the kept copy).
 Each rank's metadata must hold together on its own first (every chunk and object with its
 storage entry, every entry with one of them), as torch loads each rank from it alone.
 Commands that write a new checkpoint (reshard, convert) write it with one `.metadata`, which
@@ -40,6 +42,9 @@ class Replica:
     key: MetadataIndex
     chunk: ChunkMetadata | None
     storage: StorageInfo
+    tensor: TensorMetadata | None = None
+    """The rank's own entry of a tensor it saved whole with another dtype or size than the
+    copy kept (a per-rank buffer); None where it is the kept copy's."""
 
 
 def replicated_keys(replicas: Iterable[Replica]) -> set[tuple[str, tuple[int, ...] | None]]:
@@ -131,6 +136,7 @@ class _Merger:
         a lower rank saved too are set aside as replicas."""
         entries = self.merged.state_dict_metadata
         shared_chunks: dict[tuple[str, tuple[int, ...]], ChunkMetadata] = {}
+        own_entries: dict[str, TensorMetadata] = {}
         for fqn, entry in rank.state_dict_metadata.items():
             known = entries.get(fqn)
             if known is None:
@@ -139,8 +145,17 @@ class _Merger:
             if isinstance(entry, TensorMetadata) != isinstance(known, TensorMetadata):
                 raise MetadataError(f"holds {fqn!r} as {_kind(entry)} where a lower rank's "
                                     f"metadata holds {_kind(known)}", path=source)
-            if isinstance(entry, TensorMetadata):
-                _refuse_disagreement(fqn, entry, known, source)
+            if isinstance(entry, TensorMetadata) and _disagree(entry, known):
+                if not (_whole(entry) and _whole(known)):  # a sharded tensor of two sizes
+                    raise MetadataError(
+                        f"gives tensor {fqn!r} dtype {entry.properties.dtype.name} and size "
+                        f"{list(entry.size)} where a lower rank's metadata gives "
+                        f"{known.properties.dtype.name} and {list(known.size)}", path=source)
+                # a tensor each rank saved whole as its own (a per-rank buffer): the kept
+                # copy stays, this rank's is a replica of its own dtype and size
+                shared_chunks[(fqn, tuple(entry.chunks[0].offsets))] = entry.chunks[0]
+                own_entries[fqn] = entry
+            elif isinstance(entry, TensorMetadata):
                 keys = self.chunk_keys.get(fqn)
                 if keys is None:
                     keys = self.chunk_keys[fqn] = {
@@ -156,7 +171,7 @@ class _Merger:
             if key in storage_data:
                 chunk = None if key.offset is None else shared_chunks.get(
                     (key.fqn, tuple(key.offset)))
-                self.replicas.append(Replica(key, chunk, info))
+                self.replicas.append(Replica(key, chunk, info, own_entries.get(key.fqn)))
             else:
                 storage_data[key] = info
         for name in ("planner_data", "mcore_data"):  # fqns' own data: the lowest rank's
@@ -166,14 +181,15 @@ class _Merger:
                     mine.setdefault(fqn, value)
 
 
-def _refuse_disagreement(fqn: str, entry: TensorMetadata, known: TensorMetadata,
-                         source: str) -> None:
-    if (entry.properties.dtype, tuple(entry.size)) != (known.properties.dtype,
-                                                       tuple(known.size)):
-        raise MetadataError(
-            f"gives tensor {fqn!r} dtype {entry.properties.dtype.name} and size "
-            f"{list(entry.size)} where a lower rank's metadata gives "
-            f"{known.properties.dtype.name} and {list(known.size)}", path=source)
+def _disagree(entry: TensorMetadata, known: TensorMetadata) -> bool:
+    return (entry.properties.dtype, tuple(entry.size)) != (known.properties.dtype,
+                                                           tuple(known.size))
+
+
+def _whole(entry: TensorMetadata) -> bool:
+    """Whether the entry is a tensor saved whole, in one chunk (not one rank's shard)."""
+    return len(entry.chunks) == 1 and not any(entry.chunks[0].offsets) and tuple(
+        entry.chunks[0].sizes) == tuple(entry.size)
 
 
 def _kind(entry: object) -> str:

@@ -71,7 +71,10 @@ def list_stored_items(checkpoint: Checkpoint) -> list[StoredItem]:
               if entry.storage is not None]
     if checkpoint.replicas:
         tensors = {tensor.fqn: tensor for tensor in checkpoint.tensors}
-        items += [StoredItem(replica.key.fqn, replica.storage, tensors.get(replica.key.fqn),
+        items += [StoredItem(replica.key.fqn, replica.storage,
+                             tensors.get(replica.key.fqn) if replica.tensor is None else
+                             TensorEntry(replica.key.fqn, replica.tensor.properties.dtype,
+                                         tuple(replica.tensor.size), [replica.chunk]),
                              replica.chunk) for replica in checkpoint.replicas]
     return items
 

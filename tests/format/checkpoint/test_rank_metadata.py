@@ -148,14 +148,47 @@ def _rewrite_rank_metadata(checkpoint, rank: int, change) -> None:
     path.write_bytes(pickle.dumps(metadata))
 
 
-def test_ranks_whose_metadata_disagree_are_damage(checkpoint):
+def test_ranks_that_disagree_on_a_sharded_tensor_s_size_are_damage(checkpoint):
     _rewrite_rank_metadata(checkpoint, 1, lambda metadata: setattr(
-        metadata.state_dict_metadata["model.b"], "size", torch.Size([5])))
+        metadata.state_dict_metadata["model.w"], "size", torch.Size([10, 4])))
     report = verify_checkpoint(checkpoint)
     assert report.status == "damaged"
     assert [(problem.file, problem.message) for problem in report.problems] == [
-        ("__1.metadata", "gives tensor 'model.b' dtype float32 and size [5] where a lower "
-         "rank's metadata gives float32 and [4]")]
+        ("__1.metadata", "gives tensor 'model.w' dtype float32 and size [10, 4] where a lower "
+         "rank's metadata gives float32 and [9, 4]")]
+
+
+def _saved_buffers_of_their_own(rank: int, world_size: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"buf": torch.arange(3 + rank), "x": torch.ones(2, dtype=(
+        torch.float32, torch.bfloat16)[rank % 2]), "w": torch.ones(3)},
+        checkpoint_id=path, use_collectives=False)
+
+
+def test_a_tensor_each_rank_saved_whole_with_its_own_shape_or_dtype_is_no_damage(tmp_path):
+    """Per-rank buffers (each rank saves its own `buf`, of its own length or dtype) load back
+    with torch at the world size that saved them: every command called the checkpoint damaged
+    (`gives tensor 'buf' ... size [4] where a lower rank's metadata gives [3]`). Each rank's
+    copy is checked against its own entry; the lowest rank's is kept."""
+    from make_fixtures import run_gloo_job
+
+    run_gloo_job(2, _saved_buffers_of_their_own, str(tmp_path / "ck"))
+    report = verify_checkpoint(tmp_path / "ck")
+    assert report.status == "ok" and report.items_checked == 6
+    assert report.divergent_copies == ["buf (__1_0.distcp)", "x (__1_0.distcp)"]
+    result = run_dcpctl("reshard", tmp_path / "ck", "--ranks", 1, "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    loaded = load_with_torch(tmp_path / "out")
+    assert torch.equal(loaded["buf"], torch.arange(3)) and loaded["x"].dtype == torch.float32
+    # a copy whose bytes are not what its own rank's entry says is damage
+    _rewrite_rank_metadata(tmp_path / "ck", 1, lambda metadata: setattr(
+        metadata.state_dict_metadata["buf"], "size", torch.Size([5])))
+    _rewrite_rank_metadata(tmp_path / "ck", 1, lambda metadata: setattr(
+        metadata.state_dict_metadata["buf"].chunks[0], "sizes", torch.Size([5])))
+    report = verify_checkpoint(tmp_path / "ck")
+    assert [(problem.rule, problem.file, problem.fqns) for problem in report.problems] == [
+        ("tensor-mismatch", "__1_0.distcp", ("buf",))]
 
 
 def _without_its_chunk_of_w(metadata) -> None:
