@@ -76,6 +76,18 @@ def first_rank_lacking_metadata(names: Iterable[str], rank_files: list[str]) -> 
     return min(lacking, default=None)
 
 
+def left_by_a_larger_save(lacking: int, rank_files: list[str]) -> str | None:
+    """Where the lowest rank lacking metadata (first_rank_lacking_metadata) is above every
+    rank that wrote its own, what else its files may be than a save cut short: an earlier
+    save's into this directory with more ranks, whose files torch's writers leave behind (the
+    ranks that wrote metadata make a checkpoint of their own, which torch loads)."""
+    ranks = len(rank_files)
+    if lacking < ranks:
+        return None
+    return (f"or files left by an earlier save into this directory with more ranks, beside a "
+            f"whole save of {counted(ranks, 'rank')}, which torch loads at that world size")
+
+
 def describe_rank_metadata(rank_files: list[str]) -> str:
     """Who wrote a checkpoint read from these ranks' own metadata files, in words."""
     return f"torch dcp.save with use_collectives=False, {counted(len(rank_files), 'rank')}"

@@ -22,7 +22,8 @@ from dcpctl.format.file_names import (DATA_FILE_SUFFIX, HF_INDEX_FILE_NAME, META
 from dcpctl.format.checkpoint.hf_storage import (check_index, hf_storage_files,
                                                  hf_storage_metadata, refuse_unconsolidated_save)
 from dcpctl.format.checkpoint.rank_metadata import (Replica, first_rank_lacking_metadata,
-                                                    merged_rank_metadata, rank_metadata_names)
+                                                    left_by_a_larger_save, merged_rank_metadata,
+                                                    rank_metadata_names)
 from dcpctl.format.metadata.reading import read_metadata
 from dcpctl.format.metadata.records import (CheckpointMetadata, ChunkMetadata, StorageInfo,
                                             TensorMetadata)
@@ -246,10 +247,14 @@ def _refuse_unless_checkpoint(directory: StoragePath, holds: Callable[[str], boo
     if rank_files:
         lacking = first_rank_lacking_metadata(listed, rank_files)
         if lacking is not None:  # as ls and prune (ops/runs/layouts.py) tell it
+            other_reading = left_by_a_larger_save(lacking, rank_files)
             raise IncompleteCheckpointError(
                 f"incomplete checkpoint saved with use_collectives=False: rank {lacking} has "
                 f"not written its {rank_metadata_file_name(lacking)} (a save still running, or "
-                "one that died before finishing)", path=directory)
+                "one that died before finishing" + (f"; {other_reading}: move the files of the "
+                                                    "ranks without metadata away to read it"
+                                                    if other_reading else "") + ")",
+                path=directory)
         return [], rank_files
     if holds(METADATA_TEMPORARY_FILE_NAME) or holds_data_files():
         raise IncompleteCheckpointError(

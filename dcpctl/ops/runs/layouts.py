@@ -34,12 +34,12 @@ from typing import Collection, Iterable
 
 from dcpctl.errors import CheckpointNotFoundError
 from dcpctl.format.checkpoint.rank_metadata import (first_rank_lacking_metadata,
-                                                    rank_metadata_names)
+                                                    left_by_a_larger_save, rank_metadata_names)
 from dcpctl.format.checkpoint.side_files import (LIGHTNING_STATE, MEGATRON_COMMON_STATE,
                                                  MEGATRON_CONFIG)
 from dcpctl.format.file_names import (DATA_FILE_SUFFIX, METADATA_FILE_NAME,
                                       METADATA_TEMPORARY_FILE_NAME, SHA256SUMS_FILE_NAME,
-                                      rank_of_metadata_file_name)
+                                      rank_metadata_file_name, rank_of_metadata_file_name)
 from dcpctl.format.state_dict_layouts import ACCELERATE_MODEL_PART, ACCELERATE_PART
 from dcpctl.storage.paths import StoragePath
 
@@ -74,6 +74,9 @@ class CheckpointShape:
     rank_metadata: tuple[str, ...] = ()
     """Of a save with use_collectives=False: its ranks' own metadata files, in place of
     `.metadata`."""
+    doubt: str | None = None
+    """Why an incomplete one may be a whole checkpoint all the same (scan.py CheckpointEntry):
+    prune never deletes it."""
 
     @property
     def metadata_files(self) -> list[str]:
@@ -130,8 +133,13 @@ def checkpoint_shape(names: Collection[str], directory_name: str) -> CheckpointS
         return CheckpointShape(tuple(parts), complete, custom_objects)
     rank_files = rank_metadata_names(names)
     if rank_files:  # saved without collectives
-        complete = first_rank_lacking_metadata(names, rank_files) is None
-        return CheckpointShape((), complete, rank_metadata=tuple(rank_files))
+        lacking = first_rank_lacking_metadata(names, rank_files)
+        other_reading = None if lacking is None else left_by_a_larger_save(lacking, rank_files)
+        return CheckpointShape((), lacking is None, rank_metadata=tuple(rank_files), doubt=(
+            f"rank {lacking} has data files but no {rank_metadata_file_name(lacking)}: a save "
+            f"cut short, {other_reading}; never deleted by prune (delete it by hand, or the "
+            "files of the ranks without metadata, if it is not wanted)"
+            if other_reading else None))
     # A save in progress (or one that died) holds data files or `.metadata.tmp`, or nothing yet.
     if not names or any(name.endswith(_PARTIAL_SAVE_FILES) for name in names if "/" not in name):
         return CheckpointShape((), complete=False)

@@ -302,7 +302,7 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
             age_seconds=None if modified_at is None else max(0.0, now - modified_at),
             has_sha256sums=all(file in objects for file in shape.sha256sums_files),
             identity=(0, 0), parts=shape.parts, custom_objects=shape.custom_objects,
-            objects=objects, rank_metadata=shape.rank_metadata))
+            objects=objects, rank_metadata=shape.rank_metadata, doubt=shape.doubt))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
     _doubt_those_short_of_custom_objects(scan.checkpoints)
     _mark_the_trainers_best(scan.checkpoints)
@@ -385,7 +385,8 @@ def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: flo
         modified_at=modified_at, age_seconds=max(0.0, now - modified_at),
         has_sha256sums=all((path / name).is_file() for name in shape.sha256sums_files),
         identity=(status.st_dev, status.st_ino), parts=shape.parts,
-        custom_objects=shape.custom_objects, rank_metadata=shape.rank_metadata)
+        custom_objects=shape.custom_objects, rank_metadata=shape.rank_metadata,
+        doubt=shape.doubt)
 
 
 def changed_since_scanned(entry: CheckpointEntry) -> bool:

@@ -325,3 +325,32 @@ def test_a_rank_written_with_a_leading_zero_is_no_rank_s_metadata(checkpoint):
     report = verify_checkpoint(checkpoint, deep=False)
     assert [(problem.rule, problem.file) for problem in report.problems] == [
         ("unknown-file", "__00.metadata")]
+
+
+def test_a_larger_save_s_leftovers_beside_a_whole_one_are_never_pruned(saved, tmp_path):
+    """A 4-rank save into the directory, then a 3-rank one: torch's writer leaves rank 3's
+    data file, and torch loads the 3 ranks' own at world size 3. Taken for a save cut short,
+    prune --incomplete-older-than deleted the checkpoint."""
+    from conftest import back_date
+
+    from dcpctl.ops.runs.prune import RetentionRules, prune_run_directory
+
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        shutil.copytree(saved, run_dir / f"step-{step}")
+    shutil.copyfile(saved / "__2_0.distcp", run_dir / "step-1" / "__3_0.distcp")
+    back_date(run_dir / "step-1", 30 * 86400)
+    with pytest.raises(IncompleteCheckpointError) as raised:
+        open_checkpoint(run_dir / "step-1")
+    assert raised.value.message.endswith(
+        "rank 3 has not written its __3.metadata (a save still running, or one that died "
+        "before finishing; or files left by an earlier save into this directory with more "
+        "ranks, beside a whole save of 3 ranks, which torch loads at that world size: move the "
+        "files of the ranks without metadata away to read it)")
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1,
+                                                         incomplete_older_than_seconds=3600))
+    decision = report.decisions[0]
+    assert (decision.checkpoint.name, decision.state, decision.delete) == (
+        "step-1", "incomplete", False)
+    assert decision.reasons[0].startswith("unsure: rank 3 has data files but no __3.metadata")
+    assert (run_dir / "step-1" / "__0.metadata").exists()
