@@ -124,6 +124,19 @@ def _damage_meta_pt(checkpoint) -> None:
     (checkpoint / "meta.pt").write_bytes(bytes(data))
 
 
+def _damaged_as_the_run_goes(monkeypatch, checkpoint) -> None:
+    """Have the next transcode damage checkpoint's meta.pt once the run is under way."""
+    from dcpctl.ops import transcode
+
+    real_execute = transcode.execute_transcode
+
+    def damaged_meanwhile(*args, **kwargs):
+        _damage_meta_pt(checkpoint)
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(transcode, "execute_transcode", damaged_meanwhile)
+
+
 def test_a_side_file_damaged_after_its_check_is_never_copied(tmp_path, monkeypatch):
     """meta.pt was checked when the output was set up and copied at publishing unchecked:
     damaged meanwhile, the damaged copy was published and certified by SHA256SUMS, exit 0
@@ -132,13 +145,7 @@ def test_a_side_file_damaged_after_its_check_is_never_copied(tmp_path, monkeypat
     from dcpctl.ops import transcode
 
     checkpoint = _with_meta_pt(tmp_path)
-    real_execute = transcode.execute_transcode
-
-    def damaged_meanwhile(*args, **kwargs):
-        _damage_meta_pt(checkpoint)
-        return real_execute(*args, **kwargs)
-
-    monkeypatch.setattr(transcode, "execute_transcode", damaged_meanwhile)
+    _damaged_as_the_run_goes(monkeypatch, checkpoint)
     with pytest.raises(ProblemsError, match="meta.pt: .*crc-mismatch: record 'meta/data.pkl'"):
         transcode.compress_checkpoint(checkpoint, output_path=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
@@ -215,13 +222,7 @@ def test_in_place_a_side_file_damaged_as_the_run_goes_is_refused_before_the_swit
 
     checkpoint = _with_meta_pt(tmp_path)
     before = directory_state(checkpoint)
-    real_execute = transcode.execute_transcode
-
-    def damaged_meanwhile(*args, **kwargs):
-        _damage_meta_pt(checkpoint)
-        return real_execute(*args, **kwargs)
-
-    monkeypatch.setattr(transcode, "execute_transcode", damaged_meanwhile)
+    _damaged_as_the_run_goes(monkeypatch, checkpoint)
     with pytest.raises(ProblemsError, match="meta.pt: .*crc-mismatch"):
         transcode.compress_checkpoint(checkpoint)
     after = directory_state(checkpoint)

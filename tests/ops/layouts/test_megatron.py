@@ -193,11 +193,9 @@ def test_a_linked_side_file_is_neither_followed_nor_left_out(megatron_saves, tmp
     assert not (tmp_path / "out").exists() and outside.read_bytes() == before
 
 
-def test_side_files_in_the_hugging_face_hub_cache_are_its_blobs(megatron_saves, tmp_path):
-    """huggingface_hub's cache makes every file of a download a link to its repository's
-    blobs, as data files may be: a Megatron checkpoint downloaded there had its common.pt and
-    metadata.json called not regular files, and no command would write a new checkpoint of
-    it."""
+def _in_a_hub_cache(checkpoint, tmp_path):
+    """A copy of checkpoint as huggingface_hub's cache holds a download: every file a link
+    into its repository's blobs; (the repository, the checkpoint in its snapshot)."""
     import os
     import shutil
 
@@ -205,10 +203,19 @@ def test_side_files_in_the_hugging_face_hub_cache_are_its_blobs(megatron_saves, 
     snapshot = repository / "snapshots" / "0123abcd" / "iter_0000010"
     snapshot.mkdir(parents=True)
     (repository / "blobs").mkdir()
-    for source in megatron_saves["0.16"].iterdir():
+    for source in checkpoint.iterdir():
         blob = repository / "blobs" / f"blob-{source.name.strip('.')}"
         shutil.copyfile(source, blob)
         (snapshot / source.name).symlink_to(os.path.relpath(blob, snapshot))
+    return repository, snapshot
+
+
+def test_side_files_in_the_hugging_face_hub_cache_are_its_blobs(megatron_saves, tmp_path):
+    """huggingface_hub's cache makes every file of a download a link to its repository's
+    blobs, as data files may be: a Megatron checkpoint downloaded there had its common.pt and
+    metadata.json called not regular files, and no command would write a new checkpoint of
+    it."""
+    _, snapshot = _in_a_hub_cache(megatron_saves["0.16"], tmp_path)
     assert verify_checkpoint(snapshot).status == "ok"
     compress_checkpoint(snapshot, output_path=str(tmp_path / "out"))
     for name in ("common.pt", "metadata.json"):
@@ -222,21 +229,11 @@ def test_a_hub_cache_checkpoint_with_sha256sums_is_sound_and_rewritten_in_place(
     """SHA256SUMS listing a file that is a link into the repository's blobs (every file of a
     download) was damage: a checkpoint uploaded with its SHA256SUMS was refused by every
     command, and so was one after `dcpctl checksum` or an in-place compress there."""
-    import os
-    import shutil
-
     from conftest import directory_state
 
     from dcpctl.ops.transcode import decompress_checkpoint
 
-    repository = tmp_path / "hub" / "models--org--run"
-    snapshot = repository / "snapshots" / "0123abcd" / "iter_0000010"
-    snapshot.mkdir(parents=True)
-    (repository / "blobs").mkdir()
-    for source in megatron_saves["0.16"].iterdir():
-        blob = repository / "blobs" / f"blob-{source.name.strip('.')}"
-        shutil.copyfile(source, blob)
-        (snapshot / source.name).symlink_to(os.path.relpath(blob, snapshot))
+    repository, snapshot = _in_a_hub_cache(megatron_saves["0.16"], tmp_path)
     blobs = directory_state(repository / "blobs")
     checksum_checkpoint(snapshot)
     assert sorted(read_sha256sums(snapshot)) == [
