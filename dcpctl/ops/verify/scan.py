@@ -24,10 +24,10 @@ from dcpctl.format.checkpoint.locations import ItemLocation, locate_item
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.structure import (StoredItem, is_safetensors_tensor,
                                                 safetensors_files)
+from dcpctl.format.checkpoint.rank_metadata import replicated_keys
 from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
 from dcpctl.storage.objects import StorageError
-from dcpctl.format.checkpoint.rank_metadata import replicated_keys
 from dcpctl.storage.paths import RangedFile, StoragePath, open_ranged
 from dcpctl.thread_pools import thread_pool
 
