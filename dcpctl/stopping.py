@@ -51,6 +51,15 @@ def stop_once_on_signals() -> None:
     handle_stops(_stop_once, (signal.SIGTERM, signal.SIGHUP))
 
 
+def end_quietly_when_stopped() -> None:
+    """For a worker process whose work is over (its coordinator closed the pipe, no result
+    left to send): a stop from now on ends it at once, as the signal's default does, rather
+    than raising Terminated into its exit (a traceback from its atexit handlers)."""
+    for signal_number in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signal_number) is not signal.SIG_IGN:
+            signal.signal(signal_number, signal.SIG_DFL)
+
+
 _stop_raised = False
 
 

@@ -30,7 +30,8 @@ from typing import Any, Callable
 from dcpctl.execution.jobs import (BatchedProgress, Planning, PlansMadeAhead, ShareJob,
                                    WorkerError, describe_failure, packed, run_share_of)
 from dcpctl.execution.parent_death import die_with_parent
-from dcpctl.stopping import Terminated, describe_stop, stop_once_on_signals
+from dcpctl.stopping import (Terminated, describe_stop, end_quietly_when_stopped,
+                             stop_once_on_signals)
 from dcpctl.storage.stores import abort_open_uploads
 
 _PROGRESS_INTERVAL_SECONDS = 0.2
@@ -233,6 +234,7 @@ def _serve(index: int, count: int, connection: Connection) -> None:
     with connection:
         try:
             _serve_jobs(index, count, connection)
+            end_quietly_when_stopped()  # the coordinator is done with it: nothing to abort
         except Terminated as stop:
             abort_open_uploads()
             with contextlib.suppress(OSError):  # the coordinator may have stopped reading

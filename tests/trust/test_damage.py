@@ -130,8 +130,8 @@ def test_a_file_sha256sums_lists_that_is_gone_stops_the_command(saved, tmp_path,
     assert result.returncode == 1, result.stdout
     assert result.stderr == (f"Error: {checkpoint}/common.pt: " + (
         "missing-file: listed in SHA256SUMS but absent\n" if loss == "gone" else
-        "not-regular-file: listed in SHA256SUMS but not a regular file here (a FIFO, a "
-        "directory, or a symlink out of the checkpoint)\n"))
+        "not-regular-file: Megatron-Core torch_dist's common.pt is not a regular file here (a "
+        "FIFO, a directory, or a symlink out of the checkpoint)\n"))
     assert directory_state(checkpoint) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt", "elsewhere.pt"]
 
@@ -184,19 +184,23 @@ def test_an_object_item_scrambled_past_recognition_is_refused(copy_fixture, run_
 
 
 @pytest.mark.parametrize("quick", [True, False], ids=["quick", "deep"])
+@pytest.mark.parametrize("leading", ["out", "inside"])
 def test_verify_names_a_listed_file_replaced_by_a_symlink_as_ls_and_the_commands_do(
-        saved, tmp_path, quick):
-    """verify reported a listed file that became a symlink out as a fault of SHA256SUMS, and
-    one to a file inside not at all, where ls, prune and every data command name the file
-    (checksums.absent_listed_files): one rule for all."""
+        saved, tmp_path, quick, leading):
+    """verify reported a listed file that became a symlink out as a fault of SHA256SUMS, where
+    ls, prune and every data command name the file (checksums.absent_listed_files): one rule
+    for all. A link inside the checkpoint may stand for a listed file, as for a data file (a
+    hub cache's every file is a link); the file it leads to is then a file of its own."""
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(saved / "plain", checkpoint)
     torch.save({"iteration": 7}, checkpoint / "common.pt")
     assert run_dcpctl("checksum", checkpoint).returncode == 0
-    (checkpoint / "common.pt").rename(checkpoint / "copy.pt")
-    (checkpoint / "common.pt").symlink_to("copy.pt")  # inside the checkpoint
+    moved = (checkpoint if leading == "inside" else tmp_path) / "copy.pt"
+    (checkpoint / "common.pt").rename(moved)
+    (checkpoint / "common.pt").symlink_to(moved)
     result = run_dcpctl("verify", checkpoint, "--json", *(["--quick"] if quick else []))
     assert result.returncode == 1
-    problems = json.loads(result.stdout)["problems"]
-    assert ("not-regular-file", "common.pt") in {(problem["rule"], problem["file"])
-                                                 for problem in problems}
+    problems = {(problem["rule"], problem["file"])
+                for problem in json.loads(result.stdout)["problems"]}
+    assert problems == ({("not-regular-file", "common.pt")} if leading == "out"
+                        else {("unknown-file", "copy.pt")})
