@@ -74,9 +74,10 @@ def render_report(report: VerifyReport) -> list[str]:
         shown = ", ".join(report.divergent_copies[:3])
         more = len(report.divergent_copies) - 3
         lines.append(f"copies      {counted(len(report.divergent_copies), 'item')} a rank saved "
-                     "with other values under a key a lower rank saved too (each rank loads "
-                     "its own; reshard and convert write the lowest rank's): "
-                     f"{shown}{f', and {more} more' if more > 0 else ''}")
+                     "under a key a lower rank saved too, with other bytes than the copy kept "
+                     "(other values, or equal ones stored otherwise: a set's order, a "
+                     "tensor's strides); each rank loads its own, reshard and convert write "
+                     f"the kept one: {shown}{f', and {more} more' if more > 0 else ''}")
     for problem in report.problems:
         lines += ["", *render_problem(problem)]
     return lines

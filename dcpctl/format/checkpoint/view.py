@@ -340,6 +340,25 @@ def _collect_entries(checkpoint: Checkpoint) -> None:
     for name, (_, info) in first_tensor_items.items():
         checkpoint.files[name].serialization = _detect_serialization(checkpoint, info,
                                                                      chunk_nbytes.get(name))
+    for name, (info, nbytes) in _first_replicated_tensors(checkpoint, first_tensor_items).items():
+        checkpoint.files[name].serialization = _detect_serialization(checkpoint, info, nbytes)
+
+
+def _first_replicated_tensors(checkpoint: Checkpoint, first_tensor_items: dict
+                              ) -> dict[str, tuple[StorageInfo, int | None]]:
+    """Of each data file that holds tensor replicas alone (rank_metadata.py: a rank that
+    saved only what a lower rank saved too), the first one's storage and its chunk's bytes,
+    which tell how the file's items are serialized."""
+    firsts: dict[str, tuple[StorageInfo, int | None]] = {}
+    for replica in checkpoint.replicas:
+        name = replica.storage.relative_path
+        if replica.chunk is None or name in first_tensor_items or name in firsts:
+            continue
+        entry = replica.tensor or checkpoint.metadata.state_dict_metadata.get(replica.key.fqn)
+        nbytes = (math.prod(replica.chunk.sizes) * entry.properties.dtype.itemsize
+                  if isinstance(entry, TensorMetadata) else None)
+        firsts[name] = (replica.storage, nbytes)
+    return firsts
 
 
 def _scan_storage(checkpoint: Checkpoint

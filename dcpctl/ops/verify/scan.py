@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -47,8 +48,9 @@ class ArchiveItem:
     read from its ranks' own metadata, or the copy kept of one): its content_crcs are kept."""
 
 
-ItemPlace = tuple[str, int]
-"""Where an item is stored: its file and the offset it starts at."""
+ItemPlace = tuple[str, int, str]
+"""Where an item is stored: its file, the offset its storage entry gives and its fqn (the
+tensors of a SAFETENSORS file all give the offset of the file's one blob)."""
 
 
 @dataclass
@@ -64,14 +66,20 @@ class ScanUnit:
     safetensors_items: list[StoredItem] = field(default_factory=list)
     read_bytes: int = 0
     sha256: str | None = None
+    compared_safetensors: frozenset[str] = frozenset()
+    """The fqns of its safetensors items that are compared (as ArchiveItem.compared)."""
     content_crcs: dict[ItemPlace, tuple | None] = field(default_factory=dict)
-    """The scan fills in each compared item's ItemCheck.content_crcs, by place."""
+    """The scan fills in what each compared item holds (ItemCheck.content_crcs; a safetensors
+    tensor's CRC-32), by place."""
 
 
 def plan_scan(directory: StoragePath, archive_items: list[ArchiveItem],
-              safetensors_items: list[StoredItem], sums: dict[str, str | None]) -> list[ScanUnit]:
+              safetensors_items: list[StoredItem], sums: dict[str, str | None],
+              compared: set[tuple[str, tuple[int, ...] | None]] = frozenset()
+              ) -> list[ScanUnit]:
     """The units that hash every file named in `sums` (against the digest given, if any) and
-    check the given items, largest first. Files that are missing or unsafe to open are left
+    check the given items, largest first, the safetensors tensors whose keys are compared
+    (compared_items) read to be compared. Files that are missing or unsafe to open are left
     out (reported elsewhere)."""
     archives_by_file: dict[str, list[ArchiveItem]] = defaultdict(list)
     for archive in archive_items:
@@ -87,13 +95,17 @@ def plan_scan(directory: StoragePath, archive_items: list[ArchiveItem],
         except (OSError, UnsafePathError):
             continue
         archives = sorted(archives_by_file[name], key=lambda archive: archive.location.start)
+        tensors = safetensors_by_file[name]
+        compared_tensors = frozenset(item.fqn for item in tensors
+                                     if compared and item_key(item) in compared)
         if name in sums:
-            units.append(ScanUnit(name, path, True, sums[name], archives,
-                                  safetensors_by_file[name], size_bytes))
+            units.append(ScanUnit(name, path, True, sums[name], archives, tensors, size_bytes,
+                                  compared_safetensors=compared_tensors))
             continue
         units += _split_into_units(name, path, archives)
-        if safetensors_by_file[name]:
-            units.append(ScanUnit(name, path, safetensors_items=safetensors_by_file[name]))
+        if tensors:
+            units.append(ScanUnit(name, path, safetensors_items=tensors,
+                                  compared_safetensors=compared_tensors))
     return sorted(units, key=lambda unit: -unit.read_bytes)
 
 
@@ -167,7 +179,9 @@ def _scan_unit(unit: ScanUnit, advance: Callable[[int], None]) -> list[Problem]:
                     problems += check_archive_item(archive, unit.name, cursor,
                                                    unit.content_crcs)
                 for item in unit.safetensors_items:
-                    problems += check_safetensors_item(item, unit.name, unit.path)
+                    problems += check_safetensors_item(
+                        item, unit.name, unit.path, unit.content_crcs
+                        if item.fqn in unit.compared_safetensors else None)
                 if unit.hashing:
                     actual = unit.sha256 = cursor.hash_to_end()
                     if unit.expected_sha256 is not None and actual != unit.expected_sha256:
@@ -291,13 +305,15 @@ def check_archive_item(archive: ArchiveItem, file_name: str, cursor: _FileCursor
     problems = check.problems(lambda: iter_decoded_item(
         location, cursor.iter_range(location.start, location.length, again=True)))
     if archive.compared:
-        content_crcs[(file_name, item.storage.offset)] = check.content_crcs()
+        content_crcs[(file_name, item.storage.offset, item.fqn)] = check.content_crcs()
     return [dataclasses.replace(problem, file=file_name) for problem in problems]
 
 
-def check_safetensors_item(item: StoredItem, file_name: str, path: StoragePath
+def check_safetensors_item(item: StoredItem, file_name: str, path: StoragePath,
+                           content_crcs: dict[ItemPlace, tuple | None] | None = None
                            ) -> list[Problem]:
-    """Check a tensor of a SAFETENSORS-serialized file against its blob's header."""
+    """Check a tensor of a SAFETENSORS-serialized file against its blob's header; given
+    content_crcs, its header entry and the CRC-32 of its bytes go there, by place."""
     where = dict(file=file_name, start=item.storage.offset, end=item.end, fqns=(item.fqn,))
     try:
         header, data_start = read_safetensors_header(path, item.storage.offset)
@@ -321,4 +337,10 @@ def check_safetensors_item(item: StoredItem, file_name: str, path: StoragePath
         return [Problem(Rule.STORED_LENGTH, f"header places the tensor at bytes "
                         f"{data_start + begin}..{data_start + end} for a chunk of "
                         f"{item.chunk_nbytes} bytes in a file of {file_bytes}", **where)]
+    if content_crcs is not None:
+        crc = 0
+        with open_ranged(path) as reader:
+            for piece in reader.iter_pieces(data_start + begin, data_start + end, PIECE_BYTES):
+                crc = zlib.crc32(piece, crc)
+        content_crcs[(file_name, item.storage.offset, item.fqn)] = ((dtype_code, shape), crc)
     return []

@@ -48,11 +48,12 @@ class VerifyReport:
     leftover_temporaries: list[str] = field(default_factory=list)
     """Files under dcpctl's temporary names that the metadata does not name: what a stopped
     (or a running) dcpctl left; not the checkpoint's, and no damage to it."""
-    divergent_copies: list[str] = field(default_factory=list)
-    """Of a checkpoint saved with use_collectives=False, read deep: the items a rank saved
-    under a key a lower rank saved too, with other values (`fqn (file)`). No damage (each
-    rank loads its own), but one `.metadata` holds one copy: reshard and convert write the
-    lowest rank's."""
+    divergent_copies: list[str] | None = None
+    """Of a checkpoint saved with use_collectives=False: the items a rank saved under a key a
+    lower rank saved too, holding other bytes than the copy kept (`fqn (file)`): other
+    values, or equal ones stored otherwise (a set pickled in another order, a tensor of other
+    strides, -0.0). No damage (each rank loads its own), but one `.metadata` holds one copy:
+    reshard and convert write the kept one. None where not compared (--quick)."""
     checkpoint: Checkpoint | None = field(default=None, repr=False, compare=False)
     """The checkpoint as its metadata was read (None where it could not be): millions of
     records at a million chunks, held as long as the report is."""
@@ -135,8 +136,9 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
     units = planning.units(checkpoint, archive_items, safetensors_items)
     job = ScanJob(planning, threads)
     report.problems += run_scan(job, units, workers, on_progress)
-    if checkpoint is not None and checkpoint.replicas:
-        report.divergent_copies = divergent_copies(checkpoint, units)
+    if deep:
+        report.divergent_copies = (divergent_copies(checkpoint, units)
+                                   if checkpoint is not None and checkpoint.replicas else [])
     report.items_checked = len(archive_items) + len(safetensors_items) + len(undecodable)
     report.bytes_read = sum(unit.read_bytes for unit in units) + side_bytes
     if checkpoint is not None:
@@ -165,8 +167,9 @@ def divergent_copies(checkpoint: Checkpoint, units: list[ScanUnit]) -> list[str]
     for replica in checkpoint.replicas:
         key = (replica.key.fqn, None if replica.key.offset is None else tuple(replica.key.offset))
         first, copy = kept.get(key), replica.storage
-        first_crcs = None if first is None else found.get((first.relative_path, first.offset))
-        copy_crcs = found.get((copy.relative_path, copy.offset))
+        first_crcs = None if first is None else found.get(
+            (first.relative_path, first.offset, replica.key.fqn))
+        copy_crcs = found.get((copy.relative_path, copy.offset, replica.key.fqn))
         if None not in (first_crcs, copy_crcs) and first_crcs != copy_crcs:
             divergent.append(f"{replica.key.fqn} ({copy.relative_path})")
     return divergent

@@ -354,3 +354,27 @@ def test_a_larger_save_s_leftovers_beside_a_whole_one_are_never_pruned(saved, tm
         "step-1", "incomplete", False)
     assert decision.reasons[0].startswith("unsure: rank 3 has data files but no __3.metadata")
     assert (run_dir / "step-1" / "__0.metadata").exists()
+
+
+def _saved_as_safetensors(rank: int, world_size: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    dcp.save({"same": torch.ones(3), "own": torch.full((3,), float(rank)), "also": torch.ones(2)},
+             storage_writer=FileSystemWriter(
+                 path, serialization_format=SerializationFormat.SAFETENSORS),
+             use_collectives=False)
+
+
+def test_copies_in_safetensors_files_are_compared_by_their_bytes(tmp_path):
+    """A SAFETENSORS file's tensors all give the offset of its one blob: copies were keyed by
+    that offset and compared with another tensor's, and none of a differing tensor's were
+    told. Under --quick nothing is compared: null, not an empty list."""
+    from make_fixtures import run_gloo_job
+
+    run_gloo_job(2, _saved_as_safetensors, str(tmp_path / "ck"))
+    for workers in (1, 2):
+        report = verify_checkpoint(tmp_path / "ck", workers=workers)
+        assert report.status == "ok" and report.divergent_copies == ["own (__1_0.distcp)"]
+    assert verify_checkpoint(tmp_path / "ck", deep=False).to_json()["divergent_copies"] is None
