@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from typing import Callable, Iterable
 
-from dcpctl.errors import DataError, UnsafePathError
+from dcpctl.errors import DataError
 from dcpctl.failpoints import Failpoint, failpoint
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
 from dcpctl.format.checkpoint.side_files import files_beside_data
-from dcpctl.format.checkpoint.view import Checkpoint, regular_file_inside
+from dcpctl.format.checkpoint.view import Checkpoint, holds_a_regular_file
 from dcpctl.format.file_names import SHA256SUMS_FILE_NAME, is_plain_file_name
 from dcpctl.pipeline import default_thread_count
 from dcpctl.storage.claims import OutputClaim
@@ -81,16 +81,8 @@ def absent_listed_files(directory: StoragePath, sums: dict[str, str]) -> list[Pr
                              "file here (a FIFO, a directory, or a symlink out of the "
                              "checkpoint)", name)
                      for name in sorted(set(sums) - {problem.file for problem in problems})
-                     if not _holds_a_file(directory, name)]
+                     if not holds_a_regular_file(directory, name)]
     return problems
-
-
-def _holds_a_file(directory: StoragePath, name: str) -> bool:
-    try:
-        regular_file_inside(directory, name)
-    except (OSError, UnsafePathError):
-        return False
-    return True
 
 
 def checksummed_files(checkpoint: Checkpoint) -> list[str]:

@@ -47,11 +47,18 @@ class Replica:
     copy kept (a per-rank buffer); None where it is the kept copy's."""
 
 
-def replicated_keys(replicas: Iterable[Replica]) -> set[tuple[str, tuple[int, ...] | None]]:
-    """The items several ranks saved, by fqn and chunk offsets (None for an object): those
-    the replicas are copies of."""
-    return {(replica.key.fqn, None if replica.key.offset is None else tuple(replica.key.offset))
-            for replica in replicas}
+ItemKey = tuple[str, tuple[int, ...] | None]
+"""An item's fqn and its chunk's offsets (None for an object): what its copies share."""
+
+
+def item_key(key: MetadataIndex) -> ItemKey:
+    """The ItemKey of a storage entry's key."""
+    return key.fqn, None if key.offset is None else tuple(key.offset)
+
+
+def replicated_keys(replicas: Iterable[Replica]) -> set[ItemKey]:
+    """The items several ranks saved: those the replicas are copies of."""
+    return {item_key(replica.key) for replica in replicas}
 
 
 def rank_metadata_names(names: Iterable[str]) -> list[str]:
@@ -118,8 +125,7 @@ def _refuse_unjoined_entries(rank: CheckpointMetadata, source: str) -> None:
                if isinstance(entry, TensorMetadata) for chunk in entry.chunks}
     entries.update((fqn, None) for fqn, entry in rank.state_dict_metadata.items()
                    if not isinstance(entry, TensorMetadata))
-    stored = {(key.fqn, None if key.offset is None else tuple(key.offset))
-              for key in rank.storage_data}
+    stored = {item_key(key) for key in rank.storage_data}
     lacking = entries - stored
     if lacking:
         raise MetadataError(f"gives {_item(*min(lacking, key=str))} no storage entry",

@@ -28,7 +28,8 @@ from typing import Callable, Iterable, Iterator
 from dcpctl.errors import ChangedWhileReadError, DataError, UnsafePathError
 from dcpctl.format.checkpoint.hf_storage import hf_storage_extra_files
 from dcpctl.format.checkpoint.problems import Problem, Rule, problems_error
-from dcpctl.format.checkpoint.view import Checkpoint, regular_file_inside
+from dcpctl.format.checkpoint.view import (Checkpoint, holds_a_regular_file,
+                                           regular_file_inside)
 from dcpctl.format.file_names import METADATA_FILE_NAME, rank_of_file_name
 from dcpctl.format.torch_save.archive_check import (ArchiveCheck, ArchiveStreamCheck,
                                                     check_archive, spooled_read_range)
@@ -94,11 +95,7 @@ def _held_by(directory: Path, name: str) -> str:
         os.lstat(directory / name)
     except FileNotFoundError:
         return _NOTHING
-    try:
-        regular_file_inside(directory, name)
-    except (OSError, UnsafePathError):  # a dangling link too
-        return _SOMETHING_ELSE
-    return _A_FILE
+    return _A_FILE if holds_a_regular_file(directory, name) else _SOMETHING_ELSE
 
 
 def side_file_bytes(checkpoint: Checkpoint, side_files: Iterable[str]) -> int:

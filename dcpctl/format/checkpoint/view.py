@@ -165,6 +165,16 @@ def regular_file_inside(directory: Path, name: str) -> Path:
     return path
 
 
+def holds_a_regular_file(directory: Path, name: str) -> bool:
+    """Whether regular_file_inside finds the regular file a name stands for (nothing there, a
+    FIFO, a dangling link or a link out: no)."""
+    try:
+        regular_file_inside(directory, name)
+    except (OSError, UnsafePathError):
+        return False
+    return True
+
+
 def _in_its_hub_cache_blobs(real_directory: str, real_candidate: str) -> bool:
     """Whether a checkpoint in huggingface_hub's cache (`REPO/snapshots/REVISION/...`, every
     file a symlink to `REPO/blobs/HASH`) links real_candidate into its own repository's blobs:

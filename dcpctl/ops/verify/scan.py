@@ -25,7 +25,7 @@ from dcpctl.format.checkpoint.locations import ItemLocation, locate_item
 from dcpctl.format.checkpoint.problems import Problem, Rule
 from dcpctl.format.checkpoint.structure import (StoredItem, is_safetensors_tensor,
                                                 safetensors_files)
-from dcpctl.format.checkpoint.rank_metadata import replicated_keys
+from dcpctl.format.checkpoint.rank_metadata import ItemKey, replicated_keys
 from dcpctl.format.checkpoint.view import Checkpoint, resolve_inside
 from dcpctl.format.safetensors import read_safetensors_header
 from dcpctl.storage.objects import StorageError
@@ -75,12 +75,12 @@ class ScanUnit:
 
 def plan_scan(directory: StoragePath, archive_items: list[ArchiveItem],
               safetensors_items: list[StoredItem], sums: dict[str, str | None],
-              compared: set[tuple[str, tuple[int, ...] | None]] = frozenset()
+              compared: set[ItemKey] = frozenset()
               ) -> list[ScanUnit]:
     """The units that hash every file named in `sums` (against the digest given, if any) and
     check the given items, largest first, the safetensors tensors whose keys are compared
-    (compared_items) read to be compared. Files that are missing or unsafe to open are left
-    out (reported elsewhere)."""
+    (rank_metadata.replicated_keys) read to be compared. Files that are missing or unsafe to
+    open are left out (reported elsewhere)."""
     archives_by_file: dict[str, list[ArchiveItem]] = defaultdict(list)
     for archive in archive_items:
         archives_by_file[archive.item.storage.relative_path].append(archive)
@@ -97,7 +97,7 @@ def plan_scan(directory: StoragePath, archive_items: list[ArchiveItem],
         archives = sorted(archives_by_file[name], key=lambda archive: archive.location.start)
         tensors = safetensors_by_file[name]
         compared_tensors = frozenset(item.fqn for item in tensors
-                                     if compared and item_key(item) in compared)
+                                     if compared and stored_item_key(item) in compared)
         if name in sums:
             units.append(ScanUnit(name, path, True, sums[name], archives, tensors, size_bytes,
                                   compared_safetensors=compared_tensors))
@@ -120,7 +120,7 @@ def items_to_check(checkpoint: Checkpoint | None, items: list[StoredItem], deep:
     if not deep or checkpoint is None:
         return archive_items, safetensors_items, undecodable
     safetensors_names = safetensors_files(checkpoint)
-    compared = compared_items(checkpoint)
+    compared = replicated_keys(checkpoint.replicas)  # each copy compared with the kept one
     for item in items:
         size_bytes = checkpoint.files[item.storage.relative_path].size_bytes
         if size_bytes is None:
@@ -135,19 +135,13 @@ def items_to_check(checkpoint: Checkpoint | None, items: list[StoredItem], deep:
                     Rule.UNSUPPORTED_TRANSFORM, f"item cannot be decoded: {error.message}",
                     item.storage.relative_path, item.storage.offset, item.end, (item.fqn,)))
                 continue
-            archive_items.append(ArchiveItem(item, location, item_key(item) in compared))
+            archive_items.append(ArchiveItem(item, location, stored_item_key(item) in compared))
     return archive_items, safetensors_items, undecodable
 
 
-def item_key(item: StoredItem) -> tuple[str, tuple[int, ...] | None]:
-    """An item's fqn and its chunk's offsets (None for an object): what its copies share."""
+def stored_item_key(item: StoredItem) -> ItemKey:
+    """The ItemKey (rank_metadata.py) of an item: what its copies share."""
     return item.fqn, None if item.chunk is None else tuple(item.chunk.offsets)
-
-
-def compared_items(checkpoint: Checkpoint) -> set[tuple[str, tuple[int, ...] | None]]:
-    """The keys (item_key) of the items that several ranks of a checkpoint read from its
-    ranks' own metadata saved: each copy's content is compared with the kept one's."""
-    return replicated_keys(checkpoint.replicas)
 
 
 def _split_into_units(name: str, path: StoragePath, archives: list[ArchiveItem]) -> list[ScanUnit]:

@@ -12,8 +12,8 @@ from dcpctl.format.checkpoint.checksums import checksummed_files
 from dcpctl.format.checkpoint.problems import Problem
 from dcpctl.format.checkpoint.structure import StoredItem, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
-from dcpctl.ops.verify.scan import (ItemPlace, ScanUnit, compared_items, items_to_check,
-                                    plan_scan, scan_units)
+from dcpctl.format.checkpoint.rank_metadata import replicated_keys
+from dcpctl.ops.verify.scan import ItemPlace, ScanUnit, items_to_check, plan_scan, scan_units
 from dcpctl.storage.paths import StoragePath
 
 
@@ -42,9 +42,9 @@ class ScanPlanning:
               safetensors_items: list[StoredItem]) -> list[ScanUnit]:
         """The plan, from the checkpoint (None: unreadable) and its items to check
         (items_to_check)."""
+        compared = replicated_keys(checkpoint.replicas) if checkpoint is not None else set()
         return plan_scan(self.directory, archive_items, safetensors_items,
-                         self.hashed_files(checkpoint),
-                         compared_items(checkpoint) if checkpoint is not None else frozenset())
+                         self.hashed_files(checkpoint), compared)
 
     def hashed_files(self, checkpoint: Checkpoint | None) -> dict[str, str | None]:
         """The files to hash, each with the digest it must have (None: any)."""

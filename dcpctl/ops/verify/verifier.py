@@ -14,6 +14,7 @@ from dcpctl.errors import (NO_SIGN_OF_DAMAGE, DataError, IncompleteCheckpointErr
 from dcpctl.format.checkpoint.checksums import absent_listed_files, read_sha256sums
 from dcpctl.format.checkpoint.hf_storage import SAFETENSORS_SUFFIX
 from dcpctl.format.checkpoint.problems import Problem, Rule
+from dcpctl.format.checkpoint.rank_metadata import item_key, replicated_keys
 from dcpctl.format.checkpoint.rewrites import rewrite_error, rewrite_named, rewritten_since_read
 from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_beside_data,
                                                  misplaced_side_files, side_file_bytes,
@@ -24,7 +25,7 @@ from dcpctl.format.file_names import (METADATA_FILE_NAME, SHA256SUMS_FILE_NAME,
                                       rank_of_file_name)
 from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_started
 from dcpctl.ops.verify.consolidation import consolidation_problems
-from dcpctl.ops.verify.scan import ScanUnit, compared_items, items_to_check
+from dcpctl.ops.verify.scan import ScanUnit, items_to_check
 from dcpctl.ops.verify.scan_job import ScanJob, ScanPlanning, run_scan
 from dcpctl.storage.local import is_temporary_name, names_stood_in_for
 from dcpctl.storage.locks import locked_checkpoint
@@ -158,15 +159,14 @@ def divergent_copies(checkpoint: Checkpoint, units: list[ScanUnit]) -> list[str]
     """The replicas (rank_metadata.py) whose content, as the scan of units found it (their
     content_crcs), is not the copy kept's: each as `fqn (file)`."""
     found = {place: crcs for unit in units for place, crcs in unit.content_crcs.items()}
-    compared = compared_items(checkpoint)
+    compared = replicated_keys(checkpoint.replicas)
     kept = {(tensor.fqn, tuple(chunk.offsets)): chunk.storage for tensor in checkpoint.tensors
             for chunk in tensor.chunks if (tensor.fqn, tuple(chunk.offsets)) in compared}
     kept.update(((entry.fqn, None), entry.storage) for entry in checkpoint.objects
                 if (entry.fqn, None) in compared)
     divergent = []
     for replica in checkpoint.replicas:
-        key = (replica.key.fqn, None if replica.key.offset is None else tuple(replica.key.offset))
-        first, copy = kept.get(key), replica.storage
+        first, copy = kept.get(item_key(replica.key)), replica.storage
         first_crcs = None if first is None else found.get(
             (first.relative_path, first.offset, replica.key.fqn))
         copy_crcs = found.get((copy.relative_path, copy.offset, replica.key.fqn))
