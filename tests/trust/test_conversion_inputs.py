@@ -363,3 +363,24 @@ def test_an_object_torchs_safe_loader_refuses_is_named_with_its_reason(run_cli, 
     assert "(Unsupported global: GLOBAL _io.BytesIO was not an allowed global by default)" \
         in result.output
     assert "x1b" not in result.output and len(result.output.splitlines()) == 1
+
+
+def test_a_damaged_object_is_named_when_looked_into_for_tensors(run_cli, tmp_path, checkpoint):
+    """convert --to safetensors reads each object's zip directory (does it hold tensors?): its
+    refusal of a damaged one gave no file, item or byte range, where every other command did."""
+    from dcpctl.format.checkpoint.view import open_checkpoint
+
+    entry = next(entry for entry in open_checkpoint(checkpoint).objects if entry.fqn == "step")
+    storage = entry.storage
+    data_file = checkpoint / storage.relative_path
+    data = bytearray(data_file.read_bytes())
+    end_record = data.rindex(b"PK\x06\x06", storage.offset, storage.offset + storage.length)
+    data[end_record + 37] ^= 0x01  # its zip64 end record's entry count, now past 2 ** 40
+    data_file.write_bytes(bytes(data))
+    result = run_cli("convert", checkpoint, "--to", "safetensors", "--include", "*",
+                     "-o", tmp_path / "out")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(
+        f"Error: {data_file}: item 'step' at bytes {storage.offset}.."
+        f"{storage.offset + storage.length}: "), result.stderr
+    assert not (tmp_path / "out").exists()

@@ -75,8 +75,7 @@ def iter_decoded_item(location: ItemLocation, stored_pieces: Iterable[bytes]) ->
         yield from iter_decoded(location.codec.new_decoder(location.max_decoded_bytes),
                                 stored_pieces, location.max_decoded_bytes)
     except DcpctlError as error:
-        raise error.located(path=location.path, fqn=location.fqn, start=location.start,
-                            end=location.end) from None
+        raise error.located(**location.place) from None
 
 
 def decode_stored_pieces(location: ItemLocation, stored_pieces: Iterable[bytes]
@@ -126,7 +125,6 @@ def read_item(location: ItemLocation) -> bytes:
         held += len(piece)
         if held > MAX_ITEM_IN_MEMORY_BYTES:
             raise DataError(f"decodes to more than {MAX_ITEM_IN_MEMORY_BYTES} bytes, more than "
-                            "dcpctl holds in memory for one item", path=location.path,
-                            fqn=location.fqn, start=location.start, end=location.end)
+                            "dcpctl holds in memory for one item", **location.place)
         pieces.append(piece)
     return b"".join(pieces)

@@ -49,6 +49,11 @@ class ItemLocation:
         """Offset one past the item's last stored byte in its file."""
         return self.start + self.length
 
+    @property
+    def place(self) -> dict:
+        """Where the item lies, as DcpctlError and its `located` take it."""
+        return dict(path=self.path, fqn=self.fqn, start=self.start, end=self.end)
+
     def __hash__(self) -> int:
         # Where the bytes lie tells items apart; equal locations lie in the same place. A
         # location is a key of every read of a reshard or convert, and the hash dataclass

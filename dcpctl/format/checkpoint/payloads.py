@@ -167,8 +167,7 @@ class PayloadReader:
                     source = item.source = self._locate(location, item.users_left)
         if source.nbytes != location.expected.nbytes:
             raise DataError(f"holds {source.nbytes} bytes of tensor data, the metadata implies "
-                            f"{location.expected.nbytes}", path=location.path, fqn=location.fqn,
-                            start=location.start, end=location.end)
+                            f"{location.expected.nbytes}", **location.place)
         return source
 
     def read_into(self, source: PayloadSource, offset: int, out: memoryview) -> int | None:
@@ -386,10 +385,9 @@ def _checked_layout(location: ItemLocation, read_range: ReadRange, length: int
     try:
         layout = read_torch_save_layout(read_range, length)
     except DcpctlError as error:
-        raise error.located(path=location.path, fqn=location.fqn, start=location.start,
-                            end=location.end) from None
+        raise error.located(**location.place) from None
     saved, expected = layout.tensor, location.expected
-    where = dict(path=location.path, fqn=location.fqn, start=location.start, end=location.end)
+    where = location.place
     if saved.dtype != expected.dtype or saved.shape != expected.sizes:
         raise DataError(f"holds a {saved.dtype.name} tensor of shape {list(saved.shape)}, the "
                         f"metadata says {expected.dtype.name} {list(expected.sizes)}", **where)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from dcpctl.execution.running import checked_job_source, threads_per_worker
-from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.errors import DcpctlError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import read_item
 from dcpctl.format.checkpoint.locations import ItemLocation, locate_object
 from dcpctl.format.checkpoint.rank_metadata import replicated_keys
@@ -174,13 +174,17 @@ def _may_take(fqn: str, selection: KeySelection) -> bool:
 
 def _holds_tensors(location: ItemLocation) -> bool:
     """Whether the object's torch.save archive holds tensor storages, from its central
-    directory alone where it is stored plain."""
-    if location.codec.descriptors:
-        archive = read_item(location)
-        directory = read_central_directory(lambda start, count: archive[start:start + count],
-                                           len(archive))
-    else:
-        with open_ranged(location.path) as file:
+    directory alone where it is stored plain; a DcpctlError it raises names the item."""
+    try:
+        if location.codec.descriptors:
+            archive = read_item(location)
             directory = read_central_directory(
-                lambda start, count: file.read(location.start + start, count), location.length)
+                lambda start, count: archive[start:start + count], len(archive))
+        else:
+            with open_ranged(location.path) as file:
+                directory = read_central_directory(
+                    lambda start, count: file.read(location.start + start, count),
+                    location.length)
+    except DcpctlError as error:
+        raise error.located(**location.place) from None
     return holds_storages(directory)
