@@ -87,7 +87,7 @@ class RenameRule(click.ParamType):
               help="safetensors: remove this prefix from names so that they match the module's "
                    "own state_dict(). Default: `model.` or `state_dict.` when every name taken "
                    "starts with it (a model saved under that key), else nothing; '' keeps "
-                   "names as they are.")
+                   "names as they are. One that begins no name is refused.")
 @click.option("--rename", "renames", multiple=True, type=RenameRule(),
               help="safetensors: rewrite names with a regex, after --strip-prefix, e.g. "
                    "'^layers\\.(\\d+)\\.=model.layers.\\1.' (repeatable, applied in order; "
@@ -95,7 +95,8 @@ class RenameRule(click.ParamType):
 @click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
               help="dcp: lay the checkpoint out for this many ranks, as an FSDP2 save of that "
                    "world size would (dim 0 split like torch.chunk), one file per rank.")
-@click.option("--prefix", default="", help="dcp: nest every key under this one, e.g. `model.`.")
+@click.option("--prefix", default="",
+              help="dcp: nest every key under these keys, joined by dots, e.g. `model.`.")
 @threads_option
 @workers_option
 @overwrite_option
@@ -161,6 +162,9 @@ def render_convert_report(report: ConvertReport) -> list[str]:
              f"{layout} to {report.output} in {report.seconds:.1f} s{workers}"]
     if report.cast_to:
         lines.append(f"floating-point tensors cast to {report.cast_to}")
+    if report.stripped_prefix:
+        lines.append(f"{report.stripped_prefix!r} taken off the names that start with it "
+                     "(--strip-prefix '' keeps it)")
     left_out = []
     if report.tensors_left_out:
         left_out.append(f"{counted(report.tensors_left_out, 'tensor')} not selected")

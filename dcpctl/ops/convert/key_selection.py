@@ -78,15 +78,24 @@ def _output_name(fqn: str, strip_prefix: str, renames: tuple[Rename, ...],
     return name
 
 
-def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str, str]:
+def prefix_to_strip(selected: list[str], selection: KeySelection) -> str:
+    """What comes off the names of the selected fqns: --strip-prefix, or by default `model.`
+    (and the like) where every one starts with it."""
+    if selection.strip_prefix is None:
+        return model_prefix_of(selected)
+    return selection.strip_prefix
+
+
+def select_and_rename(fqns: Iterable[str], selection: KeySelection,
+                      objects: Iterable[str] | None = None) -> dict[str, str]:
     """Source fqn -> output name for every selected fqn, in source order, the prefix stripped
     and every rename applied in order; raises SelectionError when two fqns get one name, a
-    name is empty, or nothing is selected."""
+    name is empty, nothing is selected, or a --strip-prefix or --rename given changes no name.
+    objects: where fqns are the tensors alone, the objects the output cannot hold (named where
+    only they match)."""
     fqns = list(fqns)
     selected = [fqn for fqn in fqns if is_selected(fqn, selection.include, selection.exclude)]
-    strip_prefix = selection.strip_prefix
-    if strip_prefix is None:
-        strip_prefix = model_prefix_of(selected)
+    strip_prefix = prefix_to_strip(selected, selection)
     names: dict[str, str] = {}
     taken: dict[str, str] = {}
     applied: set[Rename] = set()
@@ -100,7 +109,11 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str,
         taken[name] = fqn
         names[fqn] = name
     if not names:
-        raise SelectionError(_nothing_selected(fqns, selection))
+        raise SelectionError(_nothing_selected(fqns, selection, objects))
+    if strip_prefix and not any(fqn.startswith(strip_prefix) for fqn in selected):
+        raise SelectionError(  # given, as the default strips only where every name has it
+            f"--strip-prefix {strip_prefix!r} begins none of the {len(names)} names taken "
+            f"(such as {selected[0]!r}); leave it out, or give a prefix they begin with")
     for rename in selection.renames:
         if rename not in applied:  # a name mistyped, or the prefix stripped first
             stripped = f", once --strip-prefix {strip_prefix!r} is off" if strip_prefix else ""
@@ -111,17 +124,25 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection) -> dict[str,
     return names
 
 
-def _nothing_selected(fqns: list[str], selection: KeySelection) -> str:
+def _nothing_selected(fqns: list[str], selection: KeySelection,
+                      objects: Iterable[str] | None) -> str:
+    entries = "entries" if objects is None else "tensors"
     included = [fqn for fqn in fqns if is_selected(fqn, selection.include, ())]
     if included:  # --exclude took them all
-        what = ("entries matching --include" if selection.include is not None
+        what = (f"{entries} matching --include" if selection.include is not None
                 else "model weights")
         return (f"nothing to convert: --exclude {list(selection.exclude)} leaves none of the "
-                f"{len(included)} {what} (of {len(fqns)} entries)")
+                f"{len(included)} {what} (of {len(fqns)} {entries})")
     if selection.include is not None:
-        return (f"nothing to convert: none of the {len(fqns)} entries matches --include "
-                f"{list(selection.include)}")
+        matching_objects = [fqn for fqn in objects or ()
+                            if is_selected(fqn, selection.include, selection.exclude)]
+        do = "entry does" if len(matching_objects) == 1 else "entries do"
+        objects_said = (f"; {len(matching_objects)} non-tensor {do} (such as "
+                        f"{matching_objects[0]!r}), which the output cannot hold"
+                        if matching_objects else "")
+        return (f"nothing to convert: none of the {len(fqns)} {entries} matches --include "
+                f"{list(selection.include)}{objects_said}")
     roots = sorted({root_of(fqn) for fqn in fqns if is_trainer_state(fqn)})
     held = f"; it holds trainer state ({', '.join(roots)})" if roots else ""
-    return (f"nothing to convert: none of the {len(fqns)} entries is a model weight"
+    return (f"nothing to convert: none of the {len(fqns)} {entries} is a model weight"
             f"{held}; give --include '*' to take them anyway")

@@ -40,6 +40,8 @@ class ConvertReport:
     tensor_bytes: int = 0
     largest_tensor_bytes: int = 0
     cast_to: str | None = None
+    stripped_prefix: str | None = None
+    """To safetensors: what came off the names (`model.`, say; "" for nothing)."""
     tensors_left_out: int = 0
     objects_left_out: int = 0
     ranks: int | None = None

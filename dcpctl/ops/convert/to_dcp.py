@@ -79,10 +79,20 @@ class _Item:
     chunk_index: int | None
 
 
+def prefix_key_path(prefix: str) -> tuple[str, ...]:
+    """The keys --prefix nests every entry under: `model.` (or `model`) is ("model",), `a.b.`
+    is ("a", "b"); a key left empty (`a..b.`, `.model.`) is refused, not dropped."""
+    keys = tuple(prefix.removesuffix(".").split(".")) if prefix else ()
+    if "" in keys:
+        raise InvalidOptionError(f"--prefix {prefix!r} leaves a key empty: give keys joined by "
+                                 "dots, such as `model.`")
+    return keys
+
+
 def read_source(source: Path, prefix: str) -> tuple[str, list[SourceEntry]]:
     """The source's format (`safetensors` or `torch`) and its entries, nested under prefix
     (`model.` puts every key under `model`)."""
-    prefix_path = tuple(part for part in prefix.split(".") if part)
+    prefix_path = prefix_key_path(prefix)
     if not source.exists():
         raise DataError("no such file or directory", path=source)
     if source.is_dir() or source.suffix == ".safetensors":
@@ -160,7 +170,11 @@ def _torch_tensor_entry(path: Path, key_path: tuple, placeholder: torch.Tensor,
                                      "(torch's conj/neg bit): its values are not its stored "
                                      "bytes; save it with .resolve_conj().resolve_neg() first",
                                      path=path)
-    dtype = dtype_by_name(str(placeholder.dtype))
+    try:
+        dtype = dtype_by_name(str(placeholder.dtype))
+    except UnsupportedLayoutError:
+        raise UnsupportedLayoutError(f"{name!r} has dtype {placeholder.dtype}, which dcpctl "
+                                     "does not convert", path=path) from None
     shape = tuple(placeholder.shape)
     _refuse_view_past_its_storage(path, name, placeholder, dtype)
     start = (storage_file_offset(path, name, placeholder, records)

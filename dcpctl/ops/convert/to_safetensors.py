@@ -25,7 +25,8 @@ from dcpctl.format.safetensors import (DEFAULT_MAX_SHARD_BYTES, SafetensorsTenso
                                        check_tensor_name, encode_header, encode_index, plan_shards,
                                        refuse_what_it_cannot_store, shard_file_name)
 from dcpctl.format.torch_save.zip_records import holds_storages, read_central_directory
-from dcpctl.ops.convert.key_selection import KeySelection, is_selected, select_and_rename
+from dcpctl.ops.convert.key_selection import (KeySelection, is_selected, prefix_to_strip,
+                                              select_and_rename)
 from dcpctl.ops.convert.placed_tensors import (FileLayout, TensorSlot,
                                                placed_tensors_planning, threads_holding_pieces,
                                                write_placed_tensors)
@@ -43,6 +44,8 @@ class SafetensorsPlan:
     files: list[tuple[str, list[OutputTensor]]]
     tensors_left_out: int
     objects_left_out: int
+    stripped_prefix: str
+    """What came off every name taken that starts with it (key_selection.prefix_to_strip)."""
 
     @property
     def tensors(self) -> list[OutputTensor]:
@@ -55,7 +58,8 @@ def plan_safetensors(checkpoint: Checkpoint, selection: KeySelection, cast_to: D
     """Which tensors go into which file under which name. Shards are filled in checkpoint
     order; inside a file tensors are sorted by element size, then name, as safetensors does,
     which keeps every tensor aligned to its element size."""
-    names = select_and_rename([tensor.fqn for tensor in checkpoint.tensors], selection)
+    names = select_and_rename([tensor.fqn for tensor in checkpoint.tensors], selection,
+                              objects=[entry.fqn for entry in checkpoint.objects])
     for name in names.values():
         check_tensor_name(name)
     tensors = [OutputTensor(entry, names[entry.fqn], cast_dtype(entry, cast_to, checkpoint.path))
@@ -68,7 +72,8 @@ def plan_safetensors(checkpoint: Checkpoint, selection: KeySelection, cast_to: D
         in_file = sorted((tensors[index] for index in indexes),
                          key=lambda tensor: (-tensor.dtype.itemsize, tensor.name))
         files.append((shard_file_name(number, len(shards)), in_file))
-    return SafetensorsPlan(files, len(checkpoint.tensors) - len(tensors), len(checkpoint.objects))
+    return SafetensorsPlan(files, len(checkpoint.tensors) - len(tensors), len(checkpoint.objects),
+                           prefix_to_strip(list(names), selection))
 
 
 def safetensors_layouts(plan: SafetensorsPlan, directory: StoragePath) -> list[FileLayout]:
@@ -121,7 +126,10 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
                             on_progress) as checkpoint:
         threads = threads_per_worker(threads, checkpoint.path, workers)
         _refuse_objects_holding_tensors(checkpoint, selection)
-        plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
+        try:
+            plan = plan_safetensors(checkpoint, selection, cast_to, max_shard_bytes)
+        except DcpctlError as error:  # the selection's refusals name the source
+            raise error.located(path=checkpoint.path) from None
         threads = threads_holding_pieces(threads, plan.tensors)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path)
         try:
@@ -137,7 +145,7 @@ def convert_to_safetensors(source: str | os.PathLike, output: str | os.PathLike,
                            cast_to=cast_to.name if cast_to else None,
                            tensors_left_out=plan.tensors_left_out,
                            objects_left_out=plan.objects_left_out, threads=threads, workers=workers,
-                           files=files)
+                           files=files, stripped_prefix=plan.stripped_prefix)
     report.count_tensors(tensor.nbytes for tensor in plan.tensors)
     report.items_several_ranks_saved = len(replicated_keys(checkpoint.replicas))
     report.seconds = time.perf_counter() - started

@@ -23,7 +23,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcpctl.errors import UnsupportedLayoutError
+from dcpctl.errors import DcpctlError, UnsupportedLayoutError
 from dcpctl.format.checkpoint.items import read_item
 from dcpctl.format.checkpoint.locations import locate_object
 from dcpctl.format.checkpoint.rank_metadata import replicated_keys
@@ -204,7 +204,10 @@ def convert_to_torch_save(source: str | os.PathLike, output: str | os.PathLike,
     with checked_job_source(source, placed_tensors_planning(source), threads, workers,
                             on_progress) as checkpoint:
         threads = threads_per_worker(threads, checkpoint.path, workers)
-        plan = plan_torch_save(checkpoint, selection, cast_to)
+        try:
+            plan = plan_torch_save(checkpoint, selection, cast_to)
+        except DcpctlError as error:  # the selection's refusals name the source
+            raise error.located(path=checkpoint.path) from None
         threads = threads_holding_pieces(threads, plan.tensors)
         staged = staged_output(storage_path(output), overwrite, checkpoint.path,
                                is_directory=False)

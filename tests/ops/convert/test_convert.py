@@ -56,7 +56,7 @@ def expected_names(name: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_every_fixture_converts_to_what_dcp_load_gives(name, tmp_path):
     report = convert_to_safetensors(fixture_path(name), tmp_path / "out",
-                                    KeySelection(strip_prefix="model."), threads=2)
+                                    KeySelection(strip_prefix=None), threads=2)
     converted = load_safetensors_output(tmp_path / "out")
     names = expected_names(name)
     assert set(converted) == set(names)
@@ -613,3 +613,72 @@ def test_a_packed_float4_tensor_is_refused_a_cast_by_name(tmp_path, run_cli, to)
     assert result.output == (f"Error: {tmp_path / 'ck'}: tensor 'f4' is float4_e2m1fn_x2, two "
                              "values packed in each byte, which torch casts to no other dtype; "
                              "leave it out with --exclude, or convert without --dtype\n")
+
+
+def test_a_shard_holding_a_tensor_the_index_does_not_name_is_refused(tmp_path):
+    """An index naming a tensor no file holds was refused, but a file holding one the index
+    does not name was converted with it: the two describe no one model."""
+    model = tmp_path / "hf"
+    model.mkdir()
+    save_file({"a": torch.ones(2)}, model / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.zeros(3), "extra": torch.ones(4)},
+              model / "model-00002-of-00002.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(DataError, match="holds 'extra', which model.safetensors.index.json does "
+                                        "not name"):
+        convert_to_dcp(model, tmp_path / "dcp")
+    assert not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.parametrize("prefix, keys", [("model.", ["model"]), ("model", ["model"]),
+                                          ("a.b.", ["a", "b"]), ("x..y.", None), (".", None),
+                                          (".model.", None)])
+def test_a_prefix_with_an_empty_key_is_refused_not_dropped(tmp_path, run_cli, prefix, keys):
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "w.pt")
+    result = run_cli("convert", tmp_path / "w.pt", "--to", "dcp", "-o", tmp_path / "dcp",
+                     "--prefix", prefix)
+    if keys is None:
+        assert result.exit_code == 2, result.output
+        assert f"--prefix {prefix!r} leaves a key empty" in result.stderr
+        assert not (tmp_path / "dcp").exists()
+        return
+    assert result.exit_code == 0, result.output
+    fqn = ".".join([*keys, "w"])
+    assert torch.equal(load_with_torch(tmp_path / "dcp")[fqn], torch.arange(3.0))
+    assert tuple(torch_metadata(tmp_path / "dcp").planner_data[fqn]) == (*keys, "w")
+
+
+def test_a_dtype_dcpctl_does_not_know_is_named_with_its_file_and_key(tmp_path, run_cli):
+    torch.save({"ok": torch.ones(2), "flags": torch.zeros(4, dtype=torch.bits8)},
+               tmp_path / "bits.pt")
+    result = run_cli("convert", tmp_path / "bits.pt", "--to", "dcp", "-o", tmp_path / "dcp")
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: {tmp_path / 'bits.pt'}: 'flags' has dtype torch.bits8, "
+                             "which dcpctl does not convert\n")
+
+
+def test_the_report_says_what_prefix_came_off_the_names(tmp_path, run_cli):
+    """A Hugging Face model whose every name starts with `model.` (tied embeddings, no
+    lm_head.weight) came back from DCP without it, and nothing said so."""
+    source = fixture_path("fsdp2_adamw_3ranks")
+    result = run_cli("convert", source, "--to", "safetensors", "-o", tmp_path / "hf", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stripped_prefix"] == "model."
+    result = run_cli("convert", source, "--to", "safetensors", "-o", tmp_path / "hf2")
+    assert "'model.' taken off the names that start with it (--strip-prefix '' keeps it)" \
+        in result.stdout
+    result = run_cli("convert", source, "--to", "safetensors", "-o", tmp_path / "hf3",
+                     "--strip-prefix", "", "--json")
+    assert json.loads(result.stdout)["stripped_prefix"] == ""
+    result = run_cli("convert", source, "--to", "torch", "-o", tmp_path / "t.pt", "--json")
+    assert json.loads(result.stdout)["stripped_prefix"] is None
+
+
+def test_selection_refusals_name_the_source(tmp_path, run_cli):
+    source = fixture_path("fsdp2_adamw_3ranks")
+    for target, output in (("safetensors", "hf"), ("torch", "t.pt")):
+        result = run_cli("convert", source, "--to", target, "-o", tmp_path / output,
+                         "--include", "nothing*")
+        assert result.exit_code == 1
+        assert result.stderr.startswith(f"Error: {source}: nothing to convert: "), result.stderr

@@ -147,3 +147,33 @@ def test_an_entry_named_empty_keeps_its_name_and_only_a_rename_to_empty_is_refus
     assert select_and_rename(["", "w"], everything) == {"": "", "w": "w"}
     with pytest.raises(SelectionError, match="'w' is renamed to an empty name"):
         select_and_rename(["w"], KeySelection(strip_prefix="", renames=(Rename.parse("w="),)))
+
+
+def test_a_strip_prefix_that_begins_no_name_is_refused():
+    """A mistyped --strip-prefix was taken without a word, and the default `model.` strip
+    with it: the names came out as they were."""
+    with pytest.raises(SelectionError) as raised:
+        select_and_rename(TRAINING, KeySelection(strip_prefix="modle."))
+    assert str(raised.value) == (
+        "--strip-prefix 'modle.' begins none of the 2 names taken (such as "
+        "'model.embed.weight'); leave it out, or give a prefix they begin with")
+    assert select_and_rename(TRAINING, KeySelection(include=("*",), strip_prefix="model.")) == {
+        "model.embed.weight": "embed.weight", "model.head.bias": "head.bias",
+        **{fqn: fqn for fqn in TRAINING[2:]}}
+
+
+def test_an_include_that_matches_objects_alone_says_so():
+    """`none of the 28 entries matches` was said of a checkpoint of 40 entries, 12 of them
+    objects the glob matched."""
+    tensors = ["model.w", "optim.state.w.exp_avg"]
+    objects = ["optim.param_groups.0.lr", "optim.param_groups.0.betas", "step"]
+    with pytest.raises(SelectionError) as raised:
+        select_and_rename(tensors, KeySelection(include=("optim.param_groups.*",)), objects)
+    assert str(raised.value) == (
+        "nothing to convert: none of the 2 tensors matches --include ['optim.param_groups.*']; "
+        "2 non-tensor entries do (such as 'optim.param_groups.0.lr'), which the output cannot "
+        "hold")
+    with pytest.raises(SelectionError) as raised:
+        select_and_rename(tensors, KeySelection(include=("nothing*",)), objects)
+    assert str(raised.value) == (
+        "nothing to convert: none of the 2 tensors matches --include ['nothing*']")
