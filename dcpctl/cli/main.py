@@ -11,7 +11,7 @@ import sys
 import click
 
 from dcpctl.allocator import reuse_large_buffers
-from dcpctl.cli.process import RUNS_AS_PROCESS, end_at_once_if_stopped
+from dcpctl.cli.process import RUNS_AS_PROCESS, end_at_once_if_stopped, end_process_now
 from dcpctl.cli.render import escape_control_characters, print_failure
 from dcpctl.cycle_collector import freeze_built_objects_on_resume
 from dcpctl.errors import DcpctlError, describe_os_error, name_and_message
@@ -164,9 +164,10 @@ def main() -> None:
     freeze_built_objects_on_resume()
     stop_on_signals()
     if launched_by_torchrun():
-        exit_code = _run_as_torchrun_rank()
-        end_at_once_if_stopped(exit_code)
-        sys.exit(exit_code)
+        # Without the teardown: with the gloo group still alive, a rank's interpreter shutdown
+        # at times ends in SIGABRT (`terminate called without an active exception`), which
+        # torchrun reports as the job's failure. The command is over, its output said.
+        end_process_now(_run_as_torchrun_rank())
     try:
         cli(prog_name="dcpctl", obj={RUNS_AS_PROCESS: True})
     except SystemExit as exit:

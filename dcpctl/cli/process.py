@@ -20,7 +20,7 @@ def end_process_without_teardown(context: click.Context, exit_code: int = 0) -> 
     own work."""
     if not (context.find_root().obj or {}).get(RUNS_AS_PROCESS):
         return
-    _exit_now(exit_code)
+    end_process_now(exit_code)
 
 
 def end_at_once_if_stopped(exit_code: int) -> None:
@@ -28,10 +28,11 @@ def end_at_once_if_stopped(exit_code: int) -> None:
     (Ctrl-C, SIGTERM, SIGHUP while the interpreter tears down, joining threads and running
     exit handlers) ends it at once with the command's own status, where the stop raised into
     the teardown would print `Exception ignored in ...` or end the process by the signal."""
-    handle_stops(lambda number, frame: _exit_now(exit_code))
+    handle_stops(lambda number, frame: end_process_now(exit_code))
 
 
-def _exit_now(exit_code: int) -> None:
+def end_process_now(exit_code: int) -> None:
+    """Flush the output and exit with exit_code, without the interpreter's teardown."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -34,6 +34,9 @@ from dcpctl.storage.planned_from import fingerprints, planned_from
 from dcpctl.storage.stores import abort_open_uploads
 
 _POLL_SECONDS = 0.05
+_END_HEARD = "dcpctl/end-heard"
+_END_HEARD_SECONDS = 10.0
+"""How long rank 0 waits for the other ranks to hear the end (a rank killed never does)."""
 _PROGRESS_SECONDS = 0.5
 _HEARTBEAT_SECONDS = 1.0
 RANK_SILENCE_VARIABLE = "DCPCTL_TORCHRUN_RANK_TIMEOUT"
@@ -237,9 +240,15 @@ class Team:
 
     def end(self, exit_code: int) -> None:
         """On rank 0: tell every rank that the command is over, with its exit status (where
-        the job is still there to be told)."""
+        the job is still there to be told), and wait, up to _END_HEARD_SECONDS, until each has
+        heard it: where ranks are started without torchrun's agent, rank 0 holds the store,
+        and a rank 0 gone first leaves the others with no store to hear the end from."""
         try:
             self.store.set(f"dcpctl/next/{self._jobs + 1}", pickle.dumps(("end", exit_code)))
+            deadline = time.monotonic() + _END_HEARD_SECONDS
+            while (self.store.add(_END_HEARD, 0) < self.size - 1
+                   and time.monotonic() < deadline):
+                time.sleep(_POLL_SECONDS)
         except LostContactError:
             pass
 
@@ -252,6 +261,8 @@ class Team:
             number = self._jobs = self._jobs + 1
             kind, value = pickle.loads(self._wait(f"dcpctl/next/{number}"))
             if kind == "end":
+                with contextlib.suppress(LostContactError):
+                    self.store.add(_END_HEARD, 1)
                 return value
             if kind == "plan":
                 plans.make(value)

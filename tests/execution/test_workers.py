@@ -302,6 +302,37 @@ def test_torchrun_ranks_write_the_same_bytes_as_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_ranks_end_without_the_interpreter_s_teardown(tmp_path):
+    """With the gloo group still alive, a rank's interpreter shutdown at times ended in
+    SIGABRT (`terminate called without an active exception`), which torchrun reported as the
+    job failing, though checksum had done its work. An exit handler each rank registers at
+    start-up tells whether the teardown ran."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import atexit, os, pathlib\n"
+        "if 'RANK' in os.environ and 'LOCAL_RANK' in os.environ:\n"
+        "    marker = pathlib.Path(os.environ['TEARDOWN_MARKERS']) / os.environ['RANK']\n"
+        "    atexit.register(marker.touch)\n")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    checkpoint = tmp_path / "sums"
+    shutil.copytree(fixture_path(SOURCE), checkpoint)
+    (checkpoint / "SHA256SUMS").unlink(missing_ok=True)
+    environment = {"PYTHONPATH": os.pathsep.join([str(hooks), str(REPO_ROOT)]),
+                   "TEARDOWN_MARKERS": str(markers)}
+    result = torchrun("checksum", checkpoint, environment=environment)
+    assert result.returncode == 0, result.stderr
+    assert (checkpoint / "SHA256SUMS").exists()
+    result = torchrun("checksum", tmp_path / "missing", environment=environment)
+    assert result.returncode == 1, result.stderr
+    assert sorted(path.name for path in markers.iterdir()) == []
+    sanity = subprocess.run([sys.executable, "-c", "pass"], env={
+        **os.environ, **environment, "RANK": "7", "LOCAL_RANK": "0"}, timeout=60)
+    assert sanity.returncode == 0 and (markers / "7").exists()  # the hook does run
+
+
+@pytest.mark.slow
 def test_a_job_over_two_nodes_writes_the_same_bytes_as_one_process(tmp_path):
     """Two torchrun agents, as on two machines sharing a file system: they meet through c10d
     rendezvous (as SLURM users start them, per `dcpctl --help`), each with two ranks."""
