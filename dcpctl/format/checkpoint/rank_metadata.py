@@ -109,6 +109,7 @@ def merged_rank_metadata(directory: StoragePath, names: list[str]
     for name in names:
         rank = read_metadata(directory, name)
         _refuse_unjoined_entries(rank, str(directory / name))
+        _refuse_other_ranks_files(rank, rank_of_metadata_file_name(name), str(directory / name))
         if merger is None:
             merger = _Merger(rank)
         else:
@@ -134,6 +135,18 @@ def _refuse_unjoined_entries(rank: CheckpointMetadata, source: str) -> None:
     if orphans:
         raise MetadataError(f"has a storage entry for {_item(*min(orphans, key=str))}, which it "
                             "does not hold", path=source)
+
+
+def _refuse_other_ranks_files(rank: CheckpointMetadata, number: int, source: str) -> None:
+    """Refuse a rank's metadata that places an item in a file not of that rank: torch's writer
+    (use_collectives=False) names each rank's files `__<rank>_<n>.distcp`; merged, such an
+    entry reads another rank's bytes as this rank's."""
+    for key, info in rank.storage_data.items():
+        if rank_of_file_name(info.relative_path) != number:
+            raise MetadataError(
+                f"places {_item(*item_key(key))} in {info.relative_path!r}, not a file of rank "
+                f"{number}: torch's writer puts each rank's items in its own files "
+                f"(__{number}_<n>.distcp)", path=source)
 
 
 def _item(fqn: str, offsets: tuple[int, ...] | None) -> str:

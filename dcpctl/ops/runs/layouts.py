@@ -116,6 +116,9 @@ def checkpoint_shape(names: Collection[str], directory_name: str) -> CheckpointS
         megatron_unfinished = MEGATRON_COMMON_STATE in names and MEGATRON_CONFIG not in names
         lightning_unfinished = (LIGHTNING_CHECKPOINT_NAME.fullmatch(directory_name) is not None
                                 and LIGHTNING_STATE not in names)
+        rank_files = rank_metadata_names(names)
+        if rank_files:
+            return CheckpointShape((), complete=False, doubt=_two_saves_said(rank_files))
         return CheckpointShape((), complete=not (megatron_unfinished or lightning_unfinished))
     parts = sorted(_dcp_subdirectories(names))
     if parts:
@@ -145,6 +148,18 @@ def checkpoint_shape(names: Collection[str], directory_name: str) -> CheckpointS
         return CheckpointShape((), complete=False)
     return (f"no {METADATA_FILE_NAME} and no .distcp files, in it or in a directory in it: "
             "not a DCP checkpoint")
+
+
+def _two_saves_said(rank_files: list[str]) -> str:
+    """Why a checkpoint holding `.metadata` and ranks' own metadata files is in doubt: torch's
+    writers leave the other kind in place, so two saves wrote into it, one with
+    use_collectives=False; which one its data files are no name tells, and torch loads by
+    `.metadata`, which after a later save without collectives describes files it overwrote."""
+    more = f" and {len(rank_files) - 1} more" if len(rank_files) > 1 else ""
+    return (f"holds {METADATA_FILE_NAME} and {rank_files[0]}{more}, the ranks' "
+            "own metadata of a save with use_collectives=False: two saves wrote into it, and "
+            "its data files may be either's (torch loads by .metadata); never deleted by prune "
+            "(delete the stale metadata, or the checkpoint, by hand)")
 
 
 def _dcp_subdirectories(names: Iterable[str]) -> set[str]:

@@ -22,7 +22,7 @@ from dcpctl.format.checkpoint.side_files import (empty_writer_files, files_besid
 from dcpctl.format.checkpoint.structure import check_structure, list_stored_items
 from dcpctl.format.checkpoint.view import Checkpoint, open_checkpoint
 from dcpctl.format.file_names import (METADATA_FILE_NAME, SHA256SUMS_FILE_NAME,
-                                      rank_of_file_name)
+                                      rank_of_file_name, rank_of_metadata_file_name)
 from dcpctl.execution.running import plan_ahead, threads_per_worker, workers_started
 from dcpctl.ops.verify.consolidation import consolidation_problems
 from dcpctl.ops.verify.scan import ScanUnit, items_to_check
@@ -205,6 +205,11 @@ def _unknown_file_message(name: str) -> str:
     writer names them, where it most likely comes from: saving again into one directory with
     fewer ranks or writer threads, which overwrites `.metadata` and the files it names and
     leaves the rest."""
+    if rank_of_metadata_file_name(name) is not None:
+        return ("file is not named by the metadata: a rank's own metadata, of a save with "
+                "use_collectives=False into this directory before or after the one that wrote "
+                f"{METADATA_FILE_NAME}; the data files may be either's (torch loads by "
+                f"{METADATA_FILE_NAME})")
     if rank_of_file_name(name) is None:
         return "file is not named by the metadata"
     return ("file is not named by the metadata: most likely left by an earlier save into this "

@@ -315,6 +315,32 @@ def test_a_rank_whose_own_metadata_does_not_join_is_damage(checkpoint, damage):
                         ("__1.metadata", "gives the chunk of 'model.b' at [0] no storage entry")]
 
 
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_rank_s_metadata_placing_items_in_another_rank_s_file_is_refused_by_name(
+        checkpoint, tmp_path, copied):
+    """Rank 1's chunk placed in rank 0's file, or rank 2's metadata copied as a rank 3 with no
+    files of its own, were told only as items sharing bytes, naming no rank's metadata (and
+    inspect showed the copy as a fourth rank)."""
+    if copied:
+        shutil.copyfile(checkpoint / "__2.metadata", checkpoint / "__3.metadata")
+        at_fault, said = "__3.metadata", "places object 'step' in '__2_0.distcp'"
+    else:
+        def change(metadata):
+            key = next(key for key in metadata.storage_data if key.fqn == "model.w")
+            metadata.storage_data[key].relative_path = "__0_0.distcp"
+
+        _rewrite_rank_metadata(checkpoint, 1, change)
+        at_fault, said = "__1.metadata", "places the chunk of 'model.w' at [3, 0] in '__0_0.distcp'"
+    rank = at_fault[2]
+    report = verify_checkpoint(checkpoint, deep=False)
+    assert [(problem.rule, problem.file, problem.message) for problem in report.problems] == [
+        ("metadata", at_fault, f"{said}, not a file of rank {rank}: torch's writer puts each "
+         f"rank's items in its own files (__{rank}_<n>.distcp)")]
+    result = run_dcpctl("reshard", checkpoint, "--ranks", 2, "-o", tmp_path / "out")
+    assert result.returncode == 1 and f"{checkpoint / at_fault}: {said}" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_rank_written_with_a_leading_zero_is_no_rank_s_metadata(checkpoint):
     """`__00.metadata` beside `__0.metadata` was merged as a second rank 0 (inspect said 4
     ranks, verify found items sharing bytes); torch names rank 0's file `__0.metadata` and
@@ -354,6 +380,47 @@ def test_a_larger_save_s_leftovers_beside_a_whole_one_are_never_pruned(saved, tm
         "step-1", "incomplete", False)
     assert decision.reasons[0].startswith("unsure: rank 3 has data files but no __3.metadata")
     assert (run_dir / "step-1" / "__0.metadata").exists()
+
+
+def _saved_with_collectives(rank: int, world_size: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"w": torch.full((4,), float(rank))}, "step": 3}, checkpoint_id=path)
+
+
+def test_a_directory_two_kinds_of_save_wrote_into_is_never_taken_for_the_newest(
+        saved, tmp_path):
+    """torch's writers leave the other kind of metadata in place: a save with
+    use_collectives=False into a directory of a collective save left `.metadata` describing
+    data files it overwrote. ls called it complete, and prune --keep-last 1 deleted the one
+    checkpoint torch could load, keeping this one, whose `.metadata` torch fails to load."""
+    from make_fixtures import run_gloo_job
+
+    from dcpctl.ops.runs.listing import list_run_directory
+    from dcpctl.ops.runs.prune import RetentionRules, prune_run_directory
+
+    collective = tmp_path / "collective"
+    run_gloo_job(WORLD_SIZE, _saved_with_collectives, str(collective))
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved, run_dir / "step-1")
+    shutil.copytree(collective, run_dir / "step-2")  # then a save without collectives
+    shutil.copytree(saved, run_dir / "step-2", dirs_exist_ok=True)
+    shutil.copytree(saved, run_dir / "step-3")  # then a collective save
+    shutil.copytree(collective, run_dir / "step-3", dirs_exist_ok=True)
+    rows = list_run_directory(run_dir).checkpoints
+    assert [row.state for row in rows] == ["complete", "incomplete", "incomplete"]
+    for row in rows[1:]:
+        assert row.entry.doubt.startswith(
+            "holds .metadata and __0.metadata and 2 more, the ranks' own metadata of a save "
+            "with use_collectives=False: two saves wrote into it")
+    before = directory_state(run_dir)
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert [decision.delete for decision in report.decisions] == [False] * 3
+    assert directory_state(run_dir) == before
+    problems = verify_checkpoint(run_dir / "step-3", deep=False).problems
+    assert [(problem.rule, problem.file) for problem in problems] == [
+        ("unknown-file", f"__{rank}.metadata") for rank in range(WORLD_SIZE)]
+    assert "a rank's own metadata, of a save with use_collectives=False" in problems[0].message
 
 
 def _saved_as_safetensors(rank: int, world_size: int, path: str) -> None:
