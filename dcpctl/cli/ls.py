@@ -80,7 +80,8 @@ def render_ignored(ignored: list[IgnoredEntry]) -> list[str]:
 def render_listing(report: ListReport) -> list[str]:
     """The ls table, then damaged checkpoints' problems and the ignored look-alikes."""
     if not report.checkpoints:
-        lines = [no_checkpoints_said(report.scan.path, report.scan.runs_below)]
+        lines = [no_checkpoints_said(report.scan.path, report.scan.runs_below,
+                                     report.scan.named_otherwise)]
     else:
         rows = [[*checkpoint_cells(listed.entry, listed.state),
                  "?" if listed.compression is None and listed.entry.complete

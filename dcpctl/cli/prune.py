@@ -131,7 +131,8 @@ def render_prune(report: PruneReport) -> list[str]:
              "; ".join(decision.reasons + ([decision.error] if decision.error else []))]
             for decision in report.decisions]
     lines = (format_table((*CHECKPOINT_HEADERS, "ACTION", "WHY"), rows, right_aligned=(0, 3, 4))
-             if rows else [no_checkpoints_said(report.run_dir, report.runs_below)])
+             if rows else [no_checkpoints_said(report.run_dir, report.runs_below,
+                                               report.named_otherwise)])
     lines += render_ignored(report.ignored)
     planned = len(report.to_delete)
     if report.dry_run:

@@ -37,7 +37,8 @@ def test_table_has_one_row_per_checkpoint_sorted_by_step(run_cli, tmp_path):
 def test_json_shape(run_cli, tmp_path):
     add_checkpoint(tmp_path, "global_step10")
     payload = json.loads(run_cli("ls", tmp_path, "--json").output)
-    assert set(payload) == {"run_dir", "checkpoints", "ignored", "tracked_step", "runs_below"}
+    assert set(payload) == {"run_dir", "checkpoints", "ignored", "tracked_step", "runs_below",
+                            "named_otherwise"}
     (entry,) = payload["checkpoints"]
     assert set(entry) == {"name", "path", "step", "complete", "state", "size_bytes",
                           "modified_at", "age_seconds", "sha256sums", "compression", "problem",
@@ -61,6 +62,29 @@ def test_a_run_directory_given_one_level_too_high_is_said_so(run_cli, tmp_path, 
         "give it as the run directory")
     payload = json.loads(run_cli(command[0], tmp_path / "dump", *command[1:], "--json").stdout)
     assert payload["runs_below"] == ["checkpoint"]
+
+
+@pytest.mark.parametrize("command", [["ls"], ["prune", "--keep-last", "1"]])
+def test_dcp_checkpoints_not_named_by_a_step_are_named_where_none_is(run_cli, tmp_path,
+                                                                     command):
+    """A directory of checkpoints named `llama3`, `final`: "no checkpoint directories", and
+    nothing said of the checkpoints there, which a new user took for ls missing them."""
+    for name in ("llama3", "final"):
+        add_checkpoint(tmp_path, name)
+    (tmp_path / "logs").mkdir()
+    result = run_cli(command[0], tmp_path, *command[1:])
+    assert result.exit_code == 0
+    assert result.output.splitlines()[0] == (
+        f"{tmp_path}: no checkpoint directories; final/, llama3/ in it are DCP checkpoints not "
+        "named by a step (step-N, checkpoint-N, iter_N, ...), which ls and prune never take for "
+        "the run's")
+    payload = json.loads(run_cli(command[0], tmp_path, *command[1:], "--json").stdout)
+    assert payload["named_otherwise"] == ["final", "llama3"]
+    add_checkpoint(tmp_path, "step-1")
+    payload = json.loads(run_cli(command[0], tmp_path, *command[1:], "--json").stdout)
+    assert payload["named_otherwise"] == [] and len(payload["checkpoints"]) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "final", "llama3", "logs", "step-1"]
 
 
 def test_empty_run_directory_and_errors(run_cli, tmp_path):

@@ -41,8 +41,8 @@ def test_json_shape(run_cli, run_dir):
     assert result.exit_code == 0
     payload = json.loads(result.stdout)
     assert set(payload) == {"run_dir", "dry_run", "rules", "checkpoints", "ignored",
-                            "tracked_step", "runs_below", "delete_bytes", "freed_bytes",
-                            "failed"}
+                            "tracked_step", "runs_below", "named_otherwise", "delete_bytes",
+                            "freed_bytes", "failed"}
     assert payload["rules"] == {"keep_last": 3, "keep_every_steps": None,
                                 "keep_globs": ["step-1*"], "older_than_seconds": None,
                                 "incomplete_older_than_seconds": None}

@@ -112,6 +112,8 @@ class PruneReport:
     """The step Megatron's tracker file names (always kept), as ls gives it."""
     runs_below: list[str] = field(default_factory=list)
     """As ls gives it (RunDirectoryScan.runs_below)."""
+    named_otherwise: list[str] = field(default_factory=list)
+    """As ls gives it (RunDirectoryScan.named_otherwise)."""
 
     def with_status(self, status: str) -> list[PruneDecision]:
         """The decisions whose status is status (kept, would delete, deleted or failed)."""
@@ -139,7 +141,7 @@ class PruneReport:
                 "checkpoints": [decision.to_json() for decision in self.decisions],
                 "ignored": [asdict(entry) for entry in self.ignored],
                 "tracked_step": self.tracked_step, "runs_below": self.runs_below,
-                "delete_bytes": self.delete_bytes,
+                "named_otherwise": self.named_otherwise, "delete_bytes": self.delete_bytes,
                 "freed_bytes": self.freed_bytes, "failed": len(self.with_status(FAILED))}
 
 
@@ -273,7 +275,7 @@ def _planned(directory: StoragePath, rules: RetentionRules, dry_run: bool) -> Pr
     report = PruneReport(str(directory), rules, dry_run,
                          plan_prune(scan.checkpoints, rules, scan.tracked_step,
                                     checked_checkpoints(scan.checkpoints)), scan.ignored,
-                         scan.tracked_step, scan.runs_below)
+                         scan.tracked_step, scan.runs_below, scan.named_otherwise)
     for decision in report.to_delete:
         decision.status = WOULD_DELETE
     return report

@@ -136,23 +136,36 @@ class RunDirectoryScan:
     runs_below: list[str] = field(default_factory=list)
     """Where it holds no checkpoint: its directories that do (torchtitan's dump folder holds
     `checkpoint/`, the run directory), which were likely meant."""
+    named_otherwise: list[str] = field(default_factory=list)
+    """Where it holds no checkpoint: its DCP directories not named by a step (`llama3/`,
+    `final/`), which ls and prune never take for checkpoints of the run."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict with stable keys."""
         return {"run_dir": str(self.path),
                 "checkpoints": [entry.to_json() for entry in self.checkpoints],
                 "ignored": [asdict(entry) for entry in self.ignored],
-                "tracked_step": self.tracked_step, "runs_below": self.runs_below}
+                "tracked_step": self.tracked_step, "runs_below": self.runs_below,
+                "named_otherwise": self.named_otherwise}
 
 
-def no_checkpoints_said(run_dir: str | StoragePath, runs_below: list[str]) -> str:
+def no_checkpoints_said(run_dir: str | StoragePath, runs_below: list[str],
+                        named_otherwise: list[str]) -> str:
     """What ls and prune say of a run directory without checkpoints (RunDirectoryScan)."""
-    if not runs_below:
-        return f"{run_dir}: no checkpoint directories"
-    shown = ", ".join(f"{name}/" for name in runs_below[:3])
-    one = len(runs_below) == 1
-    return (f"{run_dir}: no checkpoint directories; {shown} below it {'holds' if one else 'hold'}"
-            f" some: give {'it' if one else 'one'} as the run directory")
+    said = f"{run_dir}: no checkpoint directories"
+    if runs_below:
+        shown = ", ".join(f"{name}/" for name in runs_below[:3])
+        one = len(runs_below) == 1
+        said += (f"; {shown} below it {'holds' if one else 'hold'} some: give "
+                 f"{'it' if one else 'one'} as the run directory")
+    if named_otherwise:
+        shown = ", ".join(f"{name}/" for name in named_otherwise[:3])
+        more = f" and {len(named_otherwise) - 3} more" if len(named_otherwise) > 3 else ""
+        said += (f"; {shown}{more} in it {'is a' if len(named_otherwise) == 1 else 'are'} DCP "
+                 f"checkpoint{'' if len(named_otherwise) == 1 else 's'} not named by a step "
+                 "(step-N, checkpoint-N, iter_N, ...), which ls and prune never take for the "
+                 "run's")
+    return said
 
 
 def check_run_directory(directory: StoragePath) -> None:
@@ -206,6 +219,8 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
     _mark_the_trainers_best(scan.checkpoints)
     if not scan.checkpoints:
         scan.runs_below = [name for name in names if _holds_checkpoints(scan.path / name)]
+        scan.named_otherwise = [name for name in names if parse_step(name) is None
+                                and _is_dcp_directory(scan.path / name)]
     return scan
 
 
@@ -214,6 +229,14 @@ def mounted_reason(mount_point: str) -> str:
     deleted."""
     where = "it is" if mount_point == os.curdir else f"{mount_point} in it is"
     return f"{where} a mount point (another file system): never deleted"
+
+
+def _is_dcp_directory(path: Path) -> bool:
+    """Whether path is a directory (not a link) holding `.metadata`."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and (path / METADATA_FILE_NAME).is_file()
+    except OSError:
+        return False
 
 
 def _holds_checkpoints(path: Path) -> bool:
@@ -310,6 +333,10 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
         scan.runs_below = sorted({key.split("/")[0] for key in listing
                                   if key.count("/") == 2 and key.endswith(f"/{METADATA_FILE_NAME}")
                                   and parse_step(key.split("/")[1]) is not None})
+        scan.named_otherwise = sorted(key.split("/")[0] for key in listing
+                                      if key.count("/") == 1
+                                      and key.endswith(f"/{METADATA_FILE_NAME}")
+                                      and parse_step(key.split("/")[0]) is None)
 
 
 TRAINER_STATE_MAX_BYTES = 256 << 20
