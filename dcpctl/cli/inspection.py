@@ -18,7 +18,8 @@ from dcpctl.wording import counted
 @checkpoint_argument()
 @json_option
 @click.option("--filter", "fqn_glob", metavar="GLOB",
-              help="Only tensors and objects whose fqn matches GLOB, e.g. 'model.*.weight'.")
+              help="Only tensors and objects whose fqn matches GLOB, e.g. 'model.*.weight' "
+                   "(with --by-file, the files holding them, those items alone counted).")
 @click.option("--by-file", is_flag=True, help="List the data files instead of the tensors.")
 @click.pass_context
 def inspect_command(context: click.Context, checkpoint: str, as_json: bool,

@@ -36,6 +36,28 @@ def test_by_file_lists_each_file(run_cli):
     assert "zstd" in result.output
 
 
+def test_by_file_with_a_filter_counts_the_matching_items(run_cli):
+    """The file rows counted every item of each file, whatever --filter took."""
+    source = fixture_path("zstd_fsdp2_2ranks")
+    every = json.loads(run_cli("inspect", source, "--json").stdout)
+    matching = json.loads(run_cli("inspect", source, "--json", "--filter", "model.*").stdout)
+    counted = {}
+    for tensor in matching["tensors"]:
+        for chunk in tensor["chunks"]:
+            counted[chunk["file"]] = counted.get(chunk["file"], 0) + 1
+    assert {f["name"]: f["items"] for f in matching["files"]} == counted
+    assert {f["name"]: f["codecs"] for f in matching["files"]} == {
+        name: {"zstd": count} for name, count in counted.items()}
+    assert sum(counted.values()) < sum(f["items"] for f in every["files"])
+    sizes = {f["name"]: f["bytes"] for f in every["files"]}
+    assert all(f["bytes"] == sizes[f["name"]] for f in matching["files"])
+    lines = run_cli("inspect", source, "--by-file", "--filter", "model.*").stdout.splitlines()
+    rows = lines[lines.index(next(line for line in lines if line.startswith("FILE"))) + 1:]
+    assert {row.split()[0]: int(row.split()[-3]) for row in rows} == counted
+    none = json.loads(run_cli("inspect", source, "--json", "--filter", "nothing").stdout)
+    assert none["files"] == []
+
+
 def test_filter_in_json(run_cli):
     result = run_cli("inspect", fixture_path("mesh2d_4ranks"), "--json", "--filter", "g*")
     assert [t["fqn"] for t in json.loads(result.output)["tensors"]] == ["grid"]

@@ -8,6 +8,7 @@ import re
 from collections import Counter
 from itertools import chain
 from operator import attrgetter
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -137,7 +138,24 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
     _add_size_totals(report)
     report.compression = _count_by_codec(_transforms_used(report).items())
     report.codecs_by_file = _codecs_by_file(checkpoint)
+    if fqn_glob is not None:
+        _keep_files_of_matching_items(report)
     return report
+
+
+def _keep_files_of_matching_items(report: InspectReport) -> None:
+    """Under --filter: the files that hold an item matching it, each with the matching
+    items alone counted (its size stays the file's)."""
+    chunks = chain.from_iterable(map(_CHUNKS, report.tensors))
+    storages = list(filter(None, chain(map(_STORAGE, chunks), map(_STORAGE, report.objects))))
+    used = Counter(zip(map(_FILE, storages), map(_TRANSFORMS, storages)))
+    by_file: dict[str, list] = {}
+    for (name, transforms), count in used.items():
+        by_file.setdefault(name, []).append((transforms, count))
+    report.files = [dataclasses.replace(data_file, item_count=sum(
+        count for _, count in by_file[data_file.name])) for data_file in report.files
+        if data_file.name in by_file]
+    report.codecs_by_file = {name: _count_by_codec(counts) for name, counts in by_file.items()}
 
 
 def _sharding_api(checkpoint: Checkpoint) -> str:
