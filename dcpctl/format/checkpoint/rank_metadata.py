@@ -141,6 +141,9 @@ def _refuse_other_ranks_files(rank: CheckpointMetadata, number: int, source: str
     """Refuse a rank's metadata that places an item in a file not of that rank: torch's writer
     (use_collectives=False) names each rank's files `__<rank>_<n>.distcp`; merged, such an
     entry reads another rank's bytes as this rank's."""
+    paths = {info.relative_path for info in rank.storage_data.values()}  # a file or a few
+    if all(rank_of_file_name(path) == number for path in paths):
+        return
     for key, info in rank.storage_data.items():
         if rank_of_file_name(info.relative_path) != number:
             raise MetadataError(
