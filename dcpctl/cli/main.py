@@ -210,11 +210,12 @@ def _run_as_torchrun_rank() -> int:
         return 128 + stop.signal_number
     exit_code = 1
     try:
-        cli(prog_name="dcpctl", obj={}, standalone_mode=True)  # the teardown is kept: see end
+        cli(prog_name="dcpctl", obj={}, standalone_mode=True)  # the process goes on: see end
         exit_code = 0
     except SystemExit as exit:
         exit_code = _status_of(exit)
     finally:
+        end_at_once_if_stopped(exit_code)  # a stop while the other ranks hear the end
         team.end(exit_code)
     return exit_code
 

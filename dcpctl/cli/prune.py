@@ -54,8 +54,9 @@ class DurationType(click.ParamType):
               help="Also keep complete checkpoints that changed within DURATION: only older "
                    "ones are deleted.")
 @click.option("--incomplete-older-than", metavar="DURATION", type=DurationType(),
-              help="Delete incomplete checkpoints (no .metadata) unchanged for longer than "
-                   "DURATION. Without it incomplete ones are never deleted.")
+              help="Delete incomplete checkpoints (a save unfinished: no .metadata, or not "
+                   "the files its trainer writes after it) unchanged for longer than DURATION; "
+                   "never one `ls` is unsure of. Without it incomplete ones are never deleted.")
 @dry_run_option
 @json_option
 def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,

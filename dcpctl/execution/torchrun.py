@@ -35,8 +35,9 @@ from dcpctl.storage.stores import abort_open_uploads
 
 _POLL_SECONDS = 0.05
 _END_HEARD = "dcpctl/end-heard"
-_END_HEARD_SECONDS = 10.0
-"""How long rank 0 waits for the other ranks to hear the end (a rank killed never does)."""
+_END_HEARD_SECONDS = 2.0
+"""How long rank 0 waits for the other ranks to hear the end: a waiting rank polls for it
+every _POLL_SECONDS; a rank killed never does."""
 _PROGRESS_SECONDS = 0.5
 _HEARTBEAT_SECONDS = 1.0
 RANK_SILENCE_VARIABLE = "DCPCTL_TORCHRUN_RANK_TIMEOUT"

@@ -285,7 +285,8 @@ def check_back_to_back(path: Path, tensors: list[SafetensorsTensor], data_start:
 
 def read_safetensors_model(source: Path) -> list[tuple[Path, SafetensorsTensor]]:
     """Every tensor of a safetensors model and its file: a single file, a directory with an
-    index (each tensor must be in the file the index names, and the index must name each), or a
+    index (each tensor it names must be in the file it names; a file it names may hold
+    more, which are taken too, as transformers loads every tensor of such a file), or a
     directory's `model.safetensors`."""
     files, weight_map = _model_files(source)
     if weight_map is not None:
@@ -303,11 +304,6 @@ def read_safetensors_model(source: Path) -> list[tuple[Path, SafetensorsTensor]]
         if name not in file_of or file_of[name].name != file_name:
             raise DataError(f"weight_map puts {name!r} in {file_name}, which does not hold it",
                             path=source / HF_INDEX_FILE_NAME)
-    if weight_map is not None and len(weight_map) != len(file_of):
-        name = next(name for name in file_of if name not in weight_map)
-        raise DataError(f"holds {name!r}, which {HF_INDEX_FILE_NAME} does not name: loaders go "
-                        "by the index, so the two do not describe one model",
-                        path=file_of[name])
     return tensors
 
 

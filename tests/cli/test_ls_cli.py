@@ -71,20 +71,23 @@ def test_dcp_checkpoints_not_named_by_a_step_are_named_where_none_is(run_cli, tm
     nothing said of the checkpoints there, which a new user took for ls missing them."""
     for name in ("llama3", "final"):
         add_checkpoint(tmp_path, name)
+    (tmp_path / "per-rank").mkdir()  # saved with use_collectives=False
+    for name in ("__0.metadata", "__0_0.distcp"):
+        (tmp_path / "per-rank" / name).write_bytes(b"x")
     (tmp_path / "logs").mkdir()
     result = run_cli(command[0], tmp_path, *command[1:])
     assert result.exit_code == 0
     assert result.output.splitlines()[0] == (
-        f"{tmp_path}: no checkpoint directories; final/, llama3/ in it are DCP checkpoints not "
-        "named by a step (step-N, checkpoint-N, iter_N, ...), which ls and prune never take for "
-        "the run's")
+        f"{tmp_path}: no checkpoint directories; final/, llama3/, per-rank/ in it are DCP "
+        "checkpoints not named by a step (step-N, checkpoint-N, iter_N, ...), which ls and "
+        "prune never take for the run's")
     payload = json.loads(run_cli(command[0], tmp_path, *command[1:], "--json").stdout)
-    assert payload["named_otherwise"] == ["final", "llama3"]
+    assert payload["named_otherwise"] == ["final", "llama3", "per-rank"]
     add_checkpoint(tmp_path, "step-1")
     payload = json.loads(run_cli(command[0], tmp_path, *command[1:], "--json").stdout)
     assert payload["named_otherwise"] == [] and len(payload["checkpoints"]) == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == [
-        "final", "llama3", "logs", "step-1"]
+        "final", "llama3", "logs", "per-rank", "step-1"]
 
 
 def test_empty_run_directory_and_errors(run_cli, tmp_path):

@@ -302,10 +302,13 @@ def test_a_run_prefix_given_one_level_too_high_is_said_so(moto_s3, monkeypatch):
     bucket = moto_s3.new_bucket()
     upload_directory(moto_s3, fixture_path(SOURCE), bucket, "dump/checkpoint/step-10")
     upload_directory(moto_s3, fixture_path(SOURCE), bucket, "dump/llama3")
+    client = moto_s3.client()
+    for name in ("__0.metadata", "__1.metadata"):  # saved with use_collectives=False
+        client.put_object(Bucket=bucket, Key=f"dump/per-rank/{name}", Body=b"x")
     assert ok("ls", f"s3://{bucket}/dump").splitlines()[0] == (
         f"s3://{bucket}/dump: no checkpoint directories; checkpoint/ below it holds some: give "
-        "it as the run directory; llama3/ in it is a DCP checkpoint not named by a step "
-        "(step-N, checkpoint-N, iter_N, ...), which ls and prune never take for the run's")
+        "it as the run directory; llama3/, per-rank/ in it are DCP checkpoints not named by a "
+        "step (step-N, checkpoint-N, iter_N, ...), which ls and prune never take for the run's")
 
 
 def test_an_object_named_like_a_step_is_listed_as_ignored_as_a_file_is_locally(moto_s3,

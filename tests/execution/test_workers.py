@@ -383,22 +383,31 @@ def test_a_rank_killed_under_torchrun_is_said_where_to_find(copy_fixture, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-def _start_ranks(commands: list[tuple[list[str], Path]], run_id: str) -> list:
-    """Ranks of a 2-rank torchrun job started by hand, each its command in its directory."""
+def _launch_ranks(commands: list[tuple[list[str], Path]], run_id: str,
+                  environment: dict | None = None) -> list[subprocess.Popen]:
+    """Ranks of a 2-rank torchrun job started by hand (no agent: rank 0 holds the job's
+    store), each its command in its directory."""
     import socket
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         port = listener.getsockname()[1]
     ranks = []
     for rank, (command, directory) in enumerate(commands):
-        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                       "TORCHELASTIC_RUN_ID": run_id}
+        rank_environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                            "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": run_id,
+                            **(environment or {})}
         ranks.append(subprocess.Popen([sys.executable, "-m", "dcpctl", *command], cwd=directory,
-                                      env=environment, stdout=subprocess.PIPE,
+                                      env=rank_environment, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
-    return [(process.wait(timeout=300), process.stderr.read()) for process in ranks]
+    return ranks
+
+
+def _start_ranks(commands: list[tuple[list[str], Path]], run_id: str) -> list:
+    """_launch_ranks, waited for: each rank's exit status and stderr."""
+    return [(process.wait(timeout=300), process.stderr.read())
+            for process in _launch_ranks(commands, run_id)]
 
 
 @pytest.mark.slow
@@ -552,6 +561,27 @@ def test_a_rank_that_stops_answering_fails_the_torchrun_job_naming_it(tmp_path):
     assert "Error: rank 1 of 2: has not answered for 3 s" in result.stderr, result.stderr
     assert time.monotonic() - started < 120
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_stop_while_rank_0_tells_the_others_the_end_is_no_traceback(tmp_path):
+    """Rank 0 waits for the other ranks to hear the end (a rank gone first leaves them no
+    store where rank 0 holds it): a SIGTERM meanwhile came out of that wait as a traceback."""
+    command = ["compress", str(fixture_path(SOURCE)), "-o", str(tmp_path / "out")]
+    rank_0, rank_1 = _launch_ranks([(command, tmp_path), (command, tmp_path)], "end-wait", {
+        "DCPCTL_FAILPOINT": "after-data-write:SIGSTOP", "DCPCTL_FAILPOINT_SCOPE": "workers",
+        "DCPCTL_TORCHRUN_RANK_TIMEOUT": "1"})
+    try:
+        said = rank_0.stderr.readline()  # rank 1, stopped, never hears the end
+        assert "Error: rank 1 of 2: has not answered for 1 s" in said, said
+        time.sleep(0.5)  # into the wait, which lasts 2 s
+        rank_0.send_signal(signal.SIGTERM)
+        assert rank_0.wait(timeout=60) == 1
+        assert rank_0.stderr.read() == ""
+    finally:
+        for rank in (rank_0, rank_1):
+            rank.kill()
+            rank.wait(timeout=60)
 
 
 def test_a_rank_silence_setting_that_is_no_duration_is_refused(monkeypatch):

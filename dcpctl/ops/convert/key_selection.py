@@ -103,6 +103,10 @@ def select_and_rename(fqns: Iterable[str], selection: KeySelection,
         name = _output_name(fqn, strip_prefix, selection.renames, applied)
         if not name and fqn:  # an entry named "" keeps its name, as torch's state dicts can
             raise SelectionError(f"{fqn!r} is renamed to an empty name")
+        if strip_prefix and fqn.startswith(strip_prefix + "."):
+            raise SelectionError(f"--strip-prefix {strip_prefix!r} leaves {fqn!r} a name that "
+                                 f"starts with a dot; give the prefix with its dot, "
+                                 f"{strip_prefix + '.'!r}")
         if name in taken:
             raise SelectionError(f"{taken[name]!r} and {fqn!r} are both renamed to {name!r}; "
                                  "change --strip-prefix or --rename, or --exclude one of them")

@@ -182,7 +182,7 @@ def plan_prune(checkpoints: list[CheckpointEntry], rules: RetentionRules,
         elif entry.complete:
             reasons += _complete_keep_reasons(entry, rules, entry.step == sound_steps[-1],
                                               entry.step in last_steps)
-        else:
+        elif entry.doubt is None:  # one in doubt is kept whatever its age: said above
             reasons += _incomplete_keep_reasons(entry, rules, "incomplete")
         decisions.append(PruneDecision(entry, delete=not reasons,
                                        reasons=reasons or [_delete_reason(entry, problem)],

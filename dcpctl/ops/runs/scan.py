@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dcpctl.errors import CheckpointNotFoundError
-from dcpctl.format.file_names import METADATA_FILE_NAME
+from dcpctl.format.file_names import METADATA_FILE_NAME, rank_metadata_file_name
 from dcpctl.ops.runs.layouts import (LIGHTNING_CHECKPOINT_NAME, MEGATRON_TRACKER,
                                      MEGATRON_TRACKER_MAX_BYTES, METADATA_IS_A_DIRECTORY,
                                      TRAINER_LAST_WRITTEN, CheckpointShape, checkpoint_shape,
@@ -232,9 +232,11 @@ def mounted_reason(mount_point: str) -> str:
 
 
 def _is_dcp_directory(path: Path) -> bool:
-    """Whether path is a directory (not a link) holding `.metadata`."""
+    """Whether path is a directory (not a link) holding `.metadata`, or rank 0's own (a save
+    with use_collectives=False)."""
     try:
-        return stat.S_ISDIR(os.lstat(path).st_mode) and (path / METADATA_FILE_NAME).is_file()
+        return stat.S_ISDIR(os.lstat(path).st_mode) and any(
+            (path / name).is_file() for name in (METADATA_FILE_NAME, rank_metadata_file_name(0)))
     except OSError:
         return False
 
@@ -333,10 +335,10 @@ def _scan_prefixes(scan: RunDirectoryScan, now: float) -> None:
         scan.runs_below = sorted({key.split("/")[0] for key in listing
                                   if key.count("/") == 2 and key.endswith(f"/{METADATA_FILE_NAME}")
                                   and parse_step(key.split("/")[1]) is not None})
-        scan.named_otherwise = sorted(key.split("/")[0] for key in listing
-                                      if key.count("/") == 1
-                                      and key.endswith(f"/{METADATA_FILE_NAME}")
-                                      and parse_step(key.split("/")[0]) is None)
+        scan.named_otherwise = sorted({name for name, slash, rest in (
+            key.partition("/") for key in listing)
+            if rest in (METADATA_FILE_NAME, rank_metadata_file_name(0))
+            and parse_step(name) is None})
 
 
 TRAINER_STATE_MAX_BYTES = 256 << 20

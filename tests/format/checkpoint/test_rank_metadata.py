@@ -414,8 +414,12 @@ def test_a_directory_two_kinds_of_save_wrote_into_is_never_taken_for_the_newest(
             "holds .metadata and __0.metadata and 2 more, the ranks' own metadata of a save "
             "with use_collectives=False: two saves wrote into it")
     before = directory_state(run_dir)
-    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
-    assert [decision.delete for decision in report.decisions] == [False] * 3
+    for rules in (RetentionRules(keep_last=1),
+                  RetentionRules(keep_last=1, incomplete_older_than_seconds=0)):
+        report = prune_run_directory(run_dir, rules)
+        assert [decision.delete for decision in report.decisions] == [False] * 3
+        for decision in report.decisions[1:]:  # it said, too, "deleted only with ..."
+            assert len(decision.reasons) == 1 and decision.reasons[0].startswith("unsure: ")
     assert directory_state(run_dir) == before
     problems = verify_checkpoint(run_dir / "step-3", deep=False).problems
     assert [(problem.rule, problem.file) for problem in problems] == [

@@ -177,3 +177,12 @@ def test_an_include_that_matches_objects_alone_says_so():
         select_and_rename(tensors, KeySelection(include=("nothing*",)), objects)
     assert str(raised.value) == (
         "nothing to convert: none of the 2 tensors matches --include ['nothing*']")
+
+
+def test_a_strip_prefix_short_of_its_dot_is_refused():
+    """`--strip-prefix model` wrote names `.embed.weight`, which no module matches."""
+    with pytest.raises(SelectionError) as raised:
+        select_and_rename(TRAINING, KeySelection(strip_prefix="model"))
+    assert str(raised.value) == (
+        "--strip-prefix 'model' leaves 'model.embed.weight' a name that starts with a dot; give "
+        "the prefix with its dot, 'model.'")
