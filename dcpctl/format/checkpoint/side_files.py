@@ -182,12 +182,21 @@ def side_file_problems(directory: StoragePath, side_files: Iterable[str], deep: 
                        ) -> list[Problem]:
     """What is wrong with a checkpoint's side files (side_files_of): `common.pt` and `meta.pt`
     must be torch.save archives whose records match their CRC-32s (torch.load does not check
-    them), `metadata.json` the UTF-8 JSON object of Megatron's fields its loader reads. Not
-    deep (the quick check of verify --quick, ls and prune), an archive's end record and
-    central directory alone are read, no CRC-32: a few reads, which find a side file cut short
-    (a save killed while writing it, Lightning's last file)."""
+    them) and whose data.pkl torch.load reads, `metadata.json` the UTF-8 JSON object of
+    Megatron's fields its loader reads, with `common.pt` beside it. Not deep (the quick check
+    of verify --quick, ls and prune), one read of an archive's last 64 KiB: all of a small
+    one, checked whole; of a larger one, its end record and central directory, no CRC-32,
+    which find a side file cut short (a save killed while writing it, Lightning's last
+    file)."""
+    side_files = sorted(side_files, key=SIDE_FILE_NAMES.index)
     problems = []
-    for name in sorted(side_files, key=SIDE_FILE_NAMES.index):
+    if (MEGATRON_CONFIG in side_files and MEGATRON_COMMON_STATE not in side_files
+            and MEGATRON_COMMON_STATE not in file_names_in(directory)):  # a link: misplaced
+        problems.append(Problem(
+            Rule.MISSING_FILE, f"missing, though {MEGATRON_CONFIG} is there: Megatron-Core's "
+            f"torch_dist saver writes {MEGATRON_COMMON_STATE} first, and its loader reads the "
+            "common state from it", MEGATRON_COMMON_STATE))
+    for name in side_files:
         with open_side_file(directory, name) as file:
             problems += _problems_of(file, name, deep)
     return problems
@@ -285,8 +294,16 @@ def _config_problems_of(data: bytes, size: int) -> list[Problem]:
 
 def _archive_structure_problems(file: LocalRangedFile | ObjectRangedFile, name: str
                                 ) -> list[Problem]:
+    """The quick check of a side file's archive: one read of its last _TAIL_READ_ONCE_BYTES,
+    which holds a small one (Lightning's meta.pt, Megatron's common.pt) whole, checked then
+    as deep verify checks it; of a larger one, its zip end record and central directory."""
     try:
         size = file.size()
+        if size <= _TAIL_READ_ONCE_BYTES:
+            data = file.read(0, size)
+            return _archive_check_problems(name, lambda: check_archive(
+                lambda start, count: data[start:start + count], len(data),
+                expect_tensor=False))
         read_central_directory(_with_tail_read_once(file, size), size)
     except DataError as error:
         return [Problem(Rule.ARCHIVE, f"not a torch.save archive: {error.message}", name)]

@@ -1,4 +1,5 @@
-"""Check a torch.save archive: its structure, its tensor, and the CRC-32 of every record.
+"""Check a torch.save archive: its structure, its tensor (an object's: that torch.load reads its
+data.pkl, storage_references.py), and the CRC-32 of every record.
 
 Two ways in: `check_archive` reads a byte range at random (a plain item in a file), and
 `ArchiveStreamCheck` is fed the archive once from front to back, for items that can only be
@@ -28,7 +29,10 @@ from typing import Callable, ContextManager, Iterable, Iterator
 from dcpctl.errors import DataError
 from dcpctl.format.torch_save.crc32 import crc32_of_span
 from dcpctl.format.torch_save.layout import (TorchSaveLayout, build_torch_save_layout,
-                                             check_torch_save_records, find_pickle_record)
+                                             check_torch_save_records, find_pickle_record,
+                                             pickle_record_of)
+from dcpctl.format.torch_save.storage_references import (MAX_OBJECT_PICKLE_BYTES,
+                                                         referenced_storage_keys)
 from dcpctl.format.torch_save.zip_records import ReadRange, ZipRecord, read_zip_records
 
 DEFAULT_WINDOW_BYTES = 256 << 10
@@ -82,7 +86,29 @@ def _check_records(records: tuple[ZipRecord, ...], length_bytes: int, expect_ten
                 records, read_range(pickle_record.data_offset, pickle_record.size_bytes))
         except DataError as error:
             check.layout_error = str(error)
+    elif not {record.name for record, _ in check.crc_mismatches} & {
+            pickle_record_of(records).name}:  # a data.pkl that fails its CRC-32 is said so
+        _refuse_missing_storages(records, read_range)
     return check
+
+
+def _refuse_missing_storages(records: tuple[ZipRecord, ...], read_range: ReadRange) -> None:
+    """Refuse an object's archive whose data.pkl is no pickle, or names a storage it holds no
+    record of: torch.load fails on either (storage_references.py). One past
+    MAX_OBJECT_PICKLE_BYTES is let be."""
+    pickle_record = pickle_record_of(records)
+    if pickle_record.size_bytes > MAX_OBJECT_PICKLE_BYTES:
+        return
+    keys = referenced_storage_keys(read_range(pickle_record.data_offset,
+                                              pickle_record.size_bytes))
+    prefix = records[0].name.partition("/")[0]
+    names = {record.name for record in records}
+    if len(names) != len(records):  # two records of one name: which torch reads, its say
+        return
+    missing = sorted(key for key in keys if f"{prefix}/data/{key}" not in names)
+    if missing:
+        raise DataError(f"data.pkl names storage {missing[0]!r}, of which the archive holds no "
+                        f"record {prefix}/data/{missing[0]} (torch.load fails on it)")
 
 
 class _OutsideWindows(Exception):

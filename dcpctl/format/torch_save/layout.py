@@ -257,14 +257,15 @@ def cache_ends(read_range: ReadRange, length: int, window_bytes: int) -> ReadRan
 def find_pickle_record(records: Sequence[RecordT]) -> RecordT:
     """The `<prefix>/data.pkl` record (a ZipRecord or a central directory entry) of a tensor's
     archive."""
-    record = _pickle_record(records)
+    record = pickle_record_of(records)
     if record.size_bytes > _MAX_PICKLE_BYTES:
         raise DataError(f"zip record {record.name!r} holds {record.size_bytes} bytes, far more "
                         "than the pickle of one tensor")
     return record
 
 
-def _pickle_record(records: Sequence[RecordT]) -> RecordT:
+def pickle_record_of(records: Sequence[RecordT]) -> RecordT:
+    """The `<prefix>/data.pkl` record of a torch.save archive's records."""
     for record in records:
         if record.name.endswith(PICKLE_RECORD_SUFFIX) and record.name.count("/") == 1:
             return record
@@ -287,7 +288,7 @@ def check_torch_save_records(records: Sequence[RecordT]) -> None:
                   if not record.name.startswith(f"{prefix}/")), None)
     if stray is not None:
         raise DataError(f"zip record {stray!r} lies outside the archive's directory {prefix!r}")
-    _pickle_record(records)
+    pickle_record_of(records)
     names = {record.name for record in records}
     if not any(f"{prefix}/{name}" in names for name in _VERSION_RECORD_NAMES):
         raise DataError(f"no {prefix}/version record, which torch's reader needs")

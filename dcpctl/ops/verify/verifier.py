@@ -132,7 +132,9 @@ def _verify(directory: StoragePath, deep: bool, threads: int, workers: int,
     side_bytes = 0
     if checkpoint is not None:
         side_files = side_files_of(checkpoint)
-        report.problems += side_file_problems(directory, side_files, deep)
+        said = {(problem.rule, problem.file) for problem in report.problems}
+        report.problems += [problem for problem in side_file_problems(directory, side_files, deep)
+                            if (problem.rule, problem.file) not in said]  # SHA256SUMS's too
         side_bytes = side_file_bytes(checkpoint, side_files) if deep else 0
     units = planning.units(checkpoint, archive_items, safetensors_items)
     job = ScanJob(planning, threads)

@@ -448,12 +448,33 @@ def test_a_part_in_use_stops_the_whole_deletion_before_any_metadata_goes(acceler
                for part in ACCELERATE_PARTS)
 
 
+def _zip_without(data: bytes, leave_out: str, replace: dict | None = None) -> bytes:
+    """The zip archive data, rewritten with sound CRC-32s, less the records whose name ends
+    with leave_out, its records named in replace holding other bytes."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as source:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as rewritten:
+            for name in source.namelist():
+                if not name.endswith(leave_out):
+                    rewritten.writestr(name, (replace or {}).get(name.partition("/")[2],
+                                                                 source.read(name)))
+    return out.getvalue()
+
+
 @pytest.mark.parametrize("damage", ["meta.pt cut short", "meta.pt empty",
-                                    "common.pt cut short", "metadata.json not JSON"])
+                                    "common.pt cut short", "metadata.json not JSON",
+                                    "meta.pt a zip of no pickle", "meta.pt without its storage",
+                                    "meta.pt bit flipped", "common.pt gone"])
 def test_a_side_file_cut_short_keeps_the_checkpoint_from_being_the_newest(tmp_path, damage):
     """Lightning writes meta.pt last, with torch.save, not atomically: a save killed while
     writing it left a meta.pt cut short that ls called complete and sound, and prune
-    --keep-last 1 deleted the two checkpoints before it, leaving one torch.load cannot read."""
+    --keep-last 1 deleted the two checkpoints before it, leaving one torch.load cannot read.
+    So did a sound zip whose data.pkl is no pickle, or names a storage it lacks, a bit
+    flipped inside meta.pt (the quick check read its zip directory alone), and a Megatron
+    checkpoint whose common.pt is gone."""
     import torch
 
     from dcpctl.ops.verify.verifier import verify_checkpoint
@@ -465,15 +486,32 @@ def test_a_side_file_cut_short_keeps_the_checkpoint_from_being_the_newest(tmp_pa
     for name in names:
         checkpoint = add_checkpoint(run_dir, name, age_seconds=30 * DAY)
         if lightning:
-            torch.save({"global_step": 1, "loops": list(range(100))}, checkpoint / "meta.pt")
+            torch.save({"global_step": 1, "loops": list(range(100)), "seed": torch.arange(3)},
+                       checkpoint / "meta.pt")
         else:
             torch.save({"iteration": 1}, checkpoint / "common.pt")
             (checkpoint / "metadata.json").write_text(MEGATRON_CONFIG)
     newest = run_dir / names[-1]
     side_file = damage.split()[0]
     data = (newest / side_file).read_bytes()
-    (newest / side_file).write_bytes(data[:len(data) // 2] if "cut short" in damage
-                                     else b"" if "empty" in damage else b"{not json")
+    if "cut short" in damage or "empty" in damage or "JSON" in damage:
+        (newest / side_file).write_bytes(data[:len(data) // 2] if "cut short" in damage
+                                         else b"" if "empty" in damage else b"{not json")
+    elif "no pickle" in damage:
+        (newest / side_file).write_bytes(_zip_without(data, "/data/0",
+                                                      {"data.pkl": b"not a pickle"}))
+    elif "storage" in damage:
+        (newest / side_file).write_bytes(_zip_without(data, "/data/0"))
+    elif "flipped" in damage:
+        flipped = bytearray(data)
+        flipped[data.index(b"loops") + 1] ^= 0x01  # inside data.pkl: its CRC-32 fails
+        (newest / side_file).write_bytes(bytes(flipped))
+    else:
+        (newest / side_file).unlink()
+    for weights_only in (False, True):  # a flipped bit torch loads, changed, unsaid
+        if "gone" not in damage and "JSON" not in damage and "flipped" not in damage:
+            with pytest.raises(Exception):
+                torch.load(newest / side_file, weights_only=weights_only)
     states = [row.state for row in list_run_directory(run_dir).checkpoints]
     assert states == ["complete", "complete", "damaged"]
     report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
