@@ -3,8 +3,6 @@ bytes lie in the file, so that they can be read or written a piece at a time."""
 
 from __future__ import annotations
 
-import io
-import pickle
 import re
 import warnings
 from pathlib import Path
@@ -14,6 +12,7 @@ import torch
 
 from dcpctl.errors import DataError, UnsupportedLayoutError, name_and_message
 from dcpctl.format.torch_save.archive_check import check_archive
+from dcpctl.format.torch_save.storage_references import referenced_storage_keys
 from dcpctl.format.torch_save.zip_records import ZipRecord
 from dcpctl.storage.local import open_for_reading
 from dcpctl.storage.planned_from import note_planned_from
@@ -93,7 +92,7 @@ def _by_worked_out_offset(path: Path, skeleton: Any, pickle_bytes: bytes, prefix
     again by another tool, or whose records were renamed). Refused where the plain tensors
     reached do not account for every storage (a sparse tensor's, a bare storage)."""
     try:
-        keys = storage_keys_in_order(pickle_bytes)
+        keys = referenced_storage_keys(pickle_bytes)
     except Exception as error:  # noqa: BLE001 - torch's own (Python) unpickler took it
         raise UnsupportedLayoutError(f"its data.pkl does not read as torch's loader read it "
                                      f"({name_and_message(error)})", path=path) from None
@@ -118,51 +117,6 @@ def _first_not_plain(value: Any) -> tuple[str, str]:
         if holder.layout != torch.strided:
             return name, f"a {holder.layout} tensor"
     return "", "a storage no plain tensor holds"
-
-
-class _StandIn:
-    """What every global of data.pkl is, and what each is called to build: it takes anything
-    and does nothing, so that reading the pickle for its storage keys runs nothing of it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __call__(self, *args: Any, **kwargs: Any) -> "_StandIn":
-        return _StandIn()
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
-
-
-class _StorageKeyReader(pickle.Unpickler):
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
-        self.keys: dict[str, None] = {}  # in the order the pickle first names them
-
-    def find_class(self, module: str, name: str) -> Any:
-        return _StandIn
-
-    def persistent_load(self, pid: Any) -> Any:
-        # torch.save names a storage ('storage', storage type, key, location, element count)
-        if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and type(pid[2]) is str:
-            self.keys.setdefault(pid[2])
-        return _StandIn()
-
-
-def storage_keys_in_order(pickle_bytes: bytes) -> list[str]:
-    """The storage keys data.pkl names, in the order it first names each."""
-    reader = _StorageKeyReader(pickle_bytes)
-    reader.load()
-    return list(reader.keys)
 
 
 _ANSI_SEQUENCE = re.compile(r"\x1b\[[0-9;]*m")

@@ -55,23 +55,25 @@ class _StandIn:
 class _StorageKeysUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
-        self.storage_keys: set[str] = set()
+        self.storage_keys: dict[str, None] = {}  # in the order the pickle first names them
 
     def find_class(self, module: str, name: str) -> Any:
         return _StandIn
 
     def persistent_load(self, pid: Any) -> Any:
-        if (not isinstance(pid, tuple) or len(pid) < 3 or pid[0] != "storage"
-                or not isinstance(pid[2], str)):
+        # ('storage', storage type, key, location, element count), as torch's loader takes it
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"
+                and type(pid[2]) is str):
             raise DataError(f"data.pkl names a persistent id {pid!r:.80}, not a storage as "
                             "torch.save names one")
-        self.storage_keys.add(pid[2])
+        self.storage_keys.setdefault(pid[2])
         return _StandIn()
 
 
-def referenced_storage_keys(data: bytes) -> set[str]:
-    """The keys of the storages the data.pkl of a torch.save archive refers to; DataError where
-    it is no pickle, or names a persistent id that is no storage."""
+def referenced_storage_keys(data: bytes) -> list[str]:
+    """The keys of the storages the data.pkl of a torch.save archive refers to, in the order it
+    first names each; DataError where it is no pickle, or names a persistent id that is no
+    storage."""
     unpickler = _StorageKeysUnpickler(data)
     try:
         with bounded_memory(len(data)):
@@ -81,4 +83,4 @@ def referenced_storage_keys(data: bytes) -> set[str]:
     except Exception as error:  # damage fails in many ways: all mean the same
         raise DataError(f"data.pkl is no pickle torch.load reads "
                         f"({name_and_message(error)})") from None
-    return unpickler.storage_keys
+    return list(unpickler.storage_keys)
