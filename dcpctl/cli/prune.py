@@ -68,9 +68,9 @@ def prune_command(run_dir: str, keep_last: int, keep_every_steps: int | None,
     A complete checkpoint is kept if ANY rule keeps it: it is the newest complete one
     (always, whatever the options), the one Megatron's latest_checkpointed_iteration.txt
     names or a symlink in RUN_DIR points to (always, complete or not: the trainer resumes
-    from it; latest -> step-200), the transformers Trainer's best_model_checkpoint (always),
-    one of the last N (--keep-last), its step
-    is a multiple of --keep-every, its name matches a --keep GLOB, or it changed within
+    from it; latest -> step-200) or a symlink inside another checkpoint leads into, the
+    transformers Trainer's best_model_checkpoint (always), one of the last N (--keep-last),
+    its step is a multiple of --keep-every, its name matches a --keep GLOB, or it changed within
     --older-than. Every other complete checkpoint is deleted. So --older-than only ever
     narrows the deletions: with it, a checkpoint is deleted only when it is older than
     DURATION and no other rule keeps it.

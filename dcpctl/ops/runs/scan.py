@@ -77,6 +77,10 @@ class CheckpointEntry:
     ((0, 0) in an object store, which has no directories)."""
     parts: tuple[str, ...] = ()
     linked_by: tuple[str, ...] = ()
+    links_inside: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    """Locally, the symlinks inside it, by their paths relative to it: one leading into
+    another checkpoint of the run keeps that one (a trainer's side file linked to a step
+    before)."""
     """The symlinks of the run directory that point to it (`latest -> step-200`)."""
     custom_objects: int = 0
     """Of an accelerate checkpoint: the objects registered for checkpointing it holds."""
@@ -212,6 +216,7 @@ def scan_run_directory(run_dir: str | os.PathLike) -> RunDirectoryScan:
         except OSError as error:  # not ours to read: not ours to judge or delete either
             scan.ignored.append(IgnoredEntry(name, f"cannot be read ({error.strerror})"))
     links = _symlinks_by_target(scan.path, names)
+    _add_links_between_checkpoints(scan.path, scan.checkpoints, links)
     for entry in scan.checkpoints:
         entry.linked_by = tuple(links.get(entry.name, ()))
     scan.checkpoints.sort(key=lambda entry: (entry.step, entry.name))
@@ -266,6 +271,21 @@ def _symlinks_by_target(run_dir: Path, names: list[str]) -> dict[str, list[str]]
             if entry not in (os.curdir, os.pardir):
                 links.setdefault(entry, []).append(name)
     return links
+
+
+def _add_links_between_checkpoints(run_dir: Path, checkpoints: list[CheckpointEntry],
+                                   links: dict[str, list[str]]) -> None:
+    """To links (symlinks_by_target's), the symlinks inside each checkpoint that lead into
+    another entry of run_dir, as `<checkpoint>/<path>`: deleting that one would leave the
+    linking checkpoint's file dangling."""
+    real_run_dir = os.path.realpath(run_dir)
+    for entry in checkpoints:
+        for inside in entry.links_inside:
+            target = os.path.relpath(os.path.realpath(run_dir / entry.name / inside),
+                                     real_run_dir)
+            top = target.split(os.sep, 1)[0]
+            if top not in (os.curdir, os.pardir, entry.name):
+                links.setdefault(top, []).append(f"{entry.name}/{inside}")
 
 
 def _read_tracker(path: Path) -> int | None:
@@ -408,26 +428,27 @@ def _checkpoint_shape(path: Path) -> CheckpointShape | str:
 def _describe_checkpoint(path: Path, step: int, shape: CheckpointShape, now: float
                          ) -> CheckpointEntry:
     status = os.lstat(path)
-    size_bytes, modified_at = _measure_directory(path)
+    size_bytes, modified_at, links_inside = _measure_directory(path)
     return CheckpointEntry(
         name=path.name, path=path, step=step, complete=shape.complete, size_bytes=size_bytes,
         modified_at=modified_at, age_seconds=max(0.0, now - modified_at),
         has_sha256sums=all((path / name).is_file() for name in shape.sha256sums_files),
         identity=(status.st_dev, status.st_ino), parts=shape.parts,
         custom_objects=shape.custom_objects, rank_metadata=shape.rank_metadata,
-        doubt=shape.doubt)
+        doubt=shape.doubt, links_inside=links_inside)
 
 
 def changed_since_scanned(entry: CheckpointEntry) -> bool:
     """Whether a local checkpoint was written since the scan that described it: its bytes, or
     the newest time of anything in it, are not what the scan found."""
-    return _measure_directory(Path(entry.path)) != (entry.size_bytes, entry.modified_at)
+    return _measure_directory(Path(entry.path))[:2] != (entry.size_bytes, entry.modified_at)
 
 
-def _measure_directory(path: Path) -> tuple[int, float]:
-    """Bytes of the regular files under path and the newest mtime of path and anything in it;
-    symlinks inside count as themselves and are not followed."""
-    size_bytes, newest = 0, os.lstat(path).st_mtime
+def _measure_directory(path: Path) -> tuple[int, float, tuple[str, ...]]:
+    """Bytes of the regular files under path, the newest mtime of path and anything in it, and
+    the symlinks in it (their paths relative to it), which count as themselves and are not
+    followed."""
+    size_bytes, newest, links = 0, os.lstat(path).st_mtime, []
     pending = [os.fspath(path)]  # no recursion: a tree planted deep inside is only long
     while pending:
         try:
@@ -442,6 +463,8 @@ def _measure_directory(path: Path) -> tuple[int, float]:
                         size_bytes += status.st_size
                     elif stat.S_ISDIR(status.st_mode):
                         pending.append(entry.path)
+                    elif stat.S_ISLNK(status.st_mode):
+                        links.append(os.path.relpath(entry.path, path))
         except OSError:
             continue  # gone or replaced since it was listed, or not ours to read
-    return size_bytes, newest
+    return size_bytes, newest, tuple(sorted(links))

@@ -521,3 +521,28 @@ def test_a_side_file_cut_short_keeps_the_checkpoint_from_being_the_newest(tmp_pa
     quick = verify_checkpoint(newest, deep=False)
     assert quick.status == "damaged"
     assert [problem.file for problem in quick.problems] == [side_file]
+
+
+def test_a_checkpoint_a_side_file_of_another_links_into_is_kept(tmp_path):
+    """iter_0000003's metadata.json linked to iter_0000001's: prune --keep-last 1 kept
+    iter_0000003 (the tracker names it) and deleted iter_0000001, leaving the checkpoint the
+    trainer resumes from, which Megatron loaded through the link, with a dangling file."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    names = [f"iter_{step:07d}" for step in (1, 2, 3)]
+    for name in names:
+        checkpoint = add_checkpoint(run_dir, name, age_seconds=30 * DAY)
+        torch.save({"iteration": 1}, checkpoint / "common.pt")
+        (checkpoint / "metadata.json").write_text(MEGATRON_CONFIG)
+    (run_dir / names[2] / "metadata.json").unlink()
+    (run_dir / names[2] / "metadata.json").symlink_to(f"../{names[0]}/metadata.json")
+    (run_dir / "latest_checkpointed_iteration.txt").write_text("3")
+    scan = scan_run_directory(run_dir)
+    assert [entry.linked_by for entry in scan.checkpoints] == [
+        (f"{names[2]}/metadata.json",), (), ()]
+    report = prune_run_directory(run_dir, RetentionRules(keep_last=1))
+    assert [decision.status for decision in report.decisions] == ["kept"] * 3
+    assert report.decisions[0].reasons == [
+        f"symlink {names[2]}/metadata.json points to it"]
+    assert json.loads((run_dir / names[2] / "metadata.json").read_text())
