@@ -1166,3 +1166,18 @@ def test_prune_in_a_bucket_keeps_the_iteration_megatrons_tracker_names(s3_server
     ok("prune", f"s3://{bucket}/run", "--keep-last", "1")
     assert {key.split("/")[1] for key in keys_under(s3_server, bucket, "run/iter_")} == {
         "iter_0000002", "iter_0000003"}
+
+
+def test_a_megatron_checkpoint_in_a_bucket_without_its_common_pt_is_damaged(moto_s3,
+                                                                           monkeypatch):
+    for name, value in moto_s3.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_s3.new_bucket()
+    source = fixture_path("trainers/megatron_core_0.16.1_2ranks") / "iter_0000007"
+    url = upload_directory(moto_s3, source, bucket, "run/iter_0000007")
+    assert json.loads(ok("verify", url, "--quick", "--json"))["status"] == "ok"
+    moto_s3.client().delete_object(Bucket=bucket, Key="run/iter_0000007/common.pt")
+    result = run_dcpctl("verify", url, "--quick", "--json")
+    assert result.returncode == 1
+    assert [(problem["rule"], problem["file"]) for problem in json.loads(result.stdout)[
+        "problems"]] == [("missing-file", "common.pt")]

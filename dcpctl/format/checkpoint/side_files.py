@@ -87,6 +87,13 @@ def _names_held_by(checkpoint: Checkpoint, holder: str) -> list[str]:
     return [name for name, held_by in _holders(checkpoint).items() if held_by == holder]
 
 
+def _name_taken(directory: StoragePath, name: str) -> bool:
+    """Whether anything holds the name in the checkpoint directory (a link too)."""
+    if isinstance(directory, ObjectPath):
+        return (directory / name).exists()
+    return _held_by(directory, name) != _NOTHING
+
+
 def _held_by(directory: Path, name: str) -> str:
     """What holds a side file's name in a local checkpoint directory (_NOTHING, _A_FILE,
     _SOMETHING_ELSE): a link counts as the file it leads to where a data file's link may lead
@@ -191,7 +198,7 @@ def side_file_problems(directory: StoragePath, side_files: Iterable[str], deep: 
     side_files = sorted(side_files, key=SIDE_FILE_NAMES.index)
     problems = []
     if (MEGATRON_CONFIG in side_files and MEGATRON_COMMON_STATE not in side_files
-            and MEGATRON_COMMON_STATE not in file_names_in(directory)):  # a link: misplaced
+            and not _name_taken(directory, MEGATRON_COMMON_STATE)):  # a link: misplaced
         problems.append(Problem(
             Rule.MISSING_FILE, f"missing, though {MEGATRON_CONFIG} is there: Megatron-Core's "
             f"torch_dist saver writes {MEGATRON_COMMON_STATE} first, and its loader reads the "

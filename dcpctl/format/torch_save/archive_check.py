@@ -86,25 +86,23 @@ def _check_records(records: tuple[ZipRecord, ...], length_bytes: int, expect_ten
                 records, read_range(pickle_record.data_offset, pickle_record.size_bytes))
         except DataError as error:
             check.layout_error = str(error)
-    elif not {record.name for record, _ in check.crc_mismatches} & {
-            pickle_record_of(records).name}:  # a data.pkl that fails its CRC-32 is said so
-        _refuse_missing_storages(records, read_range)
+    elif pickle_record_of(records) not in [record for record, _ in check.crc_mismatches]:
+        _refuse_missing_storages(records, read_range)  # (one failing its CRC-32 is said so)
     return check
 
 
 def _refuse_missing_storages(records: tuple[ZipRecord, ...], read_range: ReadRange) -> None:
     """Refuse an object's archive whose data.pkl is no pickle, or names a storage it holds no
     record of: torch.load fails on either (storage_references.py). One past
-    MAX_OBJECT_PICKLE_BYTES is let be."""
+    MAX_OBJECT_PICKLE_BYTES, or with two records of one name (which torch reads is its zip
+    reader's say), is let be."""
     pickle_record = pickle_record_of(records)
-    if pickle_record.size_bytes > MAX_OBJECT_PICKLE_BYTES:
+    names = {record.name for record in records}
+    if pickle_record.size_bytes > MAX_OBJECT_PICKLE_BYTES or len(names) != len(records):
         return
     keys = referenced_storage_keys(read_range(pickle_record.data_offset,
                                               pickle_record.size_bytes))
     prefix = records[0].name.partition("/")[0]
-    names = {record.name for record in records}
-    if len(names) != len(records):  # two records of one name: which torch reads, its say
-        return
     missing = sorted(key for key in keys if f"{prefix}/data/{key}" not in names)
     if missing:
         raise DataError(f"data.pkl names storage {missing[0]!r}, of which the archive holds no "

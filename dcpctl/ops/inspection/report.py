@@ -8,8 +8,7 @@ import re
 from collections import Counter
 from itertools import chain
 from operator import attrgetter
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from dcpctl.cycle_collector import paused_cycle_collector
@@ -146,15 +145,9 @@ def build_inspect_report(checkpoint: Checkpoint, fqn_glob: str | None = None) ->
 def _keep_files_of_matching_items(report: InspectReport) -> None:
     """Under --filter: the files that hold an item matching it, each with the matching
     items alone counted (its size stays the file's)."""
-    chunks = chain.from_iterable(map(_CHUNKS, report.tensors))
-    storages = list(filter(None, chain(map(_STORAGE, chunks), map(_STORAGE, report.objects))))
-    used = Counter(zip(map(_FILE, storages), map(_TRANSFORMS, storages)))
-    by_file: dict[str, list] = {}
-    for (name, transforms), count in used.items():
-        by_file.setdefault(name, []).append((transforms, count))
-    report.files = [dataclasses.replace(data_file, item_count=sum(
-        count for _, count in by_file[data_file.name])) for data_file in report.files
-        if data_file.name in by_file]
+    by_file = _transforms_by_file(_report_storages(report))
+    report.files = [replace(data_file, item_count=sum(count for _, count in by_file[
+        data_file.name])) for data_file in report.files if data_file.name in by_file]
     report.codecs_by_file = {name: _count_by_codec(counts) for name, counts in by_file.items()}
 
 
@@ -230,10 +223,24 @@ def _add_size_totals(report: InspectReport) -> None:
 
 def _transforms_used(report: InspectReport) -> Counter[tuple[str, ...] | None]:
     """How many of the report's items use each list of transform descriptors."""
-    chunks = chain.from_iterable(map(_CHUNKS, report.tensors))
-    storages = chain(map(_STORAGE, chunks), map(_STORAGE, report.objects))
     # counted by loops in C: a checkpoint can hold millions of chunks
-    return Counter(map(_TRANSFORMS, filter(None, storages)))
+    return Counter(map(_TRANSFORMS, _report_storages(report)))
+
+
+def _report_storages(report: InspectReport) -> Iterable:
+    """The storage entries of the report's items (its tensors' chunks, its objects)."""
+    chunks = chain.from_iterable(map(_CHUNKS, report.tensors))
+    return filter(None, chain(map(_STORAGE, chunks), map(_STORAGE, report.objects)))
+
+
+def _transforms_by_file(infos: Iterable) -> dict[str, list]:
+    """The (transform descriptors, item count) pairs of each file the storage entries name."""
+    infos = list(infos)
+    by_file: dict[str, list] = {}
+    for (name, transforms), count in Counter(zip(map(_FILE, infos),
+                                                 map(_TRANSFORMS, infos))).items():
+        by_file.setdefault(name, []).append((transforms, count))
+    return by_file
 
 
 _CHUNKS, _STORAGE = attrgetter("chunks"), attrgetter("storage")
@@ -255,8 +262,5 @@ def _codecs_by_file(checkpoint: Checkpoint) -> dict[str, dict[str, int]]:
         return {name: _count_by_codec([(None, data_file.item_count)] if data_file.item_count
                                       else [])  # as the checkpoint was opened
                 for name, data_file in checkpoint.files.items()}
-    used = Counter(zip(map(_FILE, infos), map(_TRANSFORMS, infos)))
-    by_file: dict[str, list] = {name: [] for name in checkpoint.files}
-    for (name, transforms), count in used.items():
-        by_file[name].append((transforms, count))
-    return {name: _count_by_codec(counts) for name, counts in by_file.items()}
+    by_file = _transforms_by_file(infos)
+    return {name: _count_by_codec(by_file.get(name, [])) for name in checkpoint.files}

@@ -77,11 +77,12 @@ class CheckpointEntry:
     ((0, 0) in an object store, which has no directories)."""
     parts: tuple[str, ...] = ()
     linked_by: tuple[str, ...] = ()
+    """The symlinks of the run directory that point to it (`latest -> step-200`), and those
+    inside other checkpoints that lead into it (`iter_0000003/metadata.json`)."""
     links_inside: tuple[str, ...] = field(default=(), repr=False, compare=False)
     """Locally, the symlinks inside it, by their paths relative to it: one leading into
     another checkpoint of the run keeps that one (a trainer's side file linked to a step
     before)."""
-    """The symlinks of the run directory that point to it (`latest -> step-200`)."""
     custom_objects: int = 0
     """Of an accelerate checkpoint: the objects registered for checkpointing it holds."""
     doubt: str | None = None
