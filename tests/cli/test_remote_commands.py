@@ -1168,8 +1168,8 @@ def test_prune_in_a_bucket_keeps_the_iteration_megatrons_tracker_names(s3_server
         "iter_0000002", "iter_0000003"}
 
 
-def test_a_megatron_checkpoint_in_a_bucket_without_its_common_pt_is_damaged(moto_s3,
-                                                                           monkeypatch):
+def test_a_megatron_checkpoint_in_a_bucket_without_its_common_pt_is_damaged(
+        moto_s3, monkeypatch):
     for name, value in moto_s3.environment().items():
         monkeypatch.setenv(name, value)
     bucket = moto_s3.new_bucket()
